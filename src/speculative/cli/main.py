@@ -1,0 +1,44 @@
+"""`speculative` command line: subcommands registered from their own modules."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from speculative import __version__
+from speculative.cli import simulate_cmd, theory_cmd
+from speculative.cli.common import EXIT_USAGE, CliError, Formatter, Parser
+
+DESCRIPTION = """\
+Lossless speculative decoding: a cheap drafter proposes γ tokens, the target model scores
+them all in one pass, and modified rejection sampling keeps or replaces them so the output
+is distributed exactly as the target's own samples.
+"""
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="speculative", description=DESCRIPTION, formatter_class=Formatter)
+    parser.add_argument("--version", action="version", version=f"speculative {__version__}")
+    subparsers = parser.add_subparsers(
+        title="commands", metavar="COMMAND", parser_class=Parser, required=True
+    )
+    for command in (theory_cmd, simulate_cmd):
+        command.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except (CliError, ValueError) as exc:
+        print(f"speculative: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("speculative: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The drafter protocol: propose up to γ tokens, then hear what was accepted."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from speculative.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposal for the next tokens.
+
+    tokens: the drafted token ids (at most γ; may be empty when the drafter has nothing).
+    probs:  [1, len(tokens), vocab] processed draft distributions q the tokens were drawn
+            from, or None for a point-mass drafter (q is one-hot at each drafted token).
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [1, len(tokens), vocab]
+
+    def __post_init__(self) -> None:
+        if self.probs is not None and self.probs.shape[1] != len(self.tokens):
+            raise ValueError(
+                f"draft probs cover {self.probs.shape[1]} positions for {len(self.tokens)} tokens"
+            )
+
+
+class Drafter(Protocol):
+    """Proposes tokens for the target to verify. One class per drafting strategy."""
+
+    name: str
+
+    def propose(
+        self,
+        context: Sequence[int],
+        gamma: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Draft:
+        """Draft up to ``gamma`` tokens following ``context`` (prompt + emitted tokens).
+
+        Drafts must be sampled from the returned ``probs`` processed with ``params`` (the
+        same processing as the target), drawing randomness only from ``generator``.
+        """
+        ...
+
+    def observe(self, context: Sequence[int], num_accepted: int) -> None:
+        """Feedback after verification: ``context`` now ends with the emitted tokens."""
+        ...
+
+    @property
+    def forward_calls(self) -> int:
+        """Number of model forward passes spent drafting so far (0 for model-free drafters)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget any per-sequence state before a new generation."""
+        ...

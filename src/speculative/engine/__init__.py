@@ -1,0 +1,18 @@
+"""The generation loop (propose → verify → accept → commit), γ policies, stats, stopping."""
+
+from speculative.engine.gamma import AdaptiveGamma, FixedGamma, GammaPolicy, HeuristicGamma
+from speculative.engine.loop import GenerationResult, Round, SpeculativeEngine
+from speculative.engine.stats import GenerationStats
+from speculative.engine.stopping import StopCriteria
+
+__all__ = [
+    "AdaptiveGamma",
+    "FixedGamma",
+    "GammaPolicy",
+    "GenerationResult",
+    "GenerationStats",
+    "HeuristicGamma",
+    "Round",
+    "SpeculativeEngine",
+    "StopCriteria",
+]

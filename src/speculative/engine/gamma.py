@@ -1,0 +1,105 @@
+"""Draft-length policies: fixed γ, adaptive γ from measured acceptance and costs, and the
+transformers-style heuristic. A policy only looks at past rounds, so it never changes the
+output distribution, only the speed."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from speculative.theory import VerifyCost, expected_tokens_positional, verify_cost_at
+
+
+class GammaPolicy(Protocol):
+    """Chooses γ before each round and learns from the round's outcome."""
+
+    def next_gamma(self) -> int: ...
+
+    def update(self, drafted: int, num_accepted: int) -> None: ...
+
+
+@dataclass
+class FixedGamma:
+    gamma: int
+
+    def __post_init__(self) -> None:
+        if self.gamma < 0:
+            raise ValueError(f"gamma must be >= 0, got {self.gamma}")
+
+    def next_gamma(self) -> int:
+        return self.gamma
+
+    def update(self, drafted: int, num_accepted: int) -> None:
+        pass
+
+
+@dataclass
+class HeuristicGamma:
+    """transformers' "heuristic" schedule: +2 after a fully accepted round, else −1."""
+
+    gamma: int = 5
+    max_gamma: int = 16
+
+    def next_gamma(self) -> int:
+        return self.gamma
+
+    def update(self, drafted: int, num_accepted: int) -> None:
+        if drafted and num_accepted == drafted:
+            self.gamma = min(self.max_gamma, self.gamma + 2)
+        else:
+            self.gamma = max(1, self.gamma - 1)
+
+
+@dataclass
+class AdaptiveGamma:
+    """Pick γ maximizing the generalized speedup from running per-position acceptance.
+
+    Acceptance at each draft position is estimated with a Beta prior (``prior_alpha``
+    accepted out of ``prior_weight`` pseudo-rounds) plus exponentially decayed counts, so
+    the estimate follows the text's current predictability.
+    cost: draft step cost c; verify_cost: T(k)/T(1) mapping or callable.
+    """
+
+    c: float
+    verify_cost: VerifyCost | Mapping[int, float] = field(default_factory=lambda: {1: 1.0})
+    max_gamma: int = 12
+    prior_alpha: float = 0.6
+    prior_weight: float = 2.0
+    decay: float = 0.9
+    probe_every: int = 8
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+    idle_rounds: int = 0
+
+    def __post_init__(self) -> None:
+        self.reached = [0.0] * self.max_gamma
+        self.accepted = [0.0] * self.max_gamma
+
+    def position_acceptance(self) -> list[float]:
+        return [
+            (a + self.prior_alpha * self.prior_weight) / (r + self.prior_weight)
+            for a, r in zip(self.accepted, self.reached, strict=True)
+        ]
+
+    def next_gamma(self) -> int:
+        rates = self.position_acceptance()
+        best_gamma, best_value = 1, 0.0
+        for gamma in range(1, self.max_gamma + 1):
+            tokens = expected_tokens_positional(rates, gamma)
+            value = tokens / (gamma * self.c + verify_cost_at(self.verify_cost, gamma + 1))
+            if value > best_value:
+                best_gamma, best_value = gamma, value
+        plain = 1.0 / verify_cost_at(self.verify_cost, 1)
+        if best_value > plain:
+            return best_gamma
+        # Speculation does not pay now; still probe now and then so estimates can recover.
+        self.idle_rounds += 1
+        return 1 if self.idle_rounds % self.probe_every == 0 else 0
+
+    def update(self, drafted: int, num_accepted: int) -> None:
+        self.reached = [r * self.decay for r in self.reached]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for i in range(min(drafted, num_accepted + 1, self.max_gamma)):
+            self.reached[i] += 1
+            self.accepted[i] += float(i < num_accepted)

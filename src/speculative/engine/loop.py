@@ -1,0 +1,184 @@
+"""The speculative decoding loop: propose → verify → accept → commit.
+
+Each round the drafter proposes γ tokens; the target scores the last emitted token and
+the γ drafted ones in one pass, giving γ + 1 distributions; verification keeps a prefix of
+the draft and adds one recovered or bonus token; the stop criteria cut the emitted tokens
+exactly; both caches follow the committed sequence on the next call. With no drafter (or
+γ = 0) the same loop is plain autoregressive decoding on the same runtime.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from speculative.drafters.base import Draft, Drafter
+from speculative.engine.gamma import FixedGamma, GammaPolicy
+from speculative.engine.stats import GenerationStats
+from speculative.engine.stopping import StopCriteria
+from speculative.models.base import CausalLM
+from speculative.models.session import ModelSession
+from speculative.sampling import (
+    SamplingParams,
+    VerifyResult,
+    logits_to_probs,
+    verify,
+    verify_greedy,
+)
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one round emitted: ``tokens``, of which the first ``num_accepted`` were drafted
+    tokens the target accepted; the rest (at most one) was recovered or bonus."""
+
+    tokens: list[int]
+    num_accepted: int
+    drafted: int
+    finished: bool
+    reason: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    stats: GenerationStats
+    finish_reason: str | None = None
+    rounds: list[Round] = field(default_factory=list)
+
+
+@dataclass
+class DecodeState:
+    """Per-generation state: the committed sequence and its bookkeeping."""
+
+    sequence: list[int]
+    prompt_length: int
+    stats: GenerationStats
+    finished: bool = False
+    reason: str | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.sequence[self.prompt_length :]
+
+
+class SpeculativeEngine:
+    """Drives a target model and an optional drafter through speculative rounds."""
+
+    def __init__(
+        self,
+        target: CausalLM,
+        drafter: Drafter | None = None,
+        gamma: GammaPolicy | int = 4,
+    ) -> None:
+        self.target = ModelSession(target)
+        self.drafter = drafter
+        self.gamma_policy = FixedGamma(gamma) if isinstance(gamma, int) else gamma
+
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        stop: StopCriteria,
+        generator: torch.Generator,
+    ) -> Iterator[Round]:
+        """Yield each round's emitted tokens until a stop criterion fires."""
+        state = self.start(prompt_ids)
+        started = time.perf_counter()
+        self.target.sync(state.sequence[:-1])  # prefill
+        state.stats.prefill_seconds = time.perf_counter() - started
+        while not state.finished:
+            draft = self.propose(state, params, generator)
+            result = self.verify(state, draft, params, generator)
+            round_ = self.commit(state, draft, result, stop)
+            state.stats.seconds = time.perf_counter() - started
+            yield round_
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        stop: StopCriteria,
+        generator: torch.Generator,
+    ) -> GenerationResult:
+        """Run to completion; returns the generated ids (prompt excluded) and stats."""
+        rounds = list(self.stream(prompt_ids, params, stop, generator))
+        tokens = [t for r in rounds for t in r.tokens]
+        stats = self.last_stats
+        return GenerationResult(
+            token_ids=tokens,
+            stats=stats,
+            finish_reason=rounds[-1].reason if rounds else None,
+            rounds=rounds,
+        )
+
+    def start(self, prompt_ids: Sequence[int]) -> DecodeState:
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        limit = self.target.model.max_length
+        if limit is not None and len(prompt_ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context window is {limit}"
+            )
+        if self.drafter is not None:
+            self.drafter.reset()
+        self.last_stats = GenerationStats()
+        return DecodeState(
+            sequence=list(prompt_ids), prompt_length=len(prompt_ids), stats=self.last_stats
+        )
+
+    def propose(
+        self, state: DecodeState, params: SamplingParams, generator: torch.Generator
+    ) -> Draft:
+        gamma = self.gamma_policy.next_gamma() if self.drafter is not None else 0
+        limit = self.target.model.max_length
+        if limit is not None:  # the verification pass must fit the context window
+            gamma = max(0, min(gamma, limit - len(state.sequence) - 1))
+        if gamma == 0 or self.drafter is None:
+            return Draft(tokens=[])
+        calls_before = self.drafter.forward_calls
+        draft = self.drafter.propose(state.sequence, gamma, params, generator)
+        state.stats.draft_calls += self.drafter.forward_calls - calls_before
+        return draft
+
+    def verify(
+        self,
+        state: DecodeState,
+        draft: Draft,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> VerifyResult:
+        logits = self.target.logits_after(state.sequence, draft.tokens)  # [1, γ+1, vocab]
+        drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
+        if params.greedy:
+            return verify_greedy(drafted, logits)
+        target_probs = logits_to_probs(logits, params)  # [1, γ+1, vocab]
+        return verify(drafted, draft.probs, target_probs, generator, validate=False)
+
+    def commit(
+        self, state: DecodeState, draft: Draft, result: VerifyResult, stop: StopCriteria
+    ) -> Round:
+        emitted = result.emitted(0)
+        num_accepted = int(result.num_accepted[0])
+        if self.drafter is not None:
+            self.gamma_policy.update(len(draft.tokens), num_accepted)
+        cut = stop.cut(state.generated, emitted)
+        kept = emitted[: cut.keep]
+        state.sequence.extend(kept)
+        state.stats.record_round(len(draft.tokens), num_accepted, len(kept))
+        if self.drafter is not None:
+            self.drafter.observe(state.sequence, num_accepted)
+        state.finished, state.reason = cut.finished, cut.reason
+        limit = self.target.model.max_length
+        if not state.finished and limit is not None and len(state.sequence) >= limit:
+            state.finished, state.reason = True, "context"
+        return Round(
+            tokens=kept,
+            num_accepted=min(num_accepted, len(kept)),
+            drafted=len(draft.tokens),
+            finished=state.finished,
+            reason=state.reason,
+        )

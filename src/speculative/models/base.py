@@ -1,0 +1,54 @@
+"""The model protocol the engine drives: a causal LM with a rollback-able KV cache.
+
+A model holds a cache of the tokens it has already processed. ``forward`` appends a
+block of new tokens and returns next-token logits for each of them; ``rollback`` drops
+the newest cache positions (after a rejection). Both the target and a draft model are
+objects of this protocol, so the toy Markov models, Hugging Face transformers and the
+native runtime are interchangeable under the engine.
+
+Batch-first throughout: ``input_ids`` is ``[batch, k]`` and logits are
+``[batch, k, vocab]``; a single sequence is a batch of one.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A causal language model with a position-indexed cache that can roll back."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of rows of the output distribution (may include padding rows)."""
+        ...
+
+    @property
+    def max_length(self) -> int | None:
+        """Longest sequence (cache + new tokens) the model accepts, or ``None``."""
+        ...
+
+    @property
+    def cache_length(self) -> int:
+        """Number of positions currently held in the cache."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Append ``input_ids`` to the cache and return their logits.
+
+        input_ids: [batch, k] token ids, placed at positions cache_length .. cache_length+k-1.
+        returns:   [batch, k, vocab] float logits; row j is the distribution of the token
+                   that follows input_ids[:, j].
+        """
+        ...
+
+    def rollback(self, n: int) -> None:
+        """Drop the newest ``n`` cache positions (0 <= n <= cache_length)."""
+        ...
+
+    def reset(self) -> None:
+        """Empty the cache."""
+        ...

@@ -1,0 +1,84 @@
+"""Keep a model's cache in step with a growing token sequence.
+
+The engine and the model-based drafters never manage cache positions by hand. A
+:class:`ModelSession` remembers which token ids its model's cache holds; asked for the
+logits after a sequence, it rolls the cache back to the longest common prefix, feeds
+whatever is missing (the *catch-up* after a recovered or bonus token), and returns the
+logits of the positions asked for. Rollback after a rejection is therefore implicit.
+
+Invariant used by the engine: to score a sequence ``seq`` the cache is made to hold
+``seq[:-1]`` and the last token is fed together with any new (drafted) tokens, so one
+call returns ``1 + len(new)`` next-token distributions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from speculative.models.base import CausalLM
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    lo, hi = 0, n  # invariant: a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if list(a[lo:mid]) == list(b[lo:mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class ModelSession:
+    """A model plus the token ids its cache currently holds (batch of one)."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+        self.cached: list[int] = []
+        self.forward_calls = 0
+        model.reset()
+
+    def reset(self) -> None:
+        self.model.reset()
+        self.cached = []
+
+    def sync(self, prefix: Sequence[int]) -> None:
+        """Make the cache hold exactly ``prefix`` (rolling back and feeding as needed)."""
+        keep = common_prefix_length(self.cached, prefix)
+        self._truncate(keep)
+        missing = list(prefix[keep:])
+        if missing:
+            self._feed(missing)
+
+    def logits_after(self, context: Sequence[int], new: Sequence[int] = ()) -> torch.Tensor:
+        """Next-token logits after ``context[-1]`` and after each token of ``new``.
+
+        returns: [1, 1 + len(new), vocab]; row 0 is the distribution following ``context``,
+        row j the one following ``context + new[:j]``.
+        """
+        if len(context) == 0:
+            raise ValueError("context must hold at least one token")
+        keep = common_prefix_length(self.cached, context[:-1])
+        self._truncate(keep)
+        fed = list(context[keep:]) + list(new)
+        logits = self._feed(fed)  # [1, len(fed), vocab]
+        return logits[:, len(fed) - 1 - len(new) :]
+
+    def _truncate(self, keep: int) -> None:
+        drop = len(self.cached) - keep
+        if drop:
+            self.model.rollback(drop)
+            del self.cached[keep:]
+
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        input_ids = torch.tensor([tokens], dtype=torch.long)  # [1, k]
+        logits = self.model.forward(input_ids)  # [1, k, vocab]
+        self.cached.extend(tokens)
+        self.forward_calls += 1
+        return logits

@@ -1,0 +1,41 @@
+"""Pure sampling mathematics: logits → probabilities, accept / recover / bonus.
+
+Imports only torch and numpy. Batch-first: tensors are [batch, ...]; one sequence is a
+batch of one. Randomness only from an explicit generator argument.
+"""
+
+from speculative.sampling.params import SamplingParams
+from speculative.sampling.probs import (
+    check_probs,
+    logits_to_probs,
+    mask_top_k,
+    mask_top_p,
+    one_hot_argmax,
+    sample,
+    sample_from,
+)
+from speculative.sampling.verify import (
+    VerifyResult,
+    residual,
+    speculative_step,
+    verify,
+    verify_from_uniforms,
+    verify_greedy,
+)
+
+__all__ = [
+    "SamplingParams",
+    "VerifyResult",
+    "check_probs",
+    "logits_to_probs",
+    "mask_top_k",
+    "mask_top_p",
+    "one_hot_argmax",
+    "residual",
+    "sample",
+    "sample_from",
+    "speculative_step",
+    "verify",
+    "verify_from_uniforms",
+    "verify_greedy",
+]

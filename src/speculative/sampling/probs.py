@@ -1,0 +1,99 @@
+"""Logits to probabilities, sampling, and distribution checks.
+
+The same processing (temperature, top-k, top-p) is applied to target and draft logits,
+and the processed distributions are the ones that enter the accept test.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculative.sampling.params import SamplingParams
+
+PROB_TOLERANCE = 1e-4  # how far a distribution's sum may stray from 1
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed next-token distribution(s).
+
+    logits: [..., vocab] raw logits.
+    returns: [..., vocab] float32 probabilities. Temperature 0 returns the one-hot argmax.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return one_hot_argmax(logits)
+    logits = logits / params.temperature
+    if params.top_k:
+        logits = mask_top_k(logits, params.top_k)
+    if params.top_p < 1:
+        logits = mask_top_p(logits, params.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [..., vocab] -> [..., vocab] one-hot at the (first) argmax."""
+    out = torch.zeros_like(logits, dtype=torch.float32)
+    return out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def mask_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """logits: [..., vocab]; tokens below the k-th largest logit get -inf."""
+    if k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # [..., 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def mask_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """logits: [..., vocab]; keep the smallest top set with mass >= top_p (nucleus)."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # [..., vocab] mass of better tokens
+    drop_sorted = mass_before >= top_p  # the first token is always kept
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling from unnormalized non-negative weights.
+
+    probs:   [batch, vocab] non-negative weights with positive sum per row.
+    uniform: [batch] values in [0, 1).
+    returns: [batch] token ids; a zero-weight token is never returned.
+    """
+    cdf = torch.cumsum(probs.double(), dim=-1)  # [batch, vocab]
+    total = cdf[:, -1:]  # [batch, 1]
+    target = uniform.double().unsqueeze(-1) * total  # [batch, 1]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [batch]
+    # u * total can round up to total: fall back to the last token with positive weight.
+    vocab = probs.shape[-1]
+    last_positive = vocab - 1 - torch.argmax((probs.flip(-1) > 0).int(), dim=-1)  # [batch]
+    return torch.minimum(tokens, last_positive)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """probs: [batch, vocab] -> [batch] token ids drawn with the given generator."""
+    uniform = torch.rand(probs.shape[0], generator=generator, dtype=torch.float64)
+    return sample_from(probs, uniform)
+
+
+def check_probs(probs: torch.Tensor, name: str) -> None:
+    """Raise ValueError unless ``probs`` ([..., vocab]) holds valid distributions."""
+    if not torch.is_floating_point(probs):
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {probs.dtype}")
+    if probs.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(probs.shape)})")
+    if torch.isnan(probs).any():
+        raise ValueError(f"{name} contains NaN")
+    if torch.isinf(probs).any():
+        raise ValueError(f"{name} contains inf")
+    minimum = probs.min().item()
+    if minimum < 0:
+        raise ValueError(f"{name} has a negative entry ({minimum:g})")
+    sums = probs.sum(dim=-1, dtype=torch.float64)
+    worst = (sums - 1).abs().max().item()
+    if worst > PROB_TOLERANCE:
+        bad = sums.flatten()[(sums - 1).abs().flatten().argmax()].item()
+        raise ValueError(
+            f"{name} does not sum to 1 (a row sums to {bad:.6g}; tolerance {PROB_TOLERANCE:g})"
+        )

@@ -1,0 +1,183 @@
+"""Exact verification of drafted tokens (modified rejection sampling).
+
+For each drafted token x at position j: accept with probability min(1, p(x)/q(x)).
+At the first rejection emit a *recovered* token from normalize(max(0, p - q)) and stop;
+if all γ are accepted emit a *bonus* token from the target's distribution after them.
+The emitted tokens are then distributed exactly as the target's own samples.
+
+Point-mass drafters (n-gram lookup) pass ``draft_probs=None``: q is one-hot at the
+drafted token, so acceptance is p(x) and the residual is p with x removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from speculative.sampling.probs import check_probs, sample_from
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of verifying one block for each batch row.
+
+    num_accepted: [batch] number of drafted tokens accepted (0..γ).
+    tokens:       [batch, γ+1] emitted tokens, the accepted ones followed by the recovered
+                  or bonus token; entries past num_accepted + 1 are -1.
+    """
+
+    num_accepted: torch.Tensor  # [batch]
+    tokens: torch.Tensor  # [batch, gamma + 1]
+
+    def emitted(self, row: int = 0) -> list[int]:
+        """The tokens emitted for one batch row (accepted + recovered/bonus)."""
+        n = int(self.num_accepted[row])
+        return self.tokens[row, : n + 1].tolist()
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Unnormalized residual max(0, p - q).   p, q: [..., vocab] -> [..., vocab]."""
+    return torch.clamp(p - q, min=0.0)
+
+
+def one_hot_draft_probs(draft_tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Point-mass q for drafted tokens.   draft_tokens: [batch, γ] -> [batch, γ, vocab]."""
+    q = torch.zeros(*draft_tokens.shape, vocab, dtype=torch.float32)
+    return q.scatter_(-1, draft_tokens.unsqueeze(-1), 1.0)
+
+
+def check_block_shapes(
+    draft_tokens: torch.Tensor,  # [batch, gamma]
+    draft_probs: torch.Tensor | None,  # [batch, gamma, vocab]
+    target_probs: torch.Tensor,  # [batch, gamma + 1, vocab]
+) -> None:
+    """Raise ValueError when the block's tensors do not fit together."""
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be [batch, gamma], got {tuple(draft_tokens.shape)}")
+    batch, gamma = draft_tokens.shape
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (batch, gamma + 1):
+        raise ValueError(
+            f"target_probs must be [batch={batch}, gamma+1={gamma + 1}, vocab], "
+            f"got {tuple(target_probs.shape)}"
+        )
+    vocab = target_probs.shape[-1]
+    if draft_probs is not None and tuple(draft_probs.shape) != (batch, gamma, vocab):
+        raise ValueError(
+            f"draft_probs must be [batch={batch}, gamma={gamma}, vocab={vocab}] to match "
+            f"target_probs, got {tuple(draft_probs.shape)}"
+        )
+    if draft_tokens.numel() and (draft_tokens.min() < 0 or draft_tokens.max() >= vocab):
+        raise ValueError(f"draft_tokens must be token ids in [0, {vocab})")
+
+
+def verify_from_uniforms(
+    draft_tokens: torch.Tensor,  # [batch, gamma]
+    draft_probs: torch.Tensor | None,  # [batch, gamma, vocab] or None (point mass)
+    target_probs: torch.Tensor,  # [batch, gamma + 1, vocab]
+    accept_uniforms: torch.Tensor,  # [batch, gamma] in [0, 1)
+    sample_uniforms: torch.Tensor,  # [batch] in [0, 1)
+) -> VerifyResult:
+    """Block verification driven by explicit uniforms (deterministic given them)."""
+    batch, gamma = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    if draft_probs is None:
+        draft_probs = one_hot_draft_probs(draft_tokens, vocab)
+    index = draft_tokens.unsqueeze(-1)  # [batch, gamma, 1]
+    p_drafted = target_probs[:, :gamma].gather(-1, index).squeeze(-1)  # [batch, gamma]
+    q_drafted = draft_probs.gather(-1, index).squeeze(-1)  # [batch, gamma]
+    # u < min(1, p/q)  <=>  u * q < p  (no division; q = 0 with p > 0 always accepts)
+    accepted = accept_uniforms * q_drafted < p_drafted  # [batch, gamma]
+    num_accepted = accepted.int().cumprod(dim=-1).sum(dim=-1)  # [batch]
+
+    # The extra token's distribution: residual at the first rejection, or the target's
+    # distribution after the block (a zero q row makes the bonus the same formula).
+    q_padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, vocab)], dim=1)
+    rows = torch.arange(batch)
+    p_next = target_probs[rows, num_accepted]  # [batch, vocab]
+    weights = residual(p_next, q_padded[rows, num_accepted])  # [batch, vocab]
+    # p == q up to rounding leaves no residual mass; a rejection there has probability ~0,
+    # and sampling from p is the continuous limit of the residual rule.
+    empty = weights.sum(dim=-1, keepdim=True) <= 1e-12  # [batch, 1]
+    weights = torch.where(empty, p_next, weights)
+    extra = sample_from(weights, sample_uniforms)  # [batch]
+
+    tokens = torch.full((batch, gamma + 1), -1, dtype=torch.long)
+    positions = torch.arange(gamma + 1).unsqueeze(0)  # [1, gamma + 1]
+    keep = positions < num_accepted.unsqueeze(-1)  # [batch, gamma + 1]
+    padded_draft = torch.cat([draft_tokens, tokens[:, :1]], dim=1)  # [batch, gamma + 1]
+    tokens = torch.where(keep, padded_draft, tokens)
+    tokens[rows, num_accepted] = extra
+    return VerifyResult(num_accepted=num_accepted, tokens=tokens)
+
+
+def verify(
+    draft_tokens: torch.Tensor,  # [batch, gamma]
+    draft_probs: torch.Tensor | None,  # [batch, gamma, vocab] or None (point mass)
+    target_probs: torch.Tensor,  # [batch, gamma + 1, vocab]
+    generator: torch.Generator,
+    validate: bool = True,
+) -> VerifyResult:
+    """Verify a drafted block against the target; randomness only from ``generator``."""
+    check_block_shapes(draft_tokens, draft_probs, target_probs)
+    if validate:
+        check_probs(target_probs, "target_probs")
+        if draft_probs is not None:
+            check_probs(draft_probs, "draft_probs")
+    batch, gamma = draft_tokens.shape
+    accept_uniforms = torch.rand(batch, gamma, generator=generator, dtype=torch.float32)
+    sample_uniforms = torch.rand(batch, generator=generator, dtype=torch.float64)
+    return verify_from_uniforms(
+        draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms
+    )
+
+
+def verify_greedy(
+    draft_tokens: torch.Tensor,  # [batch, gamma]
+    target_logits: torch.Tensor,  # [batch, gamma + 1, vocab] (logits or probabilities)
+) -> VerifyResult:
+    """Temperature-0 verification: keep drafted tokens while they equal the argmax."""
+    if draft_tokens.dim() != 2 or target_logits.shape[:2] != (
+        draft_tokens.shape[0],
+        draft_tokens.shape[1] + 1,
+    ):
+        raise ValueError(
+            f"target_logits must be [batch, gamma+1, vocab] for draft_tokens "
+            f"{tuple(draft_tokens.shape)}, got {tuple(target_logits.shape)}"
+        )
+    gamma = draft_tokens.shape[1]
+    best = target_logits.argmax(dim=-1)  # [batch, gamma + 1]
+    matches = draft_tokens == best[:, :gamma]  # [batch, gamma]
+    num_accepted = matches.int().cumprod(dim=-1).sum(dim=-1)  # [batch]
+    positions = torch.arange(gamma + 1).unsqueeze(0)
+    tokens = torch.where(positions <= num_accepted.unsqueeze(-1), best, -1)
+    return VerifyResult(num_accepted=num_accepted, tokens=tokens)
+
+
+def check_distribution(p: np.ndarray, name: str) -> np.ndarray:
+    """Validate a 1-D numpy distribution and return it as float64."""
+    arr = np.asarray(p, dtype=np.float64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D distribution, got shape {arr.shape}")
+    check_probs(torch.from_numpy(arr), name)
+    return arr
+
+
+def speculative_step(p: np.ndarray, q: np.ndarray, rng: np.random.Generator) -> tuple[int, bool]:
+    """One token from target ``p`` using draft ``q``: the specification's primitive.
+
+    p, q: [vocab] distributions. Returns (token, accepted): the drafted token if accepted,
+    else a recovered token from normalize(max(0, p - q)).
+    """
+    p = check_distribution(p, "p")
+    q = check_distribution(q, "q")
+    if p.shape != q.shape:
+        raise ValueError(f"p and q have different vocabulary sizes ({p.size} vs {q.size})")
+    x = int(rng.choice(q.size, p=q / q.sum()))
+    if rng.random() * q[x] < p[x]:
+        return x, True
+    leftover = np.maximum(p - q, 0.0)
+    if leftover.sum() <= 1e-12:  # p == q up to rounding: rejection had probability ~0
+        leftover = p
+    return int(rng.choice(p.size, p=leftover / leftover.sum())), False

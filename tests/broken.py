@@ -1,0 +1,39 @@
+"""Deliberately broken block verifiers: the negative controls of the statistical tests.
+
+Each has the signature of :func:`speculative.sampling.verify` and breaks one rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculative.sampling import VerifyResult, sample, verify
+
+
+def always_accept(draft_tokens, draft_probs, target_probs, generator, validate=True):
+    """Keeps every drafted token (output follows the draft, not the target)."""
+    batch, gamma = draft_tokens.shape
+    bonus = sample(target_probs[:, gamma], generator)  # [batch]
+    tokens = torch.cat([draft_tokens, bonus.unsqueeze(1)], dim=1)
+    return VerifyResult(torch.full((batch,), gamma, dtype=torch.long), tokens)
+
+
+def resample_from_target(draft_tokens, draft_probs, target_probs, generator, validate=True):
+    """On rejection samples from p instead of the residual max(0, p - q)."""
+    result = verify(draft_tokens, draft_probs, target_probs, generator, validate=False)
+    batch, gamma = draft_tokens.shape
+    rows = torch.arange(batch)
+    rejected = result.num_accepted < gamma  # [batch]
+    from_p = sample(target_probs[rows, result.num_accepted], generator)  # [batch]
+    tokens = result.tokens.clone()
+    tokens[rows[rejected], result.num_accepted[rejected]] = from_p[rejected]
+    return VerifyResult(result.num_accepted, tokens)
+
+
+def forget_bonus(draft_tokens, draft_probs, target_probs, generator, validate=True):
+    """Emits nothing extra when all drafted tokens are accepted."""
+    result = verify(draft_tokens, draft_probs, target_probs, generator, validate=False)
+    gamma = draft_tokens.shape[1]
+    tokens = result.tokens.clone()
+    tokens[result.num_accepted == gamma, gamma] = -1
+    return VerifyResult(result.num_accepted, tokens)

@@ -1,0 +1,115 @@
+"""The command line: tables, JSON as the last stdout line, one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from speculative.cli.main import main
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse exits on usage errors and --help
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_theory_table_and_json(capsys, tmp_path):
+    plot = tmp_path / "chart.png"
+    code, out, _ = run_cli(
+        capsys,
+        "theory",
+        "--alpha",
+        "0.5",
+        "0.6",
+        "0.7",
+        "0.8",
+        "0.9",
+        "--c",
+        "0.1",
+        "--plot",
+        str(plot),
+        "--json",
+    )
+    assert code == 0
+    assert " 0.9      10         3.43x        10.0x" in out
+    rows = last_json(out)["rows"]
+    assert [r["best_gamma"] for r in rows] == [2, 3, 4, 6, 10]
+    assert [round(r["speedup"], 2) for r in rows] == [1.46, 1.67, 1.98, 2.47, 3.43]
+    assert set(rows[0]) >= {"alpha", "best_gamma", "speedup", "ceiling"}
+    assert plot.stat().st_size > 10_000
+
+
+def test_simulate_markov_json(capsys):
+    code, out, _ = run_cli(capsys, "simulate", "--sequences", "3000", "--json")
+    assert code == 0
+    data = last_json(out)
+    for key in (
+        "target_freq",
+        "speculative_freq",
+        "max_abs_diff",
+        "standard_error",
+        "tokens_per_target_call",
+        "target_calls_saved",
+    ):
+        assert key in data
+    assert 3.4 < data["tokens_per_target_call"] < 3.7
+    assert "tokens per target call" in out
+
+
+@pytest.mark.parametrize("experiment", ["step", "rounds"])
+def test_simulate_other_experiments(capsys, experiment):
+    code, out, _ = run_cli(
+        capsys,
+        "simulate",
+        "--experiment",
+        experiment,
+        "--draws",
+        "20000",
+        "--trials",
+        "2000",
+        "--json",
+    )
+    assert code == 0 and last_json(out)["experiment"] == experiment
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["theory", "--alpha", "1.5", "--c", "0.1"],
+        ["theory", "--alpha", "0.5", "--c", "-1"],
+        ["theory", "--alpha", "0.5", "--c", "0.1", "--max-gamma", "0"],
+        ["simulate", "--gamma", "0"],
+        ["simulate", "--vocab", "1"],
+        ["nonsense"],
+    ],
+)
+def test_bad_input_is_one_line_exit_2(capsys, argv):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_help_explains_terms(capsys):
+    code, out, _ = run_cli(capsys, "theory", "--help")
+    assert code == 0 and "acceptance" in out and "ceiling" in out
+
+
+def test_console_script_runs():
+    proc = subprocess.run(
+        [sys.executable, "-m", "speculative.cli.main", "theory", "--alpha", "0.8", "--c", "0.1"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "2.47x" in proc.stdout

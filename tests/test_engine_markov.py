@@ -1,0 +1,153 @@
+"""The generation engine on the specification's toy Markov models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from speculative.drafters import DraftModelDrafter, PromptLookupDrafter
+from speculative.engine import (
+    AdaptiveGamma,
+    HeuristicGamma,
+    SpeculativeEngine,
+    StopCriteria,
+)
+from speculative.models import MarkovLM, seed_matrices
+from speculative.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+P, Q = seed_matrices()
+
+
+def make_engine(drafter: str | None, gamma=4) -> SpeculativeEngine:
+    target = MarkovLM(P, "target")
+    if drafter is None:
+        return SpeculativeEngine(target, None)
+    if drafter == "ngram":
+        return SpeculativeEngine(target, PromptLookupDrafter(), gamma)
+    return SpeculativeEngine(target, DraftModelDrafter(MarkovLM(Q, "draft"), 5), gamma)
+
+
+def sequence_counts(engine, n, length, params, seed) -> np.ndarray:
+    g = torch.Generator().manual_seed(seed)
+    counts = np.zeros(5**length)
+    stop = StopCriteria(max_new_tokens=length)
+    for _ in range(n):
+        tokens = engine.generate([0, 3, 0], params, stop, g).token_ids
+        assert len(tokens) == length
+        counts[int("".join(map(str, tokens)), 5)] += 1
+    return counts
+
+
+def two_sample_p_value(a: np.ndarray, b: np.ndarray) -> float:
+    keep = (a + b) > 0
+    return float(stats.chi2_contingency(np.stack([a[keep], b[keep]]))[1])
+
+
+@pytest.mark.parametrize(
+    "drafter, gamma, params",
+    [
+        ("model", 4, SamplingParams()),
+        ("model", AdaptiveGamma(c=0.1, max_gamma=6), SamplingParams()),
+        ("model", HeuristicGamma(), SamplingParams(top_k=3)),
+        ("model", 2, SamplingParams(temperature=0.7, top_p=0.8)),
+        ("ngram", 3, SamplingParams()),
+    ],
+)
+def test_sequence_distribution_matches_plain_sampling(drafter, gamma, params):
+    n, length = 3000, 3
+    plain = sequence_counts(make_engine(None), n, length, params, seed=1)
+    spec = sequence_counts(make_engine(drafter, gamma), n, length, params, seed=2)
+    assert two_sample_p_value(plain, spec) > 1e-3
+
+
+def test_sequence_distribution_negative_control():
+    """The draft's own samples (what an always-accept sampler emits) are detected."""
+    n, length = 3000, 3
+    plain = sequence_counts(make_engine(None), n, length, SamplingParams(), seed=1)
+    draft_only = SpeculativeEngine(MarkovLM(Q), None)
+    wrong = sequence_counts(draft_only, n, length, SamplingParams(), seed=2)
+    assert two_sample_p_value(plain, wrong) < 1e-3
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_greedy_matches_plain(gamma, drafter):
+    params = SamplingParams(temperature=0)
+    stop = StopCriteria(max_new_tokens=40)
+    g = torch.Generator().manual_seed(0)
+    plain = make_engine(None).generate([1, 2], params, stop, g).token_ids
+    spec = make_engine(drafter, gamma).generate([1, 2], params, stop, g)
+    assert spec.token_ids == plain
+    assert spec.stats.new_tokens == 40
+
+
+def test_rng_hygiene_and_reproducibility():
+    torch.manual_seed(123)
+    np.random.seed(123)
+    torch_state = torch.get_rng_state()
+    np_state = np.random.get_state()[1].copy()
+    stop = StopCriteria(max_new_tokens=30)
+    runs = [
+        make_engine("model").generate([0], SamplingParams(), stop, torch.Generator().manual_seed(7))
+        for _ in range(2)
+    ]
+    assert runs[0].token_ids == runs[1].token_ids
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    assert (np.random.get_state()[1] == np_state).all()
+
+
+def test_stops_exactly_inside_a_block():
+    eos = 4
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        result = make_engine("model", 6).generate(
+            [0],
+            SamplingParams(),
+            StopCriteria(max_new_tokens=50, eos_token_ids=frozenset({eos})),
+            g,
+        )
+        tokens = result.token_ids
+        assert eos not in tokens[:-1]
+        assert tokens[-1] == eos or len(tokens) == 50
+        assert result.stats.new_tokens == len(tokens)
+    for budget in (1, 2, 3, 7):
+        result = make_engine("model", 6).generate(
+            [0], SamplingParams(), StopCriteria(max_new_tokens=budget), g
+        )
+        assert len(result.token_ids) == budget == result.stats.new_tokens
+
+
+def test_stop_strings_cut_tokens():
+    decode = lambda ids: "".join("abcde"[i] for i in ids)  # noqa: E731
+    stop = StopCriteria(max_new_tokens=100, stop_strings=("ea",), decode=decode)
+    g = torch.Generator().manual_seed(4)
+    result = make_engine("model", 5).generate([0], SamplingParams(), stop, g)
+    text = decode(result.token_ids)
+    assert text.endswith("ea") or len(result.token_ids) == 100
+    assert "ea" not in text[:-1]
+    assert stop.final_text(text) == text[: text.find("ea")] if "ea" in text else True
+
+
+def test_stats_are_consistent():
+    result = make_engine("model", 4).generate(
+        [0], SamplingParams(), StopCriteria(max_new_tokens=200), torch.Generator().manual_seed(5)
+    )
+    s = result.stats
+    assert s.new_tokens == 200 == len(result.token_ids)
+    assert s.target_calls == len(result.rounds)
+    assert s.draft_calls >= s.drafted_tokens - s.target_calls
+    assert 0.5 < s.acceptance_rate < 1
+    assert s.mean_accepted_length == pytest.approx(200 / s.target_calls)
+    assert len(s.per_position_acceptance) == 4
+
+
+def test_engine_bad_input():
+    engine = make_engine("model")
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([], SamplingParams(), StopCriteria(max_new_tokens=3), torch.Generator())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        StopCriteria(max_new_tokens=0)
