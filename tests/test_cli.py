@@ -95,7 +95,7 @@ def test_simulate_other_experiments(capsys, experiment):
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, argv):
-    code, out, err = run_cli(capsys, *argv)
+    code, _out, err = run_cli(capsys, *argv)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 

@@ -15,3 +15,11 @@ Vocabulary used throughout the package (as in the specification):
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # lazy: importing the package must not import transformers
+    if name in ("Speculator", "generate", "GenerationOutput"):
+        from speculative import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'speculative' has no attribute {name!r}")

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 
 from speculative import __version__
-from speculative.cli import simulate_cmd, theory_cmd
+from speculative.cli import demo_cmd, generate_cmd, simulate_cmd, theory_cmd
 from speculative.cli.common import EXIT_USAGE, CliError, Formatter, Parser
 
 DESCRIPTION = """\
@@ -22,14 +22,28 @@ def build_parser() -> Parser:
     subparsers = parser.add_subparsers(
         title="commands", metavar="COMMAND", parser_class=Parser, required=True
     )
-    for command in (theory_cmd, simulate_cmd):
+    for command in (theory_cmd, simulate_cmd, generate_cmd, demo_cmd):
         command.add_parser(subparsers)
     return parser
+
+
+def quiet_libraries() -> None:
+    """Our own messages say what is loading; silence transformers' per-tensor bars."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+        logging.set_verbosity_error()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    quiet_libraries()
     try:
         return int(args.run(args))
     except (CliError, ValueError) as exc:

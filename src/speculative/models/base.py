@@ -52,3 +52,20 @@ class CausalLM(Protocol):
     def reset(self) -> None:
         """Empty the cache."""
         ...
+
+
+@runtime_checkable
+class SupportsLowPrecisionCopy(Protocol):
+    """A model that can make a lower-precision copy of itself (a self-drafter)."""
+
+    def to_dtype(self, dtype: torch.dtype) -> CausalLM: ...
+
+
+@runtime_checkable
+class SupportsEarlyExit(Protocol):
+    """A model that can run only its first layers over the same weights (early exit)."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def early_exit(self, num_layers: int) -> CausalLM: ...

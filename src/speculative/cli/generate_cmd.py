@@ -1,0 +1,195 @@
+"""`speculative generate`: speculative text generation with a real model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from speculative.cli.common import (
+    CliError,
+    Formatter,
+    add_json_flag,
+    emit_json,
+    non_negative_float,
+    positive_int,
+)
+from speculative.cli.streaming import DIM, RESET, TextStreamer, legend, use_colour
+
+DESCRIPTION = """\
+Generate text with lossless speculative decoding.
+
+A drafter proposes γ tokens; the target scores them in one pass; each drafted token is
+accepted with probability min(1, p/q), the first rejected one is replaced by a recovered
+token from normalize(max(0, p − q)), and a fully accepted round earns a bonus token. The
+output is distributed exactly as the target's own samples (at temperature 0: identical to
+greedy decoding).
+
+Drafters (--draft):
+  none          plain autoregressive decoding on the same runtime (the reference)
+  ngram         prompt lookup: copy what followed the latest match of the last n-gram
+  self-bf16     the target's own weights in bfloat16
+  self-exit:N   the target's first N layers (early exit)
+  PATH | ID     a smaller causal LM with the same vocabulary
+
+On a terminal, green text came from accepted draft tokens and cyan text from the target
+(recovered or bonus tokens). A stats line follows on stderr.
+"""
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target",
+        default="default",
+        help="target model: 'default' (SmolLM2-135M-Instruct), a folder, a .gguf or a hub id",
+    )
+    parser.add_argument("--draft", default="ngram", help="drafter (see above)")
+    parser.add_argument(
+        "--runtime",
+        choices=["auto", "hf", "native"],
+        default="auto",
+        help="model runtime: native (Llama family), hf (transformers), auto picks",
+    )
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        help="target weight precision (fp32, bf16; native: int8, int4)",
+    )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gamma", default="4", help="drafted tokens per round, or 'auto' (adaptive γ)"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="0 = greedy (argmax); otherwise sample from softmax(logits / T)",
+    )
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1: off)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="token budget")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text with speculative decoding",
+        description=DESCRIPTION,
+        formatter_class=Formatter,
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    chat = parser.add_mutually_exclusive_group()
+    chat.add_argument(
+        "--chat",
+        dest="chat",
+        action="store_true",
+        default=None,
+        help="wrap the prompt in the model's chat template (default if it has one)",
+    )
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="use the raw prompt")
+    add_model_arguments(parser)
+    add_sampling_arguments(parser)
+    parser.add_argument(
+        "--stop",
+        nargs="+",
+        default=[],
+        metavar="STRING",
+        help="stop when the output contains one of these strings",
+    )
+    parser.add_argument(
+        "--color", dest="colour", action="store_true", default=None, help="force colours"
+    )
+    parser.add_argument("--no-color", dest="colour", action="store_false", help="no colours")
+    add_json_flag(parser)
+    parser.set_defaults(run=run)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt_file is None:
+        return args.prompt
+    try:
+        return args.prompt_file.read_text()
+    except OSError as exc:
+        raise CliError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror}") from None
+
+
+def load_speculator(args: argparse.Namespace):
+    from speculative.pipeline import Speculator
+
+    return Speculator.load(
+        args.target, args.draft, parse_gamma(args.gamma), args.runtime, args.precision
+    )
+
+
+def parse_gamma(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise CliError(f"--gamma must be an integer >= 1 or 'auto', got {text!r}") from None
+    if value < 1:
+        raise CliError(f"--gamma must be >= 1, got {value}")
+    return value
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "chat": args.chat,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+
+
+def stats_line(stats: dict, colour: bool) -> str:
+    line = (
+        f"[{stats['new_tokens']} tokens in {stats['seconds']:.2f} s = "
+        f"{stats['tokens_per_second']:.1f} tok/s · target calls {stats['target_calls']} · "
+        f"τ {stats['mean_accepted_length']:.2f} tokens/call · "
+        f"α {stats['acceptance_rate']:.2f} ({stats['accepted_tokens']}/{stats['drafted_tokens']})]"
+    )
+    return f"{DIM}{line}{RESET}" if colour else line
+
+
+def run(args: argparse.Namespace) -> int:
+    prompt = read_prompt(args)
+    if not prompt.strip():
+        raise CliError("the prompt is empty")
+    parse_gamma(args.gamma)  # validate before loading anything
+    speculator = load_speculator(args)
+    stream = speculator.stream(prompt, **generation_kwargs(args))
+    colour = use_colour(sys.stdout, args.colour)
+    if args.json:
+        for _ in stream:
+            pass
+    else:
+        printer = TextStreamer(
+            speculator.decode,
+            stream.criteria.final_text,
+            args.stop,
+            sys.stdout,
+            colour,
+            speculative=speculator.drafter is not None,
+        )
+        for round_ in stream:
+            printer.push(round_)
+        sys.stdout.write("\n")
+    output = stream.output()
+    if args.json:
+        emit_json(output.to_dict())
+    else:
+        if colour and speculator.drafter is not None:
+            print(legend(colour), file=sys.stderr)
+        print(
+            stats_line(output.stats.to_dict(), use_colour(sys.stderr, args.colour)), file=sys.stderr
+        )
+    return 0

@@ -1,0 +1,270 @@
+"""Hugging Face transformers causal LMs behind the ``CausalLM`` protocol (models/base.py).
+
+:class:`HFCausalLM` wraps an ``AutoModelForCausalLM`` together with its own
+``DynamicCache``. Cheap self-drafters are built from a loaded model without touching the
+disk: :meth:`HFCausalLM.early_exit` keeps only the first N decoder layers (sharing the
+weights), :meth:`HFCausalLM.to_dtype` makes a lower-precision copy (e.g. bfloat16).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from speculative.models.loading import (
+    ResolvedModel,
+    clear_quantizer,
+    load_tokenizer,
+    resolve_model,
+)
+
+
+class HFCausalLM:
+    """A transformers causal LM with a rollback-able KV cache (batch-first)."""
+
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: Any = None, name: str | None = None
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name if name is not None else str(getattr(model.config, "name_or_path", "hf"))
+        self._cache = self._new_cache()
+        self._length = 0
+        self._batch: int | None = None
+
+    # ----------------------------------------------------------------- properties
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits (the lm_head rows, padding rows included)."""
+        head = self.model.get_output_embeddings()
+        if head is not None and getattr(head, "weight", None) is not None:
+            return int(head.weight.shape[0])
+        return int(self.model.config.get_text_config().vocab_size)
+
+    @property
+    def max_length(self) -> int | None:
+        value = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        return int(value) if value else None
+
+    @property
+    def cache_length(self) -> int:
+        return self._length
+
+    @property
+    def num_layers(self) -> int:
+        return len(_decoder_layers(self.model))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    # ----------------------------------------------------------------- protocol
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [batch, k] -> [batch, k, vocab]
+        """Append ``input_ids`` [batch, k] to the cache; return float32 logits [batch, k, vocab]."""
+        batch, k = self._check_input(input_ids)
+        positions = torch.arange(self._length, self._length + k, device=self.device)  # [k]
+        position_ids = positions.unsqueeze(0).expand(batch, k)  # [batch, k]
+        with torch.inference_mode():
+            output = self.model(
+                input_ids=input_ids.to(device=self.device, dtype=torch.long),
+                position_ids=position_ids,
+                cache=self._cache,
+                use_cache=True,
+            )
+            logits = output.logits.float()  # [batch, k, vocab]
+        self._length += k
+        self._batch = batch
+        return logits
+
+    def rollback(self, n: int) -> None:
+        """Drop the newest ``n`` cache positions."""
+        if not 0 <= n <= self._length:
+            raise ValueError(f"rollback({n}) needs 0 <= n <= cache_length ({self._length})")
+        if n == 0:
+            return
+        if n == self._length:
+            self.reset()
+            return
+        with torch.inference_mode():
+            self._cache.crop(-n)  # transformers 5: a negative count removes that many positions
+        self._length -= n
+
+    def reset(self) -> None:
+        """Empty the cache."""
+        self._cache = self._new_cache()
+        self._length = 0
+        self._batch = None
+
+    # ----------------------------------------------------------------- derived models
+
+    def early_exit(self, num_layers: int) -> HFCausalLM:
+        """A new adapter over the SAME weights using only the first ``num_layers`` layers.
+
+        The final norm and lm_head are applied right after layer ``num_layers``; the new
+        adapter has its own (empty) cache.
+        """
+        total = self.num_layers
+        if not 1 <= num_layers <= total:
+            raise ValueError(f"early_exit needs 1 <= num_layers <= {total}, got {num_layers}")
+        truncated = _truncate_layers(self.model, num_layers)
+        name = f"{self.name}[:{num_layers}/{total} layers]"
+        return HFCausalLM(truncated, tokenizer=self.tokenizer, name=name)
+
+    def to_dtype(self, dtype: torch.dtype) -> HFCausalLM:
+        """A copy of the weights cast to ``dtype`` (rotary frequencies stay float32)."""
+        if not dtype.is_floating_point:
+            raise ValueError(f"to_dtype needs a floating dtype, got {dtype}")
+        converted = copy.deepcopy(self.model).to(dtype)
+        _restore_float32_buffers(converted, self.model)
+        name = f"{self.name}[{_dtype_name(dtype)}]"
+        return HFCausalLM(converted, tokenizer=self.tokenizer, name=name)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def _check_input(self, input_ids: torch.Tensor) -> tuple[int, int]:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, k], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+        batch, k = input_ids.shape
+        if k == 0:
+            raise ValueError("input_ids must hold at least one token (k >= 1)")
+        if self._batch is not None and batch != self._batch:
+            raise ValueError(
+                f"batch size changed from {self._batch} to {batch} with a non-empty cache; "
+                "reset() first"
+            )
+        limit = self.max_length
+        if limit is not None and self._length + k > limit:
+            raise ValueError(
+                f"sequence too long for {self.name}: cache {self._length} + {k} new tokens "
+                f"> max_length {limit}"
+            )
+        return batch, k
+
+    def __repr__(self) -> str:
+        return (
+            f"HFCausalLM(name={self.name!r}, layers={self.num_layers}, dtype={self.dtype}, "
+            f"cache_length={self._length})"
+        )
+
+
+def load_hf_model(
+    name_or_path: str | ResolvedModel,
+    dtype: torch.dtype = torch.float32,
+    num_layers: int | None = None,
+    *,
+    attn_implementation: str = "sdpa",
+    load_tokenizer_too: bool = True,
+) -> HFCausalLM:
+    """Load a causal LM (see :func:`speculative.models.loading.resolve_model` for specs).
+
+    num_layers: keep only the first N decoder layers (an early-exit self-drafter).
+    """
+    resolved = (
+        name_or_path if isinstance(name_or_path, ResolvedModel) else resolve_model(name_or_path)
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        resolved.path,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        **resolved.from_pretrained_kwargs(),
+    )
+    if resolved.gguf_file is not None:
+        clear_quantizer(model)  # the weights are dequantized floats already
+    tokenizer = load_tokenizer(resolved) if load_tokenizer_too else None
+    adapter = HFCausalLM(model, tokenizer=tokenizer, name=resolved.name)
+    if num_layers is not None:
+        return adapter.early_exit(num_layers)
+    return adapter
+
+
+# --------------------------------------------------------------------------- module surgery
+
+
+def _decoder(model: PreTrainedModel) -> nn.Module:
+    decoder = model.get_decoder()
+    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        raise ValueError(
+            f"{type(model).__name__} has no decoder '.layers' list; early exit is unsupported"
+        )
+    return decoder
+
+
+def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    return _decoder(model).layers
+
+
+def _shallow_copy_module(module: nn.Module) -> nn.Module:
+    """A new module object whose children/parameters are the SAME objects as ``module``'s."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    return clone
+
+
+def _truncated_config(config: Any, num_layers: int) -> Any:
+    new_config = copy.deepcopy(config)
+    text_config = new_config.get_text_config()
+    text_config.num_hidden_layers = num_layers
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:
+        text_config.layer_types = list(layer_types)[:num_layers]
+    return new_config
+
+
+def _truncate_layers(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
+    """A shallow copy of ``model`` that runs only its first ``num_layers`` decoder layers."""
+    decoder = _decoder(model)
+    child_name = _child_name(model, decoder)
+    config = _truncated_config(model.config, num_layers)
+    new_decoder = _shallow_copy_module(decoder)
+    new_decoder.layers = nn.ModuleList(list(decoder.layers)[:num_layers])
+    new_decoder.config = config.get_text_config()
+    new_model = _shallow_copy_module(model)
+    setattr(new_model, child_name, new_decoder)
+    new_model.config = config
+    return new_model
+
+
+def _child_name(model: nn.Module, child: nn.Module) -> str:
+    for name, module in model.named_children():
+        if module is child:
+            return name
+    raise ValueError(
+        f"{type(model).__name__}: decoder is not a direct child; early exit unsupported"
+    )
+
+
+def _restore_float32_buffers(converted: nn.Module, original: nn.Module) -> None:
+    """Put back float32 non-persistent buffers (rotary ``inv_freq``) that ``.to`` downcast."""
+    originals = dict(original.named_buffers())
+    for name, buffer in converted.named_buffers():
+        source = originals.get(name)
+        if source is None or source.dtype != torch.float32 or "inv_freq" not in name:
+            continue
+        owner_name, _, attribute = name.rpartition(".")
+        owner = converted.get_submodule(owner_name)
+        owner._buffers[attribute] = source.detach().clone().to(buffer.device)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,322 @@
+"""Build a target and a drafter from names, and generate text with them.
+
+This is the library's front door for real models::
+
+    from speculative import Speculator
+    spec = Speculator.load(target="default", draft="ngram")
+    out = spec.generate("Write a haiku about caches.", max_new_tokens=64)
+    print(out.text, out.stats.mean_accepted_length)
+
+``speculative.generate(prompt, ...)`` is the one-call form (it loads the models each time).
+
+Drafter names (``draft=``):
+  none          plain autoregressive decoding on the same runtime (the reference)
+  ngram         prompt lookup: copy what followed the latest match of the last n-gram
+  self-bf16     the target's own weights in bfloat16 (cheaper steps, ~98% greedy agreement)
+  self-exit:N   the target's first N layers (+ final norm and head): early exit
+  <path or id>  a separate, smaller causal LM sharing the target's vocabulary
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from speculative.drafters import Drafter, DraftModelDrafter, PromptLookupDrafter
+from speculative.engine import (
+    AdaptiveGamma,
+    GammaPolicy,
+    GenerationStats,
+    Round,
+    SpeculativeEngine,
+    StopCriteria,
+)
+from speculative.models.base import CausalLM, SupportsEarlyExit, SupportsLowPrecisionCopy
+from speculative.sampling import SamplingParams
+
+DEFAULT_PROMPT = (
+    "Explain in a short paragraph why the sky is blue, then list three everyday "
+    "examples of light scattering."
+)
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM plus what is needed to talk to it in text."""
+
+    lm: CausalLM
+    tokenizer: Any
+    name: str
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+    finish_reason: str | None
+    prompt_tokens: int
+    rounds: list[Round] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "stats": self.stats.to_dict(),
+        }
+
+
+def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """End-of-sequence ids from the tokenizer and the model's (generation) config."""
+    ids: set[int] = set()
+    sources = [getattr(tokenizer, "eos_token_id", None)]
+    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        sources.append(getattr(config, "eos_token_id", None))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def load_target(spec: str = "default", runtime: str = "hf", precision: str = "fp32") -> LoadedModel:
+    """Load a target model by name, folder, .gguf file or hub id (offline-aware)."""
+    from speculative.models.hf import load_hf_model
+
+    if runtime not in ("hf", "auto"):
+        raise ValueError(f"unknown runtime {runtime!r}; choose hf or auto")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(precision)
+    if dtype is None:
+        raise ValueError(
+            f"precision {precision!r} is not available with the hf runtime (fp32, bf16)"
+        )
+    hf = load_hf_model(spec, dtype=dtype)
+    if hf.tokenizer is None:
+        raise ValueError(f"model '{spec}' ships no tokenizer; text generation needs one")
+    return LoadedModel(
+        lm=hf, tokenizer=hf.tokenizer, name=hf.name, eos_token_ids=eos_ids(hf.model, hf.tokenizer)
+    )
+
+
+def build_drafter(spec: str | None, target: LoadedModel) -> Drafter | None:
+    """A drafter for ``target`` from its name (see the module docstring)."""
+    from speculative.models.loading import check_vocab_compatible
+
+    name = (spec or "none").strip()
+    vocab = target.lm.vocab_size
+    if name == "none":
+        return None
+    if name == "ngram":
+        return PromptLookupDrafter()
+    if name == "self-bf16":
+        return DraftModelDrafter(_low_precision(target), vocab, name)
+    if name.startswith("self-exit"):
+        layers = _parse_layers(name, target)
+        return DraftModelDrafter(_early_exit(target, layers), vocab, name)
+    draft = load_target(name)
+    check_vocab_compatible(
+        target.tokenizer, vocab, draft.tokenizer, draft.lm.vocab_size, target.name, draft.name
+    )
+    return DraftModelDrafter(draft.lm, vocab, f"draft:{draft.name}")
+
+
+def _low_precision(target: LoadedModel) -> CausalLM:
+    if not isinstance(target.lm, SupportsLowPrecisionCopy):
+        raise ValueError(f"the runtime of '{target.name}' cannot make a lower-precision copy")
+    return target.lm.to_dtype(torch.bfloat16)
+
+
+def _early_exit(target: LoadedModel, layers: int) -> CausalLM:
+    if not isinstance(target.lm, SupportsEarlyExit):
+        raise ValueError(f"the runtime of '{target.name}' does not support early exit")
+    return target.lm.early_exit(layers)
+
+
+def _parse_layers(name: str, target: LoadedModel) -> int:
+    total = target.lm.num_layers if isinstance(target.lm, SupportsEarlyExit) else None
+    _, _, value = name.partition(":")
+    if not value:
+        if total is None:
+            raise ValueError("self-exit needs a layer count, e.g. self-exit:12")
+        return max(1, total // 2)
+    try:
+        layers = int(value)
+    except ValueError:
+        raise ValueError(
+            f"self-exit wants a layer count, e.g. self-exit:12, got {name!r}"
+        ) from None
+    if layers < 1 or (total is not None and layers >= total):
+        raise ValueError(f"self-exit layer count must be in [1, {total}), got {layers}")
+    return layers
+
+
+def encode_prompt(
+    tokenizer: Any,
+    prompt: str | None = None,
+    messages: Sequence[dict[str, str]] | None = None,
+    chat: bool | None = None,
+) -> list[int]:
+    """Token ids for a prompt; ``chat`` (default: when the tokenizer has a chat template)
+    wraps it as a user message and adds the assistant generation prompt."""
+    if messages is None:
+        if prompt is None or not prompt.strip():
+            raise ValueError("the prompt is empty")
+        messages = [{"role": "user", "content": prompt}]
+    elif not messages:
+        raise ValueError("messages is empty")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    use_chat = has_template if chat is None else chat
+    if use_chat and not has_template:
+        raise ValueError("--chat needs a tokenizer with a chat template; this one has none")
+    if use_chat:
+        text = tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = "\n".join(m["content"] for m in messages)
+    return list(tokenizer(text)["input_ids"])
+
+
+def make_gamma_policy(
+    gamma: int | str, c: float = 0.3, verify_cost: dict[int, float] | None = None
+) -> GammaPolicy | int:
+    """An int, or ``"auto"`` for :class:`AdaptiveGamma` with the given cost estimates."""
+    if gamma == "auto":
+        return AdaptiveGamma(c=c, verify_cost=verify_cost or {1: 1.0, 2: 1.8})
+    if isinstance(gamma, str):
+        try:
+            gamma = int(gamma)
+        except ValueError:
+            raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}") from None
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1 or 'auto', got {gamma}")
+    return gamma
+
+
+class Speculator:
+    """A loaded target plus drafter: generate text, streaming or not."""
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafter: Drafter | None,
+        gamma: int | str = 4,
+        draft_cost: float = 0.3,
+        verify_cost: dict[int, float] | None = None,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.gamma = gamma
+        self.draft_cost = draft_cost
+        self.verify_cost = verify_cost
+
+    @classmethod
+    def load(
+        cls,
+        target: str = "default",
+        draft: str | None = "ngram",
+        gamma: int | str = 4,
+        runtime: str = "hf",
+        precision: str = "fp32",
+    ) -> Speculator:
+        loaded = load_target(target, runtime, precision)
+        return cls(loaded, build_drafter(draft, loaded), gamma)
+
+    def engine(self) -> SpeculativeEngine:
+        policy = make_gamma_policy(self.gamma, self.draft_cost, self.verify_cost)
+        return SpeculativeEngine(self.target.lm, self.drafter, policy)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.target.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[dict[str, str]] | None = None,
+        chat: bool | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: Sequence[str] = (),
+    ) -> GenerationStream:
+        """Start a generation; iterate the result for each round's emitted tokens."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        prompt_ids = encode_prompt(self.target.tokenizer, prompt, messages, chat)
+        criteria = StopCriteria(
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=self.target.eos_token_ids,
+            stop_strings=tuple(stop),
+            decode=self.decode if stop else None,
+        )
+        generator = torch.Generator().manual_seed(seed)
+        return GenerationStream(self, self.engine(), prompt_ids, params, criteria, generator)
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerationOutput:
+        """Generate to completion; keyword arguments as in :meth:`stream`."""
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        return stream.output()
+
+
+class GenerationStream:
+    """One generation in progress: iterate for rounds, then call :meth:`output`."""
+
+    def __init__(
+        self,
+        speculator: Speculator,
+        engine: SpeculativeEngine,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        criteria: StopCriteria,
+        generator: torch.Generator,
+    ) -> None:
+        self.speculator = speculator
+        self.engine = engine
+        self.prompt_ids = prompt_ids
+        self.criteria = criteria
+        self.rounds: list[Round] = []
+        self._rounds = engine.stream(prompt_ids, params, criteria, generator)
+
+    def __iter__(self) -> Iterator[Round]:
+        for round_ in self._rounds:
+            self.rounds.append(round_)
+            yield round_
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for r in self.rounds for t in r.tokens]
+
+    def output(self) -> GenerationOutput:
+        tokens = self.token_ids
+        return GenerationOutput(
+            text=self.criteria.final_text(self.speculator.decode(tokens)),
+            token_ids=tokens,
+            stats=self.engine.last_stats,
+            finish_reason=self.rounds[-1].reason if self.rounds else None,
+            prompt_tokens=len(self.prompt_ids),
+            rounds=self.rounds,
+        )
+
+
+def generate(
+    prompt: str,
+    *,
+    target: str = "default",
+    draft: str | None = "ngram",
+    gamma: int | str = 4,
+    runtime: str = "hf",
+    **kwargs: Any,
+) -> GenerationOutput:
+    """Load ``target`` and ``draft`` and generate once (use :class:`Speculator` to reuse)."""
+    return Speculator.load(target, draft, gamma, runtime).generate(prompt, **kwargs)

@@ -1,0 +1,64 @@
+"""Tiny, seeded Llama-architecture models with a word-level tokenizer, built in-process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from speculative.models.hf import HFCausalLM
+from speculative.pipeline import LoadedModel
+
+WORDS = "the a cat dog sat ran on mat rug and then it was big small red blue end".split()
+
+
+def tiny_tokenizer(words: list[str] = WORDS) -> PreTrainedTokenizerFast:
+    vocab = {"<unk>": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+
+
+def tiny_llama(
+    seed: int, vocab: int, layers: int = 2, max_positions: int = 256, scale: float = 0.2
+) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        initializer_range=scale,  # large init: peaked, seed-dependent distributions
+        tie_word_embeddings=False,
+        eos_token_id=1,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).eval()
+
+
+def tiny_loaded(seed: int = 0, layers: int = 4, vocab: int | None = None, **kw) -> LoadedModel:
+    tokenizer = tiny_tokenizer()
+    width = vocab or len(tokenizer.get_vocab())
+    lm = HFCausalLM(tiny_llama(seed, width, layers, **kw), tokenizer=tokenizer, name=f"tiny{seed}")
+    return LoadedModel(lm=lm, tokenizer=tokenizer, name=lm.name, eos_token_ids=frozenset({1}))
+
+
+def save_tiny(
+    folder: Path,
+    seed: int = 0,
+    layers: int = 2,
+    vocab: int | None = None,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    **kw,
+) -> Path:
+    tokenizer = tokenizer or tiny_tokenizer()
+    width = vocab or len(tokenizer.get_vocab())
+    tiny_llama(seed, width, layers, **kw).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
