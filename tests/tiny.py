@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from speculative.models.hf import HFCausalLM
 from speculative.pipeline import LoadedModel
 
-WORDS = "the a cat dog sat ran on mat rug and then it was big small red blue end".split()
+WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "rug", "and", "then", "it", "was", "big", "small", "red", "blue", "end"]
 
 
 def tiny_tokenizer(words: list[str] = WORDS) -> PreTrainedTokenizerFast:
