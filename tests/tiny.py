@@ -11,7 +11,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from speculative.models.hf import HFCausalLM
 from speculative.pipeline import LoadedModel
 
-WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "rug", "and", "then", "it", "was", "big", "small", "red", "blue", "end"]
+WORDS = [
+    "the", "a", "cat", "dog", "sat", "ran", "on", "mat", "rug",
+    "and", "then", "it", "was", "big", "small", "red", "blue", "end",
+]  # fmt: skip
 
 
 def tiny_tokenizer(words: list[str] = WORDS) -> PreTrainedTokenizerFast:
