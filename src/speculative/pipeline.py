@@ -19,7 +19,7 @@ Drafter names (``draft=``):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ from speculative.engine import (
     SpeculativeEngine,
     StopCriteria,
 )
-from speculative.models.base import CausalLM, SupportsEarlyExit, SupportsLowPrecisionCopy
+from speculative.models.base import CausalLM, SupportsEarlyExit
 from speculative.sampling import SamplingParams
 
 DEFAULT_PROMPT = (
@@ -45,12 +45,19 @@ DEFAULT_PROMPT = (
 
 @dataclass
 class LoadedModel:
-    """A causal LM plus what is needed to talk to it in text."""
+    """A causal LM plus what is needed to talk to it in text.
+
+    make_variant: builds the same model at another precision ("bf16", "int8", ...), used by
+    the ``self-<precision>`` drafters; ``None`` when the runtime cannot.
+    """
 
     lm: CausalLM
     tokenizer: Any
     name: str
     eos_token_ids: frozenset[int] = frozenset()
+    runtime: str = "hf"
+    precision: str = "fp32"
+    make_variant: Callable[[str], CausalLM] | None = None
 
 
 @dataclass
@@ -86,23 +93,118 @@ def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_target(spec: str = "default", runtime: str = "hf", precision: str = "fp32") -> LoadedModel:
-    """Load a target model by name, folder, .gguf file or hub id (offline-aware)."""
+RUNTIMES = ("auto", "native", "hf")
+HF_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def load_target(
+    spec: str = "default", runtime: str = "auto", precision: str = "fp32"
+) -> LoadedModel:
+    """Load a target model by name, folder, .gguf file or hub id (offline-aware).
+
+    runtime: "native" (this package's Llama-family runtime), "hf" (transformers), or
+    "auto" (native when the architecture is supported, else hf).
+    precision: fp32 or bf16 on both runtimes; int8 and int4 (weight-only) on native.
+    """
+    from speculative.models.loading import resolve_model
+
+    if runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+    resolved = resolve_model(spec)
+    if runtime == "auto":
+        runtime = "native" if native_supports(resolved.path) else "hf"
+    if runtime == "native":
+        return _load_native_target(resolved, precision)
+    return _load_hf_target(resolved, precision)
+
+
+def native_supports(folder: Any) -> bool:
+    """Whether the native runtime implements the architecture in ``folder/config.json``."""
+    import json
+    from pathlib import Path
+
+    from speculative.models.native.config import SUPPORTED_MODEL_TYPES
+
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        return False
+    return json.loads(config.read_text()).get("model_type") in SUPPORTED_MODEL_TYPES
+
+
+def _load_hf_target(resolved: Any, precision: str) -> LoadedModel:
     from speculative.models.hf import load_hf_model
 
-    if runtime not in ("hf", "auto"):
-        raise ValueError(f"unknown runtime {runtime!r}; choose hf or auto")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(precision)
+    dtype = HF_PRECISIONS.get(precision)
     if dtype is None:
         raise ValueError(
-            f"precision {precision!r} is not available with the hf runtime (fp32, bf16)"
+            f"precision {precision!r} needs the native runtime; the hf runtime has "
+            f"{', '.join(HF_PRECISIONS)}"
         )
-    hf = load_hf_model(spec, dtype=dtype)
+    hf = load_hf_model(resolved, dtype=dtype)
     if hf.tokenizer is None:
-        raise ValueError(f"model '{spec}' ships no tokenizer; text generation needs one")
+        raise ValueError(f"model '{resolved.name}' ships no tokenizer; text generation needs one")
+
+    def variant(other: str) -> CausalLM:
+        if other not in HF_PRECISIONS:
+            raise ValueError(f"the hf runtime has no {other!r} precision")
+        return hf.to_dtype(HF_PRECISIONS[other])
+
     return LoadedModel(
-        lm=hf, tokenizer=hf.tokenizer, name=hf.name, eos_token_ids=eos_ids(hf.model, hf.tokenizer)
+        lm=hf,
+        tokenizer=hf.tokenizer,
+        name=hf.name,
+        eos_token_ids=eos_ids(hf.model, hf.tokenizer),
+        runtime="hf",
+        precision=precision,
+        make_variant=variant,
     )
+
+
+def _load_native_target(resolved: Any, precision: str) -> LoadedModel:
+    from speculative.models.loading import load_tokenizer
+    from speculative.models.native import PRECISIONS, load_native
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    tokenizer = load_tokenizer(resolved)
+    if tokenizer is None:
+        raise ValueError(f"model '{resolved.name}' ships no tokenizer; text generation needs one")
+
+    def variant(other: str) -> CausalLM:
+        # int4 runs a GGUF's Q4 weights exactly as stored; other precisions load the
+        # converted float folder (much faster to read than the GGUF).
+        source = resolved.source_gguf if other == "int4" and resolved.source_gguf else resolved.path
+        return load_native(source, precision=other)
+
+    lm = variant(precision)
+    config = _read_config(resolved.path)
+    ids = eos_ids(None, tokenizer) | _config_eos(config)
+    return LoadedModel(
+        lm=lm,
+        tokenizer=tokenizer,
+        name=resolved.name,
+        eos_token_ids=ids,
+        runtime="native",
+        precision=precision,
+        make_variant=variant,
+    )
+
+
+def _read_config(folder: Any) -> dict[str, Any]:
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _config_eos(config: dict[str, Any]) -> frozenset[int]:
+    value = config.get("eos_token_id")
+    if isinstance(value, int):
+        return frozenset({value})
+    if isinstance(value, list):
+        return frozenset(int(v) for v in value)
+    return frozenset()
 
 
 def build_drafter(spec: str | None, target: LoadedModel) -> Drafter | None:
@@ -115,22 +217,19 @@ def build_drafter(spec: str | None, target: LoadedModel) -> Drafter | None:
         return None
     if name == "ngram":
         return PromptLookupDrafter()
-    if name == "self-bf16":
-        return DraftModelDrafter(_low_precision(target), vocab, name)
+    if name.startswith("self-") and not name.startswith("self-exit"):
+        precision = name.removeprefix("self-")
+        if target.make_variant is None:
+            raise ValueError(f"the runtime of '{target.name}' cannot build a {name} drafter")
+        return DraftModelDrafter(target.make_variant(precision), vocab, name)
     if name.startswith("self-exit"):
         layers = _parse_layers(name, target)
         return DraftModelDrafter(_early_exit(target, layers), vocab, name)
-    draft = load_target(name)
+    draft = load_target(name, target.runtime)
     check_vocab_compatible(
         target.tokenizer, vocab, draft.tokenizer, draft.lm.vocab_size, target.name, draft.name
     )
     return DraftModelDrafter(draft.lm, vocab, f"draft:{draft.name}")
-
-
-def _low_precision(target: LoadedModel) -> CausalLM:
-    if not isinstance(target.lm, SupportsLowPrecisionCopy):
-        raise ValueError(f"the runtime of '{target.name}' cannot make a lower-precision copy")
-    return target.lm.to_dtype(torch.bfloat16)
 
 
 def _early_exit(target: LoadedModel, layers: int) -> CausalLM:
@@ -223,7 +322,7 @@ class Speculator:
         target: str = "default",
         draft: str | None = "ngram",
         gamma: int | str = 4,
-        runtime: str = "hf",
+        runtime: str = "auto",
         precision: str = "fp32",
     ) -> Speculator:
         loaded = load_target(target, runtime, precision)
@@ -315,7 +414,7 @@ def generate(
     target: str = "default",
     draft: str | None = "ngram",
     gamma: int | str = 4,
-    runtime: str = "hf",
+    runtime: str = "auto",
     **kwargs: Any,
 ) -> GenerationOutput:
     """Load ``target`` and ``draft`` and generate once (use :class:`Speculator` to reuse)."""

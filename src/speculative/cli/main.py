@@ -6,7 +6,14 @@ import sys
 from collections.abc import Sequence
 
 from speculative import __version__
-from speculative.cli import demo_cmd, generate_cmd, simulate_cmd, theory_cmd
+from speculative.cli import (
+    bench_cmd,
+    demo_cmd,
+    generate_cmd,
+    profile_cmd,
+    simulate_cmd,
+    theory_cmd,
+)
 from speculative.cli.common import EXIT_USAGE, CliError, Formatter, Parser
 
 DESCRIPTION = """\
@@ -22,7 +29,7 @@ def build_parser() -> Parser:
     subparsers = parser.add_subparsers(
         title="commands", metavar="COMMAND", parser_class=Parser, required=True
     )
-    for command in (theory_cmd, simulate_cmd, generate_cmd, demo_cmd):
+    for command in (theory_cmd, simulate_cmd, generate_cmd, demo_cmd, profile_cmd, bench_cmd):
         command.add_parser(subparsers)
     return parser
 

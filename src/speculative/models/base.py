@@ -55,13 +55,6 @@ class CausalLM(Protocol):
 
 
 @runtime_checkable
-class SupportsLowPrecisionCopy(Protocol):
-    """A model that can make a lower-precision copy of itself (a self-drafter)."""
-
-    def to_dtype(self, dtype: torch.dtype) -> CausalLM: ...
-
-
-@runtime_checkable
 class SupportsEarlyExit(Protocol):
     """A model that can run only its first layers over the same weights (early exit)."""
 
@@ -69,3 +62,10 @@ class SupportsEarlyExit(Protocol):
     def num_layers(self) -> int: ...
 
     def early_exit(self, num_layers: int) -> CausalLM: ...
+
+
+@runtime_checkable
+class SupportsWeightBytes(Protocol):
+    """A model that knows how many bytes of weights one decode step reads."""
+
+    def weight_bytes(self) -> int: ...

@@ -109,6 +109,15 @@ class HFCausalLM:
         self._length = 0
         self._batch = None
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every parameter except the input
+        embedding table (only one row of it is read), counting a tied head once."""
+        embedding = self.model.get_input_embeddings().weight
+        head = self.model.get_output_embeddings()
+        tied = head is not None and head.weight.data_ptr() == embedding.data_ptr()
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return total if tied else total - embedding.numel() * embedding.element_size()
+
     # ----------------------------------------------------------------- derived models
 
     def early_exit(self, num_layers: int) -> HFCausalLM:

@@ -1,0 +1,147 @@
+"""Measured costs of any :class:`~speculative.models.base.CausalLM`.
+
+- ``T(k)``: wall time of one forward of ``k`` new tokens after a fixed context (the
+  verification pass scores k = γ + 1 tokens). Timings of all k are interleaved, the cache
+  is rolled back after each forward, and each k's median is kept, so machine drift hits
+  every k alike. The curve is reported as ``T(k)/T(1)`` (exactly 1 at k = 1).
+- ``c``: the draft cost, ms of one draft step ÷ ms of one target decode step, measured
+  interleaved on the same context. A model-free drafter's step is its ``propose`` call.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from speculative.drafters.base import Drafter
+from speculative.models.base import CausalLM
+from speculative.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class TargetCosts:
+    """A target's measured decode step and verify-cost curve."""
+
+    step_ms: float  # T(1) in milliseconds
+    verify_cost: dict[int, float]  # k -> T(k)/T(1), k = 1..max_k
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "step_ms": self.step_ms,
+            "verify_cost": {str(k): v for k, v in self.verify_cost.items()},
+        }
+
+
+def _ids(tokens: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([list(tokens)], dtype=torch.long)  # [1, k]
+
+
+def _timed_ms(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return (time.perf_counter() - started) * 1000.0
+
+
+def _probe_tokens(context: Sequence[int], count: int) -> list[int]:
+    """``count`` real token ids to feed after the context (the context's own, cycled)."""
+    if not context:
+        raise ValueError("the cost context must hold at least one token")
+    return [context[i % len(context)] for i in range(count)]
+
+
+def _prefill(model: CausalLM, context: Sequence[int]) -> None:
+    model.reset()
+    model.forward(_ids(context))
+
+
+def forward_ms(
+    model: CausalLM,
+    context: Sequence[int],
+    ks: Sequence[int],
+    repeats: int = 5,
+    warmup: int = 1,
+) -> dict[int, float]:
+    """Median ms of one forward of ``k`` new tokens after ``context``, for each k in ``ks``.
+
+    The k values are interleaved within each repeat; the cache is rolled back after every
+    forward and reset at the end.
+    """
+    return interleaved_forward_ms([model], context, ks, repeats, warmup)[0]
+
+
+def interleaved_forward_ms(
+    models: Sequence[CausalLM],
+    context: Sequence[int],
+    ks: Sequence[int],
+    repeats: int = 5,
+    warmup: int = 1,
+) -> list[dict[int, float]]:
+    """:func:`forward_ms` for several models, their timings interleaved with each other."""
+    if repeats < 1 or not ks or min(ks) < 1:
+        raise ValueError("need repeats >= 1 and token counts k >= 1")
+    probe = _probe_tokens(context, max(ks))
+    for model in models:
+        _prefill(model, context)
+    samples: list[dict[int, list[float]]] = [{k: [] for k in ks} for _ in models]
+    with torch.inference_mode():
+        for repeat in range(warmup + repeats):
+            for k in ks:
+                for model, times in zip(models, samples, strict=True):
+                    elapsed = _timed_ms(lambda m=model, n=k: m.forward(_ids(probe[:n])))
+                    model.rollback(k)
+                    if repeat >= warmup:
+                        times[k].append(elapsed)
+    for model in models:
+        model.reset()
+    return [{k: statistics.median(v) for k, v in times.items()} for times in samples]
+
+
+def verify_cost_curve(
+    model: CausalLM, context: Sequence[int], max_k: int, repeats: int = 5
+) -> TargetCosts:
+    """T(k)/T(1) for k = 1..max_k, measured on ``model`` after ``context``."""
+    times = forward_ms(model, context, range(1, max_k + 1), repeats)
+    step = times[1]
+    curve = {k: (1.0 if k == 1 else times[k] / step) for k in times}
+    return TargetCosts(step_ms=step, verify_cost=curve)
+
+
+def model_draft_cost(
+    draft: CausalLM, target: CausalLM, context: Sequence[int], repeats: int = 5
+) -> float:
+    """c = ms of one draft forward ÷ ms of one target decode step (interleaved medians)."""
+    draft_ms, target_ms = interleaved_forward_ms([draft, target], context, [1], repeats)
+    return draft_ms[1] / target_ms[1]
+
+
+def propose_ms(drafter: Drafter, context: Sequence[int], repeats: int = 5) -> float:
+    """Median ms of one ``propose`` of a single token after ``context`` (greedy)."""
+    params = SamplingParams(temperature=0.0)
+    generator = torch.Generator().manual_seed(0)
+    drafter.reset()
+    drafter.propose(context, 1, params, generator)  # warm-up (and catch-up for models)
+    times = [
+        _timed_ms(lambda: drafter.propose(context, 1, params, generator)) for _ in range(repeats)
+    ]
+    drafter.reset()
+    return statistics.median(times)
+
+
+def drafter_cost(
+    drafter: Drafter,
+    draft_model: CausalLM | None,
+    target: CausalLM,
+    context: Sequence[int],
+    target_step_ms: float,
+    repeats: int = 5,
+) -> float:
+    """c for a drafter: a model's forward vs the target's (interleaved), else its propose."""
+    if draft_model is not None:
+        cost = model_draft_cost(draft_model, target, context, repeats)
+        drafter.reset()  # the drafter's session must not trust the model's cache any more
+        return cost
+    return propose_ms(drafter, context, repeats) / target_step_ms

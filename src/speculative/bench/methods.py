@@ -1,0 +1,217 @@
+"""The configurations a benchmark compares: our engine (runtime × drafter × γ schedule) and
+the transformers peers (``model.generate`` plain, assisted and prompt-lookup).
+
+Every configuration runs one greedy generation of given prompt ids and reports the new
+tokens and the wall time (prefill included), so all of them are measured alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from speculative.drafters import Drafter, DraftModelDrafter, PromptLookupDrafter
+from speculative.engine import (
+    FixedGamma,
+    GammaPolicy,
+    GenerationStats,
+    HeuristicGamma,
+    SpeculativeEngine,
+    StopCriteria,
+)
+from speculative.models.base import CausalLM
+from speculative.pipeline import LoadedModel, make_gamma_policy
+from speculative.sampling import SamplingParams
+
+PLAIN = "plain"
+OURS = "speculative"
+TRANSFORMERS = "transformers"
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class RunRecord:
+    """One generation: the new tokens, its wall time and (ours only) the engine's stats."""
+
+    tokens: list[int]
+    seconds: float
+    stats: GenerationStats | None = None
+
+
+class Method(Protocol):
+    """One benchmarked configuration."""
+
+    name: str
+    runtime: str
+    family: str  # "plain" or the drafter's name: pairs ours with the transformers peer
+    gamma: str  # "-" (no drafting), a fixed value, "auto" or "heuristic"
+    engine: str  # OURS or TRANSFORMERS
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunRecord: ...
+
+
+# --------------------------------------------------------------------------- γ schedules
+
+PolicyFactory = Callable[[float, dict[int, float]], GammaPolicy | int]
+
+SCHEDULES: dict[str, PolicyFactory] = {
+    "auto": lambda c, curve: make_gamma_policy("auto", c, curve),
+    "heuristic": lambda c, curve: HeuristicGamma(),
+}
+
+
+@dataclass(frozen=True)
+class GammaChoice:
+    """A γ setting: ``label`` as typed (``4``, ``auto``, ``heuristic``) and how to build it."""
+
+    label: str
+    fixed: int | None = None
+
+    def policy(self, c: float, curve: dict[int, float]) -> GammaPolicy | int:
+        if self.fixed is not None:
+            return FixedGamma(self.fixed)
+        return SCHEDULES[self.label](c, curve)
+
+
+def parse_gamma_choices(values: Sequence[str]) -> list[GammaChoice]:
+    """``["2", "4", "auto", "heuristic"]`` → choices; anything else is a ValueError."""
+    choices = []
+    for value in dict.fromkeys(v.strip() for v in values):
+        if value in SCHEDULES:
+            choices.append(GammaChoice(value))
+            continue
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(
+                f"--gamma values must be integers >= 1, 'auto' or 'heuristic'; got {value!r}"
+            ) from None
+        if number < 1:
+            raise ValueError(f"--gamma values must be >= 1, got {number}")
+        choices.append(GammaChoice(value, number))
+    if not choices:
+        raise ValueError("give at least one --gamma value")
+    return choices
+
+
+def max_fixed_gamma(choices: Sequence[GammaChoice], default: int = 4) -> int:
+    fixed = [c.fixed for c in choices if c.fixed is not None]
+    return max(fixed) if fixed else default
+
+
+# --------------------------------------------------------------------------- our engine
+
+
+@dataclass
+class EngineMethod:
+    """Our engine on one runtime with one drafter (None: plain decoding) and γ schedule."""
+
+    name: str
+    runtime: str
+    family: str
+    gamma: str
+    target: LoadedModel
+    drafter: Drafter | None
+    make_policy: Callable[[], GammaPolicy | int]
+    engine: str = OURS
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunRecord:
+        # A fresh engine per run: its target session starts from a reset cache, so runs of
+        # different methods sharing one model never see each other's cache.
+        engine = SpeculativeEngine(self.target.lm, self.drafter, self.make_policy())
+        criteria = StopCriteria(max_new_tokens, eos_token_ids=self.target.eos_token_ids)
+        generator = torch.Generator().manual_seed(0)
+        started = time.perf_counter()
+        result = engine.generate(list(prompt_ids), GREEDY, criteria, generator)
+        seconds = time.perf_counter() - started
+        return RunRecord(tokens=result.token_ids, seconds=seconds, stats=result.stats)
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def transformers_model(lm: CausalLM) -> Any | None:
+    """The transformers ``PreTrainedModel`` behind a CausalLM, if it has one."""
+    from transformers import PreTrainedModel
+
+    model = getattr(lm, "model", None)
+    return model if isinstance(model, PreTrainedModel) else None
+
+
+@dataclass
+class GeneratePeer:
+    """transformers' ``model.generate`` (greedy) with the given extra keyword arguments."""
+
+    name: str
+    family: str
+    gamma: str
+    model: Any  # transformers PreTrainedModel
+    eos_token_ids: frozenset[int]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    runtime: str = "hf"
+    engine: str = TRANSFORMERS
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunRecord:
+        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # [1, n]
+        eos = sorted(self.eos_token_ids)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            output = self.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos or None,
+                pad_token_id=eos[0] if eos else None,
+                **self.kwargs,
+            )  # [1, n + new]
+        seconds = time.perf_counter() - started
+        new = output[0, input_ids.shape[1] :].tolist()
+        return RunRecord(tokens=cut_at_eos(new, self.eos_token_ids), seconds=seconds)
+
+
+def cut_at_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
+    """Tokens up to and including the first end-of-sequence token."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def peer_for(
+    drafter: Drafter | None, family: str, target: LoadedModel, lookup_tokens: int, runtime: str
+) -> GeneratePeer | None:
+    """transformers' equivalent of a drafter, or None when it has none (or no HF model).
+
+    ``runtime`` names the loaded target whose prompt ids and plain outputs the peer shares.
+    """
+    model = transformers_model(target.lm)
+    if model is None:
+        return None
+    eos = target.eos_token_ids
+    if drafter is None:
+        return GeneratePeer("transformers/generate", PLAIN, "-", model, eos, runtime=runtime)
+    if isinstance(drafter, PromptLookupDrafter):
+        kwargs = {
+            "prompt_lookup_num_tokens": lookup_tokens,
+            "max_matching_ngram_size": drafter.max_ngram,
+        }
+        name = f"transformers/prompt-lookup:{lookup_tokens}"
+        return GeneratePeer(name, family, str(lookup_tokens), model, eos, kwargs, runtime)
+    if isinstance(drafter, DraftModelDrafter):
+        assistant = transformers_model(drafter.session.model)
+        if assistant is None:
+            return None
+        kwargs = {"assistant_model": assistant}
+        name = f"transformers/assisted:{family}"
+        return GeneratePeer(name, family, "hf", model, eos, kwargs, runtime)
+    return None
+
+
+def draft_model_of(drafter: Drafter | None) -> CausalLM | None:
+    """The CausalLM a model-based drafter runs, else None."""
+    return drafter.session.model if isinstance(drafter, DraftModelDrafter) else None

@@ -1,0 +1,303 @@
+"""Run the benchmark: load, measure costs, then run every configuration on every prompt.
+
+Configurations are interleaved prompt by prompt (for each prompt and repeat, every
+configuration runs once), so drift of a shared machine hits all of them alike. Each
+configuration is warmed up once before measuring; a prompt's time is the median of its
+repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from speculative.bench.costs import TargetCosts, drafter_cost, verify_cost_curve
+from speculative.bench.methods import (
+    OURS,
+    PLAIN,
+    EngineMethod,
+    GammaChoice,
+    Method,
+    RunRecord,
+    draft_model_of,
+    max_fixed_gamma,
+    peer_for,
+)
+from speculative.bench.prompts import BenchPrompt
+from speculative.drafters import Drafter
+from speculative.engine import GenerationStats
+from speculative.pipeline import LoadedModel, build_drafter, encode_prompt, load_target
+
+Loader = Callable[[str, str, str], LoadedModel]
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What to compare, on which model, with which budget."""
+
+    target: str = "default"
+    runtimes: tuple[str, ...] = ("hf",)
+    precision: str = "fp32"
+    drafters: tuple[str, ...] = ("ngram", "self-bf16")
+    gammas: tuple[GammaChoice, ...] = (
+        GammaChoice("2", 2),
+        GammaChoice("4", 4),
+        GammaChoice("auto"),
+        GammaChoice("heuristic"),
+    )
+    peers: bool = True
+    max_new_tokens: int = 128
+    repeats: int = 3
+    warmup_tokens: int = 16
+    cost_repeats: int = 7
+    cost_context_tokens: int = 128
+    min_curve_k: int = 9  # measure T(k) at least up to here (adaptive γ may go past max γ)
+    chat: bool | None = None
+    progress: bool = True
+
+
+@dataclass
+class RuntimeCosts:
+    """Measured costs on one runtime: the target's curve and each drafter's c."""
+
+    target: TargetCosts
+    draft_cost: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        return {**self.target.to_dict(), "draft_cost": dict(self.draft_cost)}
+
+
+@dataclass
+class Measurement:
+    """One configuration on one prompt: tokens and stats of the first run, all run times."""
+
+    method: str
+    prompt_index: int
+    category: str
+    tokens: list[int]
+    seconds: list[float]
+    stats: GenerationStats | None
+
+    @property
+    def median_seconds(self) -> float:
+        return statistics.median(self.seconds)
+
+
+@dataclass
+class Mismatch:
+    method: str
+    prompt_index: int
+    category: str
+    first_difference: int  # index of the first differing new token
+    reference_length: int
+    length: int
+
+    def describe(self) -> str:
+        return (
+            f"OUTPUT MISMATCH: {self.method} on prompt {self.prompt_index} ({self.category}) "
+            f"differs from plain decoding at new token {self.first_difference} "
+            f"({self.length} vs {self.reference_length} tokens)"
+        )
+
+
+@dataclass
+class BenchRun:
+    """Everything measured: the configurations, their measurements and the costs."""
+
+    settings: BenchSettings
+    model: str
+    prompts: list[BenchPrompt]
+    methods: list[Method]
+    measurements: list[Measurement]
+    costs: dict[str, RuntimeCosts]
+    mismatches: list[Mismatch]
+    prompt_tokens: list[int]
+
+
+@dataclass
+class RuntimeSetup:
+    """A loaded target on one runtime with its drafters."""
+
+    runtime: str
+    target: LoadedModel
+    drafters: dict[str, Drafter | None]
+
+
+def load_runtimes(settings: BenchSettings, loader: Loader) -> list[RuntimeSetup]:
+    setups = []
+    for runtime in settings.runtimes:
+        target = loader(settings.target, runtime, settings.precision)
+        drafters: dict[str, Drafter | None] = {PLAIN: None}
+        for spec in settings.drafters:
+            drafters[spec] = build_drafter(spec, target)
+        setups.append(RuntimeSetup(runtime, target, drafters))
+    return setups
+
+
+def cost_context(target: LoadedModel, prompt: BenchPrompt, settings: BenchSettings) -> list[int]:
+    ids = encode_prompt(target.tokenizer, prompt.prompt, prompt.messages, settings.chat)
+    return ids[: settings.cost_context_tokens]
+
+
+def measure_costs(
+    setup: RuntimeSetup, context: Sequence[int], settings: BenchSettings
+) -> RuntimeCosts:
+    max_k = max(max_fixed_gamma(settings.gammas) + 1, settings.min_curve_k)
+    target_costs = verify_cost_curve(setup.target.lm, context, max_k, settings.cost_repeats)
+    costs = RuntimeCosts(target_costs)
+    for name, drafter in setup.drafters.items():
+        if drafter is None:
+            continue
+        costs.draft_cost[name] = drafter_cost(
+            drafter,
+            draft_model_of(drafter),
+            setup.target.lm,
+            context,
+            target_costs.step_ms,
+            settings.cost_repeats,
+        )
+    return costs
+
+
+def build_methods(
+    setup: RuntimeSetup, costs: RuntimeCosts, settings: BenchSettings, with_peers: bool
+) -> list[Method]:
+    """Plain decoding, every drafter × γ on this runtime, then the transformers peers."""
+    methods: list[Method] = []
+    curve = costs.target.verify_cost
+    for family, drafter in setup.drafters.items():
+        if drafter is None:
+            methods.append(
+                EngineMethod(
+                    f"{setup.runtime}/plain", setup.runtime, PLAIN, "-", setup.target, None,
+                    lambda: 0,
+                )
+            )  # fmt: skip
+            continue
+        c = costs.draft_cost[family]
+        for choice in settings.gammas:
+            methods.append(
+                EngineMethod(
+                    name=f"{setup.runtime}/{family}/γ={choice.label}",
+                    runtime=setup.runtime,
+                    family=family,
+                    gamma=choice.label,
+                    target=setup.target,
+                    drafter=drafter,
+                    make_policy=lambda ch=choice, c=c: ch.policy(c, curve),
+                )
+            )
+    if with_peers:
+        lookup = max_fixed_gamma(settings.gammas)
+        for family, drafter in setup.drafters.items():
+            peer = peer_for(drafter, family, setup.target, lookup, setup.runtime)
+            if peer is not None:
+                methods.append(peer)
+    return methods
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_outputs(methods: Sequence[Method], measurements: Sequence[Measurement]) -> list[Mismatch]:
+    """Compare every configuration's tokens with plain decoding on its runtime."""
+    by_name = {m.name: m for m in methods}
+    reference = {
+        (by_name[x.method].runtime, x.prompt_index): x.tokens
+        for x in measurements
+        if by_name[x.method].family == PLAIN and by_name[x.method].gamma == "-"
+        and by_name[x.method].engine == OURS
+    }  # fmt: skip
+    mismatches = []
+    for x in measurements:
+        ref = reference.get((by_name[x.method].runtime, x.prompt_index))
+        if ref is None:
+            continue
+        index = first_difference(ref, x.tokens)
+        if index is not None:
+            mismatches.append(
+                Mismatch(x.method, x.prompt_index, x.category, index, len(ref), len(x.tokens))
+            )
+    return mismatches
+
+
+def measure(
+    methods: Sequence[Method],
+    prompts: Sequence[BenchPrompt],
+    prompt_ids: dict[str, list[list[int]]],
+    settings: BenchSettings,
+) -> list[Measurement]:
+    """Warm every configuration up, then run them interleaved prompt by prompt."""
+    for method in methods:
+        method.run(prompt_ids[method.runtime][0], settings.warmup_tokens)
+    total = len(prompts) * settings.repeats * len(methods)
+    bar = tqdm(
+        total=total, desc="bench", unit="run", file=sys.stderr, disable=not settings.progress
+    )
+    measurements = []
+    with bar:
+        for index, prompt in enumerate(prompts):
+            records: dict[str, list[RunRecord]] = {m.name: [] for m in methods}
+            for _ in range(settings.repeats):
+                for method in methods:
+                    ids = prompt_ids[method.runtime][index]
+                    records[method.name].append(method.run(ids, settings.max_new_tokens))
+                    bar.update(1)
+            for method in methods:
+                runs = records[method.name]
+                first = runs[0]
+                measurements.append(
+                    Measurement(
+                        method=method.name,
+                        prompt_index=index,
+                        category=prompt.category,
+                        tokens=first.tokens,
+                        seconds=[r.seconds for r in runs],
+                        stats=first.stats,
+                    )
+                )
+    return measurements
+
+
+def run_bench(
+    settings: BenchSettings, prompts: Sequence[BenchPrompt], loader: Loader = load_target
+) -> BenchRun:
+    """Load the target on every runtime, measure costs, then benchmark every configuration."""
+    if not prompts:
+        raise ValueError("no prompts to benchmark")
+    setups = load_runtimes(settings, loader)
+    prompt_ids = {
+        s.runtime: [
+            encode_prompt(s.target.tokenizer, p.prompt, p.messages, settings.chat) for p in prompts
+        ]
+        for s in setups
+    }
+    costs: dict[str, RuntimeCosts] = {}
+    methods: list[Method] = []
+    peers_done = not settings.peers
+    for setup in setups:
+        context = cost_context(setup.target, prompts[0], settings)
+        costs[setup.runtime] = measure_costs(setup, context, settings)
+        ours = build_methods(setup, costs[setup.runtime], settings, with_peers=not peers_done)
+        peers_done = peers_done or any(m.engine != OURS for m in ours)
+        methods.extend(ours)
+    measurements = measure(methods, prompts, prompt_ids, settings)
+    mismatches = check_outputs(methods, measurements)
+    return BenchRun(
+        settings=settings,
+        model=setups[0].target.name,
+        prompts=list(prompts),
+        methods=methods,
+        measurements=measurements,
+        costs=costs,
+        mismatches=mismatches,
+        prompt_tokens=[len(ids) for ids in prompt_ids[setups[0].runtime]],
+    )

@@ -1,0 +1,206 @@
+"""`speculative bench`: speed of every method on a prompt suite, against transformers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from speculative.cli.common import Formatter, add_json_flag, emit_json, positive_int
+
+DESCRIPTION = """\
+Benchmark lossless speculative decoding on a prompt suite (greedy decoding).
+
+Compared on the same prompts, model and token budget:
+  plain                  our plain autoregressive decoding (the reference)
+  DRAFTER × γ            every drafter (--drafters, plus any --draft) with every --gamma:
+                         fixed values, 'auto' (adaptive γ from the measured draft cost c and
+                         verify-cost curve T(k)) and 'heuristic' (transformers' +2/−1 schedule)
+  × runtime              every --runtime given
+  transformers peers     model.generate() plain, with assistant_model= (the bf16 copy or the
+                         draft model) and with prompt_lookup_num_tokens= (ngram's equivalent)
+
+The built-in suite has 80 prompts written for this project in 8 categories (multi-turn
+chat, translation, summarization, question answering, math reasoning, retrieval QA, code
+completion, code editing); --prompts FILE takes your own JSONL with one object per line:
+{"category": ..., "prompt": ...} or {"category": ..., "messages": [{"role", "content"}...]}.
+
+Configurations are interleaved prompt by prompt (drift on a shared machine hits all of
+them alike); after one warm-up run each, a prompt's time is the median of --repeats runs.
+Reported per category and overall: tokens/s, speedup vs plain and vs transformers' same
+method, acceptance α, mean accepted length τ, acceptance by draft position, the measured
+c and T(k)/T(1), the speedups the seed formula and the generalized one predict, and
+realized ÷ predicted. Every output is checked token for token against plain decoding.
+
+Running time (measured with SmolLM2-135M on 2 shared CPU cores, --threads 1, ~70 ms a
+decode step): --quick (1 prompt per category, 32 new tokens, γ 4/auto/heuristic, 1 repeat,
+10 configurations = 80 measured generations) takes about 4 minutes. The full mode (80
+prompts, 128 new tokens, γ 2/4/auto/heuristic, 3 repeats, 12 configurations ≈ 2900
+generations of up to 128 tokens) takes roughly 8 hours there; trim it with
+--per-category, --repeats, --max-new-tokens and --gamma.
+"""
+
+
+@dataclass(frozen=True)
+class ModeDefaults:
+    """Defaults of options left unset, for the full and the --quick mode."""
+
+    per_category: int | None
+    max_new_tokens: int
+    gammas: tuple[str, ...]
+    repeats: int
+    cost_repeats: int
+    warmup_tokens: int
+
+
+# Renders as nothing, and stops the Formatter appending "(default: None)" to the help line.
+NO_DEFAULT = "%(default).0s"
+
+FULL = ModeDefaults(None, 128, ("2", "4", "auto", "heuristic"), 3, 7, 16)
+QUICK = ModeDefaults(1, 32, ("4", "auto", "heuristic"), 1, 3, 8)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark methods, γ schedules and transformers' generate() on a prompt suite",
+        description=DESCRIPTION,
+        formatter_class=Formatter,
+    )
+    parser.add_argument(
+        "--target",
+        default="default",
+        help="target model: 'default' (SmolLM2-135M-Instruct), a folder, a .gguf or a hub id",
+    )
+    parser.add_argument(
+        "--runtime", nargs="+", default=["hf"], help="runtimes to compare (each one a config)"
+    )
+    parser.add_argument("--precision", default="fp32", help="target weight precision")
+    parser.add_argument(
+        "--drafters",
+        nargs="*",
+        default=["ngram", "self-bf16"],
+        help="built-in drafters to compare (none: only --draft ones)",
+    )
+    parser.add_argument(
+        "--draft",
+        nargs="+",
+        default=[],
+        metavar="SPEC",
+        help="extra drafters: self-exit:N, or a draft model's folder / hub id" + NO_DEFAULT,
+    )
+    parser.add_argument(
+        "--gamma",
+        nargs="+",
+        default=None,
+        metavar="G",
+        help="γ settings: integers, 'auto', 'heuristic' (default: 2 4 auto heuristic; "
+        "quick: 4 auto heuristic)" + NO_DEFAULT,
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=None,
+        help="token budget per prompt (default 128; quick: 32)" + NO_DEFAULT,
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=None,
+        help="runs per prompt (default 3; quick: 1)" + NO_DEFAULT,
+    )
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="JSONL prompt file (default: the built-in suite)" + NO_DEFAULT,
+    )
+    parser.add_argument(
+        "--per-category",
+        type=positive_int,
+        default=None,
+        help="use only the first N prompts of each category (default all; quick: 1)" + NO_DEFAULT,
+    )
+    parser.add_argument(
+        "--no-peers", action="store_true", help="skip transformers' generate() configurations"
+    )
+    chat = parser.add_mutually_exclusive_group()
+    chat.add_argument(
+        "--chat", dest="chat", action="store_true", default=None,
+        help="wrap prompts in the chat template (default if the model has one)" + NO_DEFAULT,
+    )  # fmt: skip
+    chat.add_argument(
+        "--no-chat", dest="chat", action="store_false", help="raw prompts" + NO_DEFAULT
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch intra-op threads (1 is steadiest on a shared CPU)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a few-minute smoke run (see above)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write bench.json, report.md and PNG plots here" + NO_DEFAULT,
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_json_flag(parser)
+    parser.set_defaults(run=run)
+
+
+def settings_from_args(args: argparse.Namespace):
+    from speculative.bench import BenchSettings, parse_gamma_choices
+
+    mode = QUICK if args.quick else FULL
+    drafters = tuple(dict.fromkeys([d for d in args.drafters if d != "none"] + args.draft))
+    return BenchSettings(
+        target=args.target,
+        runtimes=tuple(dict.fromkeys(args.runtime)),
+        precision=args.precision,
+        drafters=drafters,
+        gammas=tuple(parse_gamma_choices(args.gamma or mode.gammas)),
+        peers=not args.no_peers,
+        max_new_tokens=args.max_new_tokens or mode.max_new_tokens,
+        repeats=args.repeats or mode.repeats,
+        warmup_tokens=mode.warmup_tokens,
+        cost_repeats=mode.cost_repeats,
+        chat=args.chat,
+        progress=not args.no_progress,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from speculative.bench import (
+        load_prompts,
+        payload,
+        run_bench,
+        summarize,
+        terminal_report,
+        write_outputs,
+    )
+    from speculative.bench.prompts import take_per_category
+
+    settings = settings_from_args(args)  # validates --gamma before loading anything
+    mode = QUICK if args.quick else FULL
+    prompts = take_per_category(load_prompts(args.prompts), args.per_category or mode.per_category)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        bench = run_bench(settings, prompts)
+    finally:
+        torch.set_num_threads(threads)
+    rows = summarize(bench)
+    for mismatch in bench.mismatches:
+        print(f"speculative: warning: {mismatch.describe()}", file=sys.stderr)
+    print(terminal_report(bench, rows))
+    if args.out is not None:
+        written = write_outputs(bench, rows, args.out)
+        print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    if args.json:
+        emit_json(payload(bench, rows))
+    return 0

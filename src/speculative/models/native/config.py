@@ -1,0 +1,127 @@
+"""Architecture hyper-parameters of a Llama-family model, read from HF or GGUF metadata."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (``rope_type == "llama3"``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class NativeConfig:
+    """The shape of a Llama/Mistral/Qwen2-style decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+
+
+def config_from_hf(raw: dict[str, Any]) -> NativeConfig:
+    """Build a config from a Hugging Face ``config.json`` dictionary."""
+    model_type = raw.get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; the native runtime handles "
+            f"{sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"only SwiGLU (hidden_act='silu') is supported, got {raw['hidden_act']!r}")
+    num_heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    head_dim = raw.get("head_dim") or hidden // num_heads
+    rope_params = raw.get("rope_parameters") or {}
+    rope_theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    scaling_raw = raw.get("rope_scaling") or rope_params
+    return NativeConfig(
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+        rope_scaling=rope_scaling_from_dict(scaling_raw),
+        max_position_embeddings=raw.get("max_position_embeddings"),
+    )
+
+
+def rope_scaling_from_dict(raw: dict[str, Any] | None) -> RopeScaling | None:
+    """Parse ``rope_scaling``; only ``default`` and ``llama3`` are supported."""
+    if not raw:
+        return None
+    kind = raw.get("rope_type", raw.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, llama3")
+    return RopeScaling(
+        factor=float(raw["factor"]),
+        low_freq_factor=float(raw["low_freq_factor"]),
+        high_freq_factor=float(raw["high_freq_factor"]),
+        original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+    )
+
+
+def rope_inverse_frequencies(config: NativeConfig) -> torch.Tensor:
+    """Per-pair rotation frequencies, with llama3 scaling applied. Returns [head_dim // 2]."""
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)  # [head_dim // 2]
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # [head_dim // 2]
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)

