@@ -300,14 +300,19 @@ def make_gamma_policy(
 
 
 class Speculator:
-    """A loaded target plus drafter: generate text, streaming or not."""
+    """A loaded target plus drafter: generate text, streaming or not.
+
+    gamma: drafted tokens per round, or "auto" (:class:`AdaptiveGamma`). With "auto" and no
+    ``draft_cost`` / ``verify_cost`` given, both are measured on first use (a few seconds):
+    the draft cost c and the target's verify-cost curve T(k)/T(1).
+    """
 
     def __init__(
         self,
         target: LoadedModel,
         drafter: Drafter | None,
         gamma: int | str = 4,
-        draft_cost: float = 0.3,
+        draft_cost: float | None = None,
         verify_cost: dict[int, float] | None = None,
     ) -> None:
         self.target = target
@@ -328,8 +333,26 @@ class Speculator:
         loaded = load_target(target, runtime, precision)
         return cls(loaded, build_drafter(draft, loaded), gamma)
 
+    def calibrate(self, max_k: int = 13, repeats: int = 3) -> None:
+        """Measure the draft cost c and the verify-cost curve T(k)/T(1) on this machine."""
+        from speculative.engine.costs import drafter_cost, verify_cost_curve
+
+        vocab = self.target.lm.vocab_size
+        context = [(i * 7919) % vocab for i in range(64)]
+        costs = verify_cost_curve(self.target.lm, context, max_k, repeats)
+        self.verify_cost = costs.verify_cost
+        if self.drafter is None:
+            self.draft_cost = 0.0
+            return
+        model = self.drafter.session.model if isinstance(self.drafter, DraftModelDrafter) else None
+        self.draft_cost = drafter_cost(
+            self.drafter, model, self.target.lm, context, costs.step_ms, repeats
+        )
+
     def engine(self) -> SpeculativeEngine:
-        policy = make_gamma_policy(self.gamma, self.draft_cost, self.verify_cost)
+        if self.gamma == "auto" and (self.draft_cost is None or self.verify_cost is None):
+            self.calibrate()
+        policy = make_gamma_policy(self.gamma, self.draft_cost or 0.0, self.verify_cost)
         return SpeculativeEngine(self.target.lm, self.drafter, policy)
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -1,7 +1,12 @@
 """`speculative bench`: compare plain decoding, our drafters × γ schedules × runtimes and
 transformers' own generate() on a prompt suite, with measured costs and predictions."""
 
-from speculative.bench.costs import (
+from speculative.bench.methods import GammaChoice, parse_gamma_choices
+from speculative.bench.output import write_outputs
+from speculative.bench.prompts import BenchPrompt, load_prompts, parse_prompts
+from speculative.bench.report import ResultRow, payload, summarize, terminal_report
+from speculative.bench.runner import BenchRun, BenchSettings, run_bench
+from speculative.engine.costs import (
     TargetCosts,
     drafter_cost,
     forward_ms,
@@ -9,11 +14,6 @@ from speculative.bench.costs import (
     model_draft_cost,
     verify_cost_curve,
 )
-from speculative.bench.methods import GammaChoice, parse_gamma_choices
-from speculative.bench.output import write_outputs
-from speculative.bench.prompts import BenchPrompt, load_prompts, parse_prompts
-from speculative.bench.report import ResultRow, payload, summarize, terminal_report
-from speculative.bench.runner import BenchRun, BenchSettings, run_bench
 
 __all__ = [
     "BenchPrompt",

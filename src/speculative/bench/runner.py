@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from speculative.bench.costs import TargetCosts, drafter_cost, verify_cost_curve
 from speculative.bench.methods import (
     OURS,
     PLAIN,
@@ -30,6 +29,7 @@ from speculative.bench.methods import (
 from speculative.bench.prompts import BenchPrompt
 from speculative.drafters import Drafter
 from speculative.engine import GenerationStats
+from speculative.engine.costs import TargetCosts, drafter_cost, verify_cost_curve
 from speculative.pipeline import LoadedModel, build_drafter, encode_prompt, load_target
 
 Loader = Callable[[str, str, str], LoadedModel]

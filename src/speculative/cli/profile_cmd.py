@@ -63,8 +63,8 @@ def weight_bytes_of(lm: object) -> int | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from speculative.bench.costs import drafter_cost, interleaved_forward_ms
     from speculative.drafters import DraftModelDrafter
+    from speculative.engine.costs import drafter_cost, interleaved_forward_ms
     from speculative.pipeline import build_drafter, load_target
 
     if args.threads:
