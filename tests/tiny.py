@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from speculative.models.hf import HFCausalLM
-from speculative.pipeline import LoadedModel
+from speculative.pipeline import LoadedModel, hf_loaded
 
 WORDS = [
     "the", "a", "cat", "dog", "sat", "ran", "on", "mat", "rug",
@@ -49,7 +49,7 @@ def tiny_loaded(seed: int = 0, layers: int = 4, vocab: int | None = None, **kw) 
     tokenizer = tiny_tokenizer()
     width = vocab or len(tokenizer.get_vocab())
     lm = HFCausalLM(tiny_llama(seed, width, layers, **kw), tokenizer=tokenizer, name=f"tiny{seed}")
-    return LoadedModel(lm=lm, tokenizer=tokenizer, name=lm.name, eos_token_ids=frozenset({1}))
+    return hf_loaded(lm, eos=frozenset({1}))
 
 
 def save_tiny(

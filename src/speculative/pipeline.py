@@ -143,6 +143,11 @@ def _load_hf_target(resolved: Any, precision: str) -> LoadedModel:
     hf = load_hf_model(resolved, dtype=dtype)
     if hf.tokenizer is None:
         raise ValueError(f"model '{resolved.name}' ships no tokenizer; text generation needs one")
+    return hf_loaded(hf, precision)
+
+
+def hf_loaded(hf: Any, precision: str = "fp32", eos: frozenset[int] | None = None) -> LoadedModel:
+    """Wrap an :class:`~speculative.models.hf.HFCausalLM` (its tokenizer attached)."""
 
     def variant(other: str) -> CausalLM:
         if other not in HF_PRECISIONS:
@@ -153,7 +158,7 @@ def _load_hf_target(resolved: Any, precision: str) -> LoadedModel:
         lm=hf,
         tokenizer=hf.tokenizer,
         name=hf.name,
-        eos_token_ids=eos_ids(hf.model, hf.tokenizer),
+        eos_token_ids=eos_ids(hf.model, hf.tokenizer) if eos is None else eos,
         runtime="hf",
         precision=precision,
         make_variant=variant,

@@ -3,6 +3,12 @@
 Every layer maps float32 activations ``[tokens, in]`` to float32 ``[tokens, out]``; what
 happens in between (weight format, activation dtype, kernel) defines the precision. Weights
 are packed once at construction so no call re-packs or re-casts them.
+
+Row invariance: every layer returns, for each row, bitwise the same values whatever the
+number of rows in the call (speculative verification over k tokens must reproduce k single
+decode steps exactly). The oneDNN bf16, int8 and int4 kernels are row invariant as they
+are; MKL's fp32 path is not at one row (it switches to a gemv with another summation
+order), so ``Fp32Linear`` runs a single row as two.
 """
 
 from __future__ import annotations
@@ -39,7 +45,11 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 
 
 class Fp32Linear:
-    """float32 weights, packed once for MKL's sgemm (no per-call repacking)."""
+    """float32 weights, packed once for MKL's sgemm (no per-call repacking).
+
+    MKL computes a one-row product with a gemv whose rounding differs from its gemm, so
+    a single row is duplicated to two; results then agree bitwise for 1 to 16 rows.
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         # weight: [out, in] float32; bias: [out] or None
@@ -52,9 +62,14 @@ class Fp32Linear:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in]
+        rows = x.shape[0]
+        if rows == 1:
+            x = x.expand(2, -1).contiguous()  # keep the gemm path (row invariance)
         if self._packed is None:
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        return torch.ops.mkl._mkl_linear(x, self._packed, self.weight, self.bias, x.shape[0])
+            y = torch.nn.functional.linear(x, self.weight, self.bias)
+        else:
+            y = torch.ops.mkl._mkl_linear(x, self._packed, self.weight, self.bias, x.shape[0])
+        return y[:1] if rows == 1 else y
 
     def weight_bytes(self) -> int:
         return _nbytes(self.weight, self.bias)

@@ -8,6 +8,12 @@ four weight passes.
 Cache slots are filled in call order (slot = cache_length + j for the j-th new token);
 RoPE positions are a separate input, so a token tree can be verified in one call by
 passing its depth-based ``position_ids`` and an ancestor ``attention_mask``.
+
+k-invariance: the logits of a token do not depend on how many tokens share its forward
+(a block of k for speculative verification or one decode step at a time). Every op works
+row by row with kernels whose per-row result does not depend on the row count, and
+attention reduces over keys in fixed chunks of ``KEY_CHUNK`` cache slots (masked slots
+contribute exact zeros), so block and step forwards agree bitwise.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from speculative.models.native.config import NativeConfig, rope_inverse_frequenc
 from speculative.models.native.linear import PRECISIONS, PackedLinear, make_linear
 from speculative.models.native.loading import Checkpoint, Weight, rope_interleave_index
 from speculative.models.native.quant import GroupQuant4
+
+KEY_CHUNK = 128  # cache slots per attention chunk; attention reads whole chunks
 
 
 @dataclass
@@ -122,7 +130,10 @@ class NativeLlama:
         self.rotations = torch.polar(torch.ones_like(angles), angles)  # [max_length, d/2]
         self._length = 0
         self._batch = 0
-        self.k_cache = torch.empty(0)  # [layers, batch, kv_heads, max_length, head_dim]
+        self._chunks = -(-max_length // KEY_CHUNK)
+        # [layers, batch, chunks, kv_heads, KEY_CHUNK, head_dim]; slot s lives in chunk
+        # s // KEY_CHUNK at offset s % KEY_CHUNK. Zero-initialised, so unused slots are finite.
+        self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
     # ---- protocol -------------------------------------------------------------------
@@ -164,10 +175,12 @@ class NativeLlama:
         self._ensure_cache(batch)
         positions = self._positions(position_ids, batch, k, start)  # [batch, k]
         rotation = self.rotations[positions].unsqueeze(2)  # [batch, k, 1, head_dim / 2]
-        mask = self._visibility(attention_mask, k, start)  # [k, start + k] bool or None
+        mask = self._visibility(attention_mask, k, start)  # [k, chunks * KEY_CHUNK] bool
+        slots = torch.arange(start, start + k)
+        slots = (slots // KEY_CHUNK, slots % KEY_CHUNK)  # (chunk, offset), [k] each
         hidden = self.embed[input_ids].reshape(batch * k, -1)  # [batch * k, hidden]
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, batch, k, start, rotation, mask)
+            hidden = self._layer(index, layer, hidden, batch, k, slots, rotation, mask)
         hidden = F.rms_norm(hidden, hidden.shape[-1:], self.final_norm, self.config.rms_norm_eps)
         logits = self.lm_head(hidden)  # [batch * k, vocab]
         self._length = start + k
@@ -194,7 +207,7 @@ class NativeLlama:
         if self._length:
             raise ValueError(f"batch changed from {self._batch} to {batch} with a non-empty cache")
         cfg = self.config
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, self._max_length, cfg.head_dim)
+        shape = (cfg.num_layers, batch, self._chunks, cfg.num_kv_heads, KEY_CHUNK, cfg.head_dim)
         self.k_cache = torch.zeros(shape)
         self.v_cache = torch.zeros(shape)
         self._batch = batch
@@ -211,17 +224,23 @@ class NativeLlama:
 
     def _visibility(
         self, attention_mask: torch.Tensor | None, k: int, start: int
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
+        """Which cache slots each new token sees: [k, chunks * KEY_CHUNK] bool.
+
+        Covers whole chunks up to the last new slot; slots past it are never visible.
+        """
+        width = -(-(start + k) // KEY_CHUNK) * KEY_CHUNK
         if attention_mask is None:
-            if k == 1:
-                return None
-            attention_mask = torch.ones(k, k, dtype=torch.bool).tril()
-        elif attention_mask.shape != (k, k):
+            slots = torch.arange(width)  # [width]
+            return slots <= torch.arange(start, start + k).unsqueeze(1)  # [k, width]
+        if attention_mask.shape != (k, k):
             raise ValueError(
                 f"attention_mask must be [k, k] = [{k}, {k}], got {tuple(attention_mask.shape)}"
             )
-        prefix = torch.ones(k, start, dtype=torch.bool)
-        return torch.cat([prefix, attention_mask.bool()], dim=1)  # [k, start + k]
+        mask = torch.zeros(k, width, dtype=torch.bool)
+        mask[:, :start] = True
+        mask[:, start : start + k] = attention_mask.bool()
+        return mask
 
     def _layer(
         self,
@@ -230,13 +249,13 @@ class NativeLlama:
         hidden: torch.Tensor,  # [batch * k, hidden]
         batch: int,
         k: int,
-        start: int,
+        slots: tuple[torch.Tensor, torch.Tensor],  # cache (chunk, offset) per new token
         rotation: torch.Tensor,  # [batch, k, 1, head_dim / 2] complex64
-        mask: torch.Tensor | None,  # [k, start + k] bool
+        mask: torch.Tensor,  # [k, chunks * KEY_CHUNK] bool
     ) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         normed = F.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, eps)
-        attn = self._attention(index, layer.qkv(normed), batch, k, start, rotation, mask)
+        attn = self._attention(index, layer.qkv(normed), batch, k, slots, rotation, mask)
         hidden = hidden + layer.o(attn)
         normed = F.rms_norm(hidden, hidden.shape[-1:], layer.post_attention_norm, eps)
         gate, up = layer.gate_up(normed).chunk(2, dim=-1)  # [batch * k, intermediate] each
@@ -248,26 +267,44 @@ class NativeLlama:
         qkv: torch.Tensor,  # [batch * k, q_size + 2 * kv_size]
         batch: int,
         k: int,
-        start: int,
+        slots: tuple[torch.Tensor, torch.Tensor],  # cache (chunk, offset) per new token
         rotation: torch.Tensor,  # [batch, k, 1, head_dim / 2] complex64
-        mask: torch.Tensor | None,  # [k, start + k] bool
+        mask: torch.Tensor,  # [k, chunks * KEY_CHUNK] bool
     ) -> torch.Tensor:
+        """Grouped-query attention whose per-query result does not depend on k.
+
+        Scores are ``keys @ queries^T`` (the queries are the narrow side, a layout whose
+        per-column result the matmul kernels keep for any column count) and values are
+        reduced chunk by chunk with a fixed chunk length, the chunks summed in order.
+        """
         cfg = self.config
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        group = heads // kv_heads
+        width = mask.shape[1]
+        chunks = width // KEY_CHUNK
         qkv = qkv.view(batch, k, heads + 2 * kv_heads, d)
         pairs = torch.view_as_complex(qkv[:, :, : heads + kv_heads].unflatten(-1, (d // 2, 2)))
         rotated = torch.view_as_real(pairs * rotation).flatten(-2)  # [batch, k, h + kv, d]
-        end = start + k
-        self.k_cache[index, :, :, start:end] = rotated[:, :, heads:].transpose(1, 2)
-        self.v_cache[index, :, :, start:end] = qkv[:, :, heads + kv_heads :].transpose(1, 2)
-        keys = self.k_cache[index, :, :, :end]  # [batch, kv_heads, end, d]
-        values = self.v_cache[index, :, :, :end]
-        out = F.scaled_dot_product_attention(
-            rotated[:, :, :heads].transpose(1, 2),
-            keys,
-            values,
-            attn_mask=mask,
-            scale=1.0,
-            enable_gqa=True,
-        )  # [batch, heads, k, d]
-        return out.transpose(1, 2).reshape(batch * k, cfg.q_size)
+        chunk, offset = slots
+        # advanced indices around a slice put the new-token dim first: [k, batch, kv, d]
+        self.k_cache[index][:, chunk, :, offset] = rotated[:, :, heads:].transpose(0, 1)
+        self.v_cache[index][:, chunk, :, offset] = qkv[:, :, heads + kv_heads :].transpose(0, 1)
+        blocks = batch * chunks * kv_heads
+        keys = self.k_cache[index, :, :chunks].reshape(blocks, KEY_CHUNK, d)
+        values = self.v_cache[index, :, :chunks].reshape(blocks, KEY_CHUNK, d)
+        queries = rotated[:, :, :heads].reshape(batch, 1, k, kv_heads, group * d)
+        queries = queries.expand(batch, chunks, k, kv_heads, group * d).transpose(2, 3)
+        queries = queries.reshape(blocks, k * group, d).transpose(1, 2)  # [blocks, d, k * g]
+        scores = torch.bmm(keys, queries)  # [blocks, C, k * group]
+        scores = scores.view(batch, chunks, kv_heads, KEY_CHUNK, k, group)
+        scores = scores.permute(0, 2, 5, 4, 1, 3).reshape(batch, kv_heads, group, k, width)
+        scores = scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, group * k, chunks, KEY_CHUNK)
+        probs = probs.permute(0, 3, 1, 4, 2).reshape(blocks, KEY_CHUNK, group * k)
+        parts = torch.bmm(values.transpose(1, 2), probs)  # [blocks, d, group * k]
+        parts = parts.view(batch, chunks, kv_heads, d, group, k)
+        out = parts[:, 0]
+        for c in range(1, chunks):
+            out = out + parts[:, c]  # fixed left-to-right order; all-masked chunks add 0
+        out = out.permute(0, 4, 1, 3, 2)  # [batch, k, kv, group, d]
+        return out.reshape(batch * k, cfg.q_size)
