@@ -292,8 +292,16 @@ def make_gamma_policy(
     gamma: int | str, c: float = 0.3, verify_cost: dict[int, float] | None = None
 ) -> GammaPolicy | int:
     """An int, or ``"auto"`` for :class:`AdaptiveGamma` with the given cost estimates."""
+    gamma = parse_gamma(gamma)
     if gamma == "auto":
         return AdaptiveGamma(c=c, verify_cost=verify_cost or {1: 1.0, 2: 1.8})
+    return gamma
+
+
+def parse_gamma(gamma: int | str) -> int | str:
+    """Validate a γ setting: an integer >= 1 (also as text) or "auto"."""
+    if gamma == "auto":
+        return "auto"
     if isinstance(gamma, str):
         try:
             gamma = int(gamma)

@@ -38,8 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from speculative.cli.generate_cmd import parse_gamma
-    from speculative.pipeline import Speculator
+    from speculative.pipeline import Speculator, parse_gamma
 
     gamma = parse_gamma(args.gamma)
     print(f"loading target '{args.target}' and drafter '{args.draft}' ...", file=sys.stderr)

@@ -119,23 +119,11 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def load_speculator(args: argparse.Namespace):
-    from speculative.pipeline import Speculator
+    from speculative.pipeline import Speculator, parse_gamma
 
     return Speculator.load(
         args.target, args.draft, parse_gamma(args.gamma), args.runtime, args.precision
     )
-
-
-def parse_gamma(text: str) -> int | str:
-    if text == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        raise CliError(f"--gamma must be an integer >= 1 or 'auto', got {text!r}") from None
-    if value < 1:
-        raise CliError(f"--gamma must be >= 1, got {value}")
-    return value
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
@@ -164,7 +152,11 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     if not prompt.strip():
         raise CliError("the prompt is empty")
+    from speculative.pipeline import parse_gamma
+    from speculative.sampling import SamplingParams
+
     parse_gamma(args.gamma)  # validate before loading anything
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     speculator = load_speculator(args)
     stream = speculator.stream(prompt, **generation_kwargs(args))
     colour = use_colour(sys.stdout, args.colour)
