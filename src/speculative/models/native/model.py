@@ -107,6 +107,21 @@ def lm_head_precision(precision: str) -> str:
     return "int8" if precision == "int4" else precision
 
 
+def _cache_segments(start: int, k: int) -> list[tuple[int, int, int, int]]:
+    """Cache slots start .. start + k - 1 split by chunk: (chunk, first, last, token).
+
+    Chunk ``chunk`` receives offsets [first, last) from new tokens token, token + 1, ...
+    """
+    segments = []
+    slot = start
+    while slot < start + k:
+        chunk, first = divmod(slot, KEY_CHUNK)
+        last = min(KEY_CHUNK, first + start + k - slot)
+        segments.append((chunk, first, last, slot - start))
+        slot += last - first
+    return segments
+
+
 class NativeLlama:
     """Llama-family causal LM implementing :class:`speculative.models.base.CausalLM`."""
 
@@ -145,6 +160,12 @@ class NativeLlama:
     def max_length(self) -> int:
         return self._max_length
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (see :func:`profile.weight_bytes`)."""
+        from speculative.models.native.profile import weight_bytes
+
+        return weight_bytes(self)
+
     @property
     def cache_length(self) -> int:
         return self._length
@@ -175,12 +196,11 @@ class NativeLlama:
         self._ensure_cache(batch)
         positions = self._positions(position_ids, batch, k, start)  # [batch, k]
         rotation = self.rotations[positions].unsqueeze(2)  # [batch, k, 1, head_dim / 2]
-        mask = self._visibility(attention_mask, k, start)  # [k, chunks * KEY_CHUNK] bool
-        slots = torch.arange(start, start + k)
-        slots = (slots // KEY_CHUNK, slots % KEY_CHUNK)  # (chunk, offset), [k] each
-        hidden = self.embed[input_ids].reshape(batch * k, -1)  # [batch * k, hidden]
+        blocked = ~self._visibility(attention_mask, k, start)  # [k, chunks * KEY_CHUNK]
+        slots = _cache_segments(start, k)
+        hidden = self.embed[input_ids].reshape(batch * k, -1)  # [batch * k, hidden], a copy
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, batch, k, slots, rotation, mask)
+            hidden = self._layer(index, layer, hidden, batch, k, slots, rotation, blocked)
         hidden = F.rms_norm(hidden, hidden.shape[-1:], self.final_norm, self.config.rms_norm_eps)
         logits = self.lm_head(hidden)  # [batch * k, vocab]
         self._length = start + k
@@ -222,9 +242,7 @@ class NativeLlama:
             raise ValueError(f"position_ids must lie in [0, {self._max_length})")
         return positions
 
-    def _visibility(
-        self, attention_mask: torch.Tensor | None, k: int, start: int
-    ) -> torch.Tensor:
+    def _visibility(self, attention_mask: torch.Tensor | None, k: int, start: int) -> torch.Tensor:
         """Which cache slots each new token sees: [k, chunks * KEY_CHUNK] bool.
 
         Covers whole chunks up to the last new slot; slots past it are never visible.
@@ -249,17 +267,17 @@ class NativeLlama:
         hidden: torch.Tensor,  # [batch * k, hidden]
         batch: int,
         k: int,
-        slots: tuple[torch.Tensor, torch.Tensor],  # cache (chunk, offset) per new token
+        slots: list[tuple[int, int, int, int]],  # see _cache_segments
         rotation: torch.Tensor,  # [batch, k, 1, head_dim / 2] complex64
-        mask: torch.Tensor,  # [k, chunks * KEY_CHUNK] bool
+        blocked: torch.Tensor,  # [k, chunks * KEY_CHUNK] bool, True = may not attend
     ) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         normed = F.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, eps)
-        attn = self._attention(index, layer.qkv(normed), batch, k, slots, rotation, mask)
-        hidden = hidden + layer.o(attn)
+        attn = self._attention(index, layer.qkv(normed), batch, k, slots, rotation, blocked)
+        layer.o.add_into(hidden, attn)  # the residual stream is owned by forward: in place
         normed = F.rms_norm(hidden, hidden.shape[-1:], layer.post_attention_norm, eps)
         gate, up = layer.gate_up(normed).chunk(2, dim=-1)  # [batch * k, intermediate] each
-        return hidden + layer.down(F.silu(gate) * up)
+        return layer.down.add_into(hidden, F.silu(gate).mul_(up))
 
     def _attention(
         self,
@@ -267,9 +285,9 @@ class NativeLlama:
         qkv: torch.Tensor,  # [batch * k, q_size + 2 * kv_size]
         batch: int,
         k: int,
-        slots: tuple[torch.Tensor, torch.Tensor],  # cache (chunk, offset) per new token
+        slots: list[tuple[int, int, int, int]],  # see _cache_segments
         rotation: torch.Tensor,  # [batch, k, 1, head_dim / 2] complex64
-        mask: torch.Tensor,  # [k, chunks * KEY_CHUNK] bool
+        blocked: torch.Tensor,  # [k, chunks * KEY_CHUNK] bool, True = may not attend
     ) -> torch.Tensor:
         """Grouped-query attention whose per-query result does not depend on k.
 
@@ -280,15 +298,17 @@ class NativeLlama:
         cfg = self.config
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         group = heads // kv_heads
-        width = mask.shape[1]
+        width = blocked.shape[1]
         chunks = width // KEY_CHUNK
         qkv = qkv.view(batch, k, heads + 2 * kv_heads, d)
         pairs = torch.view_as_complex(qkv[:, :, : heads + kv_heads].unflatten(-1, (d // 2, 2)))
         rotated = torch.view_as_real(pairs * rotation).flatten(-2)  # [batch, k, h + kv, d]
-        chunk, offset = slots
-        # advanced indices around a slice put the new-token dim first: [k, batch, kv, d]
-        self.k_cache[index][:, chunk, :, offset] = rotated[:, :, heads:].transpose(0, 1)
-        self.v_cache[index][:, chunk, :, offset] = qkv[:, :, heads + kv_heads :].transpose(0, 1)
+        new_keys = rotated[:, :, heads:].transpose(1, 2)  # [batch, kv, k, d]
+        new_values = qkv[:, :, heads + kv_heads :].transpose(1, 2)
+        for chunk, first, last, token in slots:
+            tokens = slice(token, token + last - first)
+            self.k_cache[index, :, chunk, :, first:last] = new_keys[:, :, tokens]
+            self.v_cache[index, :, chunk, :, first:last] = new_values[:, :, tokens]
         blocks = batch * chunks * kv_heads
         keys = self.k_cache[index, :, :chunks].reshape(blocks, KEY_CHUNK, d)
         values = self.v_cache[index, :, :chunks].reshape(blocks, KEY_CHUNK, d)
@@ -298,7 +318,7 @@ class NativeLlama:
         scores = torch.bmm(keys, queries)  # [blocks, C, k * group]
         scores = scores.view(batch, chunks, kv_heads, KEY_CHUNK, k, group)
         scores = scores.permute(0, 2, 5, 4, 1, 3).reshape(batch, kv_heads, group, k, width)
-        scores = scores.masked_fill_(~mask, float("-inf"))
+        scores = scores.masked_fill_(blocked, float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, group * k, chunks, KEY_CHUNK)
         probs = probs.permute(0, 3, 1, 4, 2).reshape(blocks, KEY_CHUNK, group * k)
         parts = torch.bmm(values.transpose(1, 2), probs)  # [blocks, d, group * k]
