@@ -133,7 +133,10 @@ def load_runtimes(settings: BenchSettings, loader: Loader) -> list[RuntimeSetup]
         target = loader(settings.target, runtime, settings.precision)
         drafters: dict[str, Drafter | None] = {PLAIN: None}
         for spec in settings.drafters:
-            drafters[spec] = build_drafter(spec, target)
+            try:
+                drafters[spec] = build_drafter(spec, target)
+            except ValueError as exc:  # e.g. self-int4 on the hf runtime
+                print(f"bench: {runtime}: skipping drafter {spec}: {exc}", file=sys.stderr)
         setups.append(RuntimeSetup(runtime, target, drafters))
     return setups
 
