@@ -244,8 +244,12 @@ def auto_vs_fixed(rows: Sequence[ResultRow]) -> list[dict[str, Any]]:
     """Adaptive γ and the heuristic vs the best fixed γ of the same drafter (category all)."""
     overall = [r for r in rows if r.category == ALL and r.engine == OURS and r.method != PLAIN]
     comparisons = []
-    for family in dict.fromkeys(r.method for r in overall):
-        same = [r for r in overall if r.method == family and r.speedup_vs_plain is not None]
+    for runtime, family in dict.fromkeys((r.runtime, r.method) for r in overall):
+        same = [
+            r
+            for r in overall
+            if (r.runtime, r.method) == (runtime, family) and r.speedup_vs_plain is not None
+        ]
         fixed = [r for r in same if r.gamma.isdigit()]
         if not fixed:
             continue
@@ -253,6 +257,7 @@ def auto_vs_fixed(rows: Sequence[ResultRow]) -> list[dict[str, Any]]:
         for schedule in (r for r in same if not r.gamma.isdigit()):
             comparisons.append(
                 {
+                    "runtime": runtime,
                     "method": family,
                     "schedule": schedule.gamma,
                     "speedup": schedule.speedup_vs_plain,
@@ -391,8 +396,8 @@ def markdown_report(run: BenchRun, rows: Sequence[ResultRow], plots: Sequence[st
         for cat, v in best.items()
     ]
     auto_lines = [
-        f"- {a['method']} γ={a['schedule']}: {fmt(a['speedup'], '.2f', 'x')} vs best fixed "
-        f"γ={a['best_fixed_gamma']} {fmt(a['best_fixed_speedup'], '.2f', 'x')} "
+        f"- {a['runtime']}/{a['method']} γ={a['schedule']}: {fmt(a['speedup'], '.2f', 'x')} "
+        f"vs best fixed γ={a['best_fixed_gamma']} {fmt(a['best_fixed_speedup'], '.2f', 'x')} "
         f"(ratio {fmt(a['ratio'])})"
         for a in facts["auto_vs_fixed"]
     ]
