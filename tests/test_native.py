@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from speculative.engine.costs import forward_ms
 from speculative.models.base import CausalLM
 from speculative.models.native import NativeLlama, default_gguf_path, load_native
 from speculative.models.native.profile import (
     bandwidth_floor_ms,
-    measure_verify_cost,
     weight_bytes,
 )
 
@@ -180,7 +180,7 @@ def test_errors_are_clear(tiny: tuple[LlamaForCausalLM, Path], tmp_path: Path) -
 def test_profile_helpers(tiny: tuple[LlamaForCausalLM, Path]) -> None:
     _, folder = tiny
     model = load_native(folder, max_length=64)
-    costs = measure_verify_cost(model, ks=[1, 4], context=8, repeats=2)
+    costs = forward_ms(model, list(range(8)), ks=[1, 4], repeats=2)
     assert set(costs) == {1, 4} and all(v > 0 for v in costs.values())
     assert model.cache_length == 0
     fp32_bytes = weight_bytes(model)

@@ -1,19 +1,10 @@
-"""Measure what verification costs: milliseconds per forward over k new tokens.
+"""Weight bytes and the memory-bandwidth floor of a native model's decode step.
 
-Speculative decoding pays when T(k) (a forward over k = gamma + 1 new tokens) is close to
-T(1) (one decode step). ``measure_verify_cost`` times every k in interleaved rounds so slow
-drifts of the machine (frequency, other load) hit all k alike, and reports medians.
+Timing forwards (the verify-cost curve T(k)/T(1)) is model-agnostic and lives in
+:mod:`speculative.engine.costs`.
 """
 
 from __future__ import annotations
-
-import statistics
-import time
-from collections.abc import Iterable
-
-import torch
-
-from speculative.models.base import CausalLM
 
 
 def weight_bytes(model: object) -> int:
@@ -35,49 +26,3 @@ def bandwidth_floor_ms(weight_bytes: int, gbps: float = 22.0) -> float:
     if gbps <= 0:
         raise ValueError(f"gbps must be positive, got {gbps}")
     return weight_bytes / (gbps * 1e9) * 1e3
-
-
-def _timed_forward(model: CausalLM, tokens: torch.Tensor) -> float:
-    """Milliseconds of one forward over tokens [1, k]; the cache is restored afterwards."""
-    start = time.perf_counter()
-    model.forward(tokens)
-    elapsed = (time.perf_counter() - start) * 1e3
-    model.rollback(tokens.shape[1])
-    return elapsed
-
-
-def measure_verify_cost(
-    model: CausalLM,
-    ks: Iterable[int] = range(1, 17),
-    context: int = 128,
-    repeats: int = 7,
-    warmup: int = 1,
-    seed: int = 0,
-) -> dict[int, float]:
-    """Median ms of a forward over k new tokens after ``context`` cached tokens, per k.
-
-    Rounds are interleaved (every k once per round) and the cache is rolled back after
-    each timed call, so every measurement sees the same context.
-    """
-    ks = list(ks)
-    if not ks or min(ks) < 1:
-        raise ValueError(f"ks must be non-empty positive block sizes, got {ks}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    max_length = model.max_length
-    if max_length is not None and context + max(ks) > max_length:
-        raise ValueError(f"context {context} + k {max(ks)} exceeds max_length {max_length}")
-    generator = torch.Generator().manual_seed(seed)
-    vocab = model.vocab_size
-    prompt = torch.randint(0, vocab, (1, context), generator=generator)  # [1, context]
-    blocks = {k: torch.randint(0, vocab, (1, k), generator=generator) for k in ks}
-    model.reset()
-    model.forward(prompt)
-    times: dict[int, list[float]] = {k: [] for k in ks}
-    for round_index in range(warmup + repeats):
-        for k in ks:
-            elapsed = _timed_forward(model, blocks[k])
-            if round_index >= warmup:
-                times[k].append(elapsed)
-    model.reset()
-    return {k: statistics.median(v) for k, v in times.items()}
