@@ -120,15 +120,9 @@ def load_target(
 
 def native_supports(folder: Any) -> bool:
     """Whether the native runtime implements the architecture in ``folder/config.json``."""
-    import json
-    from pathlib import Path
-
     from speculative.models.native.config import SUPPORTED_MODEL_TYPES
 
-    config = Path(folder) / "config.json"
-    if not config.is_file():
-        return False
-    return json.loads(config.read_text()).get("model_type") in SUPPORTED_MODEL_TYPES
+    return _read_config(folder).get("model_type") in SUPPORTED_MODEL_TYPES
 
 
 def _load_hf_target(resolved: Any, precision: str) -> LoadedModel:

@@ -4,7 +4,6 @@ output distribution, only the speed."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -62,7 +61,7 @@ class AdaptiveGamma:
     """
 
     c: float
-    verify_cost: VerifyCost | Mapping[int, float] = field(default_factory=lambda: {1: 1.0})
+    verify_cost: VerifyCost = field(default_factory=lambda: {1: 1.0})
     max_gamma: int = 12
     prior_alpha: float = 0.6
     prior_weight: float = 2.0
