@@ -39,6 +39,19 @@ def _tiny_llama(folder: Path, tie: bool = True) -> LlamaForCausalLM:
     return model
 
 
+@pytest.fixture(params=["kernels", "torch"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Both native decoders: the C kernels and the PyTorch reference."""
+    if request.param == "kernels":
+        from speculative.models.native.ckernels import KernelsUnavailable, load_kernels
+
+        try:
+            load_kernels()
+        except KernelsUnavailable as error:
+            pytest.skip(f"C kernels unavailable here: {error}")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, Path]:
     folder = tmp_path_factory.mktemp("tiny_llama")
@@ -64,12 +77,14 @@ def test_protocol_and_metadata(tiny: tuple[LlamaForCausalLM, Path]) -> None:
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_fp32_matches_transformers_prefill_decode_rollback(tmp_path: Path, tie: bool) -> None:
+def test_fp32_matches_transformers_prefill_decode_rollback(
+    tmp_path: Path, tie: bool, backend: str
+) -> None:
     reference_model = _tiny_llama(tmp_path, tie=tie)
     ids = _ids(20)
     reference = _reference(reference_model, ids)
     assert reference.abs().max() > 1.0  # logits are not trivially tiny
-    model = load_native(tmp_path, max_length=64)
+    model = load_native(tmp_path, max_length=64, backend=backend)
     prefill = model.forward(ids[:, :12])  # [1, 12, vocab]
     torch.testing.assert_close(prefill, reference[:, :12], atol=1e-4, rtol=1e-4)
     for j in range(12, 16):
@@ -84,9 +99,11 @@ def test_fp32_matches_transformers_prefill_decode_rollback(tmp_path: Path, tie: 
     torch.testing.assert_close(again, reference[:, :5], atol=1e-4, rtol=1e-4)
 
 
-def test_tree_mask_equals_linear_forwards(tiny: tuple[LlamaForCausalLM, Path]) -> None:
+def test_tree_mask_equals_linear_forwards(
+    tiny: tuple[LlamaForCausalLM, Path], backend: str
+) -> None:
     _, folder = tiny
-    model = load_native(folder, max_length=64)
+    model = load_native(folder, max_length=64, backend=backend)
     prefix = _ids(6, seed=2)
     # Tree after the prefix: root r has children a and b; a has child c.
     # Flattened order [r, a, b, c]; parent of a and b is r, parent of c is a.
@@ -106,10 +123,10 @@ def test_tree_mask_equals_linear_forwards(tiny: tuple[LlamaForCausalLM, Path]) -
         torch.testing.assert_close(tree_logits[:, 0], linear[:, 0], atol=1e-4, rtol=1e-4)
 
 
-def test_batch_rows_are_independent(tiny: tuple[LlamaForCausalLM, Path]) -> None:
+def test_batch_rows_are_independent(tiny: tuple[LlamaForCausalLM, Path], backend: str) -> None:
     reference_model, folder = tiny
     ids = torch.cat([_ids(8, seed=3), _ids(8, seed=4)])  # [2, 8]
-    model = load_native(folder, max_length=32)
+    model = load_native(folder, max_length=32, backend=backend)
     torch.testing.assert_close(
         model.forward(ids), _reference(reference_model, ids), atol=1e-4, rtol=1e-4
     )
@@ -117,24 +134,24 @@ def test_batch_rows_are_independent(tiny: tuple[LlamaForCausalLM, Path]) -> None
 
 @pytest.mark.parametrize("precision", ["bf16", "int8", "int4"])
 def test_lower_precisions_deterministic_and_close(
-    tiny: tuple[LlamaForCausalLM, Path], precision: str
+    tiny: tuple[LlamaForCausalLM, Path], precision: str, backend: str
 ) -> None:
     _, folder = tiny
     ids = _ids(16, seed=5)
-    exact = load_native(folder, "fp32", max_length=32).forward(ids)
-    model = load_native(folder, precision, max_length=32)
+    exact = load_native(folder, "fp32", max_length=32, backend=backend).forward(ids)
+    model = load_native(folder, precision, max_length=32, backend=backend)
     first = model.forward(ids)
     model.reset()
     second = model.forward(ids)
     assert torch.equal(first, second)
-    again = load_native(folder, precision, max_length=32).forward(ids)
+    again = load_native(folder, precision, max_length=32, backend=backend).forward(ids)
     assert torch.equal(first, again)
     minimum_cosine = {"bf16": 0.999, "int8": 0.99, "int4": 0.9}[precision]
     cosine = torch.nn.functional.cosine_similarity(first.flatten(), exact.flatten(), dim=0)
     assert cosine > minimum_cosine, f"{precision}: cosine similarity {cosine:.4f} to fp32"
 
 
-def test_qwen2_biases_match(tmp_path: Path) -> None:
+def test_qwen2_biases_match(tmp_path: Path, backend: str) -> None:
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=VOCAB,
@@ -155,7 +172,7 @@ def test_qwen2_biases_match(tmp_path: Path) -> None:
     reference_model.save_pretrained(tmp_path)
     ids = _ids(10, seed=6)
     reference = _reference(reference_model, ids)
-    model = load_native(tmp_path, max_length=32)
+    model = load_native(tmp_path, max_length=32, backend=backend)
     assert model.config.attention_bias
     logits = torch.cat([model.forward(ids[:, :7]), model.forward(ids[:, 7:])], dim=1)
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
@@ -274,7 +291,9 @@ def _assert_k_invariant(
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
-def test_block_forward_equals_single_steps(tmp_path: Path, precision: str) -> None:
+def test_block_forward_equals_single_steps(
+    tmp_path: Path, precision: str, backend: str
+) -> None:
     """k-invariance: a token's logits do not depend on how many tokens share its forward.
 
     Speculative verification (one forward over k tokens) is lossless only if it yields
@@ -293,7 +312,7 @@ def test_block_forward_equals_single_steps(tmp_path: Path, precision: str) -> No
         initializer_range=0.1,
     )
     LlamaForCausalLM(config).eval().save_pretrained(tmp_path)
-    model = load_native(tmp_path, precision, max_length=512)
+    model = load_native(tmp_path, precision, max_length=512, backend=backend)
     ids = _ids(300, seed=9)
     _assert_k_invariant(model, ids, contexts=[3, 120, 250], ks=[2, 3, 4, 5, 8, 9, 16])
 
@@ -313,3 +332,49 @@ def test_real_model_block_forward_equals_single_steps(precision: str) -> None:
     model = load_native(path, precision, max_length=512)
     ids = torch.randint(0, model.vocab_size, (1, 300), generator=torch.Generator().manual_seed(1))
     _assert_k_invariant(model, ids, contexts=[30, 120], ks=[2, 4, 5, 8, 16])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
+def test_kernels_match_torch_reference(tmp_path: Path, precision: str) -> None:
+    """The C decoder against the PyTorch decoder (the slow reference) at each precision.
+
+    fp32 agrees to float32 noise. The lower precisions share their weights exactly but not
+    their activation rounding (torch's bf16/int8/int4 kernels take bfloat16 activations,
+    the C kernels keep float32), so they agree to that rounding.
+    """
+    from speculative.models.native.ckernels import KernelsUnavailable, load_kernels
+
+    try:
+        load_kernels()
+    except KernelsUnavailable as error:
+        pytest.skip(f"C kernels unavailable here: {error}")
+    _tiny_llama(tmp_path)
+    ids = _ids(40, seed=11)
+    fast = load_native(tmp_path, precision, max_length=64, backend="kernels")
+    slow = load_native(tmp_path, precision, max_length=64, backend="torch")
+    assert fast.backend == "kernels" and slow.backend == "torch"
+    assert fast.weight_bytes() <= slow.weight_bytes() * 1.05
+    for chunk in (slice(0, 30), slice(30, 31), slice(31, 36)):  # prefill, step, block
+        a, b = fast.forward(ids[:, chunk]), slow.forward(ids[:, chunk])
+        if precision == "fp32":
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        else:
+            cosine = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+            assert cosine > 0.999, f"{precision}: cosine {cosine:.5f}"
+
+
+def test_missing_compiler_falls_back_to_torch(
+    tiny: tuple[LlamaForCausalLM, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from speculative.models.native.ckernels import KernelsUnavailable
+
+    _, folder = tiny
+    monkeypatch.setenv("SPECULATIVE_CACHE", str(tmp_path))  # no cached build to reuse
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(KernelsUnavailable):
+        load_native(folder, max_length=16, backend="kernels")
+    with pytest.warns(RuntimeWarning, match="PyTorch decoder"):
+        model = load_native(folder, max_length=16, backend="auto")
+    assert model.backend == "torch"
+    with pytest.raises(ValueError, match="backend"):
+        load_native(folder, max_length=16, backend="cuda")

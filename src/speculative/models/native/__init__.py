@@ -11,16 +11,23 @@ from speculative.models.native.model import NativeLlama
 
 
 def load_native(
-    path: str | os.PathLike[str], precision: str = "fp32", max_length: int = 2048
+    path: str | os.PathLike[str],
+    precision: str = "fp32",
+    max_length: int = 2048,
+    backend: str = "auto",
 ) -> NativeLlama:
     """Load a HF folder (config.json + *.safetensors) or a .gguf file as a NativeLlama.
 
     precision: "fp32", "bf16", "int8" (weight-only, per channel) or "int4" (weight-only,
     groups of 32; GGUF Q4_1 weights run exactly as stored).
+    backend: "kernels" (the C decoder), "torch" (PyTorch ops) or "auto" (the kernels when
+    they build here, else torch with a warning).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
-    return NativeLlama(load_checkpoint(path), precision=precision, max_length=max_length)
+    return NativeLlama(
+        load_checkpoint(path), precision=precision, max_length=max_length, backend=backend
+    )
 
 
 def default_gguf_path() -> str | None:
