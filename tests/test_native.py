@@ -43,13 +43,19 @@ def _tiny_llama(folder: Path, tie: bool = True) -> LlamaForCausalLM:
 def backend(request: pytest.FixtureRequest) -> str:
     """Both native decoders: the C kernels and the PyTorch reference."""
     if request.param == "kernels":
-        from speculative.models.native.ckernels import KernelsUnavailable, load_kernels
-
-        try:
-            load_kernels()
-        except KernelsUnavailable as error:
-            pytest.skip(f"C kernels unavailable here: {error}")
+        require_kernels()
     return request.param
+
+
+def require_kernels() -> None:
+    """Skip without a C compiler; with one, a kernel build failure fails the test."""
+    import shutil
+
+    from speculative.models.native.ckernels import load_kernels
+
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler: the C kernels cannot be built here")
+    load_kernels()
 
 
 @pytest.fixture(scope="module")
@@ -339,15 +345,11 @@ def test_kernels_match_torch_reference(tmp_path: Path, precision: str) -> None:
     """The C decoder against the PyTorch decoder (the slow reference) at each precision.
 
     fp32 agrees to float32 noise. The lower precisions share their weights exactly but not
-    their activation rounding (torch's bf16/int8/int4 kernels take bfloat16 activations,
-    the C kernels keep float32), so they agree to that rounding.
+    their activation rounding (torch's bf16/int8/int4 kernels take bfloat16 activations;
+    the C kernels keep float32, except int4 layers, which take int8 activations per 32
+    values as llama.cpp runs Q4_1), so they agree to that rounding.
     """
-    from speculative.models.native.ckernels import KernelsUnavailable, load_kernels
-
-    try:
-        load_kernels()
-    except KernelsUnavailable as error:
-        pytest.skip(f"C kernels unavailable here: {error}")
+    require_kernels()
     _tiny_llama(tmp_path)
     ids = _ids(40, seed=11)
     fast = load_native(tmp_path, precision, max_length=64, backend="kernels")
@@ -360,7 +362,8 @@ def test_kernels_match_torch_reference(tmp_path: Path, precision: str) -> None:
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         else:
             cosine = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
-            assert cosine > 0.999, f"{precision}: cosine {cosine:.5f}"
+            minimum = 0.995 if precision == "int4" else 0.999
+            assert cosine > minimum, f"{precision}: cosine {cosine:.5f}"
 
 
 def test_missing_compiler_falls_back_to_torch(

@@ -58,6 +58,7 @@ class LoadedModel:
     runtime: str = "hf"
     precision: str = "fp32"
     make_variant: Callable[[str], CausalLM] | None = None
+    backend: str = "torch"  # native runtime: "kernels" (C decoder) or "torch"
 
 
 @dataclass
@@ -98,13 +99,18 @@ HF_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def load_target(
-    spec: str = "default", runtime: str = "auto", precision: str = "fp32"
+    spec: str = "default",
+    runtime: str = "auto",
+    precision: str = "fp32",
+    native_backend: str = "auto",
 ) -> LoadedModel:
     """Load a target model by name, folder, .gguf file or hub id (offline-aware).
 
     runtime: "native" (this package's Llama-family runtime), "hf" (transformers), or
     "auto" (native when the architecture is supported, else hf).
     precision: fp32 or bf16 on both runtimes; int8 and int4 (weight-only) on native.
+    native_backend: the native runtime's decoder: "kernels" (C), "torch", or "auto"
+    (the kernels when they build here).
     """
     from speculative.models.loading import resolve_model
 
@@ -114,7 +120,7 @@ def load_target(
     if runtime == "auto":
         runtime = "native" if native_supports(resolved.path) else "hf"
     if runtime == "native":
-        return _load_native_target(resolved, precision)
+        return _load_native_target(resolved, precision, native_backend)
     return _load_hf_target(resolved, precision)
 
 
@@ -159,7 +165,7 @@ def hf_loaded(hf: Any, precision: str = "fp32", eos: frozenset[int] | None = Non
     )
 
 
-def _load_native_target(resolved: Any, precision: str) -> LoadedModel:
+def _load_native_target(resolved: Any, precision: str, backend: str) -> LoadedModel:
     from speculative.models.loading import load_tokenizer
     from speculative.models.native import PRECISIONS, load_native
 
@@ -173,7 +179,7 @@ def _load_native_target(resolved: Any, precision: str) -> LoadedModel:
         # int4 runs a GGUF's Q4 weights exactly as stored; other precisions load the
         # converted float folder (much faster to read than the GGUF).
         source = resolved.source_gguf if other == "int4" and resolved.source_gguf else resolved.path
-        return load_native(source, precision=other)
+        return load_native(source, precision=other, backend=backend)
 
     lm = variant(precision)
     config = _read_config(resolved.path)
@@ -186,6 +192,7 @@ def _load_native_target(resolved: Any, precision: str) -> LoadedModel:
         runtime="native",
         precision=precision,
         make_variant=variant,
+        backend=lm.backend,
     )
 
 

@@ -41,6 +41,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=["auto", "native", "hf"],
         help="runtime(s) to measure side by side",
     )
+    parser.add_argument(
+        "--backend",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "kernels", "torch"],
+        help="native runtime decoder(s): kernels (C), torch, or auto (kernels when they "
+        "build); several are measured side by side",
+    )
     parser.add_argument("--precision", default="fp32", help="target weight precision")
     parser.add_argument(
         "--drafters", nargs="*", default=["ngram"], help="drafters whose cost c to measure"
@@ -71,8 +79,11 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     targets = []
     for runtime in dict.fromkeys(args.runtime):
-        print(f"loading {args.target} ({runtime}, {args.precision}) ...", file=sys.stderr)
-        targets.append(load_target(args.target, runtime, args.precision))
+        backends = dict.fromkeys(args.backend) if runtime != "hf" else ["auto"]
+        for backend in backends:
+            label = runtime if runtime == "hf" else f"{runtime}, {backend}"
+            print(f"loading {args.target} ({label}, {args.precision}) ...", file=sys.stderr)
+            targets.append(load_target(args.target, runtime, args.precision, backend))
     vocab = targets[0].lm.vocab_size
     context = [(i * 7919) % vocab for i in range(args.context)]
     ks = list(range(1, args.max_k + 1))
@@ -96,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         reports.append(
             {
                 "runtime": target.runtime,
+                "backend": target.backend if target.runtime == "native" else None,
                 "precision": target.precision,
                 "model": target.name,
                 "decode_ms_per_token": step,
@@ -119,7 +131,8 @@ def print_reports(reports: list[dict]) -> None:
         floor = r["bandwidth_floor_ms"]
         floor_text = "n/a" if floor is None else f"{floor:.1f} ms"
         ratio = "" if floor is None else f" ({r['decode_ms_per_token'] / floor:.2f}× the floor)"
-        print(f"\n{r['model']} · runtime {r['runtime']} · {r['precision']}")
+        backend = f" ({r['backend']})" if r.get("backend") else ""
+        print(f"\n{r['model']} · runtime {r['runtime']}{backend} · {r['precision']}")
         print(f"  decode: {r['decode_ms_per_token']:.1f} ms/token{ratio}; floor {floor_text}")
         curve = r["verify_cost"]
         print("  k         " + " ".join(f"{k:>5}" for k in curve))

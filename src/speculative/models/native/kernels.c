@@ -13,7 +13,9 @@
  *
  * Weight formats: fp32; bf16 (upper half of an fp32); q8 (int8 with one fp32 scale per
  * output row); q4 (4-bit q in 0..15 with an fp16 scale and minimum per 32 inputs,
- * value = scale * q + minimum: GGUF Q4_1 blocks as stored). Activations are fp32 throughout.
+ * value = scale * q + minimum: GGUF Q4_1 blocks as stored). Activations are fp32, except
+ * that a q4 layer reads its input quantized to int8 per 32 values, as llama.cpp runs Q4_1
+ * (integer dot products; see quantize_rows).
  *
  * Compile with -ffp-contract=off: every fused multiply-add here is explicit, so inlined
  * copies of the same code cannot round differently.
@@ -125,8 +127,8 @@ static size_t row_bytes(const Linear *L) {
     }
 }
 
-/* Weights o, i .. i + 31 of W as four fp32 vectors (i a multiple of 32). The format is a
- * compile-time constant at every call site, so the branch folds away. */
+/* Weights o, i .. i + 31 of an fp32, bf16 or q8 W as four fp32 vectors (i a multiple of
+ * 32). The format is a compile-time constant at every call site: the branch folds away. */
 static inline __attribute__((always_inline)) void load_group(const Linear *L, int FORMAT, int o,
                                                               int i, __m256 *w) {
     const size_t in = (size_t)L->in_features;
@@ -139,22 +141,10 @@ static inline __attribute__((always_inline)) void load_group(const Linear *L, in
             __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 8 * j)));
             w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
         }
-    } else if (FORMAT == FMT_Q8) {  /* the row scale is applied to the finished dot */
+    } else {  /* FMT_Q8; the row scale is applied to the finished dot */
         const int8_t *src = (const int8_t *)L->weight + o * in + i;
         for (int j = 0; j < 4; j++)
             w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8 * j))));
-    } else {  /* FMT_Q4: GGUF Q4_1 blocks (see Linear) */
-        const uint8_t *block = (const uint8_t *)L->weight + (o * (in / GROUP) + i / GROUP) * Q4_BLOCK;
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4));
-        const __m128i nibble = _mm_set1_epi8(0x0F);
-        const __m128i low = _mm_and_si128(bytes, nibble);
-        const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-        uint16_t halves[2];
-        memcpy(halves, block, sizeof halves);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(halves[0])), m = _mm256_set1_ps(_cvtsh_ss(halves[1]));
-        const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
-        for (int j = 0; j < 4; j++)
-            w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), d, m);
     }
 }
 
@@ -184,21 +174,95 @@ static inline __attribute__((always_inline)) void dot_tile(
         for (int r = 0; r < RB; r++) dots[o * ROW_BLOCK + r] = hsum8(acc[o][r]);
 }
 
-/* dot_tile with constant shapes (unrolled, accumulators in registers) for rb rows */
-#define DOT_CASES(OW, o0, xb, target)                                                 \
-    switch (rb) {                                                                     \
-    case 1: dot_tile(L, FORMAT, o0, xb, ldx, OW, 1, target, ahead, stride); break;    \
-    case 2: dot_tile(L, FORMAT, o0, xb, ldx, OW, 2, target, ahead, stride); break;    \
-    case 3: dot_tile(L, FORMAT, o0, xb, ldx, OW, 3, target, ahead, stride); break;    \
-    case 4: dot_tile(L, FORMAT, o0, xb, ldx, OW, 4, target, ahead, stride); break;    \
-    case 5: dot_tile(L, FORMAT, o0, xb, ldx, OW, 5, target, ahead, stride); break;    \
-    default: dot_tile(L, FORMAT, o0, xb, ldx, OW, ROW_BLOCK, target, ahead, stride); break; \
+/* Activation rows for the q4 dot product, quantized per group of 32 inputs the way
+ * llama.cpp does for Q4_1 (its Q8_1): x ~= scale * q with q int8 in -127..127, and
+ * part = scale * sum(q) / 8, which spreads the minimum's term over the 8 lanes. */
+typedef struct {
+    int8_t *q;     /* [rows, in] */
+    float *scale;  /* [rows, in / 32] */
+    float *part;   /* [rows, in / 32] */
+} QuantRows;
+
+static void quantize_rows(const float *x, int rows, int in, const QuantRows *qx) {
+    const int groups = in / GROUP;
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        for (int g = 0; g < groups; g++) {
+            const float *src = x + (size_t)r * in + g * GROUP;
+            int8_t *dst = qx->q + (size_t)r * in + g * GROUP;
+            float top = 0.0f;
+            for (int j = 0; j < GROUP; j++) top = fmaxf(top, fabsf(src[j]));
+            const float scale = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < GROUP; j++) {
+                dst[j] = (int8_t)lrintf(src[j] * inverse);
+                sum += dst[j];
+            }
+            qx->scale[(size_t)r * groups + g] = scale;
+            qx->part[(size_t)r * groups + g] = scale * (float)sum * 0.125f;
+        }
+    }
+}
+
+/* The q4 analogue of dot_tile: per group, integer dots of the 4-bit weights with the
+ * int8 activations (maddubs), scaled by d_w * d_x, plus the minimum's term m_w * part.
+ * Same per-pair determinism as dot_tile. */
+static inline __attribute__((always_inline)) void dot_tile_q4(
+    const Linear *L, int o0, const QuantRows *qx, int r0, int OW, int RB, float *dots,
+    const char *ahead, size_t stride) {
+    const int in = L->in_features, groups = in / GROUP;
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[OUT_BLOCK][ROW_BLOCK];
+    for (int o = 0; o < OW; o++)
+        for (int r = 0; r < RB; r++) acc[o][r] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        if (ahead)
+            for (size_t b = 0; b < stride; b += 64)
+                _mm_prefetch(ahead + (size_t)g * stride + b, _MM_HINT_T0);
+        for (int o = 0; o < OW; o++) {
+            const uint8_t *block = (const uint8_t *)L->weight + ((size_t)(o0 + o) * groups + g) * Q4_BLOCK;
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4));
+            const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble),
+                                               _mm_and_si128(bytes, nibble));
+            uint16_t halves[2];
+            memcpy(halves, block, sizeof halves);
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(halves[0]));
+            const __m256 m = _mm256_set1_ps(_cvtsh_ss(halves[1]));
+            for (int r = 0; r < RB; r++) {
+                const size_t row = (size_t)(r0 + r);
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx->q + row * in + g * GROUP));
+                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), ones);
+                const __m256 scale = _mm256_mul_ps(d, _mm256_broadcast_ss(qx->scale + row * groups + g));
+                acc[o][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[o][r]);
+                acc[o][r] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(qx->part + row * groups + g), acc[o][r]);
+            }
+        }
+    }
+    for (int o = 0; o < OW; o++)
+        for (int r = 0; r < RB; r++) dots[o * ROW_BLOCK + r] = hsum8(acc[o][r]);
+}
+
+/* dot_tile (or dot_tile_q4) with constant shapes: unrolled, accumulators in registers */
+#define DOT_TILE(OW, RB, o0, xb, target)                                              \
+    (FORMAT == FMT_Q4 ? dot_tile_q4(L, o0, qx, r0, OW, RB, target, ahead, stride)         \
+                      : dot_tile(L, FORMAT, o0, xb, ldx, OW, RB, target, ahead, stride))
+#define DOT_CASES(OW, o0, xb, target)                                \
+    switch (rb) {                                                    \
+    case 1: DOT_TILE(OW, 1, o0, xb, target); break;                  \
+    case 2: DOT_TILE(OW, 2, o0, xb, target); break;                  \
+    case 3: DOT_TILE(OW, 3, o0, xb, target); break;                  \
+    case 4: DOT_TILE(OW, 4, o0, xb, target); break;                  \
+    case 5: DOT_TILE(OW, 5, o0, xb, target); break;                  \
+    default: DOT_TILE(OW, ROW_BLOCK, o0, xb, target); break;         \
     }
 
 /* y[r, o] (+)= x[r] . W[o] * scale + bias: x [rows, in], y [rows, ldy]. Call inside a
  * parallel region: tiles of OUT_BLOCK output rows are shared out among the threads. */
 static inline __attribute__((always_inline)) void linear_format(
-    const Linear *L, int FORMAT, const float *x, int rows, float *y, int ldy, int accumulate) {
+    const Linear *L, int FORMAT, const float *x, int rows, float *y, int ldy, int accumulate,
+    const QuantRows *qx) {
+    if (FORMAT == FMT_Q4) quantize_rows(x, rows, L->in_features, qx);  /* ends in a barrier */
     const int out = L->out_features;
     const int tiles = (out + OUT_BLOCK - 1) / OUT_BLOCK;
     const size_t ldx = (size_t)L->in_features, tile_bytes = OUT_BLOCK * row_bytes(L);
@@ -233,12 +297,13 @@ static inline __attribute__((always_inline)) void linear_format(
     }
 }
 
-static void linear(const Linear *L, const float *x, int rows, float *y, int ldy, int accumulate) {
+static void linear(const Linear *L, const float *x, int rows, float *y, int ldy, int accumulate,
+                   const QuantRows *qx) {
     switch (L->format) {
-    case FMT_F32: linear_format(L, FMT_F32, x, rows, y, ldy, accumulate); break;
-    case FMT_BF16: linear_format(L, FMT_BF16, x, rows, y, ldy, accumulate); break;
-    case FMT_Q8: linear_format(L, FMT_Q8, x, rows, y, ldy, accumulate); break;
-    default: linear_format(L, FMT_Q4, x, rows, y, ldy, accumulate); break;
+    case FMT_F32: linear_format(L, FMT_F32, x, rows, y, ldy, accumulate, qx); break;
+    case FMT_BF16: linear_format(L, FMT_BF16, x, rows, y, ldy, accumulate, qx); break;
+    case FMT_Q8: linear_format(L, FMT_Q8, x, rows, y, ldy, accumulate, qx); break;
+    default: linear_format(L, FMT_Q4, x, rows, y, ldy, accumulate, qx); break;
     }
 }
 
@@ -360,9 +425,15 @@ static void attention(const Model *m, const float *qkv, int rows, int start, con
 /* ---- the forward ------------------------------------------------------------------ */
 
 /* Floats of work memory spec_forward needs for `rows` tokens and `threads` threads. */
+static int64_t widest_input(const Model *m) {
+    int64_t widest = m->hidden > m->intermediate ? m->hidden : m->intermediate;
+    return widest > m->heads * m->head_dim ? widest : m->heads * m->head_dim;
+}
+
 int64_t spec_work_floats(const Model *m, int rows, int threads) {
     const int64_t d = m->head_dim, width = (m->heads + 2 * m->kv_heads) * d;
     int64_t per_row = m->hidden + width + m->heads * d + 3 * (int64_t)m->intermediate;
+    per_row += widest_input(m) / 4 + 2 * widest_input(m) / GROUP;  /* QuantRows */
     return rows * per_row + (int64_t)threads * 2 * m->max_length;
 }
 
@@ -382,22 +453,26 @@ void spec_forward(const Model *m, float *hidden, int rows, int start, const int6
     float *gate_up = attn + (size_t)rows * m->heads * d;
     float *act = gate_up + (size_t)rows * 2 * inter;
     float *scratch = act + (size_t)rows * inter;
+    const int64_t widest = widest_input(m);
+    float *quant = scratch + (size_t)threads * 2 * m->max_length;
+    const QuantRows qx = {(int8_t *)quant, quant + rows * widest / 4,
+                          quant + rows * widest / 4 + rows * widest / GROUP};
 #pragma omp parallel num_threads(threads)
     {
         for (int l = 0; l < m->num_layers; l++) {
             const Layer *L = &m->layers[l];
             float *kc = k_cache + l * layer_cache, *vc = v_cache + l * layer_cache;
             rms_norm(hidden, L->input_norm, rows, H, m->eps, normed);
-            linear(&L->qkv, normed, rows, qkv, width, 0);
+            linear(&L->qkv, normed, rows, qkv, width, 0, &qx);
             rope_and_store(m, qkv, rows, positions, start, kc, vc);
             attention(m, qkv, rows, start, mask, kc, vc, attn, scratch);
-            linear(&L->o, attn, rows, hidden, H, 1);
+            linear(&L->o, attn, rows, hidden, H, 1, &qx);
             rms_norm(hidden, L->post_norm, rows, H, m->eps, normed);
-            linear(&L->gate_up, normed, rows, gate_up, 2 * inter, 0);
+            linear(&L->gate_up, normed, rows, gate_up, 2 * inter, 0, &qx);
             silu_mul(gate_up, rows, inter, act);
-            linear(&L->down, act, rows, hidden, H, 1);
+            linear(&L->down, act, rows, hidden, H, 1, &qx);
         }
         rms_norm(hidden, m->final_norm, rows, H, m->eps, normed);
-        linear(&m->lm_head, normed, rows, logits, m->vocab, 0);
+        linear(&m->lm_head, normed, rows, logits, m->vocab, 0, &qx);
     }
 }
