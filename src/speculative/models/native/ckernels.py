@@ -42,7 +42,7 @@ FLAGS = (
     "-shared",
     "-Werror=implicit-function-declaration",
 )
-ABI_VERSION = 1
+ABI_VERSION = 3
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 
 
@@ -157,16 +157,12 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def pack_q4_blocks(quant: GroupQuant4) -> torch.Tensor:
-    """GGUF Q4_1 blocks [out, in / 32 * 20] uint8: per group of 32 inputs the fp16 scale,
-    the fp16 minimum, then 16 bytes whose byte j holds q[j] (low nibble) and q[j + 16]
-    (high nibble). Scales from a GGUF file are fp16 already, so this is lossless there."""
-    out_features, in_features = quant.q.shape
-    groups = quant.q.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
-    nibbles = groups[..., :16] | (groups[..., 16:] << 4)  # [out, groups, 16]
-    halves = torch.stack([quant.scale, quant.minimum], dim=-1).to(torch.float16)
-    header = halves.contiguous().view(torch.uint8)  # [out, groups, 4]
-    return torch.cat([header, nibbles], dim=-1).reshape(out_features, -1).contiguous()
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[out, in] uint8 in 0..15 -> [out, in / 2]: byte j of each group of 32 holds q[j] in
+    its low nibble and q[j + 16] in its high nibble (GGUF Q4_1's order)."""
+    out_features, in_features = q.shape
+    groups = q.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    return (groups[..., :16] | (groups[..., 16:] << 4)).reshape(out_features, -1).contiguous()
 
 
 @dataclass
@@ -174,11 +170,11 @@ class KernelLinear:
     """One weight matrix in a format of kernels.c; keeps its tensors alive."""
 
     format: str
-    weight: torch.Tensor  # fp32/bf16(as int16)/int8: [out, in]; int4: [out, in / 32 * 20]
+    weight: torch.Tensor  # fp32/bf16(as int16)/int8: [out, in]; int4: [out, in / 2] uint8
     in_features: int
     out_features: int
-    scale: torch.Tensor | None = None  # int8: [out] float32
-    minimum: torch.Tensor | None = None  # unused by the current formats
+    scale: torch.Tensor | None = None  # int8: [out] float32; int4: [out, in / 32] float16
+    minimum: torch.Tensor | None = None  # int4: [out, in / 32] float16
     bias: torch.Tensor | None = None  # [out] float32
 
     @classmethod
@@ -192,7 +188,16 @@ class KernelLinear:
         if precision == "int4":
             quant = weight if isinstance(weight, GroupQuant4) else quantize_group4(weight.float())
             out_features, in_features = quant.q.shape
-            return cls("int4", pack_q4_blocks(quant), in_features, out_features, bias=bias)
+            # fp16 scales: GGUF Q4_1 stores them so, making this lossless for GGUF files
+            return cls(
+                "int4",
+                pack_nibbles(quant.q),
+                in_features,
+                out_features,
+                scale=quant.scale.to(torch.float16).contiguous(),
+                minimum=quant.minimum.to(torch.float16).contiguous(),
+                bias=bias,
+            )
         dense = (weight.dequantize() if isinstance(weight, GroupQuant4) else weight).float()
         out_features, in_features = dense.shape
         if precision == "fp32":

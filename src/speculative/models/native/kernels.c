@@ -32,20 +32,23 @@
 #define FMT_Q8 2
 #define FMT_Q4 3
 #define GROUP 32
-#define Q4_BLOCK 20 /* bytes per 32 weights: fp16 scale, fp16 minimum, 16 bytes of nibbles */
 #define ROW_BLOCK 6      /* activation rows per pass over a weight tile (k <= 6: one pass) */
 #define OUT_BLOCK 2      /* weight rows per tile */
-#define PREFETCH_TILES 1 /* how many tiles ahead of the compute the weight stream runs */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192 /* how far (at least one tile) the weight stream runs ahead */
+#endif
+#define Q4_ROW_BLOCK 4   /* the q4 tiles: fewer accumulators fit beside its decoding */
+#define Q4_OUT_BLOCK 2
 
 typedef struct {
     int32_t format, in_features, out_features, pad_;
-    /* f32 | u16 (bf16) | i8: [out, in]; q4: [out, in / 32] blocks of Q4_BLOCK bytes, each
-     * fp16 scale d, fp16 minimum m, then byte j holding q[j] (low nibble) and q[j + 16]
-     * (high nibble): weight = d * q + m, the GGUF Q4_1 layout */
+    /* f32 | u16 (bf16) | i8: [out, in]; q4: u8 [out, in / 2], per group of 32 inputs 16
+     * bytes whose byte j holds q[j] (low nibble) and q[j + 16] (high nibble), as in GGUF
+     * Q4_1; weight = d * q + m */
     const void *weight;
-    const float *scale;    /* q8: [out] */
-    const float *minimum;  /* unused (kept for the ABI) */
-    const float *bias;     /* [out] or NULL */
+    const void *scale;    /* q8: f32 [out]; q4: fp16 d [out, in / 32] */
+    const void *minimum;  /* q4: fp16 m [out, in / 32] */
+    const float *bias;    /* [out] or NULL */
 } Linear;
 
 typedef struct {
@@ -65,7 +68,7 @@ typedef struct {
     const float *sin;  /* [max_length, head_dim / 2] */
 } Model;
 
-int spec_abi_version(void) { return 1; }
+int spec_abi_version(void) { return 3; }
 
 int spec_cpu_supported(void) {
     __builtin_cpu_init();
@@ -123,7 +126,7 @@ static size_t row_bytes(const Linear *L) {
     case FMT_F32: return in * 4;
     case FMT_BF16: return in * 2;
     case FMT_Q8: return in;
-    default: return in / GROUP * Q4_BLOCK;
+    default: return in / 2;
     }
 }
 
@@ -176,77 +179,166 @@ static inline __attribute__((always_inline)) void dot_tile(
 
 /* Activation rows for the q4 dot product, quantized per group of 32 inputs the way
  * llama.cpp does for Q4_1 (its Q8_1): x ~= scale * q with q int8 in -127..127, and
- * part = scale * sum(q) / 8, which spreads the minimum's term over the 8 lanes. */
+ * part = scale * sum(q). Per-row arrays of groups are padded to a multiple of 8 with
+ * zeros (`stride` entries), so the minimum's term is an 8-lane dot. */
 typedef struct {
     int8_t *q;     /* [rows, in] */
-    float *scale;  /* [rows, in / 32] */
-    float *part;   /* [rows, in / 32] */
+    float *scale;  /* [rows, stride] */
+    float *part;   /* [rows, stride] */
+    int stride;
 } QuantRows;
 
-static void quantize_rows(const float *x, int rows, int in, const QuantRows *qx) {
-    const int groups = in / GROUP;
+static int padded_groups(int in) { return (in / GROUP + 7) / 8 * 8; }
+
+static void quantize_rows(const float *x, int rows, int in, QuantRows *qx) {
+    const int groups = in / GROUP, stride = padded_groups(in);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    qx->stride = stride;
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
-        for (int g = 0; g < groups; g++) {
-            const float *src = x + (size_t)r * in + g * GROUP;
-            int8_t *dst = qx->q + (size_t)r * in + g * GROUP;
-            float top = 0.0f;
-            for (int j = 0; j < GROUP; j++) top = fmaxf(top, fabsf(src[j]));
-            const float scale = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
-            int sum = 0;
-            for (int j = 0; j < GROUP; j++) {
-                dst[j] = (int8_t)lrintf(src[j] * inverse);
-                sum += dst[j];
+        for (int g = 0; g < stride; g++) {
+            if (g >= groups) {
+                qx->scale[(size_t)r * stride + g] = 0.0f;
+                qx->part[(size_t)r * stride + g] = 0.0f;
+                continue;
             }
-            qx->scale[(size_t)r * groups + g] = scale;
-            qx->part[(size_t)r * groups + g] = scale * (float)sum * 0.125f;
+            const float *src = x + (size_t)r * in + g * GROUP;
+            __m256 v[4], top = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(src + 8 * j);
+                top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[j]));
+            }
+            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+            t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
+            const float amax = _mm_cvtss_f32(t);
+            const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const __m256 inv = _mm256_set1_ps(inverse);
+            __m256i q[4];
+            for (int j = 0; j < 4; j++)  /* round to nearest even, as lrintf */
+                q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+            __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_hadd_epi32(s4, s4);
+            s4 = _mm_hadd_epi32(s4, s4);
+            const __m256i packed = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+                order);
+            _mm256_storeu_si256((__m256i *)(qx->q + (size_t)r * in + g * GROUP), packed);
+            qx->scale[(size_t)r * stride + g] = scale;
+            qx->part[(size_t)r * stride + g] = scale * (float)_mm_cvtsi128_si32(s4);
         }
     }
 }
 
-/* The q4 analogue of dot_tile: per group, integer dots of the 4-bit weights with the
- * int8 activations (maddubs), scaled by d_w * d_x, plus the minimum's term m_w * part.
- * Same per-pair determinism as dot_tile. */
+/* fp16 row o of a [out, groups] table as fp32, zero-padded to `stride` entries. */
+static inline void half_row(const uint16_t *table, int o, int groups, int stride, float *out) {
+    const uint16_t *src = table + (size_t)o * groups;
+    int g = 0;
+    for (; g + 8 <= groups; g += 8)
+        _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + g))));
+    for (; g < groups; g++) out[g] = _cvtsh_ss(src[g]);
+    for (; g < stride; g++) out[g] = 0.0f;
+}
+
+/* dots[o * Q4_ROW_BLOCK + r] = W[o0 + o] . x[r0 + r] for a q4 W: per group, the integer
+ * dot of the 4-bit weights with the int8 activations (maddubs) times d_w * d_x, one
+ * accumulator per pair in group order; then the minimum's term sum_g m_w * part as an
+ * 8-lane dot. d and m: this tile's rows as fp32 [OW][stride]. Same per-pair determinism
+ * as dot_tile. */
 static inline __attribute__((always_inline)) void dot_tile_q4(
-    const Linear *L, int o0, const QuantRows *qx, int r0, int OW, int RB, float *dots,
-    const char *ahead, size_t stride) {
-    const int in = L->in_features, groups = in / GROUP;
+    const Linear *L, int o0, const QuantRows *qx, int r0, int OW, int RB, const float *d,
+    const float *m, float *dots, const char *ahead, size_t stride_bytes) {
+    const int in = L->in_features, groups = in / GROUP, stride = qx->stride;
+    const uint8_t *nibbles = (const uint8_t *)L->weight;
     const __m128i nibble = _mm_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[OUT_BLOCK][ROW_BLOCK];
+    __m256 acc[Q4_OUT_BLOCK][Q4_ROW_BLOCK];
     for (int o = 0; o < OW; o++)
         for (int r = 0; r < RB; r++) acc[o][r] = _mm256_setzero_ps();
     for (int g = 0; g < groups; g++) {
         if (ahead)
-            for (size_t b = 0; b < stride; b += 64)
-                _mm_prefetch(ahead + (size_t)g * stride + b, _MM_HINT_T0);
+            for (size_t b = 0; b < stride_bytes; b += 64)
+                _mm_prefetch(ahead + (size_t)g * stride_bytes + b, _MM_HINT_T0);
         for (int o = 0; o < OW; o++) {
-            const uint8_t *block = (const uint8_t *)L->weight + ((size_t)(o0 + o) * groups + g) * Q4_BLOCK;
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4));
+            const __m128i bytes = _mm_loadu_si128(
+                (const __m128i *)(nibbles + ((size_t)(o0 + o) * groups + g) * 16));
             const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble),
                                                _mm_and_si128(bytes, nibble));
-            uint16_t halves[2];
-            memcpy(halves, block, sizeof halves);
-            const __m256 d = _mm256_set1_ps(_cvtsh_ss(halves[0]));
-            const __m256 m = _mm256_set1_ps(_cvtsh_ss(halves[1]));
+            const __m256 dw = _mm256_broadcast_ss(d + o * stride + g);
             for (int r = 0; r < RB; r++) {
                 const size_t row = (size_t)(r0 + r);
                 const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx->q + row * in + g * GROUP));
                 const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), ones);
-                const __m256 scale = _mm256_mul_ps(d, _mm256_broadcast_ss(qx->scale + row * groups + g));
+                const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(qx->scale + row * stride + g));
                 acc[o][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[o][r]);
-                acc[o][r] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(qx->part + row * groups + g), acc[o][r]);
             }
         }
     }
     for (int o = 0; o < OW; o++)
-        for (int r = 0; r < RB; r++) dots[o * ROW_BLOCK + r] = hsum8(acc[o][r]);
+        for (int r = 0; r < RB; r++) {
+            const float *part = qx->part + (size_t)(r0 + r) * stride;
+            __m256 mins = _mm256_setzero_ps();
+            for (int g = 0; g < stride; g += 8)
+                mins = _mm256_fmadd_ps(_mm256_loadu_ps(m + o * stride + g), _mm256_loadu_ps(part + g), mins);
+            dots[o * Q4_ROW_BLOCK + r] = hsum8(acc[o][r]) + hsum8(mins);
+        }
 }
 
-/* dot_tile (or dot_tile_q4) with constant shapes: unrolled, accumulators in registers */
-#define DOT_TILE(OW, RB, o0, xb, target)                                              \
-    (FORMAT == FMT_Q4 ? dot_tile_q4(L, o0, qx, r0, OW, RB, target, ahead, stride)         \
-                      : dot_tile(L, FORMAT, o0, xb, ldx, OW, RB, target, ahead, stride))
+#define Q4_CASES(OW, o0, dd, mm, target)                                                 \
+    switch (rb) {                                                                        \
+    case 1: dot_tile_q4(L, o0, qx, r0, OW, 1, dd, mm, target, ahead, stride_bytes); break; \
+    case 2: dot_tile_q4(L, o0, qx, r0, OW, 2, dd, mm, target, ahead, stride_bytes); break; \
+    case 3: dot_tile_q4(L, o0, qx, r0, OW, 3, dd, mm, target, ahead, stride_bytes); break; \
+    default: dot_tile_q4(L, o0, qx, r0, OW, Q4_ROW_BLOCK, dd, mm, target, ahead, stride_bytes); break; \
+    }
+
+/* linear_format for q4 weights (nibbles [out, in / 2], fp16 scale and minimum tables
+ * [out, in / 32]); quantizes x into qx first. */
+static void linear_q4(const Linear *L, const float *x, int rows, float *y, int ldy, int accumulate,
+                      QuantRows *qx) {
+    quantize_rows(x, rows, L->in_features, qx);  /* ends in a barrier */
+    const int out = L->out_features, groups = L->in_features / GROUP, stride = qx->stride;
+    const int tiles = (out + Q4_OUT_BLOCK - 1) / Q4_OUT_BLOCK;
+    const size_t tile_bytes = (size_t)Q4_OUT_BLOCK * L->in_features / 2;
+    const size_t stride_bytes = tile_bytes / (size_t)groups;
+    const int ahead_tiles = tile_bytes < PREFETCH_BYTES ? (int)(PREFETCH_BYTES / tile_bytes) : 1;
+    float d[Q4_OUT_BLOCK * stride], m[Q4_OUT_BLOCK * stride];
+#pragma omp for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        const int o0 = t * Q4_OUT_BLOCK, ow = out - o0 < Q4_OUT_BLOCK ? out - o0 : Q4_OUT_BLOCK;
+        for (int o = 0; o < ow; o++) {
+            half_row((const uint16_t *)L->scale, o0 + o, groups, stride, d + o * stride);
+            half_row((const uint16_t *)L->minimum, o0 + o, groups, stride, m + o * stride);
+        }
+        for (int r0 = 0; r0 < rows; r0 += Q4_ROW_BLOCK) {
+            const int rb = rows - r0 < Q4_ROW_BLOCK ? rows - r0 : Q4_ROW_BLOCK;
+            float dots[Q4_OUT_BLOCK * Q4_ROW_BLOCK];
+            const int next = t + ahead_tiles + r0 / Q4_ROW_BLOCK;
+            const char *ahead = next < tiles
+                ? (const char *)L->weight + (size_t)next * tile_bytes : NULL;
+            if (ow == Q4_OUT_BLOCK) {
+                Q4_CASES(Q4_OUT_BLOCK, o0, d, m, dots)
+            } else {
+                for (int o = 0; o < ow; o++)
+                    Q4_CASES(1, o0 + o, d + o * stride, m + o * stride, dots + o * Q4_ROW_BLOCK)
+            }
+            for (int o = 0; o < ow; o++) {
+                const float bias = L->bias ? L->bias[o0 + o] : 0.0f;
+                for (int r = 0; r < rb; r++) {
+                    float v = dots[o * Q4_ROW_BLOCK + r] + bias;
+                    float *dst = y + (size_t)(r0 + r) * ldy + o0 + o;
+                    *dst = accumulate ? *dst + v : v;
+                }
+            }
+        }
+    }
+}
+
+/* dot_tile with constant shapes: unrolled, accumulators in registers */
+#define DOT_TILE(OW, RB, o0, xb, target) \
+    dot_tile(L, FORMAT, o0, xb, ldx, OW, RB, target, ahead, stride)
 #define DOT_CASES(OW, o0, xb, target)                                \
     switch (rb) {                                                    \
     case 1: DOT_TILE(OW, 1, o0, xb, target); break;                  \
@@ -260,13 +352,12 @@ static inline __attribute__((always_inline)) void dot_tile_q4(
 /* y[r, o] (+)= x[r] . W[o] * scale + bias: x [rows, in], y [rows, ldy]. Call inside a
  * parallel region: tiles of OUT_BLOCK output rows are shared out among the threads. */
 static inline __attribute__((always_inline)) void linear_format(
-    const Linear *L, int FORMAT, const float *x, int rows, float *y, int ldy, int accumulate,
-    const QuantRows *qx) {
-    if (FORMAT == FMT_Q4) quantize_rows(x, rows, L->in_features, qx);  /* ends in a barrier */
+    const Linear *L, int FORMAT, const float *x, int rows, float *y, int ldy, int accumulate) {
     const int out = L->out_features;
     const int tiles = (out + OUT_BLOCK - 1) / OUT_BLOCK;
     const size_t ldx = (size_t)L->in_features, tile_bytes = OUT_BLOCK * row_bytes(L);
     const size_t stride = tile_bytes * GROUP / ldx;  /* one tile per pass over the inputs */
+    const int ahead_tiles = tile_bytes < PREFETCH_BYTES ? (int)(PREFETCH_BYTES / tile_bytes) : 1;
 #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         const int o0 = t * OUT_BLOCK, ow = out - o0 < OUT_BLOCK ? out - o0 : OUT_BLOCK;
@@ -275,8 +366,8 @@ static inline __attribute__((always_inline)) void linear_format(
             float dots[OUT_BLOCK * ROW_BLOCK];
             /* pass p prefetches tile t + 1 + p: with several passes per tile the stream
              * still advances during each, so computing overlaps reading */
-            const int next = t + PREFETCH_TILES + r0 / ROW_BLOCK;
-            const char *ahead = PREFETCH_TILES && next < tiles
+            const int next = t + ahead_tiles + r0 / ROW_BLOCK;
+            const char *ahead = next < tiles
                 ? (const char *)L->weight + (size_t)next * tile_bytes : NULL;
             const float *xb = x + (size_t)r0 * ldx;
             if (ow == OUT_BLOCK) {
@@ -285,7 +376,7 @@ static inline __attribute__((always_inline)) void linear_format(
                 for (int o = 0; o < ow; o++) DOT_CASES(1, o0 + o, xb, dots + o * ROW_BLOCK)
             }
             for (int o = 0; o < ow; o++) {
-                const float scale = FORMAT == FMT_Q8 ? L->scale[o0 + o] : 1.0f;
+                const float scale = FORMAT == FMT_Q8 ? ((const float *)L->scale)[o0 + o] : 1.0f;
                 const float bias = L->bias ? L->bias[o0 + o] : 0.0f;
                 for (int r = 0; r < rb; r++) {
                     float v = dots[o * ROW_BLOCK + r] * scale + bias;
@@ -298,12 +389,12 @@ static inline __attribute__((always_inline)) void linear_format(
 }
 
 static void linear(const Linear *L, const float *x, int rows, float *y, int ldy, int accumulate,
-                   const QuantRows *qx) {
+                   QuantRows *qx) {
     switch (L->format) {
-    case FMT_F32: linear_format(L, FMT_F32, x, rows, y, ldy, accumulate, qx); break;
-    case FMT_BF16: linear_format(L, FMT_BF16, x, rows, y, ldy, accumulate, qx); break;
-    case FMT_Q8: linear_format(L, FMT_Q8, x, rows, y, ldy, accumulate, qx); break;
-    default: linear_format(L, FMT_Q4, x, rows, y, ldy, accumulate, qx); break;
+    case FMT_F32: linear_format(L, FMT_F32, x, rows, y, ldy, accumulate); break;
+    case FMT_BF16: linear_format(L, FMT_BF16, x, rows, y, ldy, accumulate); break;
+    case FMT_Q8: linear_format(L, FMT_Q8, x, rows, y, ldy, accumulate); break;
+    default: linear_q4(L, x, rows, y, ldy, accumulate, qx); break;
     }
 }
 
@@ -433,7 +524,7 @@ static int64_t widest_input(const Model *m) {
 int64_t spec_work_floats(const Model *m, int rows, int threads) {
     const int64_t d = m->head_dim, width = (m->heads + 2 * m->kv_heads) * d;
     int64_t per_row = m->hidden + width + m->heads * d + 3 * (int64_t)m->intermediate;
-    per_row += widest_input(m) / 4 + 2 * widest_input(m) / GROUP;  /* QuantRows */
+    per_row += widest_input(m) / 4 + 2 * padded_groups(widest_input(m));  /* QuantRows */
     return rows * per_row + (int64_t)threads * 2 * m->max_length;
 }
 
@@ -455,8 +546,9 @@ void spec_forward(const Model *m, float *hidden, int rows, int start, const int6
     float *scratch = act + (size_t)rows * inter;
     const int64_t widest = widest_input(m);
     float *quant = scratch + (size_t)threads * 2 * m->max_length;
-    const QuantRows qx = {(int8_t *)quant, quant + rows * widest / 4,
-                          quant + rows * widest / 4 + rows * widest / GROUP};
+    const int64_t groups = padded_groups(widest);
+    QuantRows qx = {(int8_t *)quant, quant + rows * widest / 4,
+                    quant + rows * widest / 4 + rows * groups, 0};
 #pragma omp parallel num_threads(threads)
     {
         for (int l = 0; l < m->num_layers; l++) {
