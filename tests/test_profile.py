@@ -23,6 +23,9 @@ def test_profile_json(tmp_path, capsys):
             "--runtime",
             "native",
             "hf",
+            "--backend",
+            "kernels",
+            "torch",
             "--drafters",
             "ngram",
             "self-bf16",
@@ -45,7 +48,11 @@ def test_profile_json(tmp_path, capsys):
     ):
         assert key in data
     assert data["verify_cost"]["1"] == 1.0 and len(data["verify_cost"]) == 4
-    assert [r["runtime"] for r in data["runtimes"]] == ["native", "hf"]
+    assert [(r["runtime"], r["backend"]) for r in data["runtimes"]] == [
+        ("native", "kernels"),
+        ("native", "torch"),
+        ("hf", None),
+    ]
     assert data["draft_cost"]["ngram"] >= 0 and data["draft_cost"]["self-bf16"] > 0
     assert data["decode_ms_per_token"] > 0
 

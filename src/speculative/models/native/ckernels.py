@@ -46,8 +46,11 @@ ABI_VERSION = 3
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 
 
-class KernelsUnavailable(RuntimeError):
-    """The C decoder cannot be built or run here (the reason is the message)."""
+class KernelsUnavailable(ValueError):
+    """The C decoder cannot be built or run here (the reason is the message).
+
+    A ValueError so that asking for ``backend="kernels"`` where it cannot run is reported
+    like any other unusable option (one line from the CLI)."""
 
 
 def kernel_cache_dir() -> Path:
