@@ -297,9 +297,7 @@ def _assert_k_invariant(
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
-def test_block_forward_equals_single_steps(
-    tmp_path: Path, precision: str, backend: str
-) -> None:
+def test_block_forward_equals_single_steps(tmp_path: Path, precision: str, backend: str) -> None:
     """k-invariance: a token's logits do not depend on how many tokens share its forward.
 
     Speculative verification (one forward over k tokens) is lossless only if it yields
@@ -381,3 +379,71 @@ def test_missing_compiler_falls_back_to_torch(
     assert model.backend == "torch"
     with pytest.raises(ValueError, match="backend"):
         load_native(folder, max_length=16, backend="cuda")
+
+
+def test_import_cache_replaces_a_prefill(
+    tiny: tuple[LlamaForCausalLM, Path], tmp_path: Path, backend: str
+) -> None:
+    """A copy of the same model that imports the cache continues exactly as if it had
+    prefilled itself; other shapes and other model types are refused, unchanged."""
+    _, folder = tiny
+    ids = _ids(12, seed=13)
+    source = load_native(folder, max_length=64, backend=backend)
+    source.forward(ids[:, :10])
+    copy = load_native(folder, max_length=64, backend=backend)
+    assert copy.import_cache(source, 10) and copy.cache_length == 10
+    own = load_native(folder, max_length=64, backend=backend)
+    own.forward(ids[:, :10])
+    assert torch.equal(copy.forward(ids[:, 10:]), own.forward(ids[:, 10:]))
+
+    other_folder = tmp_path / "other"
+    torch.manual_seed(1)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(other_folder)
+    other = load_native(other_folder, max_length=64, backend=backend)
+    other.forward(ids[:, :3])
+    assert not other.import_cache(source, 10) and other.cache_length == 3
+    assert not copy.import_cache(object(), 5)
+    assert not copy.import_cache(source, 11)  # more than the source holds
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+def test_self_drafter_starts_from_the_target_prefill(
+    tiny: tuple[LlamaForCausalLM, Path], backend: str, precision: str
+) -> None:
+    from speculative.drafters import DraftModelDrafter
+    from speculative.engine import SpeculativeEngine, StopCriteria
+    from speculative.sampling import SamplingParams
+
+    _, folder = tiny
+    prompt = _ids(20, seed=14)[0].tolist()
+    target = load_native(folder, max_length=128, backend=backend)
+
+    def run(drafter: DraftModelDrafter | None) -> list[int]:
+        engine = SpeculativeEngine(target, drafter, 3)
+        stop = StopCriteria(max_new_tokens=24)
+        return engine.generate(prompt, SamplingParams(temperature=0), stop, torch.Generator())
+
+    plain = run(None).token_ids
+    for share in (True, False):
+        draft = load_native(folder, precision, max_length=128, backend=backend)
+        drafter = DraftModelDrafter(draft, VOCAB, f"self-{precision}", share_prefill=share)
+        result = run(drafter)
+        assert result.token_ids == plain, f"share_prefill={share}"
+        assert result.stats.acceptance_rate > 0.3
+    # priming copies the prompt cache without a forward pass
+    draft = load_native(folder, precision, max_length=128, backend=backend)
+    drafter = DraftModelDrafter(draft, VOCAB, "self", share_prefill=True)
+    engine = SpeculativeEngine(target, drafter, 3)
+    engine.start(prompt)
+    engine.target.sync(prompt[:-1])
+    drafter.prime(engine.target)
+    assert drafter.forward_calls == 0 and draft.cache_length == len(prompt) - 1

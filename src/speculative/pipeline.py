@@ -227,7 +227,8 @@ def build_drafter(spec: str | None, target: LoadedModel) -> Drafter | None:
         precision = name.removeprefix("self-")
         if target.make_variant is None:
             raise ValueError(f"the runtime of '{target.name}' cannot build a {name} drafter")
-        return DraftModelDrafter(target.make_variant(precision), vocab, name)
+        # the same model at another precision: it may start from the target's prefill
+        return DraftModelDrafter(target.make_variant(precision), vocab, name, share_prefill=True)
     if name.startswith("self-exit"):
         layers = _parse_layers(name, target)
         return DraftModelDrafter(_early_exit(target, layers), vocab, name)

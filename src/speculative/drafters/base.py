@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from speculative.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from speculative.models.session import ModelSession
 
 
 @dataclass(frozen=True)
@@ -60,4 +63,13 @@ class Drafter(Protocol):
 
     def reset(self) -> None:
         """Forget any per-sequence state before a new generation."""
+        ...
+
+
+@runtime_checkable
+class SupportsPriming(Protocol):
+    """A drafter that can start from the target's prompt prefill (see ModelSession.adopt)."""
+
+    def prime(self, target: ModelSession) -> None:
+        """Called once per generation, right after the target prefilled the prompt."""
         ...

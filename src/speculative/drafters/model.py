@@ -31,10 +31,20 @@ def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 class DraftModelDrafter:
     """Autoregressive drafting with a draft model whose cache follows the sequence."""
 
-    def __init__(self, model: CausalLM, vocab_size: int, name: str = "draft-model") -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        vocab_size: int,
+        name: str = "draft-model",
+        share_prefill: bool = False,
+    ) -> None:
+        """share_prefill: start each generation from the target's prompt cache instead of
+        a prefill of our own (only for the target at another precision, whose keys and
+        values mean the same; lossless either way, it changes only the drafts)."""
         self.name = name
         self.vocab_size = vocab_size
         self.session = ModelSession(model)
+        self.share_prefill = share_prefill
 
     @property
     def forward_calls(self) -> int:
@@ -62,6 +72,11 @@ class DraftModelDrafter:
             sequence.append(token)
         probs = torch.stack(rows, dim=1) if rows else None  # [1, gamma, vocab]
         return Draft(tokens=tokens, probs=probs)
+
+    def prime(self, target: ModelSession) -> None:
+        """Called once the target has prefilled the prompt."""
+        if self.share_prefill:
+            self.session.adopt(target)
 
     def observe(self, context: Sequence[int], num_accepted: int) -> None:
         """Nothing to do: the next propose() rolls the cache back and catches up."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speculative.drafters.base import Draft, Drafter
+from speculative.drafters.base import Draft, Drafter, SupportsPriming
 from speculative.engine.gamma import FixedGamma, GammaPolicy
 from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import StopCriteria
@@ -89,6 +89,8 @@ class SpeculativeEngine:
         state = self.start(prompt_ids)
         started = time.perf_counter()
         self.target.sync(state.sequence[:-1])  # prefill
+        if isinstance(self.drafter, SupportsPriming):
+            self.drafter.prime(self.target)
         state.stats.prefill_seconds = time.perf_counter() - started
         while not state.finished:
             draft = self.propose(state, params, generator)

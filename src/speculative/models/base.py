@@ -69,3 +69,18 @@ class SupportsWeightBytes(Protocol):
     """A model that knows how many bytes of weights one decode step reads."""
 
     def weight_bytes(self) -> int: ...
+
+
+@runtime_checkable
+class SupportsCacheImport(Protocol):
+    """A model that can take over another model's cached positions.
+
+    Used by draft models that are the target at another precision: instead of running
+    their own prefill over the prompt, they copy the target's keys and values (the
+    drafts change slightly, the target's output distribution does not).
+    """
+
+    def import_cache(self, source: object, length: int) -> bool:
+        """Make this cache hold ``source``'s first ``length`` positions; False (and no
+        change) when ``source`` has another architecture or cache layout."""
+        ...

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from speculative.models.base import CausalLM
+from speculative.models.base import CausalLM, SupportsCacheImport
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -55,6 +55,17 @@ class ModelSession:
         missing = list(prefix[keep:])
         if missing:
             self._feed(missing)
+
+    def adopt(self, other: ModelSession) -> bool:
+        """Take over ``other``'s cached tokens by copying its cache (no forward pass), if
+        this model can import that model's cache; returns whether it did."""
+        model = self.model
+        if not other.cached or not isinstance(model, SupportsCacheImport):
+            return False
+        if not model.import_cache(other.model, len(other.cached)):
+            return False
+        self.cached = list(other.cached)
+        return True
 
     def logits_after(self, context: Sequence[int], new: Sequence[int] = ()) -> torch.Tensor:
         """Next-token logits after ``context[-1]`` and after each token of ``new``.

@@ -347,6 +347,11 @@ class KernelDecoder:
         self.v_cache = torch.zeros(shape)
         self._batch = batch
 
+    def copy_cache_from(self, source: KernelDecoder, length: int) -> None:
+        """Copy slots [0, length) of ``source``'s cache (same layout, batch of one)."""
+        self.k_cache[:, :, :, :length] = source.k_cache[:, :, :, :length]
+        self.v_cache[:, :, :, :length] = source.v_cache[:, :, :, :length]
+
     def forward(
         self,
         hidden: torch.Tensor,  # [batch, k, hidden] float32 embeddings, owned (updated in place)

@@ -47,6 +47,10 @@ class Decoder(Protocol):
 
     def allocate(self, batch: int) -> None: ...
 
+    def copy_cache_from(self, source: Decoder, length: int) -> None:
+        """Copy slots [0, length) of ``source``'s cache (same layout, batch of one)."""
+        ...
+
     def forward(
         self,
         hidden: torch.Tensor,  # [batch, k, hidden] float32, owned by the decoder
@@ -142,6 +146,27 @@ class NativeLlama:
 
     def reset(self) -> None:
         self._length = 0
+
+    def import_cache(self, source: object, length: int) -> bool:
+        """Copy ``source``'s first ``length`` cached positions (batch of one) into this
+        cache, when ``source`` is a NativeLlama of the same shape and decoder layout."""
+        if not isinstance(source, NativeLlama) or not 0 < length <= source.cache_length:
+            return False
+        same_shape = (
+            source.config.num_layers == self.config.num_layers
+            and source.config.num_kv_heads == self.config.num_kv_heads
+            and source.config.head_dim == self.config.head_dim
+            and source.max_length == self.max_length
+            and source.backend == self.backend
+            and source._batch == 1
+        )
+        if not same_shape:
+            return False
+        self.reset()
+        self._ensure_cache(1)
+        self.decoder.copy_cache_from(source.decoder, length)
+        self._length = length
+        return True
 
     @torch.no_grad()
     def forward(

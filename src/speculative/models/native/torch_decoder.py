@@ -108,6 +108,13 @@ class TorchDecoder:
         self.v_cache = torch.zeros(shape)
         self._batch = batch
 
+    def copy_cache_from(self, source: TorchDecoder, length: int) -> None:
+        """Copy slots [0, length) of ``source``'s cache (same layout, batch of one)."""
+        for first in range(0, length, KEY_CHUNK):
+            chunk, last = first // KEY_CHUNK, min(KEY_CHUNK, length - first)
+            self.k_cache[:, :, chunk, :, :last] = source.k_cache[:, :, chunk, :, :last]
+            self.v_cache[:, :, chunk, :, :last] = source.v_cache[:, :, chunk, :, :last]
+
     def forward(
         self,
         hidden: torch.Tensor,  # [batch, k, hidden] float32 embeddings, owned (updated in place)
