@@ -132,6 +132,22 @@ def test_stop_strings_cut_tokens():
     assert stop.final_text(text) == text[: text.find("ea")] if "ea" in text else True
 
 
+def test_stop_string_window_is_bounded_and_finds_boundary_hits():
+    seen: list[int] = []
+
+    def decode(ids):
+        seen.append(len(ids))
+        return "".join("abcde"[i] for i in ids)
+
+    stop = StopCriteria(max_new_tokens=10_000, stop_strings=("cab",), decode=decode)
+    generated = [0, 1] * 2000  # "abab...": no stop string yet
+    assert stop.cut(generated, [3, 4]).finished is False  # "...ab" + "de"
+    assert max(seen) <= 4 * 3 + 4 + 2  # a tail window, not the whole text
+    # the stop string straddles the old text and the new tokens: "...b" + "c" "a" "b"
+    cut = stop.cut([*generated, 2], [0, 1, 3])
+    assert (cut.keep, cut.reason) == (2, "stop")
+
+
 def test_stats_are_consistent():
     result = make_engine("model", 4).generate(
         [0], SamplingParams(), StopCriteria(max_new_tokens=200), torch.Generator().manual_seed(5)

@@ -423,7 +423,8 @@ class GenerationStream:
         self.prompt_ids = prompt_ids
         self.criteria = criteria
         self.rounds: list[Round] = []
-        self._rounds = engine.stream(prompt_ids, params, criteria, generator)
+        self.stats = GenerationStats()
+        self._rounds = engine.stream(prompt_ids, params, criteria, generator, self.stats)
 
     def __iter__(self) -> Iterator[Round]:
         for round_ in self._rounds:
@@ -439,7 +440,7 @@ class GenerationStream:
         return GenerationOutput(
             text=self.criteria.final_text(self.speculator.decode(tokens)),
             token_ids=tokens,
-            stats=self.engine.last_stats,
+            stats=self.stats,
             finish_reason=self.rounds[-1].reason if self.rounds else None,
             prompt_tokens=len(self.prompt_ids),
             rounds=self.rounds,

@@ -84,9 +84,14 @@ class SpeculativeEngine:
         params: SamplingParams,
         stop: StopCriteria,
         generator: torch.Generator,
+        stats: GenerationStats | None = None,
     ) -> Iterator[Round]:
-        """Yield each round's emitted tokens until a stop criterion fires."""
-        state = self.start(prompt_ids)
+        """Yield each round's emitted tokens until a stop criterion fires.
+
+        ``stats`` (a fresh one when None) is updated in place as the rounds go, so a caller
+        that keeps a reference can read it during and after the stream.
+        """
+        state = self.start(prompt_ids, stats)
         started = time.perf_counter()
         self.target.sync(state.sequence[:-1])  # prefill
         if isinstance(self.drafter, SupportsPriming):
@@ -107,9 +112,9 @@ class SpeculativeEngine:
         generator: torch.Generator,
     ) -> GenerationResult:
         """Run to completion; returns the generated ids (prompt excluded) and stats."""
-        rounds = list(self.stream(prompt_ids, params, stop, generator))
+        stats = GenerationStats()
+        rounds = list(self.stream(prompt_ids, params, stop, generator, stats))
         tokens = [t for r in rounds for t in r.tokens]
-        stats = self.last_stats
         return GenerationResult(
             token_ids=tokens,
             stats=stats,
@@ -117,7 +122,9 @@ class SpeculativeEngine:
             rounds=rounds,
         )
 
-    def start(self, prompt_ids: Sequence[int]) -> DecodeState:
+    def start(
+        self, prompt_ids: Sequence[int], stats: GenerationStats | None = None
+    ) -> DecodeState:
         if len(prompt_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
         limit = self.target.model.max_length
@@ -127,9 +134,10 @@ class SpeculativeEngine:
             )
         if self.drafter is not None:
             self.drafter.reset()
-        self.last_stats = GenerationStats()
         return DecodeState(
-            sequence=list(prompt_ids), prompt_length=len(prompt_ids), stats=self.last_stats
+            sequence=list(prompt_ids),
+            prompt_length=len(prompt_ids),
+            stats=GenerationStats() if stats is None else stats,
         )
 
     def propose(

@@ -49,13 +49,19 @@ class StopCriteria:
         return StopCut(keep=keep, finished=reason is not None, reason=reason)
 
     def _stop_string_cut(self, generated: Sequence[int], new: Sequence[int]) -> int | None:
-        """Smallest number of ``new`` tokens after which the text contains a stop string."""
+        """Smallest number of ``new`` tokens after which the text contains a stop string.
+
+        Only a tail of ``generated`` is decoded: a stop string of L characters spans at most
+        4 L tokens (a token holds at least one byte, a character at most four), so any hit
+        that involves the new tokens starts inside that window. The cost per round does not
+        grow with the length of the generation.
+        """
         assert self.decode is not None
-        before = self.decode(list(generated))
-        if self.find_stop(before) is not None:
+        window = list(generated[-(4 * max(map(len, self.stop_strings)) + 4) :])
+        if self.find_stop(self.decode(window)) is not None:
             return 0
         for i in range(1, len(new) + 1):
-            if self.find_stop(self.decode([*generated, *new[:i]])) is not None:
+            if self.find_stop(self.decode([*window, *new[:i]])) is not None:
                 return i
         return None
 
