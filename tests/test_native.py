@@ -20,13 +20,13 @@ from speculative.models.native.profile import (
 VOCAB = 128
 
 
-def _tiny_llama(folder: Path, tie: bool = True) -> LlamaForCausalLM:
+def _tiny_llama(folder: Path, tie: bool = True, layers: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
@@ -396,19 +396,8 @@ def test_import_cache_replaces_a_prefill(
     own.forward(ids[:, :10])
     assert torch.equal(copy.forward(ids[:, 10:]), own.forward(ids[:, 10:]))
 
-    other_folder = tmp_path / "other"
-    torch.manual_seed(1)
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).save_pretrained(other_folder)
-    other = load_native(other_folder, max_length=64, backend=backend)
+    _tiny_llama(tmp_path / "other", layers=3)
+    other = load_native(tmp_path / "other", max_length=64, backend=backend)
     other.forward(ids[:, :3])
     assert not other.import_cache(source, 10) and other.cache_length == 3
     assert not copy.import_cache(object(), 5)

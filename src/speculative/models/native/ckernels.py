@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from speculative.models.native.config import NativeConfig
+from speculative.models.native.decoder_base import DecoderBase
 from speculative.models.native.layers import LayerWeights, lm_head_precision
 from speculative.models.native.loading import Weight
 from speculative.models.native.quant import (
@@ -272,7 +273,7 @@ def kernel_shape_problem(
     return None
 
 
-class KernelDecoder:
+class KernelDecoder(DecoderBase):
     """Decoder layers, final norm, output head and KV cache, run by kernels.c."""
 
     def __init__(
@@ -290,6 +291,7 @@ class KernelDecoder:
         )
         if problem is not None:
             raise KernelsUnavailable(problem)
+        super().__init__()
         self.config = config
         self.layers = [
             KernelLayer(
@@ -325,27 +327,11 @@ class KernelDecoder:
             cos=self._cos.data_ptr(),
             sin=self._sin.data_ptr(),
         )
-        self._batch = 0
-        # [batch, layers, kv_heads, max_length, head_dim]
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.lm_head.out_features
-
-    def weight_bytes(self) -> int:
-        return self.lm_head.weight_bytes() + sum(layer.weight_bytes() for layer in self.layers)
-
-    def allocate(self, batch: int) -> None:
-        """(Re)allocate the cache for ``batch`` sequences (only ever called when empty)."""
-        if batch == self._batch:
-            return
+    def cache_shape(self, batch: int) -> tuple[int, ...]:
+        """[batch, layers, kv_heads, max_length, head_dim]."""
         cfg = self.config
-        shape = (batch, cfg.num_layers, cfg.num_kv_heads, self._model.max_length, cfg.head_dim)
-        self.k_cache = torch.zeros(shape)
-        self.v_cache = torch.zeros(shape)
-        self._batch = batch
+        return (batch, cfg.num_layers, cfg.num_kv_heads, self._model.max_length, cfg.head_dim)
 
     def copy_cache_from(self, source: KernelDecoder, length: int) -> None:
         """Copy slots [0, length) of ``source``'s cache (same layout, batch of one)."""

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from speculative.models.native.config import NativeConfig
+from speculative.models.native.decoder_base import DecoderBase
 from speculative.models.native.layers import LayerWeights, lm_head_precision
 from speculative.models.native.linear import PackedLinear, make_linear
 from speculative.models.native.loading import Weight
@@ -67,7 +68,7 @@ def _cache_segments(start: int, k: int) -> list[tuple[int, int, int, int]]:
     return segments
 
 
-class TorchDecoder:
+class TorchDecoder(DecoderBase):
     """Decoder layers, final norm, output head and KV cache, in PyTorch ops."""
 
     def __init__(
@@ -79,34 +80,19 @@ class TorchDecoder:
         rotations: torch.Tensor,  # [max_length, head_dim / 2] complex64
         precision: str,
     ) -> None:
+        super().__init__()
         self.config = config
         self.layers = [TorchLayer.pack(w, precision) for w in layers]
         self.final_norm = final_norm
         self.lm_head = make_linear(head, None, lm_head_precision(precision))
         self.rotations = rotations
         self._chunks = -(-rotations.shape[0] // KEY_CHUNK)
-        self._batch = 0
-        # [layers, batch, chunks, kv_heads, KEY_CHUNK, head_dim]; slot s lives in chunk
-        # s // KEY_CHUNK at offset s % KEY_CHUNK. Zero-initialised, so unused slots are finite.
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.lm_head.out_features
-
-    def weight_bytes(self) -> int:
-        return self.lm_head.weight_bytes() + sum(layer.weight_bytes() for layer in self.layers)
-
-    def allocate(self, batch: int) -> None:
-        """(Re)allocate the cache for ``batch`` sequences (only ever called when empty)."""
-        if batch == self._batch:
-            return
+    def cache_shape(self, batch: int) -> tuple[int, ...]:
+        """[layers, batch, chunks, kv_heads, KEY_CHUNK, head_dim]: slot s lives in chunk
+        s // KEY_CHUNK at offset s % KEY_CHUNK."""
         cfg = self.config
-        shape = (cfg.num_layers, batch, self._chunks, cfg.num_kv_heads, KEY_CHUNK, cfg.head_dim)
-        self.k_cache = torch.zeros(shape)
-        self.v_cache = torch.zeros(shape)
-        self._batch = batch
+        return (cfg.num_layers, batch, self._chunks, cfg.num_kv_heads, KEY_CHUNK, cfg.head_dim)
 
     def copy_cache_from(self, source: TorchDecoder, length: int) -> None:
         """Copy slots [0, length) of ``source``'s cache (same layout, batch of one)."""
