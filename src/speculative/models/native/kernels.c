@@ -37,6 +37,9 @@
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192 /* how far (at least one tile) the weight stream runs ahead */
 #endif
+#ifndef ROW_PANEL
+#define ROW_PANEL 48     /* rows per sweep over the weights: a panel of x stays in cache */
+#endif
 #define Q4_ROW_BLOCK 4   /* the q4 tiles: fewer accumulators fit beside its decoding */
 #define Q4_OUT_BLOCK 2
 
@@ -305,6 +308,8 @@ static void linear_q4(const Linear *L, const float *x, int rows, float *y, int l
     const size_t stride_bytes = tile_bytes / (size_t)groups;
     const int ahead_tiles = tile_bytes < PREFETCH_BYTES ? (int)(PREFETCH_BYTES / tile_bytes) : 1;
     float d[Q4_OUT_BLOCK * stride], m[Q4_OUT_BLOCK * stride];
+    for (int panel = 0; panel < rows; panel += ROW_PANEL) {
+    const int panel_end = rows - panel < ROW_PANEL ? rows : panel + ROW_PANEL;
 #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         const int o0 = t * Q4_OUT_BLOCK, ow = out - o0 < Q4_OUT_BLOCK ? out - o0 : Q4_OUT_BLOCK;
@@ -312,10 +317,10 @@ static void linear_q4(const Linear *L, const float *x, int rows, float *y, int l
             half_row((const uint16_t *)L->scale, o0 + o, groups, stride, d + o * stride);
             half_row((const uint16_t *)L->minimum, o0 + o, groups, stride, m + o * stride);
         }
-        for (int r0 = 0; r0 < rows; r0 += Q4_ROW_BLOCK) {
-            const int rb = rows - r0 < Q4_ROW_BLOCK ? rows - r0 : Q4_ROW_BLOCK;
+        for (int r0 = panel; r0 < panel_end; r0 += Q4_ROW_BLOCK) {
+            const int rb = panel_end - r0 < Q4_ROW_BLOCK ? panel_end - r0 : Q4_ROW_BLOCK;
             float dots[Q4_OUT_BLOCK * Q4_ROW_BLOCK];
-            const int next = t + ahead_tiles + r0 / Q4_ROW_BLOCK;
+            const int next = t + ahead_tiles + (r0 - panel) / Q4_ROW_BLOCK;
             const char *ahead = next < tiles
                 ? (const char *)L->weight + (size_t)next * tile_bytes : NULL;
             if (ow == Q4_OUT_BLOCK) {
@@ -333,6 +338,7 @@ static void linear_q4(const Linear *L, const float *x, int rows, float *y, int l
                 }
             }
         }
+    }
     }
 }
 
@@ -358,15 +364,17 @@ static inline __attribute__((always_inline)) void linear_format(
     const size_t ldx = (size_t)L->in_features, tile_bytes = OUT_BLOCK * row_bytes(L);
     const size_t stride = tile_bytes * GROUP / ldx;  /* one tile per pass over the inputs */
     const int ahead_tiles = tile_bytes < PREFETCH_BYTES ? (int)(PREFETCH_BYTES / tile_bytes) : 1;
+    for (int panel = 0; panel < rows; panel += ROW_PANEL) {
+    const int panel_end = rows - panel < ROW_PANEL ? rows : panel + ROW_PANEL;
 #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         const int o0 = t * OUT_BLOCK, ow = out - o0 < OUT_BLOCK ? out - o0 : OUT_BLOCK;
-        for (int r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
-            const int rb = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
+        for (int r0 = panel; r0 < panel_end; r0 += ROW_BLOCK) {
+            const int rb = panel_end - r0 < ROW_BLOCK ? panel_end - r0 : ROW_BLOCK;
             float dots[OUT_BLOCK * ROW_BLOCK];
             /* pass p prefetches tile t + 1 + p: with several passes per tile the stream
              * still advances during each, so computing overlaps reading */
-            const int next = t + ahead_tiles + r0 / ROW_BLOCK;
+            const int next = t + ahead_tiles + (r0 - panel) / ROW_BLOCK;
             const char *ahead = next < tiles
                 ? (const char *)L->weight + (size_t)next * tile_bytes : NULL;
             const float *xb = x + (size_t)r0 * ldx;
@@ -385,6 +393,7 @@ static inline __attribute__((always_inline)) void linear_format(
                 }
             }
         }
+    }
     }
 }
 
