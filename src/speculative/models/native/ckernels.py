@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from speculative.models.native.config import NativeConfig
-from speculative.models.native.decoder_base import DecoderBase
+from speculative.models.native.decoder_base import DecoderBase, layer_weight_bytes
 from speculative.models.native.layers import LayerWeights, lm_head_precision
+from speculative.models.native.linear import tensor_bytes
 from speculative.models.native.loading import Weight
 from speculative.models.native.quant import (
     GROUP_SIZE,
@@ -157,10 +158,6 @@ def _address(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _nbytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """[out, in] uint8 in 0..15 -> [out, in / 2]: byte j of each group of 32 holds q[j] in
     its low nibble and q[j + 16] in its high nibble (GGUF Q4_1's order)."""
@@ -232,7 +229,7 @@ class KernelLinear:
         )
 
     def weight_bytes(self) -> int:
-        return _nbytes(self.weight, self.scale, self.minimum, self.bias)
+        return tensor_bytes(self.weight, self.scale, self.minimum, self.bias)
 
 
 @dataclass
@@ -255,10 +252,7 @@ class KernelLayer:
         )
 
     def weight_bytes(self) -> int:
-        linears = (self.qkv, self.o, self.gate_up, self.down)
-        return sum(x.weight_bytes() for x in linears) + _nbytes(
-            self.input_norm, self.post_attention_norm
-        )
+        return layer_weight_bytes(self)
 
 
 def kernel_shape_problem(

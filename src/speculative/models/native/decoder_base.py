@@ -1,4 +1,5 @@
-"""What the two native decoders share: output width, weight bytes, cache allocation."""
+"""The interface of the two native decoders and what they share: output width, weight
+bytes, cache allocation."""
 
 from __future__ import annotations
 
@@ -6,9 +7,19 @@ from typing import Any
 
 import torch
 
+from speculative.models.native.linear import tensor_bytes
+
+
+def layer_weight_bytes(layer: Any) -> int:
+    """Bytes one decode step reads from a packed layer: four linears and two norms."""
+    linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    norms = tensor_bytes(layer.input_norm, layer.post_attention_norm)
+    return sum(x.weight_bytes() for x in linears) + norms
+
 
 class DecoderBase:
-    """Base of :class:`TorchDecoder` and :class:`KernelDecoder` (each its own cache layout)."""
+    """Layers + final norm + output head + KV cache of a native model; subclassed by
+    :class:`TorchDecoder` and :class:`KernelDecoder` (each with its own cache layout)."""
 
     layers: list[Any]  # per-layer packed weights, each with weight_bytes()
     lm_head: Any  # packed output projection with out_features and weight_bytes()
@@ -39,4 +50,17 @@ class DecoderBase:
         self._batch = batch
 
     def cache_shape(self, batch: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def copy_cache_from(self, source: DecoderBase, length: int) -> None:
+        """Copy slots [0, length) of ``source``'s cache (same layout, batch of one)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [batch, k, hidden] float32, owned (updated in place)
+        start: int,
+        positions: torch.Tensor,  # [batch, k] int64
+        attention_mask: torch.Tensor | None,  # [k, k] bool or None (causal)
+    ) -> torch.Tensor:  # [batch, k, vocab] float32
         raise NotImplementedError

@@ -64,7 +64,8 @@ class _LowPrecisionLinear:
         return out.add_(self._kernel(x))
 
 
-def _nbytes(*tensors: torch.Tensor | None) -> int:
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes held by the given tensors (None entries count 0)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -99,7 +100,7 @@ class Fp32Linear:
         return out.add_(self(x))
 
     def weight_bytes(self) -> int:
-        return _nbytes(self.weight, self.bias)
+        return tensor_bytes(self.weight, self.bias)
 
 
 class Bf16Linear(_LowPrecisionLinear):
@@ -118,7 +119,7 @@ class Bf16Linear(_LowPrecisionLinear):
         )  # [tokens, out] bfloat16
 
     def weight_bytes(self) -> int:
-        return _nbytes(self.weight, self.bias)
+        return tensor_bytes(self.weight, self.bias)
 
 
 class Int8Linear(_LowPrecisionLinear):
@@ -137,7 +138,7 @@ class Int8Linear(_LowPrecisionLinear):
         )  # [tokens, out] bfloat16
 
     def weight_bytes(self) -> int:
-        return _nbytes(self.qweight, self.scale, self.bias)
+        return tensor_bytes(self.qweight, self.scale, self.bias)
 
 
 class Int4Linear(_LowPrecisionLinear):
@@ -171,7 +172,7 @@ class Int4Linear(_LowPrecisionLinear):
         )  # [tokens, out] bfloat16
 
     def weight_bytes(self) -> int:
-        return _nbytes(self.packed, self.scale_zero, self.bias)
+        return tensor_bytes(self.packed, self.scale_zero, self.bias)
 
 
 def make_linear(

@@ -22,11 +22,11 @@ because of this.
 from __future__ import annotations
 
 import warnings
-from typing import Protocol
 
 import torch
 
 from speculative.models.native.config import NativeConfig, rope_inverse_frequencies
+from speculative.models.native.decoder_base import DecoderBase
 from speculative.models.native.layers import layer_weights
 from speculative.models.native.linear import PRECISIONS
 from speculative.models.native.loading import Checkpoint, Weight
@@ -34,36 +34,9 @@ from speculative.models.native.loading import Checkpoint, Weight
 BACKENDS = ("auto", "kernels", "torch")
 
 
-class Decoder(Protocol):
-    """Layers + final norm + output head + KV cache of a native model."""
-
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    def weight_bytes(self) -> int: ...
-
-    def allocate(self, batch: int) -> None: ...
-
-    def copy_cache_from(self, source: Decoder, length: int) -> None:
-        """Copy slots [0, length) of ``source``'s cache (same layout, batch of one)."""
-        ...
-
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [batch, k, hidden] float32, owned by the decoder
-        start: int,
-        positions: torch.Tensor,  # [batch, k] int64
-        attention_mask: torch.Tensor | None,  # [k, k] bool or None (causal)
-    ) -> torch.Tensor:  # [batch, k, vocab] float32
-        ...
-
-
 def build_decoder(
     checkpoint: Checkpoint, precision: str, rotations: torch.Tensor, backend: str
-) -> tuple[Decoder, str]:
+) -> tuple[DecoderBase, str]:
     """The decoder for ``backend`` ("auto" tries the kernels, then torch) and its name.
 
     rotations: [max_length, head_dim / 2] complex64.

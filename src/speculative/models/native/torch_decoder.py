@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from speculative.models.native.config import NativeConfig
-from speculative.models.native.decoder_base import DecoderBase
+from speculative.models.native.decoder_base import DecoderBase, layer_weight_bytes
 from speculative.models.native.layers import LayerWeights, lm_head_precision
 from speculative.models.native.linear import PackedLinear, make_linear
 from speculative.models.native.loading import Weight
@@ -48,9 +48,7 @@ class TorchLayer:
         )
 
     def weight_bytes(self) -> int:
-        linears = (self.qkv, self.o, self.gate_up, self.down)
-        norms = self.input_norm.numel() + self.post_attention_norm.numel()
-        return sum(x.weight_bytes() for x in linears) + 4 * norms
+        return layer_weight_bytes(self)
 
 
 def _cache_segments(start: int, k: int) -> list[tuple[int, int, int, int]]:
