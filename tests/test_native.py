@@ -289,20 +289,12 @@ def _assert_k_invariant(
 ) -> None:
     for context in contexts:
         for k, block, steps in _block_and_steps(model, ids, context, ks):
-            where = f"{model.name} context={context} k={k}"
+            where = f"{model.name} ({model.backend}) context={context} k={k}"
             difference = (block - steps).abs().max().item()
-            # bitwise equal by construction; allow fp32 noise should a kernel differ
-            assert difference <= 1e-5, f"{where}: max |block - steps| = {difference}"
-            assert torch.equal(block.argmax(-1), steps.argmax(-1)), where
+            assert torch.equal(block, steps), f"{where}: max |block - steps| = {difference}"
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
-def test_block_forward_equals_single_steps(tmp_path: Path, precision: str, backend: str) -> None:
-    """k-invariance: a token's logits do not depend on how many tokens share its forward.
-
-    Speculative verification (one forward over k tokens) is lossless only if it yields
-    exactly the logits of k decode steps. The contexts put blocks across a cache chunk.
-    """
+def _k_invariance_model(folder: Path) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -315,10 +307,79 @@ def test_block_forward_equals_single_steps(tmp_path: Path, precision: str, backe
         tie_word_embeddings=True,
         initializer_range=0.1,
     )
-    LlamaForCausalLM(config).eval().save_pretrained(tmp_path)
-    model = load_native(tmp_path, precision, max_length=512, backend=backend)
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
+def test_block_forward_equals_single_steps(tmp_path: Path, precision: str, backend: str) -> None:
+    """k-invariance: a token's logits do not depend on how many tokens share its forward.
+
+    Speculative verification (one forward over k tokens) is lossless only if it yields
+    exactly the logits of k decode steps, bitwise. The contexts put blocks across a
+    cache chunk, and k > 8 across the PyTorch decoder's row tiles.
+    """
+    model = load_native(_k_invariance_model(tmp_path), precision, max_length=512, backend=backend)
     ids = _ids(300, seed=9)
-    _assert_k_invariant(model, ids, contexts=[3, 120, 250], ks=[2, 3, 4, 5, 8, 9, 16])
+    _assert_k_invariant(model, ids, contexts=[3, 120, 250], ks=[2, 3, 4, 5, 8, 9, 16, 17])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int4"])
+def test_dequantized_twins_are_k_invariant_and_close(
+    tmp_path: Path, precision: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The portable linear path (MKL fp32 over the weights' exact float32 values), which
+    the PyTorch decoder takes where a library kernel cannot run, keeps k-invariance and
+    gives what the library kernel gives up to its bfloat16 activation rounding."""
+    folder = _k_invariance_model(tmp_path)
+    library = load_native(folder, precision, max_length=512, backend="torch")
+    monkeypatch.setenv("SPECULATIVE_TORCH_LINEAR", "dequantized")
+    model = load_native(folder, precision, max_length=512, backend="torch")
+    assert set(model.decoder.kernels.values()) <= {
+        f"mkl-fp32(dequantized {p})" for p in (precision, "int8")
+    }
+    ids = _ids(300, seed=9)
+    _assert_k_invariant(model, ids, contexts=[3, 130], ks=[3, 9])
+    model.reset()
+    a, b = model.forward(ids[:, :40]), library.forward(ids[:, :40])
+    cosine = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+    assert cosine > 0.999, f"{precision}: cosine {cosine:.5f}"
+
+
+def test_library_kernel_or_its_dequantized_twin() -> None:
+    """Each precision runs its library kernel where this CPU offers it, else the exact
+    dequantized twin; ``library`` mode refuses with a reason naming the CPU features.
+
+    Both sides run in CI: the suite runs once as is and once with oneDNN and ATen held
+    to AVX2 (``make test``), where oneDNN's bf16 kernels do not exist."""
+    from speculative.models.native.linear import (
+        Bf16Linear,
+        LinearFactory,
+        LinearKernelUnavailable,
+        dequantized_values,
+    )
+
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 96, generator=generator)  # [out, in]
+    x = torch.randn(8, 96, generator=generator)  # [tokens, in]
+    try:
+        Bf16Linear(weight, None)
+        onednn_bf16 = True
+    except LinearKernelUnavailable as error:
+        onednn_bf16 = False
+        assert "avx512bw" in str(error) and "\n" not in str(error)
+    auto = LinearFactory("bf16")(weight, None)
+    assert auto.kernel == ("onednn-bf16" if onednn_bf16 else "mkl-fp32(dequantized bf16)")
+    if onednn_bf16:
+        assert LinearFactory("bf16", "library")(weight, None).kernel == "onednn-bf16"
+    else:
+        with pytest.raises(LinearKernelUnavailable, match="avx512bw"):
+            LinearFactory("bf16", "library")(weight, None)
+    for precision in ("bf16", "int8", "int4"):
+        twin = LinearFactory(precision, "dequantized")(weight, None)
+        exact = x.double() @ dequantized_values(weight, precision).double().T
+        torch.testing.assert_close(twin(x).double(), exact, atol=1e-4, rtol=1e-5)
+    assert torch.equal(dequantized_values(weight, "bf16"), weight.bfloat16().float())
 
 
 @pytest.mark.slow
@@ -436,3 +497,17 @@ def test_self_drafter_starts_from_the_target_prefill(
     engine.target.sync(prompt[:-1])
     drafter.prime(engine.target)
     assert drafter.forward_calls == 0 and draft.cache_length == len(prompt) - 1
+
+
+def test_isa_settings_take_effect() -> None:
+    """`make test` reruns the ISA-dependent tests with the libraries held to AVX2; this
+    proves that run really took torch's AVX2 kernels (and oneDNN's AVX2 limit)."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability is None:
+        pytest.skip("ATEN_CPU_CAPABILITY is not set (the `make test-avx2` run sets it)")
+    assert torch.backends.cpu.get_cpu_capability() == capability.upper()
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2":
+        from speculative.models.native.linear import Bf16Linear, LinearKernelUnavailable
+
+        with pytest.raises(LinearKernelUnavailable):
+            Bf16Linear(torch.randn(16, 32), None)

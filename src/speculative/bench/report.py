@@ -12,6 +12,7 @@ from speculative import theory
 from speculative.bench.methods import OURS, PLAIN, TRANSFORMERS, Method
 from speculative.bench.prompts import categories
 from speculative.bench.runner import BenchRun, Measurement
+from speculative.hardware import cpu_info
 
 ALL = "all"
 
@@ -224,6 +225,7 @@ def payload(run: BenchRun, rows: Sequence[ResultRow]) -> dict[str, Any]:
         "mismatches": [asdict(m) for m in run.mismatches],
         "outputs_identical": not run.mismatches,
         "highlights": highlights(rows),
+        "cpu": cpu_info().as_dict(),
     }
 
 
@@ -415,6 +417,8 @@ def markdown_report(run: BenchRun, rows: Sequence[ResultRow], plots: Sequence[st
         "`generate()` with the same method (plain, `assistant_model`, "
         "`prompt_lookup_num_tokens`). `pred` is the seed formula from measured α and c, "
         "`pred T(k)` the generalized one with the measured verify-cost curve.",
+        "",
+        f"CPU: {cpu_info().summary()}.",
         "",
         "## Overall",
         "",

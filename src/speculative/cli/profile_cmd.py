@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     from speculative.drafters import DraftModelDrafter
     from speculative.engine.costs import drafter_cost, interleaved_forward_ms
+    from speculative.hardware import cpu_info
     from speculative.pipeline import build_drafter, load_target
 
     if args.threads:
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             {
                 "runtime": target.runtime,
                 "backend": target.backend if target.runtime == "native" else None,
+                "kernels": kernels_of(target.lm),
                 "precision": target.precision,
                 "model": target.name,
                 "decode_ms_per_token": step,
@@ -118,12 +120,20 @@ def run(args: argparse.Namespace) -> int:
                 "draft_cost": costs,
             }
         )
+    cpu = cpu_info()
+    print(f"\ncpu: {cpu.summary()}")
     print_reports(reports)
     if args.json:
         payload = dict(reports[0])
         payload["runtimes"] = reports
+        payload["cpu"] = cpu.as_dict()
         emit_json(payload)
     return 0
+
+
+def kernels_of(lm: object) -> dict[str, str]:
+    """Which kernels run a native model's layers (empty for other runtimes)."""
+    return dict(getattr(getattr(lm, "decoder", None), "kernels", {}))
 
 
 def print_reports(reports: list[dict]) -> None:
@@ -133,6 +143,9 @@ def print_reports(reports: list[dict]) -> None:
         ratio = "" if floor is None else f" ({r['decode_ms_per_token'] / floor:.2f}× the floor)"
         backend = f" ({r['backend']})" if r.get("backend") else ""
         print(f"\n{r['model']} · runtime {r['runtime']}{backend} · {r['precision']}")
+        if r.get("kernels"):
+            kernels = sorted(set(r["kernels"].values()))
+            print(f"  kernels: {', '.join(kernels)}")
         print(f"  decode: {r['decode_ms_per_token']:.1f} ms/token{ratio}; floor {floor_text}")
         curve = r["verify_cost"]
         print("  k         " + " ".join(f"{k:>5}" for k in curve))

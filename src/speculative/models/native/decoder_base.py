@@ -25,8 +25,10 @@ class DecoderBase:
     lm_head: Any  # packed output projection with out_features and weight_bytes()
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    kernels: dict[str, str]  # what runs the layers, for reports (e.g. weight shape -> kernel)
 
     def __init__(self) -> None:
+        self.kernels = {}
         self._batch = 0
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)

@@ -1,18 +1,28 @@
-"""Pre-packed linear layers, one class per precision.
+"""Pre-packed linear layers for the PyTorch decoder, one class per precision, and the
+choice between a precision's library kernel and its portable twin.
 
 Every layer maps float32 activations ``[tokens, in]`` to float32 ``[tokens, out]``; what
 happens in between (weight format, activation dtype, kernel) defines the precision. Weights
 are packed once at construction so no call re-packs or re-casts them.
 
-Row invariance: every layer returns, for each row, bitwise the same values whatever the
-number of rows in the call (speculative verification over k tokens must reproduce k single
-decode steps exactly). The oneDNN bf16, int8 and int4 kernels are row invariant as they
-are; MKL's fp32 path is not at one row (it switches to a gemv with another summation
-order), so ``Fp32Linear`` runs a single row as two.
+Row invariance (a token's output does not depend on how many tokens share the call) is
+not asked of these kernels: none of the libraries promises it, and on some CPUs MKL's
+sgemm and ATen's int8/int4 kernels round differently for different row counts. The
+PyTorch decoder instead always calls them with the same number of rows (see
+``torch_decoder.ROW_TILE``), which makes every row's result the same by construction.
+
+Where a precision's library kernel cannot run on this CPU (oneDNN's bf16 kernels need
+AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and honour ``ONEDNN_MAX_CPU_ISA``), the layer runs
+its *dequantized* twin: MKL's fp32 gemm over the exact float32 values of the same weights
+(bf16 and Q4_1 values are exact in float32). ``SPECULATIVE_TORCH_LINEAR`` (``auto`` |
+``library`` | ``dequantized``) pins the choice: ``library`` fails with a one-line reason
+naming the missing CPU feature; ``dequantized`` tests the portable twin on any CPU.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -25,12 +35,15 @@ from speculative.models.native.quant import (
 )
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
+LINEAR_ENV = "SPECULATIVE_TORCH_LINEAR"
+LINEAR_MODES = ("auto", "library", "dequantized")
 
 
 class PackedLinear(Protocol):
     """``y = x @ W.T + b`` with a pre-packed ``W``."""
 
     out_features: int
+    kernel: str  # which kernel runs it, e.g. "onednn-bf16" or "mkl-fp32(dequantized bf16)"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] float32
         ...
@@ -42,6 +55,16 @@ class PackedLinear(Protocol):
     def weight_bytes(self) -> int:
         """Bytes of weight data read by one call (weights + scales)."""
         ...
+
+
+class LinearKernelUnavailable(ValueError):
+    """A linear kernel cannot run, or is not row invariant, on this CPU (the reason is
+    the message). A ValueError so the CLI reports it in one line."""
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes held by the given tensors (None entries count 0)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class _LowPrecisionLinear:
@@ -64,19 +87,12 @@ class _LowPrecisionLinear:
         return out.add_(self._kernel(x))
 
 
-def tensor_bytes(*tensors: torch.Tensor | None) -> int:
-    """Bytes held by the given tensors (None entries count 0)."""
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 class Fp32Linear:
-    """float32 weights, packed once for MKL's sgemm (no per-call repacking).
+    """float32 weights, packed once for MKL's sgemm (no per-call repacking)."""
 
-    MKL computes a one-row product with a gemv whose rounding differs from its gemm, so
-    a single row is duplicated to two; results then agree bitwise for 1 to 16 rows.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str = "mkl-fp32"
+    ) -> None:
         # weight: [out, in] float32; bias: [out] or None
         self.weight = weight.float().contiguous()
         self.bias = None if bias is None else bias.float().contiguous()
@@ -85,16 +101,12 @@ class Fp32Linear:
         self._packed = (
             torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1) if self._use_mkl else None
         )
+        self.kernel = kernel if self._use_mkl else kernel.replace("mkl", "aten")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in]
-        rows = x.shape[0]
-        if rows == 1:
-            x = x.expand(2, -1).contiguous()  # keep the gemm path (row invariance)
         if self._packed is None:
-            y = torch.nn.functional.linear(x, self.weight, self.bias)
-        else:
-            y = torch.ops.mkl._mkl_linear(x, self._packed, self.weight, self.bias, x.shape[0])
-        return y[:1] if rows == 1 else y
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return torch.ops.mkl._mkl_linear(x, self._packed, self.weight, self.bias, x.shape[0])
 
     def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return out.add_(self(x))
@@ -106,12 +118,20 @@ class Fp32Linear:
 class Bf16Linear(_LowPrecisionLinear):
     """bfloat16 weights and activations (float32 accumulation), packed for oneDNN."""
 
+    kernel = "onednn-bf16"
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         # weight: [out, in]; bias: [out] or None
         self.weight = weight.to(torch.bfloat16).contiguous()
         self.bias = None if bias is None else bias.float().contiguous()
         self.out_features = self.weight.shape[0]
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+        try:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+        except RuntimeError as error:  # oneDNN checks the CPU (and ONEDNN_MAX_CPU_ISA)
+            raise LinearKernelUnavailable(
+                "oneDNN's bf16 kernels need avx512bw + avx512vl + avx512dq or avx_ne_convert,"
+                f" which this CPU (or ONEDNN_MAX_CPU_ISA) does not offer ({_first_line(error)})"
+            ) from error
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] float32
         return torch.ops.mkldnn._linear_pointwise(
@@ -124,6 +144,8 @@ class Bf16Linear(_LowPrecisionLinear):
 
 class Int8Linear(_LowPrecisionLinear):
     """Weight-only int8 with one scale per output channel (bfloat16 activations)."""
+
+    kernel = "aten-int8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         # weight: [out, in]; bias: [out] or None
@@ -148,13 +170,15 @@ class Int4Linear(_LowPrecisionLinear):
     ``(q - 8) * scale + zero``, so ``scale = d`` and ``zero = m + 8 d``.
     """
 
+    kernel = "aten-int4"
+
     def __init__(self, weight: torch.Tensor | GroupQuant4, bias: torch.Tensor | None) -> None:
-        quant = weight if isinstance(weight, GroupQuant4) else quantize_group4(weight.float())
+        quant = as_group_quant4(weight)
         out_features, in_features = quant.q.shape
         if out_features % 16 or in_features % GROUP_SIZE:
-            raise ValueError(
-                f"int4 needs out_features % 16 == 0 and in_features % 32 == 0, got "
-                f"{tuple(quant.q.shape)}"
+            raise LinearKernelUnavailable(
+                f"ATen's int4 kernel needs out_features % 16 == 0 and in_features % 32 == 0,"
+                f" got {tuple(quant.q.shape)}"
             )
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             quant.q.to(torch.int32).contiguous(), 1
@@ -175,10 +199,35 @@ class Int4Linear(_LowPrecisionLinear):
         return tensor_bytes(self.packed, self.scale_zero, self.bias)
 
 
-def make_linear(
+def as_group_quant4(weight: torch.Tensor | GroupQuant4) -> GroupQuant4:
+    """Q4_1 weights as stored, or a dense [out, in] weight quantized to them."""
+    return weight if isinstance(weight, GroupQuant4) else quantize_group4(weight.float())
+
+
+def dequantized_values(weight: torch.Tensor | GroupQuant4, precision: str) -> torch.Tensor:
+    """The exact float32 values [out, in] a layer of ``precision`` multiplies by.
+
+    bf16 and Q4_1 (fp16 d, m: ``d * q + m``) values are exact in float32; int8 values are
+    ``q * scale`` with the float32 per-channel scale the C kernels use.
+    """
+    if precision == "int4":
+        return as_group_quant4(weight).dequantize()
+    dense = (weight.dequantize() if isinstance(weight, GroupQuant4) else weight).float()
+    if precision == "bf16":
+        return dense.to(torch.bfloat16).float()
+    if precision == "int8":
+        qweight, scale = quantize_int8_per_channel(dense)
+        return qweight.float() * scale[:, None]
+    return dense
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _library(
     weight: torch.Tensor | GroupQuant4, bias: torch.Tensor | None, precision: str
 ) -> PackedLinear:
-    """A packed layer for ``precision``. weight: [out, in]; bias: [out] or None."""
     if precision == "int4":
         return Int4Linear(weight, bias)
     dense = weight.dequantize() if isinstance(weight, GroupQuant4) else weight
@@ -186,6 +235,57 @@ def make_linear(
         return Fp32Linear(dense, bias)
     if precision == "bf16":
         return Bf16Linear(dense, bias)
-    if precision == "int8":
-        return Int8Linear(dense, bias)
-    raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
+    return Int8Linear(dense, bias)
+
+
+def _dequantized(
+    weight: torch.Tensor | GroupQuant4, bias: torch.Tensor | None, precision: str
+) -> PackedLinear:
+    kernel = "mkl-fp32" if precision == "fp32" else f"mkl-fp32(dequantized {precision})"
+    return Fp32Linear(dequantized_values(weight, precision), bias, kernel)
+
+
+def linear_mode_from_env() -> str:
+    """The ``SPECULATIVE_TORCH_LINEAR`` setting (``auto`` when unset)."""
+    mode = os.environ.get(LINEAR_ENV, "auto").strip().lower() or "auto"
+    if mode not in LINEAR_MODES:
+        raise ValueError(f"{LINEAR_ENV}={mode!r}: expected one of {LINEAR_MODES}")
+    return mode
+
+
+@dataclass
+class LinearFactory:
+    """Packs the layers of one model at one precision.
+
+    mode: ``auto`` (the library kernel, or the dequantized twin where it cannot run here),
+    ``library`` (that kernel or a :class:`LinearKernelUnavailable` error) or ``dequantized``.
+    """
+
+    precision: str
+    mode: str = "auto"
+    chosen: dict[str, str] = field(default_factory=dict)  # "out x in" -> kernel that runs it
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; expected one of {PRECISIONS}")
+        if self.mode not in LINEAR_MODES:
+            raise ValueError(f"unknown linear mode {self.mode!r}; expected one of {LINEAR_MODES}")
+
+    def __call__(
+        self, weight: torch.Tensor | GroupQuant4, bias: torch.Tensor | None
+    ) -> PackedLinear:
+        """A packed layer. weight: [out, in] (dense or Q4_1); bias: [out] or None."""
+        layer = self._build(weight, bias)
+        out_features, in_features = (weight.q if isinstance(weight, GroupQuant4) else weight).shape
+        self.chosen.setdefault(f"{out_features}x{in_features}", layer.kernel)
+        return layer
+
+    def _build(self, weight: torch.Tensor | GroupQuant4, bias: torch.Tensor | None) -> PackedLinear:
+        if self.mode == "dequantized":
+            return _dequantized(weight, bias, self.precision)
+        try:
+            return _library(weight, bias, self.precision)
+        except LinearKernelUnavailable:
+            if self.mode == "library":
+                raise
+            return _dequantized(weight, bias, self.precision)

@@ -1,12 +1,18 @@
 """The PyTorch decoder of the native runtime: the portable fallback and the reference.
 
 Runs anywhere PyTorch runs (no C compiler needed); :mod:`.ckernels` is the fast path.
-Linear layers are pre-packed for MKL / oneDNN (see :mod:`.linear`).
+Linear layers are pre-packed for MKL / oneDNN, or run their dequantized twin where this
+CPU lacks the library kernel's instruction set (see :mod:`.linear`).
 
-k-invariance: every op works row by row with kernels whose per-row result does not
-depend on the row count, and attention reduces over keys in fixed chunks of
-``KEY_CHUNK`` cache slots (masked slots contribute exact zeros), so block and step
-forwards agree bitwise.
+k-invariance by construction: a forward runs its tokens in tiles of exactly ``ROW_TILE``
+rows (the last one padded), so every op — linear layers, norms, attention — always sees
+the same shapes and computes a token's values with the same instructions whatever the
+number of tokens in the call. No library promises that its result for one row does not
+depend on the number of rows (MKL's sgemm and ATen's int8 / int4 kernels round
+differently for different row counts on some CPUs), so nothing relies on it. Attention
+reduces over keys in fixed chunks of ``KEY_CHUNK`` cache slots, summed left to right;
+masked slots and chunks add exact zeros, so the number of chunks a call covers does not
+change a token's result either. Block and step forwards agree bitwise.
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ import torch.nn.functional as F
 from speculative.models.native.config import NativeConfig
 from speculative.models.native.decoder_base import DecoderBase, layer_weight_bytes
 from speculative.models.native.layers import LayerWeights, lm_head_precision
-from speculative.models.native.linear import PackedLinear, make_linear
+from speculative.models.native.linear import LinearFactory, PackedLinear, linear_mode_from_env
 from speculative.models.native.loading import Weight
 
 KEY_CHUNK = 128  # cache slots per attention chunk; attention reads whole chunks
+ROW_TILE = 8  # tokens per tile: every op sees exactly this many rows (k <= 8: one pass)
 
 
 @dataclass
@@ -37,14 +44,14 @@ class TorchLayer:
     down: PackedLinear  # intermediate -> hidden
 
     @classmethod
-    def pack(cls, weights: LayerWeights, precision: str) -> TorchLayer:
+    def pack(cls, weights: LayerWeights, make_linear: LinearFactory) -> TorchLayer:
         return cls(
             input_norm=weights.input_norm,
             post_attention_norm=weights.post_attention_norm,
-            qkv=make_linear(weights.qkv, weights.qkv_bias, precision),
-            o=make_linear(weights.o, None, precision),
-            gate_up=make_linear(weights.gate_up, None, precision),
-            down=make_linear(weights.down, None, precision),
+            qkv=make_linear(weights.qkv, weights.qkv_bias),
+            o=make_linear(weights.o, None),
+            gate_up=make_linear(weights.gate_up, None),
+            down=make_linear(weights.down, None),
         )
 
     def weight_bytes(self) -> int:
@@ -77,14 +84,21 @@ class TorchDecoder(DecoderBase):
         head: Weight,  # [vocab, hidden]
         rotations: torch.Tensor,  # [max_length, head_dim / 2] complex64
         precision: str,
+        linear_mode: str | None = None,
     ) -> None:
+        """linear_mode: which linear kernels to try (see :class:`LinearFactory`); None
+        reads ``SPECULATIVE_TORCH_LINEAR`` (default ``auto``)."""
         super().__init__()
         self.config = config
-        self.layers = [TorchLayer.pack(w, precision) for w in layers]
+        mode = linear_mode_from_env() if linear_mode is None else linear_mode
+        make_linear = LinearFactory(precision, mode)
+        self.layers = [TorchLayer.pack(w, make_linear) for w in layers]
         self.final_norm = final_norm
-        self.lm_head = make_linear(head, None, lm_head_precision(precision))
+        self.lm_head = LinearFactory(lm_head_precision(precision), mode)(head, None)
+        self.kernels = {**make_linear.chosen, "lm_head": self.lm_head.kernel}  # shape -> kernel
         self.rotations = rotations
-        self._chunks = -(-rotations.shape[0] // KEY_CHUNK)
+        # padding rows of the last tile write (never read) slots up to ROW_TILE - 1 past the end
+        self._chunks = -(-(rotations.shape[0] + ROW_TILE - 1) // KEY_CHUNK)
 
     def cache_shape(self, batch: int) -> tuple[int, ...]:
         """[layers, batch, chunks, kv_heads, KEY_CHUNK, head_dim]: slot s lives in chunk
@@ -107,95 +121,141 @@ class TorchDecoder(DecoderBase):
         attention_mask: torch.Tensor | None,  # [k, k] bool or None (causal)
     ) -> torch.Tensor:  # [batch, k, vocab]
         batch, k, _ = hidden.shape
-        rotation = self.rotations[positions].unsqueeze(2)  # [batch, k, 1, head_dim / 2]
-        blocked = ~self._visibility(attention_mask, k, start)  # [k, chunks * KEY_CHUNK]
-        slots = _cache_segments(start, k)
-        hidden = hidden.reshape(batch * k, -1)  # the residual stream, updated in place
-        for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, batch, k, slots, rotation, blocked)
-        eps = self.config.rms_norm_eps
-        hidden = F.rms_norm(hidden, hidden.shape[-1:], self.final_norm, eps)
-        return self.lm_head(hidden).reshape(batch, k, -1)
+        visible = self._visibility(attention_mask, k, start)  # [k, start + k]
+        logits = torch.empty(batch, k, self.vocab_size)
+        for first in range(0, k, ROW_TILE):
+            rows = min(ROW_TILE, k - first)
+            tile = _Tile.make(start, first, rows, visible)
+            for b in range(batch):
+                rotation = self.rotations[positions[b, tile.tokens]].unsqueeze(1)  # [T, 1, d/2]
+                out = self._tile(hidden[b, tile.tokens], b, tile, rotation)  # [rows, vocab]
+                logits[b, first : first + rows] = out
+        return logits
 
-    def _visibility(self, attention_mask: torch.Tensor | None, k: int, start: int) -> torch.Tensor:
-        """Which cache slots each new token sees: [k, chunks * KEY_CHUNK] bool.
-
-        Covers whole chunks up to the last new slot; slots past it are never visible.
-        """
-        width = -(-(start + k) // KEY_CHUNK) * KEY_CHUNK
+    @staticmethod
+    def _visibility(attention_mask: torch.Tensor | None, k: int, start: int) -> torch.Tensor:
+        """Which slots each new token sees: [k, start + k] bool (the cache, then the new
+        tokens in call order). A token may see only itself and earlier tokens."""
+        visible = torch.ones(k, start + k, dtype=torch.bool)
         if attention_mask is None:
-            slots = torch.arange(width)  # [width]
-            return slots <= torch.arange(start, start + k).unsqueeze(1)  # [k, width]
-        mask = torch.zeros(k, width, dtype=torch.bool)
-        mask[:, :start] = True
-        mask[:, start : start + k] = attention_mask.bool()
-        return mask
+            visible[:, start:] = torch.ones(k, k, dtype=torch.bool).tril()
+            return visible
+        mask = attention_mask.bool()
+        if mask.triu(1).any():
+            raise ValueError("attention_mask lets a token see a later token of the same call")
+        visible[:, start:] = mask
+        return visible
+
+    def _tile(
+        self,
+        hidden: torch.Tensor,  # [ROW_TILE, hidden] the tile's embeddings (padding: copies)
+        b: int,
+        tile: _Tile,
+        rotation: torch.Tensor,  # [ROW_TILE, 1, head_dim / 2] complex64
+    ) -> torch.Tensor:  # [rows, vocab]
+        """Run one tile of sequence ``b`` through every layer and the output head."""
+        for index, layer in enumerate(self.layers):
+            hidden = self._layer(index, layer, hidden, b, tile, rotation)
+        eps = self.config.rms_norm_eps
+        normed = F.rms_norm(hidden, hidden.shape[-1:], self.final_norm, eps)
+        return self.lm_head(normed)[: tile.rows]
 
     def _layer(
         self,
         index: int,
         layer: TorchLayer,
-        hidden: torch.Tensor,  # [batch * k, hidden]
-        batch: int,
-        k: int,
-        slots: list[tuple[int, int, int, int]],  # see _cache_segments
-        rotation: torch.Tensor,  # [batch, k, 1, head_dim / 2] complex64
-        blocked: torch.Tensor,  # [k, chunks * KEY_CHUNK] bool, True = may not attend
+        hidden: torch.Tensor,  # [ROW_TILE, hidden], the residual stream, updated in place
+        b: int,
+        tile: _Tile,
+        rotation: torch.Tensor,  # [ROW_TILE, 1, head_dim / 2] complex64
     ) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         normed = F.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, eps)
-        attn = self._attention(index, layer.qkv(normed), batch, k, slots, rotation, blocked)
-        layer.o.add_into(hidden, attn)  # the residual stream is owned by forward: in place
+        attn = self._attention(index, layer.qkv(normed), b, tile, rotation)
+        layer.o.add_into(hidden, attn)
         normed = F.rms_norm(hidden, hidden.shape[-1:], layer.post_attention_norm, eps)
-        gate, up = layer.gate_up(normed).chunk(2, dim=-1)  # [batch * k, intermediate] each
+        gate, up = layer.gate_up(normed).chunk(2, dim=-1)  # [ROW_TILE, intermediate] each
         return layer.down.add_into(hidden, F.silu(gate).mul_(up))
 
     def _attention(
         self,
         index: int,
-        qkv: torch.Tensor,  # [batch * k, q_size + 2 * kv_size]
-        batch: int,
-        k: int,
-        slots: list[tuple[int, int, int, int]],  # see _cache_segments
-        rotation: torch.Tensor,  # [batch, k, 1, head_dim / 2] complex64
-        blocked: torch.Tensor,  # [k, chunks * KEY_CHUNK] bool, True = may not attend
-    ) -> torch.Tensor:
-        """Grouped-query attention whose per-query result does not depend on k.
+        qkv: torch.Tensor,  # [ROW_TILE, q_size + 2 * kv_size]
+        b: int,
+        tile: _Tile,
+        rotation: torch.Tensor,  # [ROW_TILE, 1, head_dim / 2] complex64
+    ) -> torch.Tensor:  # [ROW_TILE, q_size]
+        """Grouped-query attention of one tile; a token's result does not depend on the
+        tile it is in nor on how many chunks the tile covers.
 
-        Scores are ``keys @ queries^T`` (the queries are the narrow side, a layout whose
-        per-column result the matmul kernels keep for any column count) and values are
-        reduced chunk by chunk with a fixed chunk length, the chunks summed in order.
+        Scores are ``keys @ queries^T`` per (kv head, chunk) with fixed shapes; the
+        softmax is taken chunk-wise against the row maximum and its normalizer and the
+        value sums add the chunks left to right (masked chunks add exact zeros).
         """
         cfg = self.config
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         group = heads // kv_heads
-        width = blocked.shape[1]
-        chunks = width // KEY_CHUNK
-        qkv = qkv.view(batch, k, heads + 2 * kv_heads, d)
-        pairs = torch.view_as_complex(qkv[:, :, : heads + kv_heads].unflatten(-1, (d // 2, 2)))
-        rotated = torch.view_as_real(pairs * rotation).flatten(-2)  # [batch, k, h + kv, d]
-        new_keys = rotated[:, :, heads:].transpose(1, 2)  # [batch, kv, k, d]
-        new_values = qkv[:, :, heads + kv_heads :].transpose(1, 2)
-        for chunk, first, last, token in slots:
-            tokens = slice(token, token + last - first)
-            self.k_cache[index, :, chunk, :, first:last] = new_keys[:, :, tokens]
-            self.v_cache[index, :, chunk, :, first:last] = new_values[:, :, tokens]
-        blocks = batch * chunks * kv_heads
-        keys = self.k_cache[index, :, :chunks].reshape(blocks, KEY_CHUNK, d)
-        values = self.v_cache[index, :, :chunks].reshape(blocks, KEY_CHUNK, d)
-        queries = rotated[:, :, :heads].reshape(batch, 1, k, kv_heads, group * d)
-        queries = queries.expand(batch, chunks, k, kv_heads, group * d).transpose(2, 3)
-        queries = queries.reshape(blocks, k * group, d).transpose(1, 2)  # [blocks, d, k * g]
-        scores = torch.bmm(keys, queries)  # [blocks, C, k * group]
-        scores = scores.view(batch, chunks, kv_heads, KEY_CHUNK, k, group)
-        scores = scores.permute(0, 2, 5, 4, 1, 3).reshape(batch, kv_heads, group, k, width)
-        scores = scores.masked_fill_(blocked, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, group * k, chunks, KEY_CHUNK)
-        probs = probs.permute(0, 3, 1, 4, 2).reshape(blocks, KEY_CHUNK, group * k)
-        parts = torch.bmm(values.transpose(1, 2), probs)  # [blocks, d, group * k]
-        parts = parts.view(batch, chunks, kv_heads, d, group, k)
-        out = parts[:, 0]
-        for c in range(1, chunks):
-            out = out + parts[:, c]  # fixed left-to-right order; all-masked chunks add 0
-        out = out.permute(0, 4, 1, 3, 2)  # [batch, k, kv, group, d]
-        return out.reshape(batch * k, cfg.q_size)
+        chunks = tile.blocked.shape[1] // KEY_CHUNK
+        qkv = qkv.view(ROW_TILE, heads + 2 * kv_heads, d)
+        pairs = torch.view_as_complex(qkv[:, : heads + kv_heads].unflatten(-1, (d // 2, 2)))
+        rotated = torch.view_as_real(pairs * rotation).flatten(-2)  # [T, h + kv, d]
+        self._store(index, b, tile.start, rotated[:, heads:], qkv[:, heads + kv_heads :])
+        keys = self.k_cache[index, b, :chunks].transpose(0, 1)  # [kv, chunks, C, d]
+        values = self.v_cache[index, b, :chunks].transpose(0, 1)  # [kv, chunks, C, d]
+        queries = rotated[:, :heads].reshape(ROW_TILE, kv_heads, group, d)
+        queries = queries.permute(1, 3, 2, 0).reshape(kv_heads, 1, d, group * ROW_TILE)
+        scores = keys @ queries  # [kv, chunks, C, group * T]
+        scores = scores.view(kv_heads, chunks, KEY_CHUNK, group, ROW_TILE)
+        scores = scores.permute(0, 3, 4, 1, 2).contiguous()  # [kv, group, T, chunks, C]
+        scores.masked_fill_(tile.blocked.view(ROW_TILE, chunks, KEY_CHUNK), float("-inf"))
+        top = scores.amax(dim=(-2, -1), keepdim=True)  # [kv, group, T, 1, 1]
+        weights = torch.exp(scores - top)  # [kv, group, T, chunks, C]; masked: 0
+        chunk_sums = weights.sum(dim=-1)  # [kv, group, T, chunks]
+        weights = weights.permute(0, 3, 1, 2, 4).reshape(kv_heads, chunks, group * ROW_TILE, -1)
+        parts = weights @ values  # [kv, chunks, group * T, d]
+        total, out = chunk_sums[..., 0], parts[:, 0]
+        for c in range(1, chunks):  # left to right; chunks nobody sees add exact zeros
+            total = total + chunk_sums[..., c]
+            out = out + parts[:, c]
+        out = out.view(kv_heads, group, ROW_TILE, d) / total.unsqueeze(-1)
+        return out.permute(2, 0, 1, 3).reshape(ROW_TILE, cfg.q_size)
+
+    def _store(
+        self,
+        index: int,
+        b: int,
+        start: int,
+        keys: torch.Tensor,  # [ROW_TILE, kv, d]
+        values: torch.Tensor,  # [ROW_TILE, kv, d]
+    ) -> None:
+        """Write the tile's keys and values (padding rows included) at slots start..."""
+        for chunk, first, last, token in _cache_segments(start, ROW_TILE):
+            rows = slice(token, token + last - first)
+            self.k_cache[index, b, chunk, :, first:last] = keys[rows].transpose(0, 1)
+            self.v_cache[index, b, chunk, :, first:last] = values[rows].transpose(0, 1)
+
+
+@dataclass
+class _Tile:
+    """One tile of a forward: ``rows`` real tokens (the rest padding) at cache slots
+    ``start`` .. and what each of its ROW_TILE rows may see."""
+
+    start: int
+    rows: int
+    tokens: torch.Tensor  # [ROW_TILE] int64: the call's token each row runs (padding: the last)
+    blocked: torch.Tensor  # [ROW_TILE, chunks * KEY_CHUNK] bool, True = may not attend
+
+    @classmethod
+    def make(cls, start: int, first: int, rows: int, visible: torch.Tensor) -> _Tile:
+        """Tile of new tokens first .. first + rows - 1 of a call that starts at slot
+        ``start``; visible: [k, start + k] bool (see TorchDecoder._visibility).
+
+        Padding rows repeat the last real token (embedding, position, visibility); their
+        outputs are dropped and their cache slots, past every real token of the call,
+        are overwritten before anything reads them."""
+        slot = start + first  # the tile's first cache slot
+        width = -(-(slot + ROW_TILE) // KEY_CHUNK) * KEY_CHUNK
+        tokens = first + torch.arange(ROW_TILE).clamp_max(rows - 1)  # [ROW_TILE]
+        seen = torch.zeros(ROW_TILE, width, dtype=torch.bool)
+        seen[:, : slot + rows] = visible[tokens, : slot + rows]
+        return cls(start=slot, rows=rows, tokens=tokens, blocked=~seen)
