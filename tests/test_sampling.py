@@ -154,6 +154,28 @@ def test_logits_to_probs_processing():
     assert hot[0, 0] > full[0, 0]
 
 
+def test_nucleus_matches_the_full_sort_reference():
+    """The partial-sort nucleus equals a full sort's, ties at the cut included, for
+    peaked rows (found above the first cutoff) and flat ones (the cutoff lowered)."""
+    from speculative.sampling.probs import nucleus_threshold
+    from speculative.sampling.reference import nucleus_threshold_reference
+
+    generator = torch.Generator().manual_seed(5)
+    peaked = torch.randn(3, 5000, generator=generator) * 4
+    flat = torch.randn(2, 5000, generator=generator) * 0.1
+    tied = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0, -2.0]])  # the cut falls inside a tie
+    for logits in (peaked, flat, tied):
+        probs = torch.softmax(logits, dim=-1)
+        for top_p in (0.3, 0.8, 0.95):
+            fast = nucleus_threshold(probs, top_p)[:, 0]
+            slow = [nucleus_threshold_reference(row.tolist(), top_p) for row in probs]
+            assert fast.tolist() == slow, (top_p, fast.tolist(), slow)
+    flat_probs = torch.softmax(flat, dim=-1)
+    assert (flat_probs >= nucleus_threshold(flat_probs, 0.95)).sum(-1).min() > 4000
+    kept = logits_to_probs(tied, SamplingParams(top_p=0.7)) > 0  # 3.0 has 0.64 of the mass
+    assert kept[0].tolist() == [True, True, True, True, False, False]
+
+
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [

@@ -11,6 +11,7 @@ import torch
 from speculative.sampling.params import SamplingParams
 
 PROB_TOLERANCE = 1e-4  # how far a distribution's sum may stray from 1
+NUCLEUS_CUTOFF_STEP = 64.0  # the nucleus search lowers its probability cutoff by this
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -45,13 +46,49 @@ def mask_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def mask_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """logits: [..., vocab]; keep the smallest top set with mass >= top_p (nucleus)."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # [..., vocab] mass of better tokens
-    drop_sorted = mass_before >= top_p  # the first token is always kept
-    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    """logits: [..., vocab]; tokens outside the top-p nucleus get -inf.
+
+    The nucleus is the smallest set of most probable tokens whose mass reaches ``top_p``,
+    widened to every token as probable as its least probable member (ties at the cut are
+    all kept, so the set depends on the values only, never on a sort order).
+    """
+    probs = torch.softmax(logits, dim=-1)  # [..., vocab]
+    return logits.masked_fill(probs < nucleus_threshold(probs, top_p), float("-inf"))
+
+
+def nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The probability of the least probable nucleus member: [..., vocab] -> [..., 1].
+
+    Sorting 49k probabilities costs milliseconds, and the nucleus is usually tens or
+    hundreds of tokens. So each row sorts only the tokens at or above a cutoff (a prefix
+    of the full descending order, ties included), lowering the cutoff until that prefix
+    holds the top_p mass. Prefix masses are sums of the same descending values, in the
+    same order, as after a full sort, so the result is the full sort's
+    (``reference.nucleus_threshold_reference``).
+    """
+    rows = probs.reshape(-1, probs.shape[-1])  # [rows, vocab]
+    threshold = torch.stack([_row_nucleus_threshold(row, top_p) for row in rows])
+    return threshold.reshape(*probs.shape[:-1], 1)
+
+
+def _row_nucleus_threshold(row: torch.Tensor, top_p: float) -> torch.Tensor:
+    """row: [vocab] probabilities -> [] the least probable nucleus member's probability."""
+    cutoff = float(row.max())
+    while True:
+        cutoff /= NUCLEUS_CUTOFF_STEP
+        ordered = torch.sort(row[row >= cutoff], descending=True).values  # a sorted prefix
+        mass_before = exclusive_cumsum(ordered)  # [n] float64
+        complete = ordered.numel() == row.numel() or cutoff == 0.0
+        if complete or mass_before[-1] + float(ordered[-1]) >= top_p:
+            # the tokens below the cutoff all come after this prefix's mass: outside
+            kept = int((mass_before < top_p).sum())  # the first token is always kept
+            return ordered[kept - 1]
+
+
+def exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
+    """[..., n] -> [..., n] float64: entry i is the sum of entries before i (in order)."""
+    total = torch.cumsum(values.double(), dim=-1)
+    return torch.cat([torch.zeros_like(total[..., :1]), total[..., :-1]], dim=-1)
 
 
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -65,3 +65,17 @@ def verify_reference(
         )
         for b in range(draft_tokens.shape[0])
     ]
+
+
+def nucleus_threshold_reference(probs: list[float], top_p: float) -> float:
+    """The least probability in the top-p nucleus of one row, from a full sort: the
+    smallest descending prefix whose mass reaches top_p (the first token always kept)."""
+    ordered = sorted(probs, reverse=True)
+    mass_before = 0.0
+    threshold = ordered[0]
+    for p in ordered:
+        if mass_before >= top_p:
+            break
+        threshold = p
+        mass_before += p
+    return threshold
