@@ -1,7 +1,7 @@
 # Two commands for a newcomer:
 #   make run   set up .venv when missing, then run the main job on the default model
 #   make test  set up .venv when missing, then run the whole test suite
-.PHONY: setup run test test-fast test-avx2 lint
+.PHONY: setup run test test-fast test-avx2 lint peers
 
 # Hold oneDNN, ATen, MKL and our C kernels to AVX2, as on an AVX2-only CPU.
 AVX2_ONLY = ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
@@ -31,3 +31,8 @@ test-avx2: setup
 
 lint: setup
 	.venv/bin/ruff check src tests
+
+# Optional peers for `speculative bench`: llama.cpp through llama-cpp-python, built from the
+# package registry (compiles llama.cpp: about 25 minutes on 2 cores).
+peers: setup
+	.venv/bin/python -m pip install "llama-cpp-python==0.3.36"
