@@ -1,0 +1,106 @@
+"""Unit tests of the small decision functions: γ policies, n-gram lookup, common prefixes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from speculative.drafters.ngram import find_continuation
+from speculative.engine.gamma import AdaptiveGamma, FixedGamma, HeuristicGamma
+from speculative.models.session import common_prefix_length
+from speculative.theory import expected_tokens_positional
+
+
+def test_heuristic_gamma_follows_transformers_schedule():
+    policy = HeuristicGamma(gamma=5, max_gamma=8)
+    seen = []
+    for drafted_all in (True, True, False, False, True):
+        gamma = policy.next_gamma()
+        seen.append(gamma)
+        policy.update(gamma, gamma if drafted_all else gamma - 2)
+    # +2 after a fully accepted round (capped at 8), -1 otherwise
+    assert seen == [5, 7, 8, 7, 6]
+    assert policy.next_gamma() == 8
+    for _ in range(20):
+        policy.update(policy.next_gamma(), 0)
+    assert policy.next_gamma() == 1  # never below one
+
+
+def test_fixed_gamma_rejects_negative_and_ignores_feedback():
+    with pytest.raises(ValueError, match="gamma"):
+        FixedGamma(-1)
+    policy = FixedGamma(3)
+    policy.update(3, 0)
+    assert policy.next_gamma() == 3
+
+
+def test_adaptive_gamma_grows_with_acceptance_and_stops_when_drafting_cannot_pay():
+    """High acceptance and a cheap drafter ask for long drafts; low acceptance short ones;
+    a drafter as costly as the target is switched off (γ = 0), probing now and then."""
+    flat = {k: 1.0 for k in range(1, 20)}
+    eager = AdaptiveGamma(c=0.05, verify_cost=flat)
+    for _ in range(40):
+        gamma = eager.next_gamma()
+        eager.update(gamma, gamma)  # every drafted token accepted
+    assert eager.next_gamma() >= 8
+    assert min(eager.position_acceptance()[:8]) > 0.9
+
+    weak = AdaptiveGamma(c=0.05, verify_cost=flat)
+    for _ in range(40):
+        gamma = weak.next_gamma()
+        weak.update(gamma, 0)  # nothing accepted
+    # later positions keep their prior, but the first one's 0.1 caps the value of going on
+    assert weak.position_acceptance()[0] < 0.15 and weak.next_gamma() <= 2
+
+    costly = AdaptiveGamma(c=1.0, verify_cost={1: 1.0, 2: 2.0, 3: 3.0}, max_gamma=2)
+    for _ in range(30):
+        gamma = costly.next_gamma()
+        costly.update(gamma, 0)
+    choices = [costly.next_gamma() for _ in range(16)]
+    assert choices.count(0) == 14 and choices.count(1) == 2  # a probe every 8 idle rounds
+
+
+def test_adaptive_gamma_maximizes_the_generalized_speedup():
+    """With measured per-position acceptance the chosen γ is the argmax of
+    E[tokens](γ) / (γ c + T(γ + 1)) — checked against a brute-force search."""
+    curve = {1: 1.0, 2: 1.02, 3: 1.05, 4: 1.1, 5: 1.2, 6: 1.5, 7: 1.8, 8: 2.2}
+    policy = AdaptiveGamma(c=0.1, verify_cost=curve, max_gamma=7, decay=1.0)
+    rng = random.Random(0)
+    for _ in range(300):
+        gamma = 7
+        accepted = 0
+        while accepted < gamma and rng.random() < 0.8:
+            accepted += 1
+        policy.update(gamma, accepted)
+    rates = policy.position_acceptance()
+    assert rates[0] == pytest.approx(0.8, abs=0.06)
+    values = {
+        g: expected_tokens_positional(rates, g) / (g * 0.1 + curve[g + 1]) for g in range(1, 8)
+    }
+    assert policy.next_gamma() == max(values, key=values.get)
+
+
+def test_find_continuation_prefers_the_longest_most_recent_match():
+    context = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # suffix [2, 3] occurs at 1 and 5; the most recent earlier match is at 5 -> "7 8 5"
+    assert find_continuation(context, 3, max_ngram=2, min_ngram=1) == [7, 8, 5]
+    # a longer suffix wins over a more recent shorter one
+    context = [4, 5, 6, 1, 0, 6, 2, 4, 5, 6]
+    assert find_continuation(context, 2, max_ngram=3, min_ngram=1) == [1, 0]
+    assert find_continuation([1, 2, 3], 4, max_ngram=3, min_ngram=1) == []  # no match
+    assert find_continuation([5, 5, 5], 4, max_ngram=1, min_ngram=1) == [5]  # overlap ends
+    assert find_continuation([1, 2, 9, 1, 2], 2, max_ngram=2, min_ngram=2) == [9, 1]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_common_prefix_length_matches_a_linear_scan(seed: int):
+    rng = random.Random(seed)
+    for _ in range(200):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        b = a[: rng.randrange(0, len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(5))]
+        expected = 0
+        while expected < min(len(a), len(b)) and a[expected] == b[expected]:
+            expected += 1
+        assert common_prefix_length(a, b) == expected
+        assert common_prefix_length(b, a) == expected
