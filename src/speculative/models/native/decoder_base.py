@@ -60,7 +60,8 @@ class DecoderBase:
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [batch, k, hidden] float32, owned (updated in place)
+        hidden: torch.Tensor,  # [batch, k, hidden] float32, owned: left holding the final
+        # residual stream (the features before the final norm)
         start: int,
         positions: torch.Tensor,  # [batch, k] int64
         attention_mask: torch.Tensor | None,  # [k, k] bool or None (causal)

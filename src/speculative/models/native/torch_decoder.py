@@ -115,8 +115,8 @@ class TorchDecoder(DecoderBase):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [batch, k, hidden] float32 embeddings, owned (updated in place)
-        start: int,
+        hidden: torch.Tensor,  # [batch, k, hidden] float32 embeddings, owned: left holding
+        start: int,  # the final residual stream (before the final norm)
         positions: torch.Tensor,  # [batch, k] int64
         attention_mask: torch.Tensor | None,  # [k, k] bool or None (causal)
     ) -> torch.Tensor:  # [batch, k, vocab]
@@ -128,8 +128,9 @@ class TorchDecoder(DecoderBase):
             tile = _Tile.make(start, first, rows, visible)
             for b in range(batch):
                 rotation = self.rotations[positions[b, tile.tokens]].unsqueeze(1)  # [T, 1, d/2]
-                out = self._tile(hidden[b, tile.tokens], b, tile, rotation)  # [rows, vocab]
-                logits[b, first : first + rows] = out
+                residual = hidden[b, tile.tokens]  # [ROW_TILE, hidden], a copy
+                logits[b, first : first + rows] = self._tile(residual, b, tile, rotation)
+                hidden[b, first : first + rows] = residual[:rows]  # the final residual stream
         return logits
 
     @staticmethod
@@ -148,7 +149,7 @@ class TorchDecoder(DecoderBase):
 
     def _tile(
         self,
-        hidden: torch.Tensor,  # [ROW_TILE, hidden] the tile's embeddings (padding: copies)
+        hidden: torch.Tensor,  # [ROW_TILE, hidden] embeddings (padding: copies), updated in place
         b: int,
         tile: _Tile,
         rotation: torch.Tensor,  # [ROW_TILE, 1, head_dim / 2] complex64
