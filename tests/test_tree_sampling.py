@@ -88,7 +88,9 @@ def round_law(prefix, branching, point_mass=False, replacement=False, step=rejec
         p, q, reach = target(prefix), (None if point_mass else q0), prob
         for x in draws:
             a = accept_probability(p, q, x)
-            for rest, pr in round_law((*prefix, x), branching[1:], point_mass, replacement, step).items():
+            for rest, pr in round_law(
+                (*prefix, x), branching[1:], point_mass, replacement, step
+            ).items():
                 out[(x, *rest)] += reach * a * pr
             reach *= 1 - a
             p, q = step(p, q, x)

@@ -12,6 +12,7 @@ Batch-first throughout: ``input_ids`` is ``[batch, k]`` and logits are
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -117,7 +118,7 @@ def check_keep_slots(first: int, slots: Sequence[int], length: int) -> list[int]
     kept = [int(s) for s in slots]
     if not 0 <= first <= length:
         raise ValueError(f"first must lie in [0, {length}], got {first}")
-    if any(b <= a for a, b in zip(kept, kept[1:], strict=False)):
+    if any(b <= a for a, b in itertools.pairwise(kept)):
         raise ValueError(f"slots must be strictly increasing, got {kept}")
     if kept and (kept[0] < first or kept[-1] >= length):
         raise ValueError(f"slots must lie in [{first}, {length}), got {kept}")

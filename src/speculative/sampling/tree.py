@@ -71,10 +71,14 @@ def check_tree(
         )
     n = tokens.shape[0]
     if target_probs.dim() != 2 or target_probs.shape[0] != n + 1:
-        raise ValueError(f"target_probs must be [n+1={n + 1}, vocab], got {tuple(target_probs.shape)}")
+        raise ValueError(
+            f"target_probs must be [n+1={n + 1}, vocab], got {tuple(target_probs.shape)}"
+        )
     vocab = target_probs.shape[1]
     if draft_probs is not None and tuple(draft_probs.shape) != (n, vocab):
-        raise ValueError(f"draft_probs must be [n={n}, vocab={vocab}], got {tuple(draft_probs.shape)}")
+        raise ValueError(
+            f"draft_probs must be [n={n}, vocab={vocab}], got {tuple(draft_probs.shape)}"
+        )
     if n and (tokens.min() < 0 or tokens.max() >= vocab):
         raise ValueError(f"tokens must be token ids in [0, {vocab})")
     if n and not bool((parents < torch.arange(n)).all() and (parents >= -1).all()):
@@ -143,7 +147,9 @@ def verify_tree_from_uniforms(
                 break
             p, q = reject_sibling(p, q, token_list[child])
         if accepted is None:  # recovered (all siblings rejected) or bonus (a leaf)
-            extra = int(sample_from(p.unsqueeze(0), torch.tensor([sample_uniform], dtype=torch.float64))[0])
+            extra = int(
+                sample_from(p.unsqueeze(0), torch.tensor([sample_uniform], dtype=torch.float64))[0]
+            )
             return TreeVerifyResult(path, [token_list[i] for i in path] + [extra])
         path.append(accepted)
         node = accepted
