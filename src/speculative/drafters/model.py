@@ -12,9 +12,11 @@ from collections.abc import Sequence
 import torch
 
 from speculative.drafters.base import Draft
+from speculative.drafters.tree import DraftTree, TreeShape
 from speculative.models.base import CausalLM
 from speculative.models.session import ModelSession
 from speculative.sampling import SamplingParams, logits_to_probs, sample
+from speculative.sampling.tree import sample_without_replacement
 
 
 def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -45,6 +47,10 @@ class DraftModelDrafter:
         self.vocab_size = vocab_size
         self.session = ModelSession(model)
         self.share_prefill = share_prefill
+        self.tree_shape = TreeShape()
+
+    def set_tree_shape(self, shape: TreeShape) -> None:
+        self.tree_shape = shape
 
     @property
     def forward_calls(self) -> int:
@@ -80,3 +86,120 @@ class DraftModelDrafter:
 
     def observe(self, context: Sequence[int], num_accepted: int) -> None:
         """Nothing to do: the next propose() rolls the cache back and catches up."""
+
+    # ---- trees ------------------------------------------------------------------------
+    def propose_tree(
+        self,
+        context: Sequence[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> DraftTree:
+        """A tree of at most ``budget`` nodes, one draft forward per level (the tree so far
+        scored with a tree mask). Static: ``branching[d]`` children per node, drawn
+        without replacement from q under sampling (top-k point masses under greedy).
+        Dynamic: the most probable branches (point masses), see :class:`TreeShape`."""
+        if self.tree_shape.mode == "dynamic":
+            return self._dynamic_tree(context, budget, params)
+        return self._static_tree(context, budget, params, generator)
+
+    def _level_logits(
+        self, context: Sequence[int], tree: _Growing, fed: list[int]
+    ) -> dict[int, torch.Tensor]:
+        """Draft logits ([vocab]) after the root (key -1) or after each node of ``fed``
+        (an ancestor-closed list of node ids of ``tree``)."""
+        if not fed:
+            return {-1: self.session.logits_after(context)[0, -1]}
+        position = {node: i for i, node in enumerate(fed)}
+        tokens = [tree.tokens[node] for node in fed]
+        parents = [position.get(tree.parents[node], -1) for node in fed]
+        logits = self.session.logits_for_tree(context, tokens, parents)[0]  # [1 + len(fed), V]
+        return {node: logits[i + 1] for i, node in enumerate(fed)}
+
+    def _static_tree(
+        self,
+        context: Sequence[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> DraftTree:
+        tree = _Growing()
+        frontier = [-1]
+        for width in self.tree_shape.branching:
+            if tree.size >= budget or not frontier:
+                break
+            rows = self._level_logits(context, tree, [n for n in range(tree.size)])
+            next_frontier = []
+            for parent in frontier:
+                logits = fit_vocab(rows[parent], self.vocab_size)  # [vocab]
+                q = logits_to_probs(logits, params)  # [vocab]
+                room = min(width, budget - tree.size)
+                if params.greedy:
+                    kids = torch.topk(logits, room).indices.tolist()
+                else:
+                    kids = sample_without_replacement(q, room, generator)
+                next_frontier += [tree.add(x, parent, None if params.greedy else q) for x in kids]
+            frontier = next_frontier
+        return tree.freeze(point_mass=params.greedy)
+
+    def _dynamic_tree(
+        self, context: Sequence[int], budget: int, params: SamplingParams
+    ) -> DraftTree:
+        """EAGLE-2-like: expand the ``width`` best frontier nodes by path probability each
+        level, then keep the ``budget`` most probable nodes (ancestor-closed: a path's
+        probability never exceeds its parent's). Point-mass siblings: exact under
+        sampling too, as the candidates are a deterministic function of the draft."""
+        shape = self.tree_shape
+        scoring = params if not params.greedy else SamplingParams(temperature=1.0)
+        tree = _Growing()
+        score: dict[int, float] = {-1: 1.0}
+        expand = [-1]
+        fed: list[int] = []
+        for _ in range(shape.depth):
+            rows = self._level_logits(context, tree, fed)
+            children = []
+            for parent in expand:
+                q = logits_to_probs(fit_vocab(rows[parent], self.vocab_size), scoring)  # [V]
+                top = torch.topk(q, min(shape.width, budget))
+                for prob, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                    if prob <= 0:
+                        continue
+                    node = tree.add(token, parent, None)
+                    score[node] = score[parent] * prob
+                    children.append(node)
+            if not children:
+                break
+            expand = sorted(children, key=lambda n: -score[n])[: shape.width]
+            fed = sorted(fed + expand)
+        keep = sorted(range(tree.size), key=lambda n: (-score[n], n))[:budget]
+        return tree.select(sorted(keep))
+
+
+class _Growing:
+    """A tree under construction (flat lists)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.q_rows: list[torch.Tensor | None] = []
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, parent: int, q: torch.Tensor | None) -> int:
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.q_rows.append(q)
+        return len(self.tokens) - 1
+
+    def freeze(self, point_mass: bool) -> DraftTree:
+        q = None if point_mass or not self.q_rows else torch.stack(self.q_rows)  # [n, V]
+        return DraftTree(torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.parents), q)
+
+    def select(self, nodes: list[int]) -> DraftTree:
+        """The sub-tree of ``nodes`` (sorted, ancestor-closed), point-mass siblings."""
+        index = {node: i for i, node in enumerate(nodes)}
+        parents = [index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in nodes]
+        tokens = [self.tokens[n] for n in nodes]
+        return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents))
