@@ -114,3 +114,21 @@ def test_tree_round_stops_exactly_and_counts():
     # each round emits its accepted path plus one token (the last round may be cut)
     assert s.new_tokens <= s.accepted_tokens + s.target_calls <= s.new_tokens + 1
     assert s.mean_accepted_length > 1.2
+
+
+def test_ngram_trie_and_greedy_identity():
+    from speculative.drafters import PromptLookupDrafter
+    from speculative.drafters.ngram import find_continuations, trie
+
+    context = [1, 2, 3, 1, 2, 4, 1, 2, 3, 0, 1, 2]
+    follows = find_continuations(context, 3, max_ngram=2, min_ngram=1, limit=4)
+    assert follows[:2] == [[3, 0, 1], [4, 1, 2]]
+    tree = trie(follows, budget=5)
+    assert tree.tokens.tolist()[:3] == [3, 0, 1] and tree.parents.tolist()[:3] == [-1, 0, 1]
+    assert tree.size == 5 and tree.parents.tolist()[3] == -1  # 4 branches off the root
+    drafter = PromptLookupDrafter()
+    engine = SpeculativeEngine(MarkovLM(P), drafter, tree=TreeRound(drafter, 6))
+    params, stop = SamplingParams(temperature=0), StopCriteria(max_new_tokens=40)
+    plain = markov_tree_engine(None).generate([1, 2, 1, 2], params, stop, torch.Generator())
+    spec = engine.generate([1, 2, 1, 2], params, stop, torch.Generator())
+    assert spec.token_ids == plain.token_ids and spec.stats.accepted_tokens > 0

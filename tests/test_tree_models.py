@@ -205,3 +205,37 @@ def test_sampled_tree_sequences_match_plain_with_negative_control(small_models):
     wrong = sampled_counts(wrong_engine, n, seed=2)
     assert p_value(plain, spec) > 1e-3
     assert p_value(plain, wrong) < 1e-3
+
+
+def run_cli(capsys, *argv):
+    from speculative.cli.main import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, *capsys.readouterr()
+
+
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_cli_generate_tree(folder, capsys, tree):
+    import json
+
+    base = ["generate", "--target", str(folder), "--runtime", "native", "--prompt", "the cat"]
+    base += ["--no-chat", "--max-new-tokens", "12", "--json", "--no-color"]
+    code, out, err = run_cli(capsys, *base, "--draft", "self-int4", "--tree", tree)
+    assert code == 0, err
+    tree_ids = json.loads(out.strip().splitlines()[-1])["token_ids"]
+    code, out, err = run_cli(capsys, *base, "--draft", "none")
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["token_ids"] == tree_ids
+
+
+def test_cli_tree_errors(folder, capsys):
+    code, _, err = run_cli(
+        capsys, "generate", "--target", str(folder), "--prompt", "the", "--tree", "bushy"
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--tree" in err
+    from speculative.pipeline import Speculator
+
+    with pytest.raises(ValueError, match="tree must be one of"):
+        Speculator.load(str(folder), "ngram", tree="forest")

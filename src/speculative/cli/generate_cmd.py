@@ -32,6 +32,13 @@ Drafters (--draft):
   self-exit:N   the target's first N layers (early exit)
   PATH | ID     a smaller causal LM with the same vocabulary
 
+Token trees (--tree, model drafters): draft a tree of candidates instead of one chain,
+verify every node in one target pass with a tree attention mask, and keep the longest
+accepted path (siblings are tested by recursive rejection sampling, still lossless):
+  off       chains of γ drafted tokens
+  static    a fixed shape: 2 children at the first two depths, then 1 (at most 8 nodes)
+  dynamic   grow the draft's most probable branches (EAGLE-2 style), at most 8 nodes
+
 On a terminal, green text came from accepted draft tokens and cyan text from the target
 (recovered or bonus tokens). A stats line follows on stderr.
 """
@@ -54,6 +61,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--precision",
         default="fp32",
         help="target weight precision (fp32, bf16; native: int8, int4)",
+    )
+
+
+def add_tree_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tree",
+        choices=["off", "static", "dynamic"],
+        default="off",
+        help="draft token trees instead of chains (model drafters; see above)",
     )
 
 
@@ -93,6 +109,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="use the raw prompt")
     add_model_arguments(parser)
+    add_tree_argument(parser)
     add_sampling_arguments(parser)
     parser.add_argument(
         "--stop",
@@ -122,7 +139,7 @@ def load_speculator(args: argparse.Namespace):
     from speculative.pipeline import Speculator, parse_gamma
 
     return Speculator.load(
-        args.target, args.draft, parse_gamma(args.gamma), args.runtime, args.precision
+        args.target, args.draft, parse_gamma(args.gamma), args.runtime, args.precision, args.tree
     )
 
 
