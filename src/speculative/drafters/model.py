@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from speculative.drafters.base import Draft
-from speculative.drafters.tree import DraftTree, TreeShape
+from speculative.drafters.tree import AcceptanceCalibration, DraftTree, RankedTree, TreeShape
 from speculative.models.base import CausalLM
 from speculative.models.session import ModelSession
 from speculative.sampling import SamplingParams, logits_to_probs, sample
@@ -48,6 +48,8 @@ class DraftModelDrafter:
         self.session = ModelSession(model)
         self.share_prefill = share_prefill
         self.tree_shape = TreeShape()
+        self.calibration = AcceptanceCalibration()
+        self._last_tree: RankedTree | None = None
 
     def set_tree_shape(self, shape: TreeShape) -> None:
         self.tree_shape = shape
@@ -58,6 +60,7 @@ class DraftModelDrafter:
 
     def reset(self) -> None:
         self.session.reset()
+        self._last_tree = None
 
     def propose(
         self,
@@ -85,7 +88,11 @@ class DraftModelDrafter:
             self.session.adopt(target)
 
     def observe(self, context: Sequence[int], num_accepted: int) -> None:
-        """Nothing to do: the next propose() rolls the cache back and catches up."""
+        """Learn from a dynamic tree's outcome (the cache needs nothing: the next
+        propose() rolls it back and catches up)."""
+        if self._last_tree is not None:
+            self.calibration.learn(self._last_tree, context[self._last_tree.start :])
+            self._last_tree = None
 
     # ---- trees ------------------------------------------------------------------------
     def propose_tree(
@@ -145,14 +152,17 @@ class DraftModelDrafter:
     def _dynamic_tree(
         self, context: Sequence[int], budget: int, params: SamplingParams
     ) -> DraftTree:
-        """EAGLE-2-like: expand the ``width`` best frontier nodes by path probability each
-        level, then keep the ``budget`` most probable nodes (ancestor-closed: a path's
-        probability never exceeds its parent's). Point-mass siblings: exact under
-        sampling too, as the candidates are a deterministic function of the draft."""
+        """EAGLE-2-like: each level expands the ``width`` best frontier nodes by estimated
+        path acceptance (the product of :class:`AcceptanceCalibration` estimates along
+        the path), then the ``budget`` best nodes are kept (ancestor-closed: a path's
+        estimate never exceeds its parent's). Point-mass siblings: exact under sampling
+        too, as the candidates are a deterministic function of the draft and the past."""
         shape = self.tree_shape
         scoring = params if not params.greedy else SamplingParams(temperature=1.0)
         tree = _Growing()
         score: dict[int, float] = {-1: 1.0}
+        ranks: list[int] = []
+        probs: list[float] = []
         expand = [-1]
         fed: list[int] = []
         for _ in range(shape.depth):
@@ -161,18 +171,29 @@ class DraftModelDrafter:
             for parent in expand:
                 q = logits_to_probs(fit_vocab(rows[parent], self.vocab_size), scoring)  # [V]
                 top = torch.topk(q, min(shape.width, budget))
-                for prob, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                for rank, (prob, token) in enumerate(
+                    zip(top.values.tolist(), top.indices.tolist(), strict=True)
+                ):
                     if prob <= 0:
                         continue
                     node = tree.add(token, parent, None)
-                    score[node] = score[parent] * prob
+                    ranks.append(rank)
+                    probs.append(prob)
+                    score[node] = score[parent] * self.calibration.estimate(rank, prob)
                     children.append(node)
-            if not children:
-                break
             expand = sorted(children, key=lambda n: -score[n])[: shape.width]
+            if not expand or score[expand[0]] < shape.min_score:
+                break
             fed = sorted(fed + expand)
-        keep = sorted(range(tree.size), key=lambda n: (-score[n], n))[:budget]
-        return tree.select(sorted(keep))
+        keep = sorted(sorted(range(tree.size), key=lambda n: (-score[n], n))[:budget])
+        self._last_tree = RankedTree(
+            tokens=[tree.tokens[n] for n in keep],
+            parents=[keep.index(tree.parents[n]) if tree.parents[n] >= 0 else -1 for n in keep],
+            ranks=[ranks[n] for n in keep],
+            probs=[probs[n] for n in keep],
+            start=len(context),
+        )
+        return tree.select(keep)
 
 
 class _Growing:

@@ -99,14 +99,16 @@ class TreeShape:
     mode: "static": every node at depth d gets ``branching[d]`` children (the tree ends
     after ``len(branching)`` levels), filled breadth-first in draw order until the node
     budget is spent; "dynamic": grow the most probable branches, EAGLE-2 style: each
-    level expands the ``width`` best frontier nodes by path probability (up to ``depth``
-    levels), then the ``budget`` most probable nodes are kept.
+    level expands the ``width`` best frontier nodes by estimated path acceptance (up to
+    ``depth`` levels, while the best is at least ``min_score``), then the ``budget`` most
+    likely nodes are kept (see :class:`AcceptanceCalibration`).
     """
 
     mode: str = "static"
     branching: tuple[int, ...] = (2, 2, 1, 1)
-    depth: int = 5
-    width: int = 3
+    depth: int = 6
+    width: int = 2
+    min_score: float = 0.1  # dynamic: stop growing when no frontier path is this likely
 
     def __post_init__(self) -> None:
         if self.mode not in ("static", "dynamic"):
@@ -122,3 +124,64 @@ class SupportsTreeShape(Protocol):
     """A tree drafter whose tree shape can be chosen (``--tree static|dynamic``)."""
 
     def set_tree_shape(self, shape: TreeShape) -> None: ...
+
+
+class AcceptanceCalibration:
+    """How often a tree candidate turns out to be the target's token, learned online.
+
+    Keyed by the candidate's rank among its siblings (0 = the draft's argmax) and a bin of
+    its draft probability q; the prior is q itself with ``prior_weight`` pseudo-counts, so
+    an unused drafter starts out EAGLE-2-like (path probability = product of q) and a
+    drafter whose argmax agrees with the target more often than its q says (the target
+    at lower precision) learns to grow deeper chains.
+    """
+
+    BINS = 5
+
+    def __init__(self, prior_weight: float = 4.0) -> None:
+        self.prior_weight = prior_weight
+        self.hits: dict[tuple[int, int], float] = {}
+        self.tries: dict[tuple[int, int], float] = {}
+
+    def _key(self, rank: int, q: float) -> tuple[int, int]:
+        return rank, min(self.BINS - 1, int(q * self.BINS))
+
+    def estimate(self, rank: int, q: float) -> float:
+        """P(candidate == target token | its parent was accepted)."""
+        key = self._key(rank, q)
+        prior = (key[1] + 0.5) / self.BINS
+        hits, tries = self.hits.get(key, 0.0), self.tries.get(key, 0.0)
+        return (hits + self.prior_weight * prior) / (tries + self.prior_weight)
+
+    def record(self, rank: int, q: float, hit: bool) -> None:
+        key = self._key(rank, q)
+        self.tries[key] = self.tries.get(key, 0.0) + 1
+        self.hits[key] = self.hits.get(key, 0.0) + float(hit)
+
+    def learn(self, tree: RankedTree, emitted: Sequence[int]) -> None:
+        """Walk ``tree`` along the tokens the round emitted: at each reached node, every
+        child was tried and the child equal to the emitted token (if any) was a hit."""
+        node = -1
+        for token in emitted:
+            match = None
+            for child in tree.children(node):
+                hit = tree.tokens[child] == token
+                self.record(tree.ranks[child], tree.probs[child], hit)
+                match = child if hit else match
+            if match is None:
+                return
+            node = match
+
+
+@dataclass
+class RankedTree:
+    """A proposed tree's candidates with their sibling rank and draft probability."""
+
+    tokens: list[int]
+    parents: list[int]
+    ranks: list[int]
+    probs: list[float]
+    start: int  # context length when proposed: the round's tokens follow it
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, parent in enumerate(self.parents) if parent == node]
