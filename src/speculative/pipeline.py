@@ -482,7 +482,8 @@ def generate(
     draft: str | None = "ngram",
     gamma: int | str = 4,
     runtime: str = "auto",
+    tree: str = "off",
     **kwargs: Any,
 ) -> GenerationOutput:
     """Load ``target`` and ``draft`` and generate once (use :class:`Speculator` to reuse)."""
-    return Speculator.load(target, draft, gamma, runtime).generate(prompt, **kwargs)
+    return Speculator.load(target, draft, gamma, runtime, tree=tree).generate(prompt, **kwargs)
