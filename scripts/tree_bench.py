@@ -1,6 +1,7 @@
 """Chain vs static vs dynamic trees, side by side in one process (greedy, default model).
 
     PYTHONPATH=src python scripts/tree_bench.py [--precision fp32] [--prompts 4] [--tokens 96]
+        [--threads 1 --clock cpu]   # CPU time: robust when other jobs share the cores
 
 Every configuration runs each prompt once per repeat, interleaved (so machine drift hits
 all alike); reports τ (tokens per target call, deterministic), drafted nodes per round,
@@ -41,7 +42,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--budget", type=int, default=8)
     parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch/OpenMP threads (0: leave as is)"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: process CPU time (robust on a shared machine; use with --threads 1)",
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     target = load_target("default", "native", args.precision)
     suite = load_prompts()
     chat = [p for p in suite if p.category == "multi_turn_chat"]
@@ -64,15 +77,16 @@ def main() -> None:
     seconds = {label: [] for label in engines}
     stats = {}
     outputs = {}
-    engines["plain"]().generate(ids[0][:8], params, StopCriteria(max_new_tokens=4), torch.Generator())
+    warm = StopCriteria(max_new_tokens=4)
+    engines["plain"]().generate(ids[0][:8], params, warm, torch.Generator())
     for _ in range(args.repeats):
         for label, engine in engines.items():
             total, calls, new, drafted, accepted = 0.0, 0, 0, 0, 0
             outs = []
             for prompt in ids:
-                started = time.perf_counter()
+                started = clock()
                 result = engine().generate(prompt, params, stop, torch.Generator())
-                total += time.perf_counter() - started
+                total += clock() - started
                 s = result.stats
                 calls, new = calls + s.target_calls, new + s.new_tokens
                 drafted, accepted = drafted + s.drafted_tokens, accepted + s.accepted_tokens
@@ -101,7 +115,9 @@ def main() -> None:
             f"{label:22s} τ {tau:5.2f}  nodes/round {nodes:4.1f}  tok/s {new / t:6.1f}  "
             f"speedup {base / t:4.2f}x  identical {outputs[label] == outputs['plain']}"
         )
-    print(json.dumps({"precision": args.precision, "tokens": args.tokens, "rows": rows}))
+    meta = {"precision": args.precision, "tokens": args.tokens, "clock": args.clock}
+    meta["threads"] = torch.get_num_threads()
+    print(json.dumps({**meta, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -152,39 +152,40 @@ class DraftModelDrafter:
     def _dynamic_tree(
         self, context: Sequence[int], budget: int, params: SamplingParams
     ) -> DraftTree:
-        """EAGLE-2-like: each level expands the ``width`` best frontier nodes by estimated
-        path acceptance (the product of :class:`AcceptanceCalibration` estimates along
-        the path), then the ``budget`` best nodes are kept (ancestor-closed: a path's
-        estimate never exceeds its parent's). Point-mass siblings: exact under sampling
-        too, as the candidates are a deterministic function of the draft and the past."""
+        """Grow along the draft's best path; at each depth its ``width - 1`` runners-up
+        join as leaves. Nodes are ranked by estimated path acceptance (the product of
+        :class:`AcceptanceCalibration` estimates along the path; a path never beats its
+        parent, so the ``budget`` best are ancestor-closed) and growth stops once the
+        path cannot place another node among them (or after ``depth`` levels). Only
+        the best path is fed to the draft model, so a level costs one draft step, as
+        in a chain. Point-mass siblings: exact under sampling too, as the candidates
+        are a deterministic function of the draft and the past."""
         shape = self.tree_shape
         scoring = params if not params.greedy else SamplingParams(temperature=1.0)
         tree = _Growing()
-        score: dict[int, float] = {-1: 1.0}
+        score: list[float] = []
         ranks: list[int] = []
         probs: list[float] = []
-        expand = [-1]
-        fed: list[int] = []
+        sequence, parent, parent_score = list(context), -1, 1.0
         for _ in range(shape.depth):
-            rows = self._level_logits(context, tree, fed)
-            children = []
-            for parent in expand:
-                q = logits_to_probs(fit_vocab(rows[parent], self.vocab_size), scoring)  # [V]
-                top = torch.topk(q, min(shape.width, budget))
-                for rank, (prob, token) in enumerate(
-                    zip(top.values.tolist(), top.indices.tolist(), strict=True)
-                ):
-                    if prob <= 0:
-                        continue
-                    node = tree.add(token, parent, None)
+            logits = self.session.logits_after(sequence)[0, -1]  # [vocab]
+            q = logits_to_probs(fit_vocab(logits, self.vocab_size), scoring)  # [vocab]
+            top = torch.topk(q, min(shape.width, budget))
+            level = []
+            for rank, (prob, token) in enumerate(
+                zip(top.values.tolist(), top.indices.tolist(), strict=True)
+            ):
+                if prob > 0:
+                    level.append(tree.add(token, parent, None))
+                    score.append(parent_score * self.calibration.estimate(rank, prob))
                     ranks.append(rank)
                     probs.append(prob)
-                    score[node] = score[parent] * self.calibration.estimate(rank, prob)
-                    children.append(node)
-            expand = sorted(children, key=lambda n: -score[n])[: shape.width]
-            if not expand or score[expand[0]] < shape.min_score:
-                break
-            fed = sorted(fed + expand)
+            best = level[0]
+            cutoff = sorted(score, reverse=True)[budget - 1] if len(score) >= budget else 0.0
+            if score[best] <= cutoff or score[best] < shape.min_score:
+                break  # no deeper node could enter the budget
+            sequence.append(tree.tokens[best])
+            parent, parent_score = best, score[best]
         keep = sorted(sorted(range(tree.size), key=lambda n: (-score[n], n))[:budget])
         self._last_tree = RankedTree(
             tokens=[tree.tokens[n] for n in keep],

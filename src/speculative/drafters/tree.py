@@ -98,10 +98,11 @@ class TreeShape:
 
     mode: "static": every node at depth d gets ``branching[d]`` children (the tree ends
     after ``len(branching)`` levels), filled breadth-first in draw order until the node
-    budget is spent; "dynamic": grow the most probable branches, EAGLE-2 style: each
-    level expands the ``width`` best frontier nodes by estimated path acceptance (up to
-    ``depth`` levels, while the best is at least ``min_score``), then the ``budget`` most
-    likely nodes are kept (see :class:`AcceptanceCalibration`).
+    budget is spent; "dynamic": grow the most likely branches (EAGLE-2 style ranking by
+    estimated path acceptance, see :class:`AcceptanceCalibration`) up to ``depth``
+    levels with ``width`` candidates per expanded node, while a path is at least
+    ``min_score`` likely and can still enter the ``budget`` best nodes; drafters decide
+    which nodes they expand (the model drafter: only its best path, one step a level).
     """
 
     mode: str = "static"
