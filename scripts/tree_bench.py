@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--budget", type=int, default=8)
     parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument(
         "--threads", type=int, default=0, help="torch/OpenMP threads (0: leave as is)"
     )
@@ -61,8 +63,7 @@ def main() -> None:
     qa = [p for p in suite if p.category == "question_answering"]
     prompts = [p for pair in zip(chat, qa, strict=False) for p in pair][: args.prompts]
     ids = [
-        encode_prompt(target.tokenizer, p.prompt, p.messages and list(p.messages))
-        for p in prompts
+        encode_prompt(target.tokenizer, p.prompt, p.messages and list(p.messages)) for p in prompts
     ]
     configs = [c for c in CONFIGS if args.only is None or c[0] in args.only or c[0] == "plain"]
     engines = {}  # label -> a fresh engine per generation (sessions share target.lm)
@@ -71,8 +72,9 @@ def main() -> None:
         engines[label] = lambda d=drafter, g=gamma, t=tree: SpeculativeEngine(
             target.lm, d, g, make_tree_round(t, d, args.budget)
         )
-    params, stop = SamplingParams(temperature=0), StopCriteria(
-        max_new_tokens=args.tokens, eos_token_ids=target.eos_token_ids
+    params, stop = (
+        SamplingParams(temperature=args.temperature, top_p=args.top_p),
+        StopCriteria(max_new_tokens=args.tokens, eos_token_ids=target.eos_token_ids),
     )
     seconds = {label: [] for label in engines}
     stats = {}
@@ -85,7 +87,8 @@ def main() -> None:
             outs = []
             for prompt in ids:
                 started = clock()
-                result = engine().generate(prompt, params, stop, torch.Generator())
+                generator = torch.Generator().manual_seed(len(outs))
+                result = engine().generate(prompt, params, stop, generator)
                 total += clock() - started
                 s = result.stats
                 calls, new = calls + s.target_calls, new + s.new_tokens
@@ -116,6 +119,7 @@ def main() -> None:
             f"speedup {base / t:4.2f}x  identical {outputs[label] == outputs['plain']}"
         )
     meta = {"precision": args.precision, "tokens": args.tokens, "clock": args.clock}
+    meta["temperature"] = args.temperature
     meta["threads"] = torch.get_num_threads()
     print(json.dumps({**meta, "rows": rows}))
 

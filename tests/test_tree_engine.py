@@ -63,12 +63,13 @@ def two_sample_p_value(a: np.ndarray, b: np.ndarray) -> float:
 SHAPES = [
     TreeShape("static", branching=(3, 2)),  # sampled siblings, q rows
     TreeShape("static", branching=(2, 2, 1)),
-    TreeShape("dynamic", depth=3, width=2),  # point-mass siblings
+    TreeShape("dynamic", depth=3, width=2),  # calibrated: siblings where q is unsure
+    TreeShape("dynamic", depth=3, width=3, sibling_below=1.0),  # siblings at every depth
 ]
 ALPHA = 1e-3 / len(SHAPES)  # Bonferroni over the configurations of one test
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s.mode}{s.branching}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s.mode}{s.branching}{s.width}")
 def test_markov_tree_sequences_match_plain_sampling(shape):
     n, length = 2000, 3
     plain = plain_counts(n, length)
@@ -86,7 +87,7 @@ def test_markov_tree_negative_control_sibling_rule():
     assert two_sample_p_value(plain, wrong) < ALPHA
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s.mode}{s.branching}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s.mode}{s.branching}{s.width}")
 def test_markov_greedy_tree_matches_plain(shape):
     params = SamplingParams(temperature=0)
     stop = StopCriteria(max_new_tokens=40)

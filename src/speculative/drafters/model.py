@@ -107,7 +107,7 @@ class DraftModelDrafter:
         without replacement from q under sampling (top-k point masses under greedy).
         Dynamic: the most probable branches (point masses), see :class:`TreeShape`."""
         if self.tree_shape.mode == "dynamic":
-            return self._dynamic_tree(context, budget, params)
+            return self._dynamic_tree(context, budget, params, generator)
         return self._static_tree(context, budget, params, generator)
 
     def _level_logits(
@@ -150,16 +150,28 @@ class DraftModelDrafter:
         return tree.freeze(point_mass=params.greedy)
 
     def _dynamic_tree(
-        self, context: Sequence[int], budget: int, params: SamplingParams
+        self,
+        context: Sequence[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator,
     ) -> DraftTree:
-        """Grow along the draft's best path; at each depth its ``width - 1`` runners-up
-        join as leaves. Nodes are ranked by estimated path acceptance (the product of
-        :class:`AcceptanceCalibration` estimates along the path; a path never beats its
-        parent, so the ``budget`` best are ancestor-closed) and growth stops once the
-        path cannot place another node among them (or after ``depth`` levels). Only
-        the best path is fed to the draft model, so a level costs one draft step, as
-        in a chain. Point-mass siblings: exact under sampling too, as the candidates
-        are a deterministic function of the draft and the past."""
+        """Grow along one path, one draft step a level (as a chain); at each depth up to
+        ``width - 1`` more candidates join as leaves. Nodes are ranked by estimated path
+        acceptance (the product of :class:`AcceptanceCalibration` estimates).
+
+        Greedy: the draft's top-``width`` tokens (point masses), the path follows the
+        argmax; afterwards the ``budget`` best nodes are kept (ancestor-closed: a path
+        never beats its parent), and growth stops once the path cannot place another
+        node among them (or after ``depth`` levels, or below ``min_score``).
+
+        Sampling: candidates are drawn without replacement from q and the path follows
+        the first draw, so the path alone is an ordinary sampled chain. A sibling group
+        must stay a draw-order prefix whose size does not depend on the drawn tokens
+        (the verifier's premise), so its size is fixed from q before drawing (siblings
+        only where the estimated acceptance of q's argmax is below ``sibling_below``)
+        and nothing is pruned afterwards; growth stops at the budget.
+        """
         shape = self.tree_shape
         scoring = params if not params.greedy else SamplingParams(temperature=1.0)
         tree = _Growing()
@@ -168,25 +180,36 @@ class DraftModelDrafter:
         probs: list[float] = []
         sequence, parent, parent_score = list(context), -1, 1.0
         for _ in range(shape.depth):
+            room = budget if params.greedy else budget - tree.size
+            if room <= 0:
+                break
             logits = self.session.logits_after(sequence)[0, -1]  # [vocab]
             q = logits_to_probs(fit_vocab(logits, self.vocab_size), scoring)  # [vocab]
-            top = torch.topk(q, min(shape.width, budget))
+            if params.greedy:
+                drawn = [t for t in torch.topk(q, min(shape.width, room)).indices.tolist()]
+            else:
+                sure = self.calibration.estimate(0, float(q.max())) >= shape.sibling_below
+                drawn = sample_without_replacement(
+                    q, 1 if sure else min(shape.width, room), generator
+                )
             level = []
-            for rank, (prob, token) in enumerate(
-                zip(top.values.tolist(), top.indices.tolist(), strict=True)
-            ):
-                if prob > 0:
-                    level.append(tree.add(token, parent, None))
-                    score.append(parent_score * self.calibration.estimate(rank, prob))
-                    ranks.append(rank)
-                    probs.append(prob)
+            ceiling = parent_score
+            for rank, token in enumerate(drawn):
+                prob = float(q[token])
+                level.append(tree.add(token, parent, None if params.greedy else q))
+                ceiling = min(ceiling, parent_score * self.calibration.estimate(rank, prob))
+                score.append(ceiling)
+                ranks.append(rank)
+                probs.append(prob)
             best = level[0]
-            cutoff = sorted(score, reverse=True)[budget - 1] if len(score) >= budget else 0.0
+            full = len(score) >= budget
+            cutoff = sorted(score, reverse=True)[budget - 1] if full and params.greedy else 0.0
             if score[best] <= cutoff or score[best] < shape.min_score:
-                break  # no deeper node could enter the budget
+                break  # no deeper node could enter the budget, or none is likely
             sequence.append(tree.tokens[best])
             parent, parent_score = best, score[best]
-        keep = sorted(sorted(range(tree.size), key=lambda n: (-score[n], n))[:budget])
+        keep = sorted(range(tree.size), key=lambda n: (-score[n], n))[:budget]
+        keep = sorted(keep) if params.greedy else list(range(tree.size))
         self._last_tree = RankedTree(
             tokens=[tree.tokens[n] for n in keep],
             parents=[keep.index(tree.parents[n]) if tree.parents[n] >= 0 else -1 for n in keep],
@@ -194,7 +217,7 @@ class DraftModelDrafter:
             probs=[probs[n] for n in keep],
             start=len(context),
         )
-        return tree.select(keep)
+        return tree.select(keep, point_mass=params.greedy)
 
 
 class _Growing:
@@ -219,9 +242,11 @@ class _Growing:
         q = None if point_mass or not self.q_rows else torch.stack(self.q_rows)  # [n, V]
         return DraftTree(torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.parents), q)
 
-    def select(self, nodes: list[int]) -> DraftTree:
-        """The sub-tree of ``nodes`` (sorted, ancestor-closed), point-mass siblings."""
+    def select(self, nodes: list[int], point_mass: bool) -> DraftTree:
+        """The sub-tree of ``nodes`` (sorted, ancestor-closed, draw-order prefixes)."""
         index = {node: i for i, node in enumerate(nodes)}
         parents = [index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in nodes]
         tokens = [self.tokens[n] for n in nodes]
-        return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents))
+        rows = [self.q_rows[n] for n in nodes]
+        q = None if point_mass or not rows else torch.stack(rows)  # [n, vocab]
+        return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents), q)

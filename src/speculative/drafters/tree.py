@@ -110,6 +110,7 @@ class TreeShape:
     depth: int = 6
     width: int = 2
     min_score: float = 0.1  # dynamic: stop growing when no frontier path is this likely
+    sibling_below: float = 0.8  # dynamic, sampling: add siblings where acceptance is less likely
 
     def __post_init__(self) -> None:
         if self.mode not in ("static", "dynamic"):
