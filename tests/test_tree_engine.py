@@ -133,3 +133,13 @@ def test_ngram_trie_and_greedy_identity():
     plain = markov_tree_engine(None).generate([1, 2, 1, 2], params, stop, torch.Generator())
     spec = engine.generate([1, 2, 1, 2], params, stop, torch.Generator())
     assert spec.token_ids == plain.token_ids and spec.stats.accepted_tokens > 0
+
+
+def test_budget_from_verify_cost():
+    from speculative.engine import budget_from_verify_cost
+
+    curve = {1: 1.0, 2: 1.02, 3: 1.05, 4: 1.07, 5: 1.16, 6: 1.3, 7: 1.64, 8: 1.83}
+    assert budget_from_verify_cost(curve) == 5  # k = 6 is the last within 1.3
+    assert budget_from_verify_cost(curve, flat=1.1) == 3
+    assert budget_from_verify_cost({1: 1.0, 2: 2.0}) == 1
+    assert budget_from_verify_cost({1: 1.0, 2: 1.0, 3: 1.5, 4: 1.0}) == 1  # first rise stops

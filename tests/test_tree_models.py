@@ -223,7 +223,8 @@ def test_cli_generate_tree(folder, capsys, tree):
 
     base = ["generate", "--target", str(folder), "--runtime", "native", "--prompt", "the cat"]
     base += ["--no-chat", "--max-new-tokens", "12", "--json", "--no-color"]
-    code, out, err = run_cli(capsys, *base, "--draft", "self-int4", "--tree", tree)
+    budget = ["--tree-budget", "auto" if tree == "dynamic" else "5"]
+    code, out, err = run_cli(capsys, *base, "--draft", "self-int4", "--tree", tree, *budget)
     assert code == 0, err
     tree_ids = json.loads(out.strip().splitlines()[-1])["token_ids"]
     code, out, err = run_cli(capsys, *base, "--draft", "none")
@@ -235,7 +236,13 @@ def test_cli_tree_errors(folder, capsys):
         capsys, "generate", "--target", str(folder), "--prompt", "the", "--tree", "bushy"
     )
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--tree" in err
+    code, _, err = run_cli(
+        capsys, "generate", "--target", str(folder), "--prompt", "the", "--tree-budget", "0"
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--tree-budget" in err
     from speculative.pipeline import Speculator
 
     with pytest.raises(ValueError, match="tree must be one of"):
         Speculator.load(str(folder), "ngram", tree="forest")
+    with pytest.raises(ValueError, match="tree budget"):
+        Speculator.load(str(folder), "ngram", tree="static", tree_budget=0)

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     gamma = parse_gamma(args.gamma)
     print(f"loading target '{args.target}' and drafter '{args.draft}' ...", file=sys.stderr)
     speculator = Speculator.load(
-        args.target, args.draft, gamma, args.runtime, args.precision, args.tree
+        args.target, args.draft, gamma, args.runtime, args.precision, args.tree, args.tree_budget
     )
     plain = Speculator(speculator.target, None)
     kwargs = {"max_new_tokens": args.max_new_tokens}

@@ -36,8 +36,10 @@ Token trees (--tree, model drafters): draft a tree of candidates instead of one 
 verify every node in one target pass with a tree attention mask, and keep the longest
 accepted path (siblings are tested by recursive rejection sampling, still lossless):
   off       chains of γ drafted tokens
-  static    a fixed shape: 2 children at the first two depths, then 1 (at most 8 nodes)
-  dynamic   grow the draft's most probable branches (EAGLE-2 style), at most 8 nodes
+  static    a fixed shape: 2 children at the first two depths, then 1
+  dynamic   grow the draft's likeliest path, with runner-up candidates where it is
+            unsure (EAGLE-2 style ranking, calibrated online)
+--tree-budget caps the nodes per tree (auto: sized from the measured verify-cost curve).
 
 On a terminal, green text came from accepted draft tokens and cyan text from the target
 (recovered or bonus tokens). A stats line follows on stderr.
@@ -69,8 +71,18 @@ def add_tree_argument(parser: argparse.ArgumentParser) -> None:
         "--tree",
         choices=["off", "static", "dynamic"],
         default="off",
-        help="draft token trees instead of chains (model drafters; see above)",
+        help="draft token trees instead of chains (see above)",
     )
+    parser.add_argument(
+        "--tree-budget",
+        type=tree_budget,
+        default=6,
+        help="most tree nodes per round, or 'auto' (from the measured verify-cost curve)",
+    )
+
+
+def tree_budget(text: str) -> int | str:
+    return "auto" if text == "auto" else positive_int(text)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,8 +150,9 @@ def read_prompt(args: argparse.Namespace) -> str:
 def load_speculator(args: argparse.Namespace):
     from speculative.pipeline import Speculator, parse_gamma
 
+    gamma = parse_gamma(args.gamma)
     return Speculator.load(
-        args.target, args.draft, parse_gamma(args.gamma), args.runtime, args.precision, args.tree
+        args.target, args.draft, gamma, args.runtime, args.precision, args.tree, args.tree_budget
     )
 
 

@@ -4,7 +4,7 @@ from speculative.engine.gamma import AdaptiveGamma, FixedGamma, GammaPolicy, Heu
 from speculative.engine.loop import GenerationResult, Round, SpeculativeEngine
 from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import StopCriteria
-from speculative.engine.tree import DEFAULT_TREE_BUDGET, TreeRound
+from speculative.engine.tree import DEFAULT_TREE_BUDGET, TreeRound, budget_from_verify_cost
 
 __all__ = [
     "DEFAULT_TREE_BUDGET",
@@ -18,4 +18,5 @@ __all__ = [
     "SpeculativeEngine",
     "StopCriteria",
     "TreeRound",
+    "budget_from_verify_cost",
 ]

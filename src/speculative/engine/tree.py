@@ -25,7 +25,17 @@ if TYPE_CHECKING:
     from speculative.engine.stopping import StopCriteria
 
 TreeVerifier = Callable[..., TreeVerifyResult]  # the signature of verify_tree
-DEFAULT_TREE_BUDGET = 8  # nodes per tree: the native kernels verify ~6-8 tokens flat
+DEFAULT_TREE_BUDGET = 6  # nodes per tree: the fp32 kernels verify ~5-7 tokens near flat
+FLAT_VERIFY = 1.3  # budget_from_verify_cost: how much dearer than one step a tree may be
+
+
+def budget_from_verify_cost(verify_cost: dict[int, float], flat: float = FLAT_VERIFY) -> int:
+    """Tree nodes to draft from a measured verify-cost curve T(k)/T(1) (k = 1 + nodes):
+    the largest k whose cost stays within ``flat`` (and all smaller k too), minus 1."""
+    k = 1
+    while k + 1 in verify_cost and verify_cost[k + 1] <= flat:
+        k += 1
+    return max(1, k - 1)
 
 
 @dataclass
