@@ -71,9 +71,12 @@ def keep_q(p, q, token):
     return p_next, q
 
 
-def round_law(prefix, branching, point_mass=False, replacement=False, step=reject_sibling):
+def round_law(
+    prefix, branching, point_mass=False, replacement=False, step=reject_sibling, prune=None
+):
     """Exact law of one tree round's emitted tokens, completed by target sampling to
-    len(branching) + 1 tokens: all sibling draws x all accept/reject branches."""
+    len(branching) + 1 tokens: all sibling draws x all accept/reject branches.
+    prune(q, draws) -> how many of the draws to keep (a broken drafter's pruning)."""
     length = len(branching) + 1
     if not branching:  # a leaf: the bonus token, then nothing more
         return target_sequences(prefix, length)
@@ -85,11 +88,13 @@ def round_law(prefix, branching, point_mass=False, replacement=False, step=rejec
     else:
         draws_list = ordered_draws(q0, branching[0], replacement)
     for draws, prob in draws_list:
+        if prune is not None:
+            draws = draws[: prune(q0, draws)]
         p, q, reach = target(prefix), (None if point_mass else q0), prob
         for x in draws:
             a = accept_probability(p, q, x)
             for rest, pr in round_law(
-                (*prefix, x), branching[1:], point_mass, replacement, step
+                (*prefix, x), branching[1:], point_mass, replacement, step, prune
             ).items():
                 out[(x, *rest)] += reach * a * pr
             reach *= 1 - a
@@ -114,11 +119,32 @@ def test_analytic_tree_round_is_exact(branching, point_mass, prefix):
     assert max_error(law, prefix, len(branching) + 1) < 1e-6
 
 
+def prune_unlikely(q, draws):
+    """Keep the first draw, then siblings only while q(x) >= 0.2: the group's size
+    depends on the drawn values."""
+    kept = 1
+    while kept < len(draws) and q[draws[kept]] >= 0.2:
+        kept += 1
+    return kept
+
+
+def prune_fixed(q, draws):
+    """Keep two siblings whatever was drawn (a size fixed before drawing): still exact."""
+    return 2
+
+
+@pytest.mark.parametrize("prefix", [(2,), (0, 3)])
+def test_analytic_pruning_fixed_before_drawing_is_exact(prefix):
+    law = round_law(prefix, (3, 2), prune=prune_fixed)
+    assert max_error(law, prefix, 3) < 1e-6
+
+
 @pytest.mark.parametrize(
     "broken",
     [
         {"step": keep_q},  # rejected sibling not removed from q
         {"replacement": True},  # siblings drawn with replacement, verified as without
+        {"prune": prune_unlikely},  # sibling group cut by the drawn values
     ],
 )
 @pytest.mark.parametrize("branching", [(3,), (2, 2)])
