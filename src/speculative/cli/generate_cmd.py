@@ -32,7 +32,7 @@ Drafters (--draft):
   self-exit:N   the target's first N layers (early exit)
   PATH | ID     a smaller causal LM with the same vocabulary
 
-Token trees (--tree, model drafters): draft a tree of candidates instead of one chain,
+Token trees (--tree; model drafters and ngram): draft a tree of candidates instead of one chain,
 verify every node in one target pass with a tree attention mask, and keep the longest
 accepted path (siblings are tested by recursive rejection sampling, still lossless):
   off       chains of γ drafted tokens
