@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=8)
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--categories", nargs=2, default=["multi_turn_chat", "question_answering"])
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument(
         "--threads", type=int, default=0, help="torch/OpenMP threads (0: leave as is)"
@@ -59,9 +60,9 @@ def main() -> None:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     target = load_target("default", "native", args.precision)
     suite = load_prompts()
-    chat = [p for p in suite if p.category == "multi_turn_chat"]
-    qa = [p for p in suite if p.category == "question_answering"]
-    prompts = [p for pair in zip(chat, qa, strict=False) for p in pair][: args.prompts]
+    first = [p for p in suite if p.category == args.categories[0]]
+    second = [p for p in suite if p.category == args.categories[1]]
+    prompts = [p for pair in zip(first, second, strict=False) for p in pair][: args.prompts]
     ids = [
         encode_prompt(target.tokenizer, p.prompt, p.messages and list(p.messages)) for p in prompts
     ]
