@@ -37,3 +37,31 @@ def forget_bonus(draft_tokens, draft_probs, target_probs, generator, validate=Tr
     tokens = result.tokens.clone()
     tokens[result.num_accepted == gamma, gamma] = -1
     return VerifyResult(result.num_accepted, tokens)
+
+
+def tree_keep_rejected_in_q(tokens, parents, draft_probs, target_probs, generator, validate=True):
+    """Tree verifier that forgets to remove a rejected sibling from q (the residual p is
+    updated, but the next sibling is tested against the original q)."""
+    from speculative.sampling import sample_from
+    from speculative.sampling.tree import TreeVerifyResult, accepts, children_lists, reject_sibling
+
+    n = tokens.shape[0]
+    uniforms = torch.rand(n, generator=generator, dtype=torch.float64).tolist()
+    last = torch.rand(1, generator=generator, dtype=torch.float64)
+    token_list, children = tokens.tolist(), children_lists(parents.tolist())
+    path, node = [], -1
+    while True:
+        p = target_probs[node + 1].double()
+        siblings = children[node + 1]
+        q = None if draft_probs is None or not siblings else draft_probs[siblings[0]].double()
+        accepted = None
+        for child in siblings:
+            if accepts(p, q, token_list[child], uniforms[child]):
+                accepted = child
+                break
+            p, _ = reject_sibling(p, q, token_list[child])  # BUG: q keeps the rejected token
+        if accepted is None:
+            extra = int(sample_from(p.unsqueeze(0), last)[0])
+            return TreeVerifyResult(path, [token_list[i] for i in path] + [extra])
+        path.append(accepted)
+        node = accepted

@@ -26,13 +26,17 @@ from typing import Any
 import torch
 
 from speculative.drafters import Drafter, DraftModelDrafter, PromptLookupDrafter
+from speculative.drafters.tree import TREE_MODES, SupportsTreeShape, TreeDrafter, TreeShape
 from speculative.engine import (
+    DEFAULT_TREE_BUDGET,
     AdaptiveGamma,
     GammaPolicy,
     GenerationStats,
     Round,
     SpeculativeEngine,
     StopCriteria,
+    TreeRound,
+    budget_from_verify_cost,
 )
 from speculative.models.base import CausalLM, SupportsEarlyExit
 from speculative.sampling import SamplingParams
@@ -314,12 +318,29 @@ def parse_gamma(gamma: int | str) -> int | str:
     return gamma
 
 
+def make_tree_round(
+    mode: str, drafter: Drafter | None, budget: int = DEFAULT_TREE_BUDGET
+) -> TreeRound | None:
+    """The tree strategy for ``--tree off|static|dynamic`` (None: chains of γ tokens)."""
+    if mode not in TREE_MODES:
+        raise ValueError(f"tree must be one of {', '.join(TREE_MODES)}, got {mode!r}")
+    if mode == "off" or drafter is None:
+        return None
+    if not isinstance(drafter, TreeDrafter):
+        raise ValueError(f"the '{drafter.name}' drafter cannot draft trees; use tree 'off'")
+    if isinstance(drafter, SupportsTreeShape):
+        drafter.set_tree_shape(TreeShape(mode))
+    return TreeRound(drafter, budget)
+
+
 class Speculator:
     """A loaded target plus drafter: generate text, streaming or not.
 
     gamma: drafted tokens per round, or "auto" (:class:`AdaptiveGamma`). With "auto" and no
     ``draft_cost`` / ``verify_cost`` given, both are measured on first use (a few seconds):
     the draft cost c and the target's verify-cost curve T(k)/T(1).
+    tree: "off" (chains), "static" or "dynamic" token trees of at most ``tree_budget`` nodes
+    ("auto": sized from the verify-cost curve, measured on first use like γ "auto").
     """
 
     def __init__(
@@ -329,12 +350,19 @@ class Speculator:
         gamma: int | str = 4,
         draft_cost: float | None = None,
         verify_cost: dict[int, float] | None = None,
+        tree: str = "off",
+        tree_budget: int | str = DEFAULT_TREE_BUDGET,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.gamma = gamma
         self.draft_cost = draft_cost
         self.verify_cost = verify_cost
+        if tree_budget != "auto" and (not isinstance(tree_budget, int) or tree_budget < 1):
+            raise ValueError(f"tree budget must be an integer >= 1 or 'auto', got {tree_budget!r}")
+        self.tree = tree
+        self.tree_budget = tree_budget
+        make_tree_round(tree, drafter)  # validate now
 
     @classmethod
     def load(
@@ -344,9 +372,14 @@ class Speculator:
         gamma: int | str = 4,
         runtime: str = "auto",
         precision: str = "fp32",
+        tree: str = "off",
+        tree_budget: int | str = DEFAULT_TREE_BUDGET,
     ) -> Speculator:
+        if tree not in TREE_MODES:  # before loading anything
+            raise ValueError(f"tree must be one of {', '.join(TREE_MODES)}, got {tree!r}")
         loaded = load_target(target, runtime, precision)
-        return cls(loaded, build_drafter(draft, loaded), gamma)
+        drafter = build_drafter(draft, loaded)
+        return cls(loaded, drafter, gamma, tree=tree, tree_budget=tree_budget)
 
     def calibrate(self, max_k: int = 13, repeats: int = 3) -> None:
         """Measure the draft cost c and the verify-cost curve T(k)/T(1) on this machine."""
@@ -368,7 +401,18 @@ class Speculator:
         if self.gamma == "auto" and (self.draft_cost is None or self.verify_cost is None):
             self.calibrate()
         policy = make_gamma_policy(self.gamma, self.draft_cost or 0.0, self.verify_cost)
-        return SpeculativeEngine(self.target.lm, self.drafter, policy)
+        tree = make_tree_round(self.tree, self.drafter, self.resolved_tree_budget())
+        return SpeculativeEngine(self.target.lm, self.drafter, policy, tree)
+
+    def resolved_tree_budget(self) -> int:
+        """The tree budget; "auto" measures the verify-cost curve once (calibrate)."""
+        if self.tree_budget != "auto":
+            return int(self.tree_budget)
+        if self.tree == "off":
+            return DEFAULT_TREE_BUDGET
+        if self.verify_cost is None:
+            self.calibrate()
+        return budget_from_verify_cost(self.verify_cost or {})
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.target.tokenizer.decode(list(token_ids), skip_special_tokens=True)
@@ -454,7 +498,8 @@ def generate(
     draft: str | None = "ngram",
     gamma: int | str = 4,
     runtime: str = "auto",
+    tree: str = "off",
     **kwargs: Any,
 ) -> GenerationOutput:
     """Load ``target`` and ``draft`` and generate once (use :class:`Speculator` to reuse)."""
-    return Speculator.load(target, draft, gamma, runtime).generate(prompt, **kwargs)
+    return Speculator.load(target, draft, gamma, runtime, tree=tree).generate(prompt, **kwargs)

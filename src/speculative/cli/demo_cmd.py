@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from speculative.cli.common import Formatter, add_json_flag, emit_json, positive_int
-from speculative.cli.generate_cmd import add_model_arguments, stats_line
+from speculative.cli.generate_cmd import add_model_arguments, add_tree_argument, stats_line
 from speculative.cli.streaming import TextStreamer, legend, use_colour
 
 DESCRIPTION = """\
@@ -30,6 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt (chat template applied)")
     add_model_arguments(parser)
+    add_tree_argument(parser)
     parser.set_defaults(draft="self-int4")
     parser.add_argument("--gamma", default="3", help="drafted tokens per round, or 'auto'")
     parser.add_argument("--max-new-tokens", type=positive_int, default=96, help="token budget")
@@ -42,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
 
     gamma = parse_gamma(args.gamma)
     print(f"loading target '{args.target}' and drafter '{args.draft}' ...", file=sys.stderr)
-    speculator = Speculator.load(args.target, args.draft, gamma, args.runtime, args.precision)
+    speculator = Speculator.load(
+        args.target, args.draft, gamma, args.runtime, args.precision, args.tree, args.tree_budget
+    )
     plain = Speculator(speculator.target, None)
     kwargs = {"max_new_tokens": args.max_new_tokens}
     speculator.generate(args.prompt, max_new_tokens=8)  # warm-up (allocations, caches)
@@ -58,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     fast = stream.output()
     if colour:
         print(legend(colour))
-    print(f"speculative ({args.draft}, γ={args.gamma}): " + stats_line(fast.stats.to_dict(), False))
+    shape = f"tree {args.tree}" if args.tree != "off" else f"γ={args.gamma}"
+    print(f"speculative ({args.draft}, {shape}): " + stats_line(fast.stats.to_dict(), False))
     print("plain decoding (same runtime) ...", file=sys.stderr)
     slow = plain.generate(args.prompt, **kwargs)
     print("plain decoding:                " + stats_line(slow.stats.to_dict(), False))
@@ -71,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
                 "target": speculator.target.name,
                 "draft": args.draft,
                 "gamma": args.gamma,
+                "tree": args.tree,
                 "speculative": fast.to_dict(),
                 "plain": slow.to_dict(),
                 "speedup": speedup,

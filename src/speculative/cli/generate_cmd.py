@@ -32,6 +32,15 @@ Drafters (--draft):
   self-exit:N   the target's first N layers (early exit)
   PATH | ID     a smaller causal LM with the same vocabulary
 
+Token trees (--tree; model drafters and ngram): draft a tree of candidates instead of one chain,
+verify every node in one target pass with a tree attention mask, and keep the longest
+accepted path (siblings are tested by recursive rejection sampling, still lossless):
+  off       chains of γ drafted tokens
+  static    a fixed shape: 2 children at the first two depths, then 1
+  dynamic   grow the draft's likeliest path, with runner-up candidates where it is
+            unsure (EAGLE-2 style ranking, calibrated online)
+--tree-budget caps the nodes per tree (auto: sized from the measured verify-cost curve).
+
 On a terminal, green text came from accepted draft tokens and cyan text from the target
 (recovered or bonus tokens). A stats line follows on stderr.
 """
@@ -55,6 +64,25 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default="fp32",
         help="target weight precision (fp32, bf16; native: int8, int4)",
     )
+
+
+def add_tree_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tree",
+        choices=["off", "static", "dynamic"],
+        default="off",
+        help="draft token trees instead of chains (see above)",
+    )
+    parser.add_argument(
+        "--tree-budget",
+        type=tree_budget,
+        default=6,
+        help="most tree nodes per round, or 'auto' (from the measured verify-cost curve)",
+    )
+
+
+def tree_budget(text: str) -> int | str:
+    return "auto" if text == "auto" else positive_int(text)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +121,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="use the raw prompt")
     add_model_arguments(parser)
+    add_tree_argument(parser)
     add_sampling_arguments(parser)
     parser.add_argument(
         "--stop",
@@ -121,8 +150,9 @@ def read_prompt(args: argparse.Namespace) -> str:
 def load_speculator(args: argparse.Namespace):
     from speculative.pipeline import Speculator, parse_gamma
 
+    gamma = parse_gamma(args.gamma)
     return Speculator.load(
-        args.target, args.draft, parse_gamma(args.gamma), args.runtime, args.precision
+        args.target, args.draft, gamma, args.runtime, args.precision, args.tree, args.tree_budget
     )
 
 

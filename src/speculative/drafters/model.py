@@ -12,9 +12,11 @@ from collections.abc import Sequence
 import torch
 
 from speculative.drafters.base import Draft
+from speculative.drafters.tree import AcceptanceCalibration, DraftTree, RankedTree, TreeShape
 from speculative.models.base import CausalLM
 from speculative.models.session import ModelSession
 from speculative.sampling import SamplingParams, logits_to_probs, sample
+from speculative.sampling.tree import sample_without_replacement
 
 
 def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -45,6 +47,12 @@ class DraftModelDrafter:
         self.vocab_size = vocab_size
         self.session = ModelSession(model)
         self.share_prefill = share_prefill
+        self.tree_shape = TreeShape()
+        self.calibration = AcceptanceCalibration()
+        self._last_tree: RankedTree | None = None
+
+    def set_tree_shape(self, shape: TreeShape) -> None:
+        self.tree_shape = shape
 
     @property
     def forward_calls(self) -> int:
@@ -52,6 +60,7 @@ class DraftModelDrafter:
 
     def reset(self) -> None:
         self.session.reset()
+        self._last_tree = None
 
     def propose(
         self,
@@ -79,4 +88,165 @@ class DraftModelDrafter:
             self.session.adopt(target)
 
     def observe(self, context: Sequence[int], num_accepted: int) -> None:
-        """Nothing to do: the next propose() rolls the cache back and catches up."""
+        """Learn from a dynamic tree's outcome (the cache needs nothing: the next
+        propose() rolls it back and catches up)."""
+        if self._last_tree is not None:
+            self.calibration.learn(self._last_tree, context[self._last_tree.start :])
+            self._last_tree = None
+
+    # ---- trees ------------------------------------------------------------------------
+    def propose_tree(
+        self,
+        context: Sequence[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> DraftTree:
+        """A tree of at most ``budget`` nodes, one draft forward per level (the tree so far
+        scored with a tree mask). Static: ``branching[d]`` children per node, drawn
+        without replacement from q under sampling (top-k point masses under greedy).
+        Dynamic: the most probable branches (point masses), see :class:`TreeShape`."""
+        if self.tree_shape.mode == "dynamic":
+            return self._dynamic_tree(context, budget, params, generator)
+        return self._static_tree(context, budget, params, generator)
+
+    def _level_logits(
+        self, context: Sequence[int], tree: _Growing, fed: list[int]
+    ) -> dict[int, torch.Tensor]:
+        """Draft logits ([vocab]) after the root (key -1) or after each node of ``fed``
+        (an ancestor-closed list of node ids of ``tree``)."""
+        if not fed:
+            return {-1: self.session.logits_after(context)[0, -1]}
+        position = {node: i for i, node in enumerate(fed)}
+        tokens = [tree.tokens[node] for node in fed]
+        parents = [position.get(tree.parents[node], -1) for node in fed]
+        logits = self.session.logits_for_tree(context, tokens, parents)[0]  # [1 + len(fed), V]
+        return {node: logits[i + 1] for i, node in enumerate(fed)}
+
+    def _static_tree(
+        self,
+        context: Sequence[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> DraftTree:
+        tree = _Growing()
+        frontier = [-1]
+        for width in self.tree_shape.branching:
+            if tree.size >= budget or not frontier:
+                break
+            rows = self._level_logits(context, tree, [n for n in range(tree.size)])
+            next_frontier = []
+            for parent in frontier:
+                logits = fit_vocab(rows[parent], self.vocab_size)  # [vocab]
+                q = logits_to_probs(logits, params)  # [vocab]
+                room = min(width, budget - tree.size)
+                if params.greedy:
+                    kids = torch.topk(logits, room).indices.tolist()
+                else:
+                    kids = sample_without_replacement(q, room, generator)
+                next_frontier += [tree.add(x, parent, None if params.greedy else q) for x in kids]
+            frontier = next_frontier
+        return tree.freeze(point_mass=params.greedy)
+
+    def _dynamic_tree(
+        self,
+        context: Sequence[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> DraftTree:
+        """Grow along one path, one draft step a level (as a chain); at each depth up to
+        ``width - 1`` more candidates join as leaves. Nodes are ranked by estimated path
+        acceptance (the product of :class:`AcceptanceCalibration` estimates).
+
+        Greedy: the draft's top-``width`` tokens (point masses), the path follows the
+        argmax; afterwards the ``budget`` best nodes are kept (ancestor-closed: a path
+        never beats its parent), and growth stops once the path cannot place another
+        node among them (or after ``depth`` levels, or below ``min_score``).
+
+        Sampling: candidates are drawn without replacement from q and the path follows
+        the first draw, so the path alone is an ordinary sampled chain. A sibling group
+        must stay a draw-order prefix whose size does not depend on the drawn tokens
+        (the verifier's premise), so its size is fixed from q before drawing (siblings
+        only where the estimated acceptance of q's argmax is below ``sibling_below``)
+        and nothing is pruned afterwards; growth stops at the budget.
+        """
+        shape = self.tree_shape
+        scoring = params if not params.greedy else SamplingParams(temperature=1.0)
+        tree = _Growing()
+        score: list[float] = []
+        ranks: list[int] = []
+        probs: list[float] = []
+        sequence, parent, parent_score = list(context), -1, 1.0
+        for _ in range(shape.depth):
+            room = budget if params.greedy else budget - tree.size
+            if room <= 0:
+                break
+            logits = self.session.logits_after(sequence)[0, -1]  # [vocab]
+            q = logits_to_probs(fit_vocab(logits, self.vocab_size), scoring)  # [vocab]
+            if params.greedy:
+                drawn = [t for t in torch.topk(q, min(shape.width, room)).indices.tolist()]
+            else:
+                sure = self.calibration.estimate(0, float(q.max())) >= shape.sibling_below
+                drawn = sample_without_replacement(
+                    q, 1 if sure else min(shape.width, room), generator
+                )
+            level = []
+            ceiling = parent_score
+            for rank, token in enumerate(drawn):
+                prob = float(q[token])
+                level.append(tree.add(token, parent, None if params.greedy else q))
+                ceiling = min(ceiling, parent_score * self.calibration.estimate(rank, prob))
+                score.append(ceiling)
+                ranks.append(rank)
+                probs.append(prob)
+            best = level[0]
+            full = len(score) >= budget
+            cutoff = sorted(score, reverse=True)[budget - 1] if full and params.greedy else 0.0
+            if score[best] <= cutoff or score[best] < shape.min_score:
+                break  # no deeper node could enter the budget, or none is likely
+            sequence.append(tree.tokens[best])
+            parent, parent_score = best, score[best]
+        keep = sorted(range(tree.size), key=lambda n: (-score[n], n))[:budget]
+        keep = sorted(keep) if params.greedy else list(range(tree.size))
+        self._last_tree = RankedTree(
+            tokens=[tree.tokens[n] for n in keep],
+            parents=[keep.index(tree.parents[n]) if tree.parents[n] >= 0 else -1 for n in keep],
+            ranks=[ranks[n] for n in keep],
+            probs=[probs[n] for n in keep],
+            start=len(context),
+        )
+        return tree.select(keep, point_mass=params.greedy)
+
+
+class _Growing:
+    """A tree under construction (flat lists)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.q_rows: list[torch.Tensor | None] = []
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, parent: int, q: torch.Tensor | None) -> int:
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.q_rows.append(q)
+        return len(self.tokens) - 1
+
+    def freeze(self, point_mass: bool) -> DraftTree:
+        q = None if point_mass or not self.q_rows else torch.stack(self.q_rows)  # [n, V]
+        return DraftTree(torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.parents), q)
+
+    def select(self, nodes: list[int], point_mass: bool) -> DraftTree:
+        """The sub-tree of ``nodes`` (sorted, ancestor-closed, draw-order prefixes)."""
+        index = {node: i for i, node in enumerate(nodes)}
+        parents = [index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in nodes]
+        tokens = [self.tokens[n] for n in nodes]
+        rows = [self.q_rows[n] for n in nodes]
+        q = None if point_mass or not rows else torch.stack(rows)  # [n, vocab]
+        return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents), q)

@@ -4,8 +4,10 @@ from speculative.engine.gamma import AdaptiveGamma, FixedGamma, GammaPolicy, Heu
 from speculative.engine.loop import GenerationResult, Round, SpeculativeEngine
 from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import StopCriteria
+from speculative.engine.tree import DEFAULT_TREE_BUDGET, TreeRound, budget_from_verify_cost
 
 __all__ = [
+    "DEFAULT_TREE_BUDGET",
     "AdaptiveGamma",
     "FixedGamma",
     "GammaPolicy",
@@ -15,4 +17,6 @@ __all__ = [
     "Round",
     "SpeculativeEngine",
     "StopCriteria",
+    "TreeRound",
+    "budget_from_verify_cost",
 ]

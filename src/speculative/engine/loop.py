@@ -19,6 +19,7 @@ from speculative.drafters.base import Draft, Drafter, SupportsPriming
 from speculative.engine.gamma import FixedGamma, GammaPolicy
 from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import StopCriteria
+from speculative.engine.tree import TreeRound
 from speculative.models.base import CausalLM
 from speculative.models.session import ModelSession
 from speculative.sampling import (
@@ -73,10 +74,13 @@ class SpeculativeEngine:
         target: CausalLM,
         drafter: Drafter | None = None,
         gamma: GammaPolicy | int = 4,
+        tree: TreeRound | None = None,
     ) -> None:
+        """tree: draft token trees with this strategy instead of chains of γ tokens."""
         self.target = ModelSession(target)
         self.drafter = drafter
         self.gamma_policy = FixedGamma(gamma) if isinstance(gamma, int) else gamma
+        self.tree = tree
 
     def stream(
         self,
@@ -98,9 +102,12 @@ class SpeculativeEngine:
             self.drafter.prime(self.target)
         state.stats.prefill_seconds = time.perf_counter() - started
         while not state.finished:
-            draft = self.propose(state, params, generator)
-            result = self.verify(state, draft, params, generator)
-            round_ = self.commit(state, draft, result, stop)
+            if self.tree is not None:
+                round_ = self.tree.run(self, state, params, generator, stop)
+            else:
+                draft = self.propose(state, params, generator)
+                result = self.verify(state, draft, params, generator)
+                round_ = self.commit(state, draft, result, stop)
             state.stats.seconds = time.perf_counter() - started
             yield round_
 
@@ -171,14 +178,24 @@ class SpeculativeEngine:
     def commit(
         self, state: DecodeState, draft: Draft, result: VerifyResult, stop: StopCriteria
     ) -> Round:
-        emitted = result.emitted(0)
         num_accepted = int(result.num_accepted[0])
         if self.drafter is not None:
             self.gamma_policy.update(len(draft.tokens), num_accepted)
+        return self.commit_tokens(state, len(draft.tokens), result.emitted(0), num_accepted, stop)
+
+    def commit_tokens(
+        self,
+        state: DecodeState,
+        drafted: int,
+        emitted: list[int],
+        num_accepted: int,
+        stop: StopCriteria,
+    ) -> Round:
+        """Append a round's emitted tokens (cut by ``stop``) and record it."""
         cut = stop.cut(state.generated, emitted)
         kept = emitted[: cut.keep]
         state.sequence.extend(kept)
-        state.stats.record_round(len(draft.tokens), num_accepted, len(kept))
+        state.stats.record_round(drafted, num_accepted, len(kept))
         if self.drafter is not None:
             self.drafter.observe(state.sequence, num_accepted)
         state.finished, state.reason = cut.finished, cut.reason
@@ -188,7 +205,7 @@ class SpeculativeEngine:
         return Round(
             tokens=kept,
             num_accepted=min(num_accepted, len(kept)),
-            drafted=len(draft.tokens),
+            drafted=drafted,
             finished=state.finished,
             reason=state.reason,
         )

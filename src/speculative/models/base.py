@@ -12,6 +12,8 @@ Batch-first throughout: ``input_ids`` is ``[batch, k]`` and logits are
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -84,3 +86,40 @@ class SupportsCacheImport(Protocol):
         """Make this cache hold ``source``'s first ``length`` positions; False (and no
         change) when ``source`` has another architecture or cache layout."""
         ...
+
+
+@runtime_checkable
+class SupportsTreeAttention(Protocol):
+    """A model that can score a token tree in one forward (tree verification)."""
+
+    def forward_tree(
+        self,
+        input_ids: torch.Tensor,  # [1, k] int64
+        attention_mask: torch.Tensor,  # [k, k] bool, True = new token i may attend new j
+        position_ids: torch.Tensor,  # [k] int64 RoPE positions (depth-based for a tree)
+    ) -> torch.Tensor:
+        """Like ``forward`` (appends k slots, returns [1, k, vocab] logits) but new token i
+        sees the cache and the new tokens j with ``attention_mask[i, j]``."""
+        ...
+
+
+@runtime_checkable
+class SupportsCacheCompaction(Protocol):
+    """A model that can keep chosen cache slots (the accepted path of a verified tree)."""
+
+    def keep_slots(self, first: int, slots: Sequence[int]) -> None:
+        """Keep slots [0, first), then move slots ``slots`` (increasing, each >= first) to
+        first, first + 1, ...; the cache then holds first + len(slots) positions."""
+        ...
+
+
+def check_keep_slots(first: int, slots: Sequence[int], length: int) -> list[int]:
+    """Validate a keep_slots request against a cache of ``length`` slots."""
+    kept = [int(s) for s in slots]
+    if not 0 <= first <= length:
+        raise ValueError(f"first must lie in [0, {length}], got {first}")
+    if any(b <= a for a, b in itertools.pairwise(kept)):
+        raise ValueError(f"slots must be strictly increasing, got {kept}")
+    if kept and (kept[0] < first or kept[-1] >= length):
+        raise ValueError(f"slots must lie in [{first}, {length}), got {kept}")
+    return kept

@@ -9,12 +9,14 @@ weights), :meth:`HFCausalLM.to_dtype` makes a lower-precision copy (e.g. bfloat1
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from speculative.models.base import check_keep_slots
 from speculative.models.loading import (
     ResolvedModel,
     clear_quantizer,
@@ -89,6 +91,50 @@ class HFCausalLM:
         self._length += k
         self._batch = batch
         return logits
+
+    def forward_tree(
+        self,
+        input_ids: torch.Tensor,  # [1, k] int64
+        attention_mask: torch.Tensor,  # [k, k] bool, True = may attend
+        position_ids: torch.Tensor,  # [k] int64
+    ) -> torch.Tensor:  # [1, k, vocab]
+        """A token tree in one forward: a custom 4D additive mask over cache + new tokens
+        (transformers passes 4D masks through unchanged) and explicit position_ids."""
+        batch, k = self._check_input(input_ids)
+        if batch != 1 or attention_mask.shape != (k, k):
+            raise ValueError(f"forward_tree takes input_ids [1, k] and a [k, k] mask, k={k}")
+        visible = torch.ones(k, self._length + k, dtype=torch.bool)  # [k, cache + k]
+        visible[:, self._length :] = attention_mask.bool()
+        blocked = torch.finfo(self.dtype).min
+        mask = torch.zeros(1, 1, k, self._length + k, dtype=self.dtype)
+        mask = mask.masked_fill(~visible, blocked).to(self.device)  # [1, 1, k, cache + k]
+        with torch.inference_mode():
+            output = self.model(
+                input_ids=input_ids.to(device=self.device, dtype=torch.long),
+                attention_mask=mask,
+                position_ids=position_ids.reshape(1, k).to(self.device),
+                cache=self._cache,
+                use_cache=True,
+            )
+            logits = output.logits.float()  # [1, k, vocab]
+        self._length += k
+        self._batch = batch
+        return logits
+
+    def keep_slots(self, first: int, slots: Sequence[int]) -> None:
+        """Keep positions [0, first) and move ``slots`` right after them (tree compaction):
+        an index_select on the sequence axis of every layer's keys and values."""
+        kept = check_keep_slots(first, slots, self._length)
+        index = torch.tensor(list(range(first)) + kept, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            for layer in self._cache.layers:
+                if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                    continue
+                if getattr(layer, "sliding_window", None):
+                    raise ValueError("keep_slots does not support sliding-window cache layers")
+                layer.keys = layer.keys.index_select(-2, index)
+                layer.values = layer.values.index_select(-2, index)
+        self._length = first + len(kept)
 
     def rollback(self, n: int) -> None:
         """Drop the newest ``n`` cache positions."""

@@ -8,8 +8,12 @@ through the same :class:`~speculative.models.base.CausalLM` protocol.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
+
+from speculative.models.base import check_keep_slots
 
 
 def stochastic_matrix(rng: np.random.Generator, vocab: int, temperature: float) -> np.ndarray:
@@ -63,6 +67,15 @@ class MarkovLM:
         """input_ids: [batch, k] -> logits [batch, k, vocab] (log of the matrix rows)."""
         self._length += input_ids.shape[1]
         return self.log_probs[input_ids]
+
+    def forward_tree(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """A token tree: each row depends only on its own token, so the mask is moot."""
+        return self.forward(input_ids)
+
+    def keep_slots(self, first: int, slots: Sequence[int]) -> None:
+        self._length = first + len(check_keep_slots(first, slots, self._length))
 
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self._length:

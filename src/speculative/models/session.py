@@ -17,7 +17,12 @@ from collections.abc import Sequence
 
 import torch
 
-from speculative.models.base import CausalLM, SupportsCacheImport
+from speculative.models.base import (
+    CausalLM,
+    SupportsCacheCompaction,
+    SupportsCacheImport,
+    SupportsTreeAttention,
+)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -35,6 +40,31 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
+def tree_attention(parents: Sequence[int], catch_up: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask and position offsets for ``catch_up`` chain tokens followed by a tree.
+
+    The chain (its last token is the tree's root) is causal; tree node i sees the whole
+    chain, its ancestors and itself, and sits one position deeper than its parent.
+    returns: mask [k, k] bool, offsets [k] int64 (positions relative to the first fed slot),
+    k = catch_up + len(parents).
+    """
+    n = len(parents)
+    k = catch_up + n
+    mask = torch.zeros(k, k, dtype=torch.bool)
+    mask[:catch_up, :catch_up] = torch.tril(torch.ones(catch_up, catch_up, dtype=torch.bool))
+    offsets = list(range(catch_up)) + [0] * n
+    for node, parent in enumerate(parents):
+        row = catch_up + node
+        if parent < 0:
+            mask[row, :catch_up] = True
+            offsets[row] = catch_up
+        else:
+            mask[row] = mask[catch_up + parent]
+            offsets[row] = offsets[catch_up + parent] + 1
+        mask[row, row] = True
+    return mask, torch.tensor(offsets, dtype=torch.long)
+
+
 class ModelSession:
     """A model plus the token ids its cache currently holds (batch of one)."""
 
@@ -42,14 +72,17 @@ class ModelSession:
         self.model = model
         self.cached: list[int] = []
         self.forward_calls = 0
+        self._tree: list[int] | None = None  # tree tokens fed after ``cached``, not committed
         model.reset()
 
     def reset(self) -> None:
         self.model.reset()
         self.cached = []
+        self._tree = None
 
     def sync(self, prefix: Sequence[int]) -> None:
         """Make the cache hold exactly ``prefix`` (rolling back and feeding as needed)."""
+        self._drop_tree()
         keep = common_prefix_length(self.cached, prefix)
         self._truncate(keep)
         missing = list(prefix[keep:])
@@ -59,6 +92,7 @@ class ModelSession:
     def adopt(self, other: ModelSession) -> bool:
         """Take over ``other``'s cached tokens by copying its cache (no forward pass), if
         this model can import that model's cache; returns whether it did."""
+        self._drop_tree()
         model = self.model
         if not other.cached or not isinstance(model, SupportsCacheImport):
             return False
@@ -75,11 +109,57 @@ class ModelSession:
         """
         if len(context) == 0:
             raise ValueError("context must hold at least one token")
+        self._drop_tree()
         keep = common_prefix_length(self.cached, context[:-1])
         self._truncate(keep)
         fed = list(context[keep:]) + list(new)
         logits = self._feed(fed)  # [1, len(fed), vocab]
         return logits[:, len(fed) - 1 - len(new) :]
+
+    def logits_for_tree(
+        self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
+    ) -> torch.Tensor:
+        """Next-token logits after ``context`` and after the path to each tree node, from one
+        forward with a tree attention mask (parents[i] = -1 for children of context[-1]).
+
+        returns: [1, 1 + n, vocab]; row 0 follows ``context``, row i + 1 follows the path to
+        node i. The tree stays in the cache until :meth:`keep_path` keeps the accepted
+        path; any other call first drops it.
+        """
+        if not isinstance(self.model, SupportsTreeAttention):
+            raise ValueError(f"{type(self.model).__name__} cannot score a token tree in one pass")
+        if len(context) == 0:
+            raise ValueError("context must hold at least one token")
+        self._drop_tree()
+        keep = common_prefix_length(self.cached, context[:-1])
+        self._truncate(keep)
+        chain = list(context[keep:])  # catch-up tokens, the root last
+        mask, offsets = tree_attention(parents, len(chain))  # [k, k], [k]
+        input_ids = torch.tensor([chain + list(tokens)], dtype=torch.long)  # [1, k]
+        logits = self.model.forward_tree(input_ids, mask, keep + offsets)  # [1, k, vocab]
+        self.forward_calls += 1
+        self.cached.extend(chain)
+        self._tree = list(tokens)
+        return logits[:, len(chain) - 1 :]
+
+    def keep_path(self, nodes: Sequence[int]) -> None:
+        """Commit the accepted path (node indices, root to leaf) of the last scored tree:
+        compact the cache to it, or drop the tree when the model cannot compact (the
+        path is then re-fed as catch-up on the next call)."""
+        if self._tree is None:
+            raise ValueError("keep_path without a scored tree")
+        tree, first = self._tree, len(self.cached)
+        self._tree = None
+        if isinstance(self.model, SupportsCacheCompaction):
+            self.model.keep_slots(first, [first + i for i in nodes])
+            self.cached.extend(tree[i] for i in nodes)
+        else:
+            self.model.rollback(len(tree))
+
+    def _drop_tree(self) -> None:
+        if self._tree is not None:
+            self.model.rollback(len(self._tree))
+            self._tree = None
 
     def _truncate(self, keep: int) -> None:
         drop = len(self.cached) - keep

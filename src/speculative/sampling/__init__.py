@@ -14,6 +14,12 @@ from speculative.sampling.probs import (
     sample,
     sample_from,
 )
+from speculative.sampling.tree import (
+    TreeVerifyResult,
+    verify_tree,
+    verify_tree_from_uniforms,
+    verify_tree_greedy,
+)
 from speculative.sampling.verify import (
     VerifyResult,
     residual,
@@ -25,6 +31,7 @@ from speculative.sampling.verify import (
 
 __all__ = [
     "SamplingParams",
+    "TreeVerifyResult",
     "VerifyResult",
     "check_probs",
     "logits_to_probs",
@@ -38,4 +45,7 @@ __all__ = [
     "verify",
     "verify_from_uniforms",
     "verify_greedy",
+    "verify_tree",
+    "verify_tree_from_uniforms",
+    "verify_tree_greedy",
 ]

@@ -79,3 +79,45 @@ def nucleus_threshold_reference(probs: list[float], top_p: float) -> float:
         threshold = p
         mass_before += p
     return threshold
+
+
+def verify_tree_reference(
+    tokens: list[int],
+    parents: list[int],
+    draft_probs: list[list[float]] | None,
+    target_probs: list[list[float]],
+    accept_uniforms: list[float],
+    sample_uniform: float,
+) -> list[int]:
+    """Emitted tokens of one tree (accepted path..., recovered-or-bonus), in plain floats.
+
+    Recursive rejection sampling over siblings drawn without replacement, written out.
+    """
+    vocab = len(target_probs[0])
+    emitted: list[int] = []
+    node = -1
+    while True:
+        p = list(target_probs[node + 1])
+        siblings = [i for i, parent in enumerate(parents) if parent == node]
+        q = None if draft_probs is None or not siblings else list(draft_probs[siblings[0]])
+        accepted = None
+        for child in siblings:
+            x = tokens[child]
+            q_x = 1.0 if q is None else q[x]
+            if accept_uniforms[child] * q_x < p[x]:
+                accepted = child
+                break
+            one_hot = [float(i == x) for i in range(vocab)]
+            leftover = [max(0.0, pi - qi) for pi, qi in zip(p, q or one_hot, strict=True)]
+            mass = sum(leftover)
+            if mass > 1e-12:
+                p = [w / mass for w in leftover]
+            if q is not None:
+                q[x] = 0.0
+                total = sum(q)
+                q = [w / total for w in q] if total > 0 else q
+        if accepted is None:
+            emitted.append(inverse_cdf(p, sample_uniform))
+            return emitted
+        emitted.append(tokens[accepted])
+        node = accepted

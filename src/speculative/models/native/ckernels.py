@@ -332,6 +332,13 @@ class KernelDecoder(DecoderBase):
         self.k_cache[:, :, :, :length] = source.k_cache[:, :, :, :length]
         self.v_cache[:, :, :, :length] = source.v_cache[:, :, :, :length]
 
+    def keep_slots(self, first: int, slots: list[int]) -> None:
+        """Move cache slots ``slots`` (increasing, >= first) to first, first + 1, ..."""
+        index = torch.tensor(slots, dtype=torch.long)
+        kept = slice(first, first + len(slots))
+        self.k_cache[:, :, :, kept] = self.k_cache.index_select(3, index)
+        self.v_cache[:, :, :, kept] = self.v_cache.index_select(3, index)
+
     def forward(
         self,
         hidden: torch.Tensor,  # [batch, k, hidden] float32 embeddings, owned (updated in place)

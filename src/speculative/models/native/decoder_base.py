@@ -58,6 +58,10 @@ class DecoderBase:
         """Copy slots [0, length) of ``source``'s cache (same layout, batch of one)."""
         raise NotImplementedError
 
+    def keep_slots(self, first: int, slots: list[int]) -> None:
+        """Move cache slots ``slots`` (increasing, >= first) to first, first + 1, ..."""
+        raise NotImplementedError
+
     def forward(
         self,
         hidden: torch.Tensor,  # [batch, k, hidden] float32, owned: left holding the final

@@ -22,9 +22,11 @@ because of this.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 
+from speculative.models.base import check_keep_slots
 from speculative.models.native.config import NativeConfig, rope_inverse_frequencies
 from speculative.models.native.decoder_base import DecoderBase
 from speculative.models.native.layers import layer_weights
@@ -164,6 +166,22 @@ class NativeLlama:
         return logits
 
     __call__ = forward
+
+    def forward_tree(
+        self,
+        input_ids: torch.Tensor,  # [1, k] int64
+        attention_mask: torch.Tensor,  # [k, k] bool
+        position_ids: torch.Tensor,  # [k] int64
+    ) -> torch.Tensor:
+        """A token tree in one forward (see :class:`SupportsTreeAttention`)."""
+        return self.forward(input_ids, attention_mask, position_ids)
+
+    def keep_slots(self, first: int, slots: Sequence[int]) -> None:
+        """Keep slots [0, first) and move ``slots`` right after them (tree compaction)."""
+        kept = check_keep_slots(first, slots, self._length)
+        if kept != list(range(first, first + len(kept))):
+            self.decoder.keep_slots(first, kept)
+        self._length = first + len(kept)
 
     # ---- internals ------------------------------------------------------------------
     def _check_input(

@@ -113,6 +113,14 @@ class TorchDecoder(DecoderBase):
             self.k_cache[:, :, chunk, :, :last] = source.k_cache[:, :, chunk, :, :last]
             self.v_cache[:, :, chunk, :, :last] = source.v_cache[:, :, chunk, :, :last]
 
+    def keep_slots(self, first: int, slots: list[int]) -> None:
+        """Move cache slots ``slots`` (increasing, >= first) to first, first + 1, ...
+        (in order: a destination never lies after a source still to be read)."""
+        for target, source in enumerate(slots, start=first):
+            (tc, to), (sc, so) = divmod(target, KEY_CHUNK), divmod(source, KEY_CHUNK)
+            self.k_cache[:, :, tc, :, to] = self.k_cache[:, :, sc, :, so]
+            self.v_cache[:, :, tc, :, to] = self.v_cache[:, :, sc, :, so]
+
     def forward(
         self,
         hidden: torch.Tensor,  # [batch, k, hidden] float32 embeddings, owned: left holding
