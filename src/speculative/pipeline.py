@@ -105,24 +105,31 @@ HF_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def load_target(
     spec: str = "default",
     runtime: str = "auto",
-    precision: str = "fp32",
+    precision: str = "auto",
     native_backend: str = "auto",
 ) -> LoadedModel:
     """Load a target model by name, folder, .gguf file or hub id (offline-aware).
 
     runtime: "native" (this package's Llama-family runtime), "hf" (transformers), or
     "auto" (native when the architecture is supported, else hf).
-    precision: fp32 or bf16 on both runtimes; int8 and int4 (weight-only) on native.
+    precision: "auto" (the model's own: a Q4 GGUF runs int4 as stored, a bfloat16
+    checkpoint bf16, anything else fp32); fp32 or bf16 on both runtimes; int8 and int4
+    (weight-only) on native. Speculative decoding is exact with respect to the target at
+    this precision.
     native_backend: the native runtime's decoder: "kernels" (C), "torch", or "auto"
     (the kernels when they build here).
     """
-    from speculative.models.loading import resolve_model
+    from speculative.models.loading import resolve_model, stored_precision
 
     if runtime not in RUNTIMES:
         raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
     resolved = resolve_model(spec)
     if runtime == "auto":
         runtime = "native" if native_supports(resolved.path) else "hf"
+    if precision == "auto":
+        precision = stored_precision(resolved)
+        if runtime == "hf" and precision not in HF_PRECISIONS:
+            precision = "fp32"  # transformers runs the file's values in float32
     if runtime == "native":
         return _load_native_target(resolved, precision, native_backend)
     return _load_hf_target(resolved, precision)

@@ -314,6 +314,43 @@ def hub_unavailable_message(repo_id: str) -> str:
 # --------------------------------------------------------------------------- tokenizers
 
 
+# GGUF linear-layer types and the native precision that runs their values exactly.
+_GGUF_PRECISIONS = {"Q4_0": "int4", "Q4_1": "int4", "BF16": "bf16"}
+_CONFIG_PRECISIONS = {"bfloat16": "bf16"}
+
+
+def stored_precision(resolved: ResolvedModel) -> str:
+    """The precision a model's own weights are stored at, as a native precision.
+
+    A GGUF whose linear layers are Q4_0 / Q4_1 runs as ``int4`` (the file's values as
+    stored), a bfloat16 checkpoint as ``bf16``; everything else as ``fp32`` (float16,
+    Q8_0 and float32 values are all exact in float32).
+    """
+    if resolved.source_gguf is not None:
+        return _gguf_precision(resolved.source_gguf)
+    config_path = resolved.path / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    return _CONFIG_PRECISIONS.get(dtype, "fp32")
+
+
+def _gguf_precision(path: Path) -> str:
+    """The native precision of the most common type among a GGUF's 2-D weights."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    kinds = Counter(
+        t.tensor_type.name
+        for t in reader.tensors
+        if len(t.shape) == 2 and not t.name.startswith(("token_embd", "output."))
+    )
+    if not kinds:
+        return "fp32"
+    return _GGUF_PRECISIONS.get(kinds.most_common(1)[0][0], "fp32")
+
+
 def load_tokenizer(spec: str | ResolvedModel) -> Any:
     """Load the tokenizer of a model spec (offline); ``None`` if the model ships none."""
     from transformers import AutoTokenizer
