@@ -203,3 +203,37 @@ def test_model_block_equals_single_steps(
         model.rollback(model.cache_length - context)
         block = model.forward(ids[:, context : context + k])
         assert torch.equal(block, steps[:, :k]), f"{isa} {precision} k={k}"
+
+
+def test_roofline_names_the_binding_limit(
+    tiny_folder: Path, isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Peaks are measured (positive, finite); the roofline counts bytes and multiply-adds
+    per k and names the larger floor as the binding one."""
+    from speculative.models.native.profile import (
+        MachinePeaks,
+        decoder_work,
+        measure_peaks,
+        roofline,
+    )
+
+    peaks = measure_peaks(load_kernels(isa=isa), threads=1, repeats=1)
+    assert peaks.isa == isa
+    for value in (peaks.fma_macs_per_s, peaks.int8_macs_per_s, peaks.read_gbps):
+        assert 0 < value < float("inf")
+    monkeypatch.setenv(ISA_ENV, isa)
+    model = load_native(tiny_folder, "int4", max_length=64, backend="kernels")
+    work = decoder_work(model.decoder)
+    layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 2 * 160 + 160 * 64  # qkv, o, gate_up, down
+    assert work["int8_macs"] == 2 * layer and work["fma_macs"] == 96 * 64  # int8 head
+    slow_memory = MachinePeaks(isa, 1, 1e12, 1e12, 1e-3)  # 1 MB/s: memory binds
+    slow_compute = MachinePeaks(isa, 1, 1e3, 1e3, 1e6)  # 1 kMAC/s: compute binds
+    times = {1: 1.0, 4: 2.0}
+    by_memory = roofline(work, slow_memory, context=10, times_ms=times)
+    by_compute = roofline(work, slow_compute, context=10, times_ms=times)
+    assert {v["binds"] for v in by_memory.values()} == {"memory"}
+    assert {v["binds"] for v in by_compute.values()} == {"compute"}
+    assert by_memory["4"]["bytes"] > by_memory["1"]["bytes"]  # 3 more KV slots
+    assert by_compute["4"]["multiply_adds"] > 4 * work["int8_macs"]
+    floor = by_compute["1"]["compute_floor_ms"]
+    assert by_compute["1"]["over_floor"] == pytest.approx(1.0 / floor)
