@@ -206,6 +206,43 @@ static inline __attribute__((always_inline)) void float_tile(
 
 #define FLOAT_TILE(NV, RB) float_tile(FORMAT, w0, panel_bytes, in, xb, ldx, NV, RB, tile)
 
+#if defined(__AVX512F__)
+/* Sixteen consecutive packed weights (one panel's input i) as fp32: load_weights8 widened. */
+static inline __attribute__((always_inline)) __m512 load_weights16(int FORMAT, const char *p) {
+    if (FORMAT == FMT_F32) return _mm512_loadu_ps((const float *)p);
+    if (FORMAT == FMT_BF16) {
+        __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    }
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* float_tile with one zmm per panel: NP panels x RB rows (NP * RB <= 24 accumulators of
+ * the 32 registers). Each lane runs the same FMA sequence as in float_tile: same bits. */
+static inline __attribute__((always_inline)) void float_tile16(
+    int FORMAT, const char *w0, size_t panel_bytes, int in, const float *x, size_t ldx, int NP,
+    int RB, float *out) {
+    const size_t step = PANEL * element_bytes(FORMAT);
+    __m512 acc[4][ROW_BLOCK];
+    for (int p = 0; p < NP; p++)
+        for (int r = 0; r < RB; r++) acc[p][r] = _mm512_setzero_ps();
+    for (int i = 0; i < in; i++) {
+        const char *wi = w0 + (size_t)i * step;
+        if ((((size_t)i * step) & 63) == 0)
+            for (int p = 0; p < NP; p++) _mm_prefetch(wi + p * panel_bytes + PREFETCH_BYTES, _MM_HINT_T0);
+        __m512 w[4];
+        for (int p = 0; p < NP; p++) w[p] = load_weights16(FORMAT, wi + p * panel_bytes);
+        for (int r = 0; r < RB; r++) {
+            const __m512 xb = _mm512_set1_ps(x[r * ldx + i]);
+            for (int p = 0; p < NP; p++) acc[p][r] = _mm512_fmadd_ps(w[p], xb, acc[p][r]);
+        }
+    }
+    for (int r = 0; r < RB; r++)
+        for (int p = 0; p < NP; p++) _mm512_storeu_ps(out + r * 64 + p * 16, acc[p][r]);
+}
+#define FLOAT_TILE16(NP, RB) float_tile16(FORMAT, w0, panel_bytes, in, xb, ldx, NP, RB, tile)
+#endif
+
 /* y[r, o] (+)= (x[r] . W[o]) * scale[o] + bias[o] for fp32 / bf16 / q8 W. x [rows, in],
  * y [rows, ldy]. Call inside the parallel region: each thread takes a contiguous range of
  * panels. For each group of PANEL_GROUP panels the token rows go in balanced blocks of at
@@ -227,9 +264,24 @@ static inline __attribute__((always_inline)) void linear_float(
             int r0 = c0;
             for (int b = 0; b < blocks; b++) {
                 const int left = cn - (r0 - c0), rb = (left + blocks - b - 1) / (blocks - b);
-                const int widest = rb == 1 ? 8 : rb <= 3 ? 4 : 2;
+                const int widest = rb <= 2 ? 4 : 2;  /* AVX2 has 16 registers: NV * RB <= 12 */
                 const float *xb = x + (size_t)r0 * ldx;
                 for (int q = 0; q < pn;) {
+#if defined(__AVX512F__)
+                    const int nv = 2 * (pn - q);  /* all the group's panels: <= 24 zmm */
+                    const char *w0 = (const char *)L->weight + (size_t)(pg + q) * panel_bytes;
+                    (void)widest;
+                    switch (rb * 16 + nv / 2) {
+#define TILE16_ROW(RB) \
+                    case RB * 16 + 1: FLOAT_TILE16(1, RB); break; \
+                    case RB * 16 + 2: FLOAT_TILE16(2, RB); break; \
+                    case RB * 16 + 3: FLOAT_TILE16(3, RB); break; \
+                    case RB * 16 + 4: FLOAT_TILE16(4, RB); break;
+                    TILE16_ROW(1) TILE16_ROW(2) TILE16_ROW(3) TILE16_ROW(4) TILE16_ROW(5)
+                    TILE16_ROW(6)
+#undef TILE16_ROW
+                    }
+#else
                     const int nv = min_int(widest, 2 * (pn - q));
                     const char *w0 = (const char *)L->weight + (size_t)(pg + q) * panel_bytes;
                     switch (rb * 16 + nv) {
@@ -245,6 +297,7 @@ static inline __attribute__((always_inline)) void linear_float(
                     case 80 + 2: FLOAT_TILE(2, 5); break;
                     default: FLOAT_TILE(2, 6); break;
                     }
+#endif
                     const int o0 = (pg + q) * PANEL, on = min_int(nv * 8, out - o0);
                     for (int r = 0; r < rb; r++) {
                         float *dst = y + (size_t)(r0 + r) * ldy + o0;
@@ -347,49 +400,114 @@ static inline __attribute__((always_inline)) __m256i q4_dot8(const __m256i u[8],
  * outputs x 32 inputs) the nibbles unpack once; every token row then adds
  *   d * dx * dot + m * part   (one fp32 lane per (output, row), groups in order)
  * to its accumulator, so a pair's value never depends on the other rows. */
+/* One panel (8 outputs) of a q4 layer for token rows r0 .. r0 + rows - 1 (rows <= ROW_PANEL):
+ * acc[r * 16 + o] = the pair's sum over all groups. */
+static inline void q4_panel8(const uint8_t *blocks, int groups, int in, const QuantRows *qx,
+                             int r0, int rows, float *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int r = 0; r < rows; r++) _mm256_store_ps(acc + r * 16, _mm256_setzero_ps());
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *block = blocks + (size_t)g * Q4_BLOCK_BYTES;
+        for (int b = 0; b < Q4_BLOCK_BYTES; b += 64)
+            _mm_prefetch((const char *)block + PREFETCH_BYTES + b, _MM_HINT_T0);
+        __m256i u[8];
+        for (int c = 0; c < 4; c++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 32 * c));
+            u[c] = _mm256_and_si256(bytes, low);
+            u[c + 4] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 128)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 144)));
+        for (int r = 0; r < rows; r++) {
+            const size_t row = (size_t)(r0 + r), s = row * qx->stride + g;
+            const __m256i dot = q4_dot8(u, qx->q + row * in + g * GROUP);
+            __m256 t = _mm256_mul_ps(m, _mm256_set1_ps(qx->part[s]));
+            t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(qx->scale[s])), t);
+            _mm256_store_ps(acc + r * 16, _mm256_add_ps(_mm256_load_ps(acc + r * 16), t));
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+/* q4_panel8 for two adjacent panels at once (16 outputs, one zmm lane each): the same
+ * per-lane operations, so the same bits. */
+static inline void q4_panel16(const uint8_t *blocks, const uint8_t *blocks2, int groups, int in,
+                              const QuantRows *qx, int r0, int rows, float *acc) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < rows; r++) _mm512_store_ps(acc + r * 16, _mm512_setzero_ps());
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *block = blocks + (size_t)g * Q4_BLOCK_BYTES;
+        const uint8_t *block2 = blocks2 + (size_t)g * Q4_BLOCK_BYTES;
+        for (int b = 0; b < Q4_BLOCK_BYTES; b += 64) {
+            _mm_prefetch((const char *)block + PREFETCH_BYTES + b, _MM_HINT_T0);
+            _mm_prefetch((const char *)block2 + PREFETCH_BYTES + b, _MM_HINT_T0);
+        }
+        __m512i u[8];
+        for (int c = 0; c < 4; c++) {
+            const __m512i bytes = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(block + 32 * c))),
+                _mm256_loadu_si256((const __m256i *)(block2 + 32 * c)), 1);
+            u[c] = _mm512_and_si512(bytes, low);
+            u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(block + 128))),
+            _mm_loadu_si128((const __m128i *)(block2 + 128)), 1));
+        const __m512 m = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(block + 144))),
+            _mm_loadu_si128((const __m128i *)(block2 + 144)), 1));
+        for (int r = 0; r < rows; r++) {
+            const size_t row = (size_t)(r0 + r), s = row * qx->stride + g;
+            const int8_t *xr = qx->q + row * in + g * GROUP;
+            __m512i dot = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                int32_t four;
+                memcpy(&four, xr + 4 * j, 4);
+                dot = _mm512_dpbusd_epi32(dot, u[j], _mm512_set1_epi32(four));
+            }
+            __m512 t = _mm512_mul_ps(m, _mm512_set1_ps(qx->part[s]));
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(qx->scale[s])), t);
+            _mm512_store_ps(acc + r * 16, _mm512_add_ps(_mm512_load_ps(acc + r * 16), t));
+        }
+    }
+}
+#endif
+
+/* y[r, o] (+)= x[r] . W[o] + bias[o] for q4 W (blocks as described above): quantizes x
+ * into qx, then each thread takes a contiguous range of 8-output panels. Per block (8
+ * outputs x 32 inputs) the nibbles unpack once; every token row then adds
+ *   d * dx * dot + m * part   (one fp32 lane per (output, row), groups in order)
+ * to its accumulator, so a pair's value never depends on the other rows. */
 static void linear_q4(const Linear *L, const float *x, int rows, float *y, int ldy, int accumulate,
                       QuantRows *qx) {
     quantize_rows(x, rows, L->in_features, qx);  /* ends in a barrier */
-    const int in = L->in_features, out = L->out_features, groups = in / GROUP, stride = qx->stride;
+    const int in = L->in_features, out = L->out_features, groups = in / GROUP;
     const int panels = (out + Q4_PANEL - 1) / Q4_PANEL;
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    float acc[ROW_PANEL * Q4_PANEL] __attribute__((aligned(32)));
+    const size_t panel_bytes = (size_t)groups * Q4_BLOCK_BYTES;
+    float acc[ROW_PANEL * 16] __attribute__((aligned(64)));
     int p0, p1;
     thread_range(panels, &p0, &p1);
     for (int c0 = 0; c0 < rows; c0 += ROW_PANEL) {
         const int cn = min_int(ROW_PANEL, rows - c0);
-        for (int p = p0; p < p1; p++) {
-            const uint8_t *blocks = (const uint8_t *)L->weight + (size_t)p * groups * Q4_BLOCK_BYTES;
-            for (int r = 0; r < cn; r++) _mm256_store_ps(acc + r * 8, _mm256_setzero_ps());
-            for (int g = 0; g < groups; g++) {
-                const uint8_t *block = blocks + (size_t)g * Q4_BLOCK_BYTES;
-                _mm_prefetch((const char *)block + PREFETCH_BYTES, _MM_HINT_T0);
-                _mm_prefetch((const char *)block + PREFETCH_BYTES + 64, _MM_HINT_T0);
-                _mm_prefetch((const char *)block + PREFETCH_BYTES + 128, _MM_HINT_T0);
-                __m256i u[8];
-                for (int c = 0; c < 4; c++) {
-                    const __m256i b = _mm256_loadu_si256((const __m256i *)(block + 32 * c));
-                    u[c] = _mm256_and_si256(b, low);
-                    u[c + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-                }
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 128)));
-                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 144)));
-                for (int r = 0; r < cn; r++) {
-                    const size_t row = (size_t)(c0 + r), s = row * stride + g;
-                    const __m256i dot = q4_dot8(u, qx->q + row * in + g * GROUP);
-                    __m256 t = _mm256_mul_ps(m, _mm256_set1_ps(qx->part[s]));
-                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(qx->scale[s])), t);
-                    _mm256_store_ps(acc + r * 8, _mm256_add_ps(_mm256_load_ps(acc + r * 8), t));
-                }
-            }
-            const int o0 = p * Q4_PANEL, on = min_int(Q4_PANEL, out - o0);
+        for (int p = p0; p < p1;) {
+            const uint8_t *blocks = (const uint8_t *)L->weight + (size_t)p * panel_bytes;
+            int done = 1;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+            if (p + 1 < p1) {
+                q4_panel16(blocks, blocks + panel_bytes, groups, in, qx, c0, cn, acc);
+                done = 2;
+            } else
+#endif
+                q4_panel8(blocks, groups, in, qx, c0, cn, acc);
+            const int o0 = p * Q4_PANEL, on = min_int(done * Q4_PANEL, out - o0);
             for (int r = 0; r < cn; r++) {
                 float *dst = y + (size_t)(c0 + r) * ldy + o0;
                 for (int o = 0; o < on; o++) {
-                    const float v = acc[r * 8 + o] + (L->bias ? L->bias[o0 + o] : 0.0f);
+                    const float v = acc[r * 16 + o] + (L->bias ? L->bias[o0 + o] : 0.0f);
                     dst[o] = accumulate ? dst[o] + v : v;
                 }
             }
+            p += done;
         }
     }
 #pragma omp barrier
