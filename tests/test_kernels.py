@@ -25,10 +25,16 @@ from speculative.models.native.ckernels import (
     library_isa,
     load_kernels,
     pack_q4_blocks,
+    pack_q8_blocks,
 )
-from speculative.models.native.quant import GroupQuant4, quantize_group4
+from speculative.models.native.quant import (
+    GroupQuant4,
+    quantize_group4,
+    quantize_int8_per_channel,
+)
 
 PRECISIONS = ["fp32", "bf16", "int8", "int4"]
+FORMATS = [*PRECISIONS, "int8dot"]  # int8dot: the int4 model's head (int8 activations)
 ROWS = [*range(1, 17), 40, 64]  # 64 rows: more than one 48-row panel of activations
 
 
@@ -87,6 +93,20 @@ def test_avx512_refused_without_the_cpu_feature(monkeypatch: pytest.MonkeyPatch)
     assert ck.kernel_isa("auto") == "avx2"
 
 
+def test_q8_blocks_hold_the_documented_layout() -> None:
+    """pack_q8_blocks: chunk j byte 4 * o + t = q[o][4j + t] per (panel of 8, group of 32)."""
+    q = torch.randint(-127, 128, (10, 64), generator=torch.Generator().manual_seed(2))
+    blocks = pack_q8_blocks(q.to(torch.int8))  # [2 panels, 2 groups, 256]
+    assert blocks.shape == (2, 2, 256)
+    for o in range(10):
+        p, lane = divmod(o, 8)
+        for g in range(2):
+            for j in range(8):
+                for t in range(4):
+                    assert blocks[p, g, 32 * j + 4 * lane + t] == q[o, 32 * g + 4 * j + t]
+    assert not blocks[1].reshape(2, 8, 8, 4)[:, :, 2:].any()  # padded outputs
+
+
 def test_q4_blocks_hold_the_documented_layout() -> None:
     """pack_q4_blocks: chunk c byte 4 * o + t = q[o][4c + t] | q[o][16 + 4c + t] << 4,
     then d[8] and m[8] as fp16, per (panel of 8 outputs, group of 32 inputs)."""
@@ -110,7 +130,7 @@ def test_q4_blocks_hold_the_documented_layout() -> None:
     assert not blocks[1, :, :128].reshape(2, 4, 8, 4)[:, :, 4:].any()  # padded outputs
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", FORMATS)
 def test_linear_rows_are_k_invariant(isa: str, precision: str) -> None:
     """Each row of a k-row call equals, bitwise, the same row computed alone."""
     library = load_kernels(isa=isa)
@@ -123,7 +143,7 @@ def test_linear_rows_are_k_invariant(isa: str, precision: str) -> None:
             assert torch.equal(together, alone[:rows]), f"{isa} {precision} rows={rows}"
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", FORMATS)
 def test_linear_matches_dense_reference(isa: str, precision: str) -> None:
     """A packed layer computes x . W^T + b with the precision's stored weights."""
     library = load_kernels(isa=isa)
@@ -136,9 +156,9 @@ def test_linear_matches_dense_reference(isa: str, precision: str) -> None:
         stored = weight
     elif precision == "bf16":
         stored = weight.bfloat16().float()
-    elif precision == "int8":
-        stored = layer.weight[:, :, :].transpose(1, 2).reshape(-1, 96)[:72].float()
-        stored = stored * layer.scale[:, None]
+    elif precision in ("int8", "int8dot"):
+        qweight, scale = quantize_int8_per_channel(weight)
+        stored = qweight.float() * scale[:, None]
     else:
         quant = quantize_group4(weight)
         stored = GroupQuant4(
@@ -146,14 +166,15 @@ def test_linear_matches_dense_reference(isa: str, precision: str) -> None:
         ).dequantize()
     expected = x @ stored.T + bias
     got = layer(library, x)
-    if precision == "int4":  # int8 activations per 32 inputs: ~0.4 % of each group's scale
+    if precision in ("int4", "int8dot"):  # int8 activations per 32 inputs (~0.4 % of a
+        # group's largest value)
         error = (got - expected).abs().max() / expected.abs().max()
-        assert error < 0.02, f"int4 relative error {error:.4f}"
+        assert error < 0.02, f"{precision} relative error {error:.4f}"
     else:
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", FORMATS)
 def test_isa_paths_give_the_same_bits(precision: str) -> None:
     """Both libraries run the same per-lane arithmetic (q4: exact integer dots)."""
     _compiler_or_skip()
@@ -225,7 +246,8 @@ def test_roofline_names_the_binding_limit(
     model = load_native(tiny_folder, "int4", max_length=64, backend="kernels")
     work = decoder_work(model.decoder)
     layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 2 * 160 + 160 * 64  # qkv, o, gate_up, down
-    assert work["int8_macs"] == 2 * layer and work["fma_macs"] == 96 * 64  # int8 head
+    assert work["int8_macs"] == 2 * layer + 96 * 64  # the head runs int8 dots too
+    assert work["fma_macs"] == 0
     slow_memory = MachinePeaks(isa, 1, 1e12, 1e12, 1e-3)  # 1 MB/s: memory binds
     slow_compute = MachinePeaks(isa, 1, 1e3, 1e3, 1e6)  # 1 kMAC/s: compute binds
     times = {1: 1.0, 4: 2.0}

@@ -76,7 +76,8 @@ ISA_NEEDS = {
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
 ABI_VERSION = 4
-FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
+# "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
+FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
 Q4_PANEL = 8  # outputs per packed panel, int4
 
@@ -282,15 +283,26 @@ def pack_q4_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.T
     return torch.cat([nibbles, table(d), table(m)], dim=2).contiguous()
 
 
+def pack_q8_blocks(q: torch.Tensor) -> torch.Tensor:
+    """int8 [out, in] -> kernels.c's q8d layout, [panels, groups, 256] int8: per panel of 8
+    outputs and group of 32 inputs, eight 32-byte chunks, chunk j byte 4 * o + t =
+    q[o][4j + t]."""
+    groups = q.shape[1] // GROUP_SIZE
+    q = _pad_rows(q, 8).reshape(-1, 8, groups, 8, 4)  # [P, o, g, j, t]
+    return q.permute(0, 2, 3, 1, 4).reshape(-1, groups, 256).contiguous()
+
+
 @dataclass
 class KernelLinear:
     """One weight matrix in a packed format of kernels.c; keeps its tensors alive."""
 
     format: str
-    weight: torch.Tensor  # fp32/bf16(as int16)/int8: [panels, in, 16]; int4: [panels, groups, 160]
+    # fp32 / bf16 (as int16) / int8: [panels, in, 16]; int4: [panels, groups, 160] uint8;
+    # int8dot: [panels, groups, 256] int8
+    weight: torch.Tensor
     in_features: int
     out_features: int
-    scale: torch.Tensor | None = None  # int8: [out] float32
+    scale: torch.Tensor | None = None  # int8, int8dot: [out] float32
     bias: torch.Tensor | None = None  # [out] float32
 
     @classmethod
@@ -316,8 +328,8 @@ class KernelLinear:
             return cls("bf16", bits, in_features, out_features, bias=bias)
         qweight, scale = quantize_int8_per_channel(dense)
         return cls(
-            "int8",
-            pack_panels(qweight),
+            precision,
+            pack_q8_blocks(qweight) if precision == "int8dot" else pack_panels(qweight),
             in_features,
             out_features,
             scale=scale.float().contiguous(),
@@ -422,7 +434,10 @@ class KernelDecoder(DecoderBase):
             for w in layers
         ]
         self.final_norm = final_norm.float().contiguous()
-        self.lm_head = KernelLinear.pack(head, None, lm_head_precision(precision))
+        head_format = lm_head_precision(precision)
+        if precision == "int4" and head_format == "int8":
+            head_format = "int8dot"  # the int4 model runs its int8 head with integer dots
+        self.lm_head = KernelLinear.pack(head, None, head_format)
         self._cos = rotations.real.contiguous()  # [max_length, head_dim / 2]
         self._sin = rotations.imag.contiguous()
         self._library = library

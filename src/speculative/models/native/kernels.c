@@ -36,6 +36,7 @@
 #define FMT_BF16 1
 #define FMT_Q8 2
 #define FMT_Q4 3
+#define FMT_Q8D 4  /* q8 weights with int8 activations: integer dots (the int4 model's head) */
 #define GROUP 32
 
 typedef struct {
@@ -513,12 +514,76 @@ static void linear_q4(const Linear *L, const float *x, int rows, float *y, int l
 #pragma omp barrier
 }
 
+/* q8d: int8 weights (one fp32 scale per output row) against int8 activations quantized
+ * per 32 inputs (quantize_rows), as llama.cpp runs a Q8_0 output layer: the int4 model's
+ * head. Layout: panels of 8 outputs; per group of 32 inputs one 256-byte block of eight
+ * 32-byte chunks, chunk j byte 4 * o + t = w[o][4j + t]. Per block, |w| is taken once;
+ * each row adds dx * dot (exact integer dot, one fp32 lane per pair, groups in order) and
+ * the row scale is applied to the finished sum. */
+#define Q8D_BLOCK_BYTES 256
+
+static inline void q8d_panel8(const int8_t *blocks, int groups, int in, const QuantRows *qx,
+                              int r0, int rows, float *acc) {
+    for (int r = 0; r < rows; r++) _mm256_store_ps(acc + r * 8, _mm256_setzero_ps());
+    for (int g = 0; g < groups; g++) {
+        const int8_t *block = blocks + (size_t)g * Q8D_BLOCK_BYTES;
+        for (int b = 0; b < Q8D_BLOCK_BYTES; b += 64)
+            _mm_prefetch((const char *)block + PREFETCH_BYTES + b, _MM_HINT_T0);
+        __m256i a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(block + 32 * j)));
+        for (int r = 0; r < rows; r++) {
+            const size_t row = (size_t)(r0 + r);
+            const int8_t *xr = qx->q + row * in + g * GROUP;
+            __m256i dot = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                /* |w| * (x with w's sign): each int16 pair <= 2 * 127 * 127, no saturation */
+                const __m256i sx = _mm256_sign_epi8(broadcast4(xr + 4 * j),
+                                                    _mm256_loadu_si256((const __m256i *)(block + 32 * j)));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                dot = _mm256_dpbusd_epi32(dot, a[j], sx);
+#else
+                dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(a[j], sx), _mm256_set1_epi16(1)));
+#endif
+            }
+            const __m256 dx = _mm256_set1_ps(qx->scale[row * qx->stride + g]);
+            _mm256_store_ps(acc + r * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dx, _mm256_load_ps(acc + r * 8)));
+        }
+    }
+}
+
+static void linear_q8d(const Linear *L, const float *x, int rows, float *y, int ldy, int accumulate,
+                       QuantRows *qx) {
+    quantize_rows(x, rows, L->in_features, qx);  /* ends in a barrier */
+    const int in = L->in_features, out = L->out_features, groups = in / GROUP;
+    const int panels = (out + 7) / 8;
+    const size_t panel_bytes = (size_t)groups * Q8D_BLOCK_BYTES;
+    float acc[ROW_PANEL * 8] __attribute__((aligned(32)));
+    int p0, p1;
+    thread_range(panels, &p0, &p1);
+    for (int c0 = 0; c0 < rows; c0 += ROW_PANEL) {
+        const int cn = min_int(ROW_PANEL, rows - c0);
+        for (int p = p0; p < p1; p++) {
+            q8d_panel8((const int8_t *)L->weight + (size_t)p * panel_bytes, groups, in, qx, c0, cn, acc);
+            const int o0 = p * 8, on = min_int(8, out - o0);
+            for (int r = 0; r < cn; r++) {
+                float *dst = y + (size_t)(c0 + r) * ldy + o0;
+                for (int o = 0; o < on; o++) {
+                    const float v = acc[r * 8 + o] * L->scale[o0 + o] + (L->bias ? L->bias[o0 + o] : 0.0f);
+                    dst[o] = accumulate ? dst[o] + v : v;
+                }
+            }
+        }
+    }
+#pragma omp barrier
+}
+
 static void linear(const Linear *L, const float *x, int rows, float *y, int ldy, int accumulate,
                    QuantRows *qx) {
     switch (L->format) {
     case FMT_F32: linear_float(L, FMT_F32, x, rows, y, ldy, accumulate); break;
     case FMT_BF16: linear_float(L, FMT_BF16, x, rows, y, ldy, accumulate); break;
     case FMT_Q8: linear_float(L, FMT_Q8, x, rows, y, ldy, accumulate); break;
+    case FMT_Q8D: linear_q8d(L, x, rows, y, ldy, accumulate, qx); break;
     default: linear_q4(L, x, rows, y, ldy, accumulate, qx); break;
     }
 }
