@@ -91,6 +91,9 @@ def test_avx512_refused_without_the_cpu_feature(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(KernelsUnavailable, match="avx512f"):
         ck.kernel_isa()
     assert ck.kernel_isa("auto") == "avx2"
+    monkeypatch.setattr(ck, "cpu_features", lambda cache_dir=None: {"fma", "f16c"})
+    with pytest.raises(KernelsUnavailable, match="kernel ISA avx2 needs CPU feature avx2"):
+        ck.kernel_isa("auto")
 
 
 def test_q8_blocks_hold_the_documented_layout() -> None:

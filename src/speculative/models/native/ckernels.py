@@ -1,10 +1,16 @@
 """The C decoder (``kernels.c``): build it once, pack weights for it, call it via ctypes.
 
-The library is compiled on first use with the system C compiler (``cc``; AVX2 + FMA +
-OpenMP) into ``~/.cache/speculative/kernels/`` under a hash of the source and flags, so
-later processes just load it. Without a compiler or on a CPU without AVX2/FMA,
-:func:`load_kernels` raises :class:`KernelsUnavailable` and the native runtime falls
-back to its PyTorch decoder.
+The library is compiled on first use with the system C compiler (``cc``, OpenMP) into
+``~/.cache/speculative/kernels/`` under a hash of the source and flags, so later processes
+just load it. There is one build per instruction set: ``avx2`` (AVX2 + FMA + F16C, the
+baseline) and ``avx512`` (adds AVX-512 F/BW/VL/DQ + VNNI). ``$SPECULATIVE_KERNEL_ISA``
+(``auto``, the default: the best this CPU runs; ``avx2``; ``avx512``) picks one; both give
+the same bits. Without a compiler or on a CPU without the features,
+:func:`load_kernels` raises :class:`KernelsUnavailable` (naming the missing feature) and
+the native runtime falls back to its PyTorch decoder.
+
+Weights are repacked at load time into the kernels' panel layouts (:func:`pack_panels`,
+:func:`pack_q4_blocks`, :func:`pack_q8_blocks`); the values stay exactly the model's.
 """
 
 from __future__ import annotations
@@ -57,7 +63,6 @@ ISA_FLAGS = {
         "-mavx512vnni",
     ),
 }
-FLAGS = COMMON_FLAGS + ISA_FLAGS["avx2"]  # the baseline build
 # bit -> name, as spec_cpu_features() reports them
 CPU_FEATURES = {
     1: "avx2",
@@ -169,7 +174,7 @@ def kernel_isa(requested: str | None = None, cache_dir: Path | None = None) -> s
         raise KernelsUnavailable(f"{ISA_ENV}={choice!r}: expected one of {ISA_CHOICES}")
     have = cpu_features(cache_dir)
     if choice == "auto":
-        return "avx512" if set(ISA_NEEDS["avx512"]) <= have else "avx2"
+        choice = "avx512" if set(ISA_NEEDS["avx512"]) <= have else "avx2"
     missing = [f for f in ISA_NEEDS[choice] if f not in have]
     if missing:
         raise KernelsUnavailable(f"kernel ISA {choice} needs CPU feature {missing[0]}, absent here")
