@@ -778,42 +778,58 @@ void spec_linear(const Linear *L, const float *x, int rows, float *y, float *wor
 
 /* ---- roofline microbenchmarks (speculative profile) ------------------------------ */
 
-/* Peak fp32 multiply-adds per second on `threads` threads: 12 independent 8-lane FMA
- * chains per thread, `iterations` rounds (the float kernels' instruction). */
+/* Peak fp32 multiply-adds per second on `threads` threads: 12 independent FMA chains per
+ * thread (8 lanes; 16 in the AVX-512 build, as its float tiles), `iterations` rounds. */
 double spec_peak_fma(int threads, int64_t iterations) {
     double started = 0.0, elapsed = 0.0;
     float sink = 0.0f;
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
     {
-        __m256 acc[12];
-        const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
-        for (int j = 0; j < 12; j++) acc[j] = _mm256_set1_ps((float)j);
+#if defined(__AVX512F__)
+#define PEAK_VEC __m512  /* the float tiles of this build are zmm */
+#define PEAK_LANES 16
+#define PEAK_SET1 _mm512_set1_ps
+#define PEAK_FMA _mm512_fmadd_ps
+#define PEAK_ADD _mm512_add_ps
+#define PEAK_SUM(v) _mm512_reduce_add_ps(v)
+#else
+#define PEAK_VEC __m256
+#define PEAK_LANES 8
+#define PEAK_SET1 _mm256_set1_ps
+#define PEAK_FMA _mm256_fmadd_ps
+#define PEAK_ADD _mm256_add_ps
+#define PEAK_SUM(v) hsum8(v)
+#endif
+        PEAK_VEC acc[12];
+        const PEAK_VEC a = PEAK_SET1(0.999999f), b = PEAK_SET1(1e-7f);
+        for (int j = 0; j < 12; j++) acc[j] = PEAK_SET1((float)j);
 #pragma omp barrier
 #pragma omp master
         started = omp_get_wtime();
         for (int64_t n = 0; n < iterations; n++)
-            for (int j = 0; j < 12; j++) acc[j] = _mm256_fmadd_ps(acc[j], a, b);
+            for (int j = 0; j < 12; j++) acc[j] = PEAK_FMA(acc[j], a, b);
 #pragma omp barrier
 #pragma omp master
         elapsed = omp_get_wtime() - started;
-        __m256 s = acc[0];
-        for (int j = 1; j < 12; j++) s = _mm256_add_ps(s, acc[j]);
-        sink += hsum8(s);
+        PEAK_VEC s = acc[0];
+        for (int j = 1; j < 12; j++) s = PEAK_ADD(s, acc[j]);
+        sink += PEAK_SUM(s);
     }
     if (sink == 12345.0f) elapsed += 1e-12;  /* keep the loop alive */
-    return (double)threads * (double)iterations * 12.0 * 8.0 / elapsed;
+    return (double)threads * (double)iterations * 12.0 * PEAK_LANES / elapsed;
 }
 
 /* Peak int8 multiply-adds per second of the q4 kernel's integer dot (q4_dot8: maddubs +
- * int16 adds on AVX2, vpdpbusd with VNNI), 8 independent dots per round. */
+ * int16 adds on AVX2; the AVX-512 build: zmm vpdpbusd as in q4_panel16), 8 independent
+ * 256-MAC dots per round. */
 double spec_peak_int8(int threads, int64_t iterations) {
     double started = 0.0, elapsed = 0.0;
     int sink = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
     {
         __m256i u[8], acc[8];
-        int8_t x[32];
-        for (int j = 0; j < 32; j++) x[j] = (int8_t)(j - 16);
+        int8_t x[8 * 32];  /* dot j reads its own 32 activations: no common subexpressions */
+        for (int j = 0; j < 8 * 32; j++) x[j] = (int8_t)(j % 61 - 30);
         for (int j = 0; j < 8; j++) {
             u[j] = _mm256_set1_epi8((char)(j + 1));
             acc[j] = _mm256_setzero_si256();
@@ -822,8 +838,23 @@ double spec_peak_int8(int threads, int64_t iterations) {
 #pragma omp master
         started = omp_get_wtime();
         for (int64_t n = 0; n < iterations; n++) {
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_add_epi32(acc[j], q4_dot8(u, x));
-            x[n & 31] ^= 1;  /* a different dot each round */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+            /* this build's q4 tiles: 16 outputs per zmm VNNI dot (q4_panel16) */
+            for (int j = 0; j < 8; j += 2) {
+                __m512i dot = _mm512_setzero_si512();
+                const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(u[j]), u[j + 1], 1);
+                for (int i = 0; i < 8; i++) {
+                    int32_t four;
+                    memcpy(&four, x + 32 * j + 4 * i, 4);
+                    dot = _mm512_dpbusd_epi32(dot, w, _mm512_set1_epi32(four));
+                }
+                acc[j] = _mm256_add_epi32(acc[j], _mm512_castsi512_si256(dot));
+                acc[j + 1] = _mm256_add_epi32(acc[j + 1], _mm512_extracti64x4_epi64(dot, 1));
+            }
+#else
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_add_epi32(acc[j], q4_dot8(u, x + 32 * j));
+#endif
+            x[n & 255] ^= 1;  /* a different dot each round */
         }
 #pragma omp barrier
 #pragma omp master
