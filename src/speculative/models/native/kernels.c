@@ -179,20 +179,29 @@ static inline __attribute__((always_inline)) __m256 load_weights8(int FORMAT, co
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+/* The weights of the next tile (the panels right after this tile's, contiguous) stream
+ * into cache while this tile computes: input i prefetches bytes [from, from + count) of
+ * it, so one pass over the inputs covers the whole next tile once. */
+static inline __attribute__((always_inline)) void prefetch_next_tile(const char *next, size_t from,
+                                                                     size_t count) {
+    if (!next) return;
+    for (size_t b = (from + 63) & ~(size_t)63; b < from + count; b += 64)
+        _mm_prefetch(next + b, _MM_HINT_T0);
+}
+
 /* One register tile: NV vectors of 8 outputs (NV / 2 consecutive panels starting at w0)
  * times RB token rows (x stride ldx). out[r * 64 + v * 8 + lane] = sum over i in order of
  * w[i] * x[r, i]. With NV * RB <= 12 the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void float_tile(
     int FORMAT, const char *w0, size_t panel_bytes, int in, const float *x, size_t ldx, int NV,
-    int RB, float *out) {
+    int RB, float *out, const char *next) {
     const size_t step = PANEL * element_bytes(FORMAT);  /* bytes of one input in a panel */
     __m256 acc[8][ROW_BLOCK];
     for (int v = 0; v < NV; v++)
         for (int r = 0; r < RB; r++) acc[v][r] = _mm256_setzero_ps();
     for (int i = 0; i < in; i++) {
         const char *wi = w0 + (size_t)i * step;
-        if ((((size_t)i * step) & 63) == 0)
-            for (int p = 0; p < NV / 2; p++) _mm_prefetch(wi + p * panel_bytes + PREFETCH_BYTES, _MM_HINT_T0);
+        prefetch_next_tile(next, (size_t)i * (NV / 2) * step, (NV / 2) * step);
         __m256 w[8];
         for (int v = 0; v < NV; v++)
             w[v] = load_weights8(FORMAT, wi + (v / 2) * panel_bytes + (v % 2) * 8 * element_bytes(FORMAT));
@@ -205,7 +214,7 @@ static inline __attribute__((always_inline)) void float_tile(
         for (int v = 0; v < NV; v++) _mm256_storeu_ps(out + r * 64 + v * 8, acc[v][r]);
 }
 
-#define FLOAT_TILE(NV, RB) float_tile(FORMAT, w0, panel_bytes, in, xb, ldx, NV, RB, tile)
+#define FLOAT_TILE(NV, RB) float_tile(FORMAT, w0, panel_bytes, in, xb, ldx, NV, RB, tile, next)
 
 #if defined(__AVX512F__)
 /* Sixteen consecutive packed weights (one panel's input i) as fp32: load_weights8 widened. */
@@ -222,15 +231,14 @@ static inline __attribute__((always_inline)) __m512 load_weights16(int FORMAT, c
  * the 32 registers). Each lane runs the same FMA sequence as in float_tile: same bits. */
 static inline __attribute__((always_inline)) void float_tile16(
     int FORMAT, const char *w0, size_t panel_bytes, int in, const float *x, size_t ldx, int NP,
-    int RB, float *out) {
+    int RB, float *out, const char *next) {
     const size_t step = PANEL * element_bytes(FORMAT);
     __m512 acc[4][ROW_BLOCK];
     for (int p = 0; p < NP; p++)
         for (int r = 0; r < RB; r++) acc[p][r] = _mm512_setzero_ps();
     for (int i = 0; i < in; i++) {
         const char *wi = w0 + (size_t)i * step;
-        if ((((size_t)i * step) & 63) == 0)
-            for (int p = 0; p < NP; p++) _mm_prefetch(wi + p * panel_bytes + PREFETCH_BYTES, _MM_HINT_T0);
+        prefetch_next_tile(next, (size_t)i * NP * step, NP * step);
         __m512 w[4];
         for (int p = 0; p < NP; p++) w[p] = load_weights16(FORMAT, wi + p * panel_bytes);
         for (int r = 0; r < RB; r++) {
@@ -241,7 +249,7 @@ static inline __attribute__((always_inline)) void float_tile16(
     for (int r = 0; r < RB; r++)
         for (int p = 0; p < NP; p++) _mm512_storeu_ps(out + r * 64 + p * 16, acc[p][r]);
 }
-#define FLOAT_TILE16(NP, RB) float_tile16(FORMAT, w0, panel_bytes, in, xb, ldx, NP, RB, tile)
+#define FLOAT_TILE16(NP, RB) float_tile16(FORMAT, w0, panel_bytes, in, xb, ldx, NP, RB, tile, next)
 #endif
 
 /* y[r, o] (+)= (x[r] . W[o]) * scale[o] + bias[o] for fp32 / bf16 / q8 W. x [rows, in],
@@ -271,6 +279,7 @@ static inline __attribute__((always_inline)) void linear_float(
 #if defined(__AVX512F__)
                     const int nv = 2 * (pn - q);  /* all the group's panels: <= 24 zmm */
                     const char *w0 = (const char *)L->weight + (size_t)(pg + q) * panel_bytes;
+                    const char *next = pg + q + nv / 2 < p1 ? w0 + (size_t)(nv / 2) * panel_bytes : NULL;
                     (void)widest;
                     switch (rb * 16 + nv / 2) {
 #define TILE16_ROW(RB) \
@@ -285,6 +294,7 @@ static inline __attribute__((always_inline)) void linear_float(
 #else
                     const int nv = min_int(widest, 2 * (pn - q));
                     const char *w0 = (const char *)L->weight + (size_t)(pg + q) * panel_bytes;
+                    const char *next = pg + q + nv / 2 < p1 ? w0 + (size_t)(nv / 2) * panel_bytes : NULL;
                     switch (rb * 16 + nv) {
                     case 16 + 8: FLOAT_TILE(8, 1); break;
                     case 16 + 6: FLOAT_TILE(6, 1); break;

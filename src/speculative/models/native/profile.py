@@ -49,7 +49,7 @@ class MachinePeaks:
         }
 
 
-def measure_peaks(library: Any, threads: int, repeats: int = 3) -> MachinePeaks:
+def measure_peaks(library: Any, threads: int, repeats: int = 7) -> MachinePeaks:
     """Best of ``repeats`` runs of each microbenchmark (a shared machine only slows them)."""
     import torch
 
