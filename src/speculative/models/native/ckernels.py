@@ -447,6 +447,7 @@ class KernelDecoder(DecoderBase):
         self._sin = rotations.imag.contiguous()
         self._library = library
         self.isa = library_isa(library)  # "avx2" or "avx512"
+        self.kernels = {"layers": f"C {self.isa} ({precision})", "lm_head": f"C {head_format}"}
         self._layer_array = (_Layer * len(self.layers))(*(x.struct() for x in self.layers))
         self._model = _Model(
             num_layers=config.num_layers,
