@@ -12,7 +12,8 @@ MIN_TOKENS = 16
 
 
 def read_records(paths: Sequence[Path]) -> Iterator[dict[str, Any]]:
-    """JSONL lines ({"messages": [...]}, {"prompt": ...} or {"text": ...}) or plain text
+    """JSONL lines ({"messages": [...]}, {"prompt": ...}, {"text": ...} or {"ids": [...]})
+    or plain text
     files (split into paragraphs groups of ~2000 characters)."""
     for path in paths:
         path = Path(path)
@@ -33,8 +34,8 @@ def _parse_line(line: str, where: str) -> dict[str, Any]:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(f"{where}: not JSON ({error.msg})") from None
-    if not isinstance(record, dict) or not ({"messages", "prompt", "text"} & record.keys()):
-        raise ValueError(f"{where}: expected an object with messages, prompt or text")
+    if not isinstance(record, dict) or not ({"messages", "prompt", "text", "ids"} & record.keys()):
+        raise ValueError(f"{where}: expected an object with messages, prompt, text or ids")
     return record
 
 
@@ -51,7 +52,10 @@ def _blocks(text: str, size: int = 2000) -> Iterator[str]:
 
 def encode_record(tokenizer: Any, record: dict[str, Any], max_tokens: int) -> list[int]:
     """Token ids of one record: chat transcripts through the chat template (when the
-    tokenizer has one), plain text as is; cut to ``max_tokens``."""
+    tokenizer has one), plain text as is, ``ids`` (pre-tokenized) as given; cut to
+    ``max_tokens``."""
+    if "ids" in record:
+        return [int(t) for t in record["ids"]][:max_tokens]
     messages = record.get("messages")
     if messages is None and "prompt" in record:
         messages = [{"role": "user", "content": record["prompt"]}]

@@ -42,6 +42,7 @@ class TrainDraftOptions:
     resume: bool = False
     threads: int = 0
     progress: bool = True
+    loss_fraction: float = 0.5
 
 
 def head_config(lm: Any, method: str, draft_vocab: int, medusa_heads: int) -> HeadConfig:
@@ -154,6 +155,7 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
         lr=options.lr,
         batch_tokens=options.batch_tokens,
         unroll=options.unroll,
+        loss_fraction=options.loss_fraction,
         seed=options.seed,
     )
     checkpoint = options.out / "checkpoint.pt"

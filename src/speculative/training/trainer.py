@@ -192,18 +192,20 @@ def evaluate(
         batch = collate([item])
         n = item.tokens.numel()
         tokens += n
-        drafted = []
+        drafted, valids = [], []
         for pred, offset in predictions(module, batch, embedding, steps):
             t = pred.shape[1]
             ids = draft_to_target[(pred[0] @ rows.T).argmax(-1)]  # [T]
             want = _shift(batch.greedy, offset, t)[0]  # target's token after t + offset
-            drafted.append((ids == want) & (torch.arange(t) + offset < n))
+            valid = torch.arange(t) + offset < n
+            drafted.append((ids == want) & valid)
+            valids.append(valid)
         chain = torch.ones(drafted[0].shape[0], dtype=torch.bool)
         follows = _follows_greedy(item, drafted[0].shape[0], steps, isinstance(module, EagleHead))
         length = torch.zeros(drafted[0].shape[0])
         for s, ok in enumerate(drafted):
             hits[s] += ok.float().sum()
-            seen[s] += ok.numel()
+            seen[s] += valids[s].float().sum()
             chain = chain & ok & follows[s]
             length += chain.float()
         usable = torch.arange(length.numel()) + steps + 1 < n
