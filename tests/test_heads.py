@@ -333,3 +333,26 @@ def test_train_draft_cli_json_resume_and_errors(trained, tmp_path, capsys):
     assert resumed["steps"] == 8
     assert main([*args[:-3], "--out", str(tmp_path / "x"), "--data", "/nonexistent.jsonl"]) == 2
     assert "cannot read training data" in capsys.readouterr().err
+
+
+def test_eagle_drafting_runs_the_head_as_it_was_trained():
+    """Incremental steps over the head's cache (true pairs, then its own predictions)
+    reproduce the unrolled training pass row by row, across a cache reallocation."""
+    from speculative.heads.modules import EagleHead, HeadConfig
+
+    torch.manual_seed(0)
+    config = HeadConfig("eagle", 64, 16, intermediate_size=128, num_heads=4, num_kv_heads=2)
+    head = EagleHead(config).eval()
+    length, steps = 12, 3
+    embeds, features = torch.randn(1, length + steps - 1, 64), torch.randn(1, length, 64)
+    with torch.no_grad():
+        trained = head.unrolled(embeds, features, steps)
+    for t in (3, 11):
+        cache = head.new_cache(4)  # smaller than needed: grows on the way
+        pred = head.step(cache, embeds[0, : t + 1], features[0, : t + 1], torch.arange(t + 1))
+        pred = pred[-1]
+        assert torch.allclose(pred, trained[0][0, t], atol=1e-5)
+        for s in range(1, steps):
+            step_input = (embeds[0, t + s : t + s + 1], pred[None], torch.tensor([t + s]))
+            pred = head.step(cache, *step_input)[-1]
+            assert torch.allclose(pred, trained[s][0, t], atol=1e-5)

@@ -178,17 +178,22 @@ class EagleHead(nn.Module):
         k = embeds.shape[0]
         start = cache.length
         if start + k > cache.keys.shape[1]:
-            grow = max(cache.keys.shape[1], k + 64)
-            cache.keys = torch.cat([cache.keys, torch.zeros_like(cache.keys[:, :grow])], 1)
-            cache.values = torch.cat([cache.values, torch.zeros_like(cache.values[:, :grow])], 1)
+            kv, capacity, d = cache.keys.shape
+            extra = torch.zeros(kv, max(capacity, start + k - capacity + 64), d)
+            cache.keys = torch.cat([cache.keys, extra], 1)
+            cache.values = torch.cat([cache.values, extra.clone()], 1)
         x = self.fuse(embeds, features).unsqueeze(0)  # [1, k, H]
         q, new_k, new_v = self._qkv(x, positions)
         cache.keys[:, start : start + k] = new_k[0]
         cache.values[:, start : start + k] = new_v[0]
         cache.length = start + k
-        keys = self._group(cache.keys[None, :, : start + k])  # [1, heads, S, d]
-        values = self._group(cache.values[None, :, : start + k])
-        scores = (q @ keys.transpose(-1, -2)) * self.config.head_dim**-0.5  # [1, h, k, S]
+        cfg = self.config
+        kv, group, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        keys = cache.keys[:, : start + k]  # [kv, S, d]
+        values = cache.values[:, : start + k]
+        grouped = q[0].reshape(kv, group * k, d)  # heads h = kv_index * group + g
+        scores = (grouped @ keys.transpose(-1, -2)) * d**-0.5  # [kv, group * k, S]
+        scores = scores.view(1, cfg.num_heads, k, start + k)
         if attention_mask is not None and attention_mask.shape[1] == start + k:
             visible = attention_mask.bool()
         else:
@@ -199,7 +204,8 @@ class EagleHead(nn.Module):
             )
             visible = torch.cat([torch.ones(k, start, dtype=torch.bool), new.bool()], dim=1)
         scores = scores.masked_fill(~visible, float("-inf"))
-        attn = torch.softmax(scores, dim=-1) @ values  # [1, heads, k, d]
+        probs = torch.softmax(scores, dim=-1).view(kv, group * k, start + k)
+        attn = (probs @ values).view(1, cfg.num_heads, k, d)  # [1, heads, k, d]
         return self._finish(x, attn)[0]
 
 
