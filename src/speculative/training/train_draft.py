@@ -129,6 +129,13 @@ def prepare_features(options: TrainDraftOptions, target: Any) -> dict[str, Any]:
     return meta
 
 
+def turn_marker(tokenizer: Any) -> int | None:
+    """The chat template's turn-start token id (ChatML's <|im_start|>), if any."""
+    token_id = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    return int(token_id) if isinstance(token_id, int) and token_id != unknown else None
+
+
 def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
     """Run the whole pipeline; returns the report (also written to OUT/report.json)."""
     from speculative.pipeline import load_target
@@ -169,7 +176,8 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
     metrics = trainer.run(train_paths, total, options.progress)
     held_paths = feats.chunk_paths(options.out / "features", "heldout")
     steps = options.unroll + 2 if options.method == "eagle" else options.medusa_heads
-    held = evaluate(module, held_paths, embedding, rows, draft_to_target, steps)
+    marker = turn_marker(target.tokenizer)
+    held = evaluate(module, held_paths, embedding, rows, draft_to_target, steps, marker)
     report = {
         "method": options.method,
         "target": target.name,
@@ -184,6 +192,7 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
         "loss": round(metrics.loss, 4),
         "train_top1": round(metrics.top1, 4),
         "heldout_top1": [round(x, 4) for x in held.top1],
+        "heldout_scope": "answers" if marker is not None else "all tokens",
         "heldout_accepted": round(held.accepted, 3),
         "heldout_drafted": steps,
     }

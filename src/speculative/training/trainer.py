@@ -180,10 +180,13 @@ def evaluate(
     rows: torch.Tensor,
     draft_to_target: torch.Tensor,
     steps: int,
+    answer_marker: int | None = None,
 ) -> HeldOut:
     """Greedy agreement with the target on held-out sequences, per draft step, and the
     mean accepted length of a chain of ``steps`` drafts (a draft step counts only while
-    the text follows the target's greedy choice, as greedy decoding would)."""
+    the text follows the target's greedy choice, as greedy decoding would). With
+    ``answer_marker`` (the chat template's turn-start token) only positions after its
+    last occurrence count: the answer the drafter will meet, not the template."""
     module.eval()
     hits = torch.zeros(steps)
     seen = torch.zeros(steps)
@@ -191,13 +194,14 @@ def evaluate(
     for item in iterate_chunks(paths):
         batch = collate([item])
         n = item.tokens.numel()
-        tokens += n
+        start = _answer_start(item.tokens, answer_marker)
+        tokens += n - start
         drafted, valids = [], []
         for pred, offset in predictions(module, batch, embedding, steps):
             t = pred.shape[1]
             ids = draft_to_target[(pred[0] @ rows.T).argmax(-1)]  # [T]
             want = _shift(batch.greedy, offset, t)[0]  # target's token after t + offset
-            valid = torch.arange(t) + offset < n
+            valid = (torch.arange(t) + offset < n) & (torch.arange(t) >= start)
             drafted.append((ids == want) & valid)
             valids.append(valid)
         chain = torch.ones(drafted[0].shape[0], dtype=torch.bool)
@@ -208,7 +212,8 @@ def evaluate(
             seen[s] += valids[s].float().sum()
             chain = chain & ok & follows[s]
             length += chain.float()
-        usable = torch.arange(length.numel()) + steps + 1 < n
+        index = torch.arange(length.numel())
+        usable = (index + steps + 1 < n) & (index >= start)
         accepted_sum += float(length[usable].sum())
         chains += int(usable.sum())
     module.train()
@@ -217,6 +222,15 @@ def evaluate(
         accepted=accepted_sum / max(chains, 1),
         tokens=tokens,
     )
+
+
+def _answer_start(tokens: torch.Tensor, marker: int | None) -> int:
+    """Index of the first row after the last ``marker`` token plus the role line (the
+    "assistant" and newline tokens), 0 without a marker."""
+    if marker is None:
+        return 0
+    where = (tokens == marker).nonzero()
+    return int(where[-1]) + 2 if where.numel() else 0
 
 
 def _follows_greedy(item: Sequence_, rows: int, steps: int, eagle: bool) -> list[torch.Tensor]:
