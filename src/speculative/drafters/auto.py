@@ -5,7 +5,9 @@ For each option the drafter keeps running estimates of its per-token acceptance 
 n-gram option separately per match length) and of its draft cost c per token relative
 to a verification (both measured as generation goes). A round with γ drafts is expected
 to emit (1 - α^(γ+1)) / (1 - α) tokens for a cost of γ·c + 1; the option with the higher
-ratio drafts. No fixed priority: a long match wins only while matches keep paying.
+ratio drafts, and when neither beats a plain step (1 token per unit of cost) nothing is
+drafted. No fixed priority: a long match wins only while matches keep paying; the head
+drafts at least every EXPLORE rounds so that its estimate stays current.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from speculative.sampling import SamplingParams
 
 DECAY = 0.9  # weight of the past in the running estimates
 MAX_NGRAM = 4
-MIN_NGRAM = 2
+MIN_NGRAM = 1
+EXPLORE = 8  # rounds without the head after which it drafts once (keeps its α current)
 WINDOW = 2048
 
 
@@ -74,7 +77,8 @@ class AutoDrafter:
         self._drafted = 0
         self._proposed_at = 0.0
         self._draft_seconds = 0.0
-        self.choices = {"ngram": 0, "head": 0}
+        self.choices = {"ngram": 0, "head": 0, "none": 0}
+        self._since_head = 0
 
     @property
     def forward_calls(self) -> int:
@@ -83,6 +87,7 @@ class AutoDrafter:
     def reset(self) -> None:
         self.head.reset()
         self._chosen = None
+        self._since_head = 0
 
     def prime(self, target: ModelSession) -> None:
         if isinstance(self.head, SupportsPriming):
@@ -97,15 +102,24 @@ class AutoDrafter:
     ) -> Draft:
         started = time.perf_counter()
         n, follow = longest_match(context, gamma)
-        use_ngram = bool(follow) and self.ngram[n].value(len(follow)) >= self.model.value(gamma)
-        if use_ngram:
+        ngram_value = self.ngram[n].value(len(follow)) if follow else 0.0
+        head_value = self.model.value(gamma)
+        explore = self._since_head >= EXPLORE
+        if ngram_value >= max(head_value, 1.0) and not explore:
             draft = Draft(tokens=follow)  # point masses
             self._chosen = self.ngram[n]
             self.choices["ngram"] += 1
-        else:
+            self._since_head += 1
+        elif head_value >= 1.0 or explore:
             draft = self.head.propose(context, gamma, params, generator)
             self._chosen = self.model
             self.choices["head"] += 1
+            self._since_head = 0
+        else:  # a plain step is worth more than either draft
+            draft = Draft(tokens=[])
+            self._chosen = None
+            self.choices["none"] += 1
+            self._since_head += 1
         self._drafted = len(draft.tokens)
         self._proposed_at = time.perf_counter()
         self._draft_seconds = self._proposed_at - started
