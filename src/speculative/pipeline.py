@@ -14,6 +14,8 @@ Drafter names (``draft=``):
   ngram         prompt lookup: copy what followed the latest match of the last n-gram
   self-bf16     the target's own weights in bfloat16 (cheaper steps, ~98% greedy agreement)
   self-exit:N   the target's first N layers (+ final norm and head): early exit
+  eagle, medusa heads trained on the target's features (shipped, or eagle:DIR / medusa:DIR)
+  auto          n-gram lookup or the EAGLE head, chosen per round by tokens per cost
   <path or id>  a separate, smaller causal LM sharing the target's vocabulary
 """
 
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from speculative.drafters import Drafter, DraftModelDrafter, PromptLookupDrafter
+from speculative.drafters import Drafter, DraftModelDrafter
 from speculative.drafters.tree import TREE_MODES, SupportsTreeShape, TreeDrafter, TreeShape
 from speculative.engine import (
     DEFAULT_TREE_BUDGET,
@@ -38,7 +40,7 @@ from speculative.engine import (
     TreeRound,
     budget_from_verify_cost,
 )
-from speculative.models.base import CausalLM, SupportsEarlyExit
+from speculative.models.base import CausalLM
 from speculative.sampling import SamplingParams
 
 DEFAULT_PROMPT = (
@@ -225,53 +227,10 @@ def _config_eos(config: dict[str, Any]) -> frozenset[int]:
 
 
 def build_drafter(spec: str | None, target: LoadedModel) -> Drafter | None:
-    """A drafter for ``target`` from its name (see the module docstring)."""
-    from speculative.models.loading import check_vocab_compatible
+    """A drafter for ``target`` from its name (see :mod:`speculative.drafters.registry`)."""
+    from speculative.drafters.registry import build_drafter as from_registry
 
-    name = (spec or "none").strip()
-    vocab = target.lm.vocab_size
-    if name == "none":
-        return None
-    if name == "ngram":
-        return PromptLookupDrafter()
-    if name.startswith("self-") and not name.startswith("self-exit"):
-        precision = name.removeprefix("self-")
-        if target.make_variant is None:
-            raise ValueError(f"the runtime of '{target.name}' cannot build a {name} drafter")
-        # the same model at another precision: it may start from the target's prefill
-        return DraftModelDrafter(target.make_variant(precision), vocab, name, share_prefill=True)
-    if name.startswith("self-exit"):
-        layers = _parse_layers(name, target)
-        return DraftModelDrafter(_early_exit(target, layers), vocab, name)
-    draft = load_target(name, target.runtime)
-    check_vocab_compatible(
-        target.tokenizer, vocab, draft.tokenizer, draft.lm.vocab_size, target.name, draft.name
-    )
-    return DraftModelDrafter(draft.lm, vocab, f"draft:{draft.name}")
-
-
-def _early_exit(target: LoadedModel, layers: int) -> CausalLM:
-    if not isinstance(target.lm, SupportsEarlyExit):
-        raise ValueError(f"the runtime of '{target.name}' does not support early exit")
-    return target.lm.early_exit(layers)
-
-
-def _parse_layers(name: str, target: LoadedModel) -> int:
-    total = target.lm.num_layers if isinstance(target.lm, SupportsEarlyExit) else None
-    _, _, value = name.partition(":")
-    if not value:
-        if total is None:
-            raise ValueError("self-exit needs a layer count, e.g. self-exit:12")
-        return max(1, total // 2)
-    try:
-        layers = int(value)
-    except ValueError:
-        raise ValueError(
-            f"self-exit wants a layer count, e.g. self-exit:12, got {name!r}"
-        ) from None
-    if layers < 1 or (total is not None and layers >= total):
-        raise ValueError(f"self-exit layer count must be in [1, {total}), got {layers}")
-    return layers
+    return from_registry(spec, target)
 
 
 def encode_prompt(

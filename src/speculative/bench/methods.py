@@ -118,6 +118,7 @@ class EngineMethod:
     drafter: Drafter | None
     make_policy: Callable[[], GammaPolicy | int]
     engine: str = OURS
+    params: SamplingParams = GREEDY
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunRecord:
         # A fresh engine per run: its target session starts from a reset cache, so runs of
@@ -126,7 +127,7 @@ class EngineMethod:
         criteria = StopCriteria(max_new_tokens, eos_token_ids=self.target.eos_token_ids)
         generator = torch.Generator().manual_seed(0)
         started = time.perf_counter()
-        result = engine.generate(list(prompt_ids), GREEDY, criteria, generator)
+        result = engine.generate(list(prompt_ids), self.params, criteria, generator)
         seconds = time.perf_counter() - started
         return RunRecord(tokens=result.token_ids, seconds=seconds, stats=result.stats)
 

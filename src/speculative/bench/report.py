@@ -206,7 +206,9 @@ def payload(run: BenchRun, rows: Sequence[ResultRow]) -> dict[str, Any]:
         "precision": settings.precision,
         "max_new_tokens": settings.max_new_tokens,
         "repeats": settings.repeats,
-        "greedy": True,
+        "greedy": run.settings.temperature == 0,
+        "temperature": run.settings.temperature,
+        "top_p": run.settings.top_p,
         "prompts": len(run.prompts),
         "prompt_tokens_mean": sum(run.prompt_tokens) / len(run.prompt_tokens),
         "categories": categories(run.prompts),
@@ -359,12 +361,23 @@ def markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def decoding_label(run: BenchRun) -> str:
+    """"greedy", or the sampling settings (outputs then differ by chance: not compared)."""
+    settings = run.settings
+    if settings.temperature == 0:
+        return "greedy"
+    return (
+        f"sampling at temperature {settings.temperature:g}, top-p {settings.top_p:g} "
+        "(outputs not compared)"
+    )
+
+
 def terminal_report(run: BenchRun, rows: Sequence[ResultRow]) -> str:
     overall = [overall_cells(r) for r in rows if r.category == ALL]
     header, body = category_matrix(rows)
     parts = [
         f"model {run.model} · {len(run.prompts)} prompts · {run.settings.max_new_tokens} new "
-        f"tokens max · median of {run.settings.repeats} · greedy",
+        f"tokens max · median of {run.settings.repeats} · {decoding_label(run)}",
         "",
         text_table(OVERALL_COLUMNS, overall),
         "",
@@ -411,7 +424,7 @@ def markdown_report(run: BenchRun, rows: Sequence[ResultRow], plots: Sequence[st
         "",
         f"Model **{run.model}**, runtimes {', '.join(run.settings.runtimes)}, "
         f"{len(run.prompts)} prompts ({', '.join(categories(run.prompts))}), "
-        f"up to {run.settings.max_new_tokens} new tokens, greedy, median of "
+        f"up to {run.settings.max_new_tokens} new tokens, {decoding_label(run)}, median of "
         f"{run.settings.repeats} run(s) after a warm-up; configurations interleaved prompt by "
         "prompt. `×plain`: tokens/s ÷ our plain decoding; `×hf-same`: ÷ transformers' "
         "`generate()` with the same method (plain, `assistant_model`, "

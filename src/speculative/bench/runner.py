@@ -31,6 +31,7 @@ from speculative.drafters import Drafter
 from speculative.engine import GenerationStats
 from speculative.engine.costs import TargetCosts, drafter_cost, verify_cost_curve
 from speculative.pipeline import LoadedModel, build_drafter, encode_prompt, load_target
+from speculative.sampling import SamplingParams
 
 Loader = Callable[[str, str, str], LoadedModel]
 
@@ -58,6 +59,8 @@ class BenchSettings:
     min_curve_k: int = 9  # measure T(k) at least up to here (adaptive γ may go past max γ)
     chat: bool | None = None
     progress: bool = True
+    temperature: float = 0.0  # > 0: sampled outputs, not compared with plain decoding
+    top_p: float = 1.0
 
 
 @dataclass
@@ -177,7 +180,7 @@ def build_methods(
             methods.append(
                 EngineMethod(
                     f"{setup.runtime}/plain", setup.runtime, PLAIN, "-", setup.target, None,
-                    lambda: 0,
+                    lambda: 0, params=sampling_params(settings),
                 )
             )  # fmt: skip
             continue
@@ -192,15 +195,20 @@ def build_methods(
                     target=setup.target,
                     drafter=drafter,
                     make_policy=lambda ch=choice, c=c: ch.policy(c, curve),
+                    params=sampling_params(settings),
                 )
             )
-    if with_peers:
+    if with_peers and settings.temperature == 0:  # the peers run greedy only
         lookup = max_fixed_gamma(settings.gammas)
         for family, drafter in setup.drafters.items():
             peer = peer_for(drafter, family, setup.target, lookup, setup.runtime)
             if peer is not None:
                 methods.append(peer)
     return methods
+
+
+def sampling_params(settings: BenchSettings) -> SamplingParams:
+    return SamplingParams(temperature=settings.temperature, top_p=settings.top_p)
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -293,7 +301,8 @@ def run_bench(
         peers_done = peers_done or any(m.engine != OURS for m in ours)
         methods.extend(ours)
     measurements = measure(methods, prompts, prompt_ids, settings)
-    mismatches = check_outputs(methods, measurements)
+    # under sampling the outputs differ by chance: only greedy runs must be identical
+    mismatches = check_outputs(methods, measurements) if settings.temperature == 0 else []
     return BenchRun(
         settings=settings,
         model=setups[0].target.name,

@@ -7,7 +7,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from speculative.cli.common import Formatter, add_json_flag, emit_json, positive_int
+from speculative.cli.common import (
+    Formatter,
+    add_json_flag,
+    emit_json,
+    non_negative_float,
+    positive_int,
+    probability,
+)
 
 DESCRIPTION = """\
 Benchmark lossless speculative decoding on a prompt suite (greedy decoding).
@@ -125,6 +132,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--no-peers", action="store_true", help="skip transformers' generate() configurations"
     )
+    parser.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="0: greedy (outputs must equal plain decoding); > 0: sampling, rows report "
+        "speedup and τ (outputs differ by chance, not compared), e.g. 0.8 with --top-p 0.95",
+    )
+    parser.add_argument("--top-p", type=probability, default=1.0, help="nucleus mass when sampling")
     chat = parser.add_mutually_exclusive_group()
     chat.add_argument(
         "--chat", dest="chat", action="store_true", default=None,
@@ -169,6 +184,8 @@ def settings_from_args(args: argparse.Namespace):
         cost_repeats=mode.cost_repeats,
         chat=args.chat,
         progress=not args.no_progress,
+        temperature=args.temperature,
+        top_p=args.top_p,
     )
 
 

@@ -30,6 +30,10 @@ Drafters (--draft):
   ngram         prompt lookup: copy what followed the latest match of the last n-gram
   self-bf16     the target's own weights in bfloat16
   self-exit:N   the target's first N layers (early exit)
+  eagle         EAGLE head over the target's features (shipped for the default model;
+                eagle:DIR for a head trained with `speculative train-draft`)
+  medusa        Medusa heads (medusa:DIR likewise)
+  auto          n-gram lookup or the EAGLE head, chosen per round by tokens per cost
   PATH | ID     a smaller causal LM with the same vocabulary
 
 Token trees (--tree; model drafters and ngram): draft a tree of candidates instead of one chain,

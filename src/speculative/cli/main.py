@@ -13,6 +13,7 @@ from speculative.cli import (
     profile_cmd,
     simulate_cmd,
     theory_cmd,
+    train_draft_cmd,
 )
 from speculative.cli.common import EXIT_USAGE, CliError, Formatter, Parser
 
@@ -29,7 +30,15 @@ def build_parser() -> Parser:
     subparsers = parser.add_subparsers(
         title="commands", metavar="COMMAND", parser_class=Parser, required=True
     )
-    for command in (theory_cmd, simulate_cmd, generate_cmd, demo_cmd, profile_cmd, bench_cmd):
+    for command in (
+        theory_cmd,
+        simulate_cmd,
+        generate_cmd,
+        demo_cmd,
+        profile_cmd,
+        bench_cmd,
+        train_draft_cmd,
+    ):
         command.add_parser(subparsers)
     return parser
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from speculative.drafters.base import Drafter
+from speculative.drafters.base import Drafter, SupportsPriming
 from speculative.models.base import CausalLM
+from speculative.models.session import ModelSession
 from speculative.sampling import SamplingParams
 
 
@@ -144,7 +145,13 @@ def drafter_cost(
         cost = model_draft_cost(draft_model, target, context, repeats)
         drafter.reset()  # the drafter's session must not trust the model's cache any more
         return cost
-    return propose_ms(drafter, context, repeats) / target_step_ms
+    if isinstance(drafter, SupportsPriming):  # heads read the target's features
+        session = ModelSession(target)
+        session.sync(list(context)[:-1])
+        drafter.prime(session)
+    cost = propose_ms(drafter, context, repeats) / target_step_ms
+    target.reset()
+    return cost
 
 
 def interleaved_prefill_ms(

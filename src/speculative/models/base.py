@@ -123,3 +123,29 @@ def check_keep_slots(first: int, slots: Sequence[int], length: int) -> list[int]
     if kept and (kept[0] < first or kept[-1] >= length):
         raise ValueError(f"slots must lie in [{first}, {length}), got {kept}")
     return kept
+
+
+@runtime_checkable
+class SupportsHiddenStates(Protocol):
+    """A model that also returns its features: the final hidden state of every position.
+
+    The feature is the output head's input (after the final norm), so the model's logits
+    are ``features @ output_embedding().T`` up to the head's precision. Drafting heads
+    (EAGLE, Medusa) read it instead of running a second model.
+    """
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    def forward_with_hidden(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``forward``; returns (logits [batch, k, vocab], features [batch, k, hidden]),
+        both float32."""
+        ...
+
+    def input_embedding(self) -> torch.Tensor:
+        """The token embedding table, [vocab, hidden] float32 (read-only)."""
+        ...
+
+    def output_embedding(self) -> torch.Tensor:
+        """The output head's weight, [vocab, hidden] float32 (read-only)."""
+        ...

@@ -136,6 +136,37 @@ class HFCausalLM:
                 layer.values = layer.values.index_select(-2, index)
         self._length = first + len(kept)
 
+    def forward_with_hidden(
+        self, input_ids: torch.Tensor  # [batch, k] int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`forward`; also returns the final hidden states [batch, k, hidden]
+        (after the final norm: the output head's input), float32."""
+        batch, k = self._check_input(input_ids)
+        positions = torch.arange(self._length, self._length + k, device=self.device)  # [k]
+        with torch.inference_mode():
+            output = self.model(
+                input_ids=input_ids.to(device=self.device, dtype=torch.long),
+                position_ids=positions.unsqueeze(0).expand(batch, k),
+                cache=self._cache,
+                use_cache=True,
+                output_hidden_states=True,
+            )
+            logits = output.logits.float()  # [batch, k, vocab]
+            features = output.hidden_states[-1].float()  # [batch, k, hidden]
+        self._length += k
+        self._batch = batch
+        return logits, features
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.get_text_config().hidden_size)
+
+    def input_embedding(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight.detach().float()  # [vocab, hidden]
+
+    def output_embedding(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight.detach().float()  # [vocab, hidden]
+
     def rollback(self, n: int) -> None:
         """Drop the newest ``n`` cache positions."""
         if not 0 <= n <= self._length:

@@ -21,6 +21,7 @@ from speculative.models.base import (
     CausalLM,
     SupportsCacheCompaction,
     SupportsCacheImport,
+    SupportsHiddenStates,
     SupportsTreeAttention,
 )
 
@@ -73,12 +74,25 @@ class ModelSession:
         self.cached: list[int] = []
         self.forward_calls = 0
         self._tree: list[int] | None = None  # tree tokens fed after ``cached``, not committed
+        self._features = torch.empty(0)  # [capacity, hidden] features of the cached slots
+        self._feature_length = 0  # slots [0, _feature_length) hold valid features
+        self._hidden_model = model if isinstance(model, SupportsHiddenStates) else None
         model.reset()
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        """[n, hidden] the model's features of the first n cached positions (n <=
+        len(cached); all of them unless the cache was adopted), or None when the model
+        has no :class:`SupportsHiddenStates`."""
+        if self._hidden_model is None:
+            return None
+        return self._features[: min(self._feature_length, len(self.cached))]
 
     def reset(self) -> None:
         self.model.reset()
         self.cached = []
         self._tree = None
+        self._feature_length = 0
 
     def sync(self, prefix: Sequence[int]) -> None:
         """Make the cache hold exactly ``prefix`` (rolling back and feeding as needed)."""
@@ -99,6 +113,7 @@ class ModelSession:
         if not model.import_cache(other.model, len(other.cached)):
             return False
         self.cached = list(other.cached)
+        self._feature_length = 0
         return True
 
     def logits_after(self, context: Sequence[int], new: Sequence[int] = ()) -> torch.Tensor:
@@ -166,10 +181,30 @@ class ModelSession:
         if drop:
             self.model.rollback(drop)
             del self.cached[keep:]
+            self._feature_length = min(self._feature_length, keep)
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         input_ids = torch.tensor([tokens], dtype=torch.long)  # [1, k]
-        logits = self.model.forward(input_ids)  # [1, k, vocab]
+        if self._hidden_model is not None:
+            logits, features = self._hidden_model.forward_with_hidden(input_ids)
+            self._store_features(features[0])  # features: [1, k, hidden]
+        else:
+            logits = self.model.forward(input_ids)  # [1, k, vocab]
         self.cached.extend(tokens)
         self.forward_calls += 1
         return logits
+
+    def _store_features(self, features: torch.Tensor) -> None:
+        """features: [k, hidden] of the positions being appended after ``cached``."""
+        start, k = len(self.cached), features.shape[0]
+        if self._feature_length < start:  # a gap (adopted cache): nothing before is valid
+            self._feature_length = 0
+            return
+        if start + k > self._features.shape[0]:
+            capacity = max(2 * self._features.shape[0], start + k, 256)
+            grown = torch.empty(capacity, features.shape[1])
+            if start:
+                grown[:start] = self._features[:start]
+            self._features = grown
+        self._features[start : start + k] = features
+        self._feature_length = start + k

@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from speculative.models.base import check_keep_slots
 from speculative.models.native.config import NativeConfig, rope_inverse_frequencies
@@ -92,6 +93,8 @@ class NativeLlama:
         angles = torch.outer(torch.arange(max_length, dtype=torch.float32), inv_freq)
         rotations = torch.polar(torch.ones_like(angles), angles)  # [max_length, d/2]
         self.decoder, self.backend = build_decoder(checkpoint, precision, rotations, backend)
+        tied = cfg.tie_word_embeddings
+        self._head_weight = None if tied else checkpoint.dense("lm_head.weight")  # [vocab, H]
         self.name = f"{checkpoint.name}-native-{precision}"
         self._length = 0
         self._batch = 0
@@ -182,6 +185,35 @@ class NativeLlama:
         if kept != list(range(first, first + len(kept))):
             self.decoder.keep_slots(first, kept)
         self._length = first + len(kept)
+
+    # ---- features (SupportsHiddenStates) --------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @torch.no_grad()
+    def forward_with_hidden(
+        self, input_ids: torch.Tensor  # [batch, k] int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`forward` (causal); also returns [batch, k, hidden] features: both
+        decoders leave the final residual stream in the buffer they were given, so the
+        features cost one final norm."""
+        batch, k = self._check_input(input_ids, None)
+        start = self._length
+        self._ensure_cache(batch)
+        positions = self._positions(None, batch, k, start)  # [batch, k]
+        hidden = self.embed[input_ids]  # [batch, k, hidden], updated in place by the decoder
+        logits = self.decoder.forward(hidden, start, positions, None)
+        self._length = start + k
+        final_norm = self.decoder.final_norm
+        features = F.rms_norm(hidden, hidden.shape[-1:], final_norm, self.config.rms_norm_eps)
+        return logits, features
+
+    def input_embedding(self) -> torch.Tensor:
+        return self.embed  # [vocab, hidden]
+
+    def output_embedding(self) -> torch.Tensor:
+        return self.embed if self._head_weight is None else self._head_weight
 
     # ---- internals ------------------------------------------------------------------
     def _check_input(

@@ -1,0 +1,291 @@
+"""EAGLE-style drafting: a one-layer head over [token embedding, target feature].
+
+The head reads the target's features of the committed positions (from the target's
+session: the verify forward computed them) and its own predicted features for drafted
+ones. It keeps a small KV cache over the pairs it processed; the entries made from true
+features survive across rounds (rolled back by common prefix), drafted ones are redone.
+
+Pair t is (feature f_t, token x_{t+1}) at position t; processing it predicts f_{t+1},
+whose logits over the draft vocabulary give the distribution of x_{t+2}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from speculative.drafters.base import Draft
+from speculative.drafters.head_common import (
+    draft_distribution,
+    draw,
+    draw_without_replacement,
+    to_full_vocab,
+    true_feature_count,
+)
+from speculative.drafters.tree import DraftTree
+from speculative.heads.modules import EagleHead
+from speculative.heads.store import TrainedHead
+from speculative.models.session import ModelSession, common_prefix_length
+from speculative.sampling import SamplingParams
+
+STATIC_BRANCHING = (3, 2, 2, 1, 1, 1, 1, 1)  # children per expanded node, by depth
+STATIC_WIDTH = (1, 2, 2, 3, 3, 3, 3, 3)  # expanded nodes per depth (first in draw order)
+DYNAMIC_TOP_K = 4  # EAGLE-2: children considered per expanded node
+DYNAMIC_WIDTH = 4  # EAGLE-2: nodes expanded per depth (best path probabilities)
+DYNAMIC_DEPTH = 6  # EAGLE-2: depths expanded
+
+
+class EagleDrafter:
+    """Chain and tree proposals from an EAGLE head (see module docstring)."""
+
+    def __init__(self, head: TrainedHead, vocab_size: int, name: str = "eagle") -> None:
+        if not isinstance(head.module, EagleHead):
+            raise ValueError(f"{name} needs an eagle head, got {head.config.method}")
+        self.name = name
+        self.head = head
+        self.module: EagleHead = head.module
+        self.vocab_size = vocab_size
+        self.cache = self.module.new_cache(512)
+        self.pairs: list[int] = []  # tokens x_{t+1} of the cached true pairs t = 0, 1, ...
+        self.target: ModelSession | None = None
+        self._calls = 0
+
+    @property
+    def forward_calls(self) -> int:
+        return self._calls
+
+    def reset(self) -> None:
+        self.cache.length = 0
+        self.pairs = []
+
+    def prime(self, target: ModelSession) -> None:
+        """Read the target's features from its session from now on."""
+        self.target = target
+
+    def observe(self, context: Sequence[int], num_accepted: int) -> None:
+        """Nothing: the next proposal catches up from the target's session."""
+
+    # ---- the head over the committed context ----------------------------------------
+    def _sync(self, context: Sequence[int]) -> torch.Tensor | None:
+        """Bring the head's cache to the committed ``context``; returns the predicted
+        feature of position len(context) - 1 ([H]: its logits give the next token's
+        distribution), or None when the target gave no features."""
+        n = len(context)
+        true = min(true_feature_count(self.target, context), n - 1)  # pairs from true features
+        if true < 1:
+            return None
+        keep = common_prefix_length(self.pairs, context[1 : true + 1])
+        self.cache.length = keep
+        del self.pairs[keep:]
+        features = self.target.features  # type: ignore[union-attr]
+        if keep == true:  # nothing new: redo the last true pair to get its prediction
+            keep -= 1
+            self.cache.length = keep
+            del self.pairs[keep:]
+        predicted = self._feed(context[keep + 1 : true + 1], features[keep:true], keep)
+        self.pairs.extend(context[keep + 1 : true + 1])
+        # pairs whose features the target has not given yet (none after a normal round)
+        for t in range(true, n - 1):
+            predicted = self._feed([context[t + 1]], predicted.unsqueeze(0), t)
+        return predicted
+
+    def _feed(
+        self,
+        tokens: Sequence[int],
+        features: torch.Tensor,
+        start: int,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Pairs (features[i], tokens[i]) at positions start + i -> the last prediction [H]."""
+        ids = torch.tensor(list(tokens), dtype=torch.long)
+        positions = torch.arange(start, start + len(ids))
+        out = self.module.step(self.cache, self.head.embedding[ids], features, positions, mask)
+        self._calls += 1
+        return out[-1]
+
+    def _probs(self, feature: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """[..., H] predicted features -> [..., N] processed draft probabilities."""
+        return draft_distribution(self.head.draft_logits(feature), params)
+
+    # ---- chain -------------------------------------------------------------------------
+    @torch.no_grad()
+    def propose(
+        self,
+        context: Sequence[int],
+        gamma: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Draft:
+        feature = self._sync(context)
+        if feature is None:
+            return Draft(tokens=[])
+        position = len(context) - 1
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for i in range(gamma):
+            probs = self._probs(feature, params)  # [N]
+            index = draw(probs, params, generator)
+            token = int(self.head.draft_to_target[index])
+            tokens.append(token)
+            if not params.greedy:
+                rows.append(probs)
+            if i + 1 < gamma:
+                feature = self._feed([token], feature.unsqueeze(0), position + i)
+        if params.greedy:
+            return Draft(tokens=tokens)
+        q = to_full_vocab(torch.stack(rows), self.head.draft_to_target, self.vocab_size)
+        return Draft(tokens=tokens, probs=q.unsqueeze(0))  # [1, gamma, vocab]
+
+    # ---- tree --------------------------------------------------------------------------
+    @torch.no_grad()
+    def propose_tree(
+        self,
+        context: Sequence[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> DraftTree:
+        """A tree of at most ``budget`` nodes: EAGLE-2's dynamic expansion by path
+        probability under greedy; a static shape (children drawn without replacement,
+        counts fixed by depth and draw rank) under sampling."""
+        feature = self._sync(context)
+        if feature is None or budget < 1:
+            return _empty_tree(params)
+        if params.greedy:
+            return self._dynamic_tree(len(context) - 1, feature, budget)
+        return self._static_tree(len(context) - 1, feature, budget, params, generator)
+
+    def _expand(
+        self, base: int, nodes: list[int], tree: _Growing, features: list[torch.Tensor]
+    ) -> None:
+        """Run the head over ``nodes`` (one depth, each seeing its ancestors), storing
+        their predicted features."""
+        start = self.cache.length
+        slots = {node: start + i for i, node in enumerate(nodes)}
+        mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)
+        mask[:, :base] = True  # the true pairs
+        for i, node in enumerate(nodes):
+            for ancestor in tree.path(node):
+                mask[i, tree.slot[ancestor] if ancestor in tree.slot else slots[ancestor]] = True
+        tokens = [tree.tokens[node] for node in nodes]
+        parent_features = torch.stack([features[tree.parents[node] + 1] for node in nodes])
+        positions = torch.tensor([base - 1 + tree.depth[node] for node in nodes])
+        ids = torch.tensor(tokens, dtype=torch.long)
+        out = self.module.step(
+            self.cache, self.head.embedding[ids], parent_features, positions, mask
+        )
+        self._calls += 1
+        tree.slot.update(slots)
+        for i, node in enumerate(nodes):
+            features[node + 1] = out[i]
+
+    def _dynamic_tree(self, position: int, root: torch.Tensor, budget: int) -> DraftTree:
+        base = self.cache.length
+        tree = _Growing()
+        features: dict[int, torch.Tensor] = {0: root}  # node + 1 -> predicted feature
+        frontier = [-1]
+        for _ in range(min(budget, DYNAMIC_DEPTH)):
+            candidates = []
+            for parent in frontier:
+                logp = torch.log_softmax(self.head.draft_logits(features[parent + 1]), -1)
+                top = torch.topk(logp, DYNAMIC_TOP_K)
+                base_score = tree.score[parent] if parent >= 0 else 0.0
+                for value, index in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                    token = int(self.head.draft_to_target[index])
+                    candidates.append(tree.add(token, parent, base_score + value))
+            frontier = sorted(candidates, key=lambda n: -tree.score[n])[:DYNAMIC_WIDTH]
+            self._expand(base, frontier, tree, features)  # type: ignore[arg-type]
+        self.cache.length = base
+        return tree.best(budget)
+
+    def _static_tree(
+        self,
+        position: int,
+        root: torch.Tensor,
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> DraftTree:
+        base = self.cache.length
+        tree = _Growing()
+        features: dict[int, torch.Tensor] = {0: root}
+        rows: list[torch.Tensor] = []
+        frontier = [-1]
+        for depth in range(len(STATIC_BRANCHING)):
+            children = []
+            for parent in frontier[: STATIC_WIDTH[depth]]:
+                probs = self._probs(features[parent + 1], params)  # [N]
+                room = budget - len(tree.tokens)
+                drawn = draw_without_replacement(
+                    probs, min(STATIC_BRANCHING[depth], room), params, generator
+                )
+                for index in drawn.tolist():
+                    children.append(tree.add(int(self.head.draft_to_target[index]), parent, 0.0))
+                    rows.append(probs)
+            if not children or len(tree.tokens) >= budget:
+                break
+            frontier = children[: STATIC_WIDTH[depth + 1]] if depth + 1 < len(STATIC_WIDTH) else []
+            if frontier:
+                self._expand(base, frontier, tree, features)  # type: ignore[arg-type]
+        self.cache.length = base
+        q = to_full_vocab(torch.stack(rows), self.head.draft_to_target, self.vocab_size)
+        return tree.as_draft(q)
+
+
+class _Growing:
+    """A tree under construction: node i has tokens[i], parents[i], depth[i], score[i]."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depth: list[int] = []
+        self.score: list[float] = []
+        self.slot: dict[int, int] = {}  # node -> head cache slot once expanded
+
+    def add(self, token: int, parent: int, score: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
+        self.score.append(score)
+        return len(self.tokens) - 1
+
+    def path(self, node: int) -> list[int]:
+        """The node and its ancestors."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out
+
+    def best(self, budget: int) -> DraftTree:
+        """The ``budget`` nodes of highest path log-probability, closed under ancestors,
+        parents before children (a point-mass tree: greedy)."""
+        order = sorted(range(len(self.tokens)), key=lambda n: (-self.score[n], self.depth[n]))
+        chosen: set[int] = set()
+        for node in order:
+            path = [n for n in self.path(node) if n not in chosen]
+            if len(chosen) + len(path) > budget:
+                continue
+            chosen.update(path)
+            if len(chosen) >= budget:
+                break
+        kept = sorted(chosen, key=lambda n: (self.depth[n], n))
+        return self._subset(kept, None)
+
+    def as_draft(self, q: torch.Tensor) -> DraftTree:
+        return self._subset(list(range(len(self.tokens))), q)
+
+    def _subset(self, kept: list[int], q: torch.Tensor | None) -> DraftTree:
+        index = {node: i for i, node in enumerate(kept)}
+        parents = [index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in kept]
+        return DraftTree(
+            tokens=torch.tensor([self.tokens[n] for n in kept], dtype=torch.long),
+            parents=torch.tensor(parents, dtype=torch.long),
+            q=None if q is None else q[kept],
+        )
+
+
+def _empty_tree(params: SamplingParams) -> DraftTree:
+    empty = torch.empty(0, dtype=torch.long)
+    return DraftTree(tokens=empty, parents=empty.clone(), q=None)

@@ -1,0 +1,59 @@
+"""What the head drafters share: processed draft distributions over a reduced vocabulary,
+draws without replacement, and reading the target's features from its session."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from speculative.models.session import ModelSession, common_prefix_length
+from speculative.sampling import SamplingParams, logits_to_probs, sample
+
+
+def draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., N] draft logits over the draft vocabulary -> [..., N] processed probabilities
+    (temperature / top-k / top-p as the target's; tokens outside the vocabulary have q 0)."""
+    return logits_to_probs(logits, params)
+
+
+def to_full_vocab(probs: torch.Tensor, draft_to_target: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[..., N] -> [..., vocab] with zeros outside the draft vocabulary."""
+    full = probs.new_zeros(*probs.shape[:-1], vocab)
+    index = draft_to_target.expand(*probs.shape[:-1], -1)
+    return full.scatter_(-1, index, probs)
+
+
+def draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One draft-vocabulary index from [N] processed probs (argmax when greedy)."""
+    if params.greedy:
+        return int(probs.argmax())
+    return int(sample(probs.unsqueeze(0), generator)[0])
+
+
+def draw_without_replacement(
+    probs: torch.Tensor, count: int, params: SamplingParams, generator: torch.Generator
+) -> torch.Tensor:
+    """Up to ``count`` distinct indices of [N] probs in draw order: the top ``count`` by
+    greedy probability, or by Gumbel-top-k (the same law as sequential draws without
+    replacement) using ``generator``. Never returns a zero-probability index."""
+    support = int((probs > 0).sum())
+    count = min(count, support)
+    if count <= 0:
+        return torch.empty(0, dtype=torch.long)
+    if params.greedy:
+        return torch.topk(probs, count).indices
+    uniform = torch.rand(probs.shape, generator=generator, dtype=torch.float64)
+    gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-300)))
+    keys = torch.where(probs > 0, probs.double().log() + gumbel, float("-inf"))
+    return torch.topk(keys, count).indices
+
+
+def true_feature_count(target: ModelSession | None, context: Sequence[int]) -> int:
+    """How many leading positions of ``context`` have the target's features at hand."""
+    if target is None:
+        return 0
+    features = target.features
+    if features is None:
+        return 0
+    return common_prefix_length(target.cached[: features.shape[0]], context)

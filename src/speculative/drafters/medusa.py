@@ -1,0 +1,127 @@
+"""Medusa drafting: K residual heads on the target's feature of the last position it has
+processed; head k proposes the token k positions after the one that feature's own logits
+give (the recovered or bonus token just committed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from speculative.drafters.base import Draft
+from speculative.drafters.head_common import (
+    draft_distribution,
+    draw,
+    draw_without_replacement,
+    to_full_vocab,
+    true_feature_count,
+)
+from speculative.drafters.tree import DraftTree
+from speculative.heads.modules import MedusaHeads
+from speculative.heads.store import TrainedHead
+from speculative.models.session import ModelSession
+from speculative.sampling import SamplingParams
+
+TREE_TOP_K = (3, 2, 2, 1)  # children per node by depth (cartesian product of heads' top-k)
+
+
+class MedusaDrafter:
+    """Chain and tree proposals from Medusa heads."""
+
+    def __init__(self, head: TrainedHead, vocab_size: int, name: str = "medusa") -> None:
+        if not isinstance(head.module, MedusaHeads):
+            raise ValueError(f"{name} needs medusa heads, got {head.config.method}")
+        self.name = name
+        self.head = head
+        self.module: MedusaHeads = head.module
+        self.vocab_size = vocab_size
+        self.target: ModelSession | None = None
+        self._calls = 0
+
+    @property
+    def forward_calls(self) -> int:
+        return self._calls
+
+    def reset(self) -> None:
+        pass
+
+    def prime(self, target: ModelSession) -> None:
+        self.target = target
+
+    def observe(self, context: Sequence[int], num_accepted: int) -> None:
+        pass
+
+    def _head_logits(self, context: Sequence[int], count: int) -> torch.Tensor | None:
+        """Draft logits [count, N] of heads 1..count, or None. They exist only when the
+        target has the feature of context[-2] (whose own logits gave the last token):
+        the normal state after a verification."""
+        n = len(context)
+        if n < 2 or true_feature_count(self.target, context) < n - 1:
+            return None
+        feature = self.target.features[n - 2]  # type: ignore[union-attr]
+        count = min(count, len(self.module.blocks))
+        with torch.no_grad():
+            predicted = torch.stack(self.module(feature)[:count])  # [count, H]
+        self._calls += 1
+        return self.head.draft_logits(predicted)
+
+    @torch.no_grad()
+    def propose(
+        self,
+        context: Sequence[int],
+        gamma: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Draft:
+        logits = self._head_logits(context, gamma)
+        if logits is None:
+            return Draft(tokens=[])
+        probs = draft_distribution(logits, params)  # [gamma, N]
+        indices = [draw(row, params, generator) for row in probs]
+        tokens = [int(self.head.draft_to_target[i]) for i in indices]
+        if params.greedy:
+            return Draft(tokens=tokens)
+        q = to_full_vocab(probs, self.head.draft_to_target, self.vocab_size)
+        return Draft(tokens=tokens, probs=q.unsqueeze(0))  # [1, len, vocab]
+
+    @torch.no_grad()
+    def propose_tree(
+        self,
+        context: Sequence[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> DraftTree:
+        """Cartesian top-k: each node at depth d gets TREE_TOP_K[d] children from head d + 1
+        (top-k under greedy; drawn without replacement per node under sampling)."""
+        logits = self._head_logits(context, len(TREE_TOP_K))
+        tokens: list[int] = []
+        parents: list[int] = []
+        rows: list[torch.Tensor] = []
+        if logits is None:
+            empty = torch.empty(0, dtype=torch.long)
+            return DraftTree(tokens=empty, parents=empty.clone(), q=None)
+        # greedy: rank by the heads' own probabilities (the processed q is one-hot)
+        probs = torch.softmax(logits, -1) if params.greedy else draft_distribution(logits, params)
+        frontier = [-1]
+        for depth in range(probs.shape[0]):
+            children = []
+            for parent in frontier:
+                room = budget - len(tokens)
+                count = min(TREE_TOP_K[depth], room)
+                for index in draw_without_replacement(probs[depth], count, params, generator):
+                    tokens.append(int(self.head.draft_to_target[index]))
+                    parents.append(parent)
+                    rows.append(probs[depth])
+                    children.append(len(tokens) - 1)
+            frontier = children
+            if not frontier or len(tokens) >= budget:
+                break
+        q = None
+        if not params.greedy and rows:
+            q = to_full_vocab(torch.stack(rows), self.head.draft_to_target, self.vocab_size)
+        return DraftTree(
+            tokens=torch.tensor(tokens, dtype=torch.long),
+            parents=torch.tensor(parents, dtype=torch.long),
+            q=q,
+        )

@@ -1,0 +1,175 @@
+"""Drafter names -> drafters: one table, so a new drafter is one file plus one line here.
+
+  none          plain autoregressive decoding on the same runtime (the reference)
+  ngram         prompt lookup: copy what followed the latest match of the last n-gram
+  self-<prec>   the target's own weights at another precision (bf16, int8, int4)
+  self-exit:N   the target's first N layers (+ final norm and head): early exit
+  eagle         the EAGLE head shipped for the target (eagle:DIR: a trained folder)
+  medusa        the Medusa heads shipped for the target (medusa:DIR: a trained folder)
+  auto          per round, n-gram lookup or the EAGLE head, by expected tokens per cost
+                (auto:DIR: with the head in DIR)
+  <path or id>  a separate, smaller causal LM sharing the target's vocabulary
+
+Factories ask capability protocols (SupportsHiddenStates, SupportsEarlyExit), never
+concrete model classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from speculative.drafters.base import Drafter
+
+if TYPE_CHECKING:
+    from speculative.pipeline import LoadedModel
+
+Factory = Callable[[str, "LoadedModel"], Drafter | None]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """``prefix`` matches a name equal to it or starting with ``prefix:`` (or ``prefix-``
+    when ``dash``); ``factory(argument, target)`` builds the drafter."""
+
+    prefix: str
+    factory: Factory
+    summary: str
+    dash: bool = False
+
+    def argument(self, name: str) -> str | None:
+        """The text after the prefix (possibly empty), or None when ``name`` is not ours."""
+        if name == self.prefix:
+            return ""
+        separator = "-" if self.dash else ":"
+        if name.startswith(self.prefix + separator):
+            return name[len(self.prefix) + 1 :]
+        return None
+
+
+def _none(argument: str, target: LoadedModel) -> Drafter | None:
+    return None
+
+
+def _ngram(argument: str, target: LoadedModel) -> Drafter:
+    from speculative.drafters.ngram import PromptLookupDrafter
+
+    return PromptLookupDrafter()
+
+
+def _self_precision(argument: str, target: LoadedModel) -> Drafter:
+    from speculative.drafters.model import DraftModelDrafter
+
+    if not argument:
+        raise ValueError("self-<precision> needs a precision, e.g. self-int4")
+    if target.make_variant is None:
+        raise ValueError(f"the runtime of '{target.name}' cannot build a self-{argument} drafter")
+    # the same model at another precision: it may start from the target's prefill
+    model = target.make_variant(argument)
+    return DraftModelDrafter(model, target.lm.vocab_size, f"self-{argument}", share_prefill=True)
+
+
+def _self_exit(argument: str, target: LoadedModel) -> Drafter:
+    from speculative.drafters.model import DraftModelDrafter
+    from speculative.models.base import SupportsEarlyExit
+
+    lm = target.lm
+    if not isinstance(lm, SupportsEarlyExit):
+        raise ValueError(f"the runtime of '{target.name}' does not support early exit")
+    layers = parse_layers(argument, lm.num_layers)
+    name = f"self-exit:{argument}" if argument else "self-exit"
+    return DraftModelDrafter(lm.early_exit(layers), lm.vocab_size, name)
+
+
+def parse_layers(value: str, total: int) -> int:
+    """A self-exit layer count ("" = half the layers), in [1, total)."""
+    if not value:
+        return max(1, total // 2)
+    try:
+        layers = int(value)
+    except ValueError:
+        raise ValueError(
+            f"self-exit wants a layer count, e.g. self-exit:12, got 'self-exit:{value}'"
+        ) from None
+    if layers < 1 or layers >= total:
+        raise ValueError(f"self-exit layer count must be in [1, {total}), got {layers}")
+    return layers
+
+
+def load_trained_head(method: str, argument: str, target: LoadedModel) -> Any:
+    """The head in folder ``argument``, or the one shipped for ``target``."""
+    from speculative.heads.store import load_head, require_features, shipped_head_dir
+
+    require_features(target.lm, f"target '{target.name}' on the {target.runtime} runtime")
+    folder = Path(argument) if argument else shipped_head_dir(method, target.name)
+    if folder is None:
+        raise ValueError(
+            f"no {method} head ships for '{target.name}'; train one with "
+            f"`speculative train-draft --method {method} --target ... --out DIR` and use "
+            f"--draft {method}:DIR"
+        )
+    return load_head(folder, target.lm, method)
+
+
+def _eagle(argument: str, target: LoadedModel) -> Drafter:
+    from speculative.drafters.eagle import EagleDrafter
+
+    head = load_trained_head("eagle", argument, target)
+    return EagleDrafter(
+        head, target.lm.vocab_size, "eagle" if not argument else f"eagle:{argument}"
+    )
+
+
+def _medusa(argument: str, target: LoadedModel) -> Drafter:
+    from speculative.drafters.medusa import MedusaDrafter
+
+    head = load_trained_head("medusa", argument, target)
+    name = "medusa" if not argument else f"medusa:{argument}"
+    return MedusaDrafter(head, target.lm.vocab_size, name)
+
+
+def _auto(argument: str, target: LoadedModel) -> Drafter:
+    from speculative.drafters.auto import AutoDrafter
+
+    return AutoDrafter(_eagle(argument, target), "auto" if not argument else f"auto:{argument}")
+
+
+def _draft_model(name: str, target: LoadedModel) -> Drafter:
+    from speculative.drafters.model import DraftModelDrafter
+    from speculative.models.loading import check_vocab_compatible
+    from speculative.pipeline import load_target
+
+    vocab = target.lm.vocab_size
+    draft = load_target(name, target.runtime)
+    check_vocab_compatible(
+        target.tokenizer, vocab, draft.tokenizer, draft.lm.vocab_size, target.name, draft.name
+    )
+    return DraftModelDrafter(draft.lm, vocab, f"draft:{draft.name}")
+
+
+REGISTRY: tuple[Entry, ...] = (
+    Entry("none", _none, "plain decoding (no drafter)"),
+    Entry("ngram", _ngram, "prompt lookup (n-gram copy)"),
+    Entry("self-exit", _self_exit, "the target's first N layers: self-exit:N"),
+    Entry("self", _self_precision, "the target at another precision: self-int4", dash=True),
+    Entry("eagle", _eagle, "EAGLE head (shipped, or eagle:DIR)"),
+    Entry("medusa", _medusa, "Medusa heads (shipped, or medusa:DIR)"),
+    Entry("auto", _auto, "n-gram or EAGLE head per round (auto:DIR)"),
+)
+
+
+def build_drafter(spec: str | None, target: LoadedModel) -> Drafter | None:
+    """The drafter a name stands for (see the module docstring); anything not in the
+    table is a draft model's name or path."""
+    name = (spec or "none").strip()
+    for entry in REGISTRY:
+        argument = entry.argument(name)
+        if argument is not None:
+            return entry.factory(argument, target)
+    return _draft_model(name, target)
+
+
+def drafter_names() -> list[str]:
+    return [entry.prefix for entry in REGISTRY]

@@ -1,0 +1,235 @@
+"""The drafting heads as PyTorch modules: an EAGLE-style decoder layer over [token
+embedding, target feature], and Medusa's residual heads.
+
+Both predict over a reduced draft vocabulary through the target's own (frozen) output
+head rows: ``logits = feature @ head_rows.T`` with ``head_rows = W_target[draft_to_target]``
+[draft_vocab, hidden]. The rows are never stored with a head; they are taken from the
+target when the head is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Shape of a head; ``method`` is "eagle" or "medusa"."""
+
+    method: str
+    hidden_size: int
+    draft_vocab: int
+    intermediate_size: int = 0  # eagle: the decoder layer's MLP width
+    num_heads: int = 0  # eagle: attention heads
+    num_kv_heads: int = 0
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    medusa_heads: int = 0  # medusa: K
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (Llama's half-split layout). x: [..., T, d]; positions: [T] or [B, 1, T]."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)  # [d/2]
+    angles = positions.float().unsqueeze(-1) * inv  # [..., T, d/2]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    half = d // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class KVCache:
+    """The EAGLE head's own cache over the pairs it processed (batch of one)."""
+
+    keys: torch.Tensor  # [kv_heads, capacity, head_dim]
+    values: torch.Tensor  # [kv_heads, capacity, head_dim]
+    length: int = 0
+
+
+class EagleHead(nn.Module):
+    """fc(2H -> H) then one Llama decoder layer; its output is the predicted next feature."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.config = config
+        self.embed_norm = RMSNorm(h, eps)
+        self.feature_norm = RMSNorm(h, eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.input_norm = RMSNorm(h, eps)
+        kv = config.num_kv_heads * config.head_dim
+        self.q = nn.Linear(h, h, bias=False)
+        self.k = nn.Linear(h, kv, bias=False)
+        self.v = nn.Linear(h, kv, bias=False)
+        self.o = nn.Linear(h, h, bias=False)
+        self.post_norm = RMSNorm(h, eps)
+        self.gate = nn.Linear(h, config.intermediate_size, bias=False)
+        self.up = nn.Linear(h, config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, h, bias=False)
+
+    def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """[..., H] embeddings of x_{t+1} and features f_t -> the layer's input [..., H]."""
+        return self.fc(torch.cat([self.embed_norm(embeds), self.feature_norm(features)], -1))
+
+    def _qkv(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, H] -> q [B, heads, T, d], k and v [B, kv, T, d] (q, k rotated)."""
+        cfg = self.config
+        b, t, _ = x.shape
+        normed = self.input_norm(x)
+        q = self.q(normed).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = self.k(normed).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v(normed).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+
+    def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual + output projection + MLP. x: [B, T, H]; attn: [B, heads, T, d]."""
+        b, _, t, _ = attn.shape
+        x = x + self.o(attn.transpose(1, 2).reshape(b, t, -1))
+        normed = self.post_norm(x)
+        return x + self.down(F.silu(self.gate(normed)) * self.up(normed))
+
+    def _group(self, kv: torch.Tensor) -> torch.Tensor:
+        """[B, kv, T, d] -> [B, heads, T, d] (grouped-query attention)."""
+        return kv.repeat_interleave(self.config.num_heads // self.config.num_kv_heads, dim=1)
+
+    # ---- training: a teacher-forced pass plus unrolled draft steps ------------------
+    def unrolled(
+        self, embeds: torch.Tensor, features: torch.Tensor, steps: int
+    ) -> list[torch.Tensor]:
+        """Predicted features for ``steps`` consecutive draft steps from every position.
+
+        embeds:   [B, T + steps - 1, H] embeddings of x_1 .. (x_{t+1} at index t)
+        features: [B, T, H] target features f_0 .. f_{T-1}
+        returns:  per step s, [B, T, H]: row t predicts f_{t+s+1} as drafting would after
+                  a context whose last true pair is t (step s reads the head's own
+                  prediction of step s - 1 and attends to true pairs <= t plus its own
+                  earlier draft pairs: exactly the cache it sees at inference).
+        """
+        t = features.shape[1]
+        positions = torch.arange(t)
+        x = self.fuse(embeds[:, :t], features)
+        q, k, v = self._qkv(x, positions)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        scale = self.config.head_dim**-0.5
+        true_k, true_v = self._group(k), self._group(v)  # [B, heads, T, d]
+        diag_k: list[torch.Tensor] = []
+        diag_v: list[torch.Tensor] = []
+        outputs = []
+        for s in range(steps):
+            if s > 0:
+                x = self.fuse(embeds[:, s : s + t], outputs[-1])
+                q, k, v = self._qkv(x, positions + s)
+                diag_k.append(self._group(k))
+                diag_v.append(self._group(v))
+            scores = (q @ true_k.transpose(-1, -2)) * scale  # [B, heads, T, T]
+            scores = scores.masked_fill(~causal, float("-inf"))
+            extra = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # [B, h, T, 1]
+            probs = torch.softmax(torch.cat([scores, *extra], dim=-1), dim=-1)
+            attn = probs[..., :t] @ true_v
+            for j, dv in enumerate(diag_v):
+                attn = attn + probs[..., t + j : t + j + 1] * dv
+            outputs.append(self._finish(x, attn))
+        return outputs
+
+    # ---- inference: an incremental pass over the head's own cache -------------------
+    def new_cache(self, capacity: int) -> KVCache:
+        cfg = self.config
+        shape = (cfg.num_kv_heads, capacity, cfg.head_dim)
+        return KVCache(torch.zeros(shape), torch.zeros(shape))
+
+    @torch.no_grad()
+    def step(
+        self,
+        cache: KVCache,
+        embeds: torch.Tensor,  # [k, H] embeddings of the tokens x_{t+1}
+        features: torch.Tensor,  # [k, H] features f_t (true or predicted)
+        positions: torch.Tensor,  # [k] int64 pair positions t
+        attention_mask: torch.Tensor | None = None,  # [k, k] or [k, start + k] bool
+    ) -> torch.Tensor:  # [k, H] predicted features f_{t+1}
+        """Append k pairs to ``cache`` and return their predicted next features.
+
+        Without a mask the new rows see the whole cache and each other causally; a [k, k]
+        mask says which new rows each sees (plus the whole cache); a [k, start + k] mask
+        gives every visible slot (tree drafting: a node sees its ancestors only)."""
+        k = embeds.shape[0]
+        start = cache.length
+        if start + k > cache.keys.shape[1]:
+            kv, capacity, d = cache.keys.shape
+            extra = torch.zeros(kv, max(capacity, start + k - capacity + 64), d)
+            cache.keys = torch.cat([cache.keys, extra], 1)
+            cache.values = torch.cat([cache.values, extra.clone()], 1)
+        x = self.fuse(embeds, features).unsqueeze(0)  # [1, k, H]
+        q, new_k, new_v = self._qkv(x, positions)
+        cache.keys[:, start : start + k] = new_k[0]
+        cache.values[:, start : start + k] = new_v[0]
+        cache.length = start + k
+        cfg = self.config
+        kv, group, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        keys = cache.keys[:, : start + k]  # [kv, S, d]
+        values = cache.values[:, : start + k]
+        grouped = q[0].reshape(kv, group * k, d)  # heads h = kv_index * group + g
+        scores = (grouped @ keys.transpose(-1, -2)) * d**-0.5  # [kv, group * k, S]
+        scores = scores.view(1, cfg.num_heads, k, start + k)
+        if attention_mask is not None and attention_mask.shape[1] == start + k:
+            visible = attention_mask.bool()
+        else:
+            new = (
+                torch.ones(k, k, dtype=torch.bool).tril()
+                if attention_mask is None
+                else attention_mask
+            )
+            visible = torch.cat([torch.ones(k, start, dtype=torch.bool), new.bool()], dim=1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(kv, group * k, start + k)
+        attn = (probs @ values).view(1, cfg.num_heads, k, d)  # [1, heads, k, d]
+        return self._finish(x, attn)[0]
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks on the last feature; block k predicts the token k + 1 positions
+    after the one the feature's own logits predict."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.config = config
+        self.blocks = nn.ModuleList(nn.Linear(h, h) for _ in range(config.medusa_heads))
+        for block in self.blocks:
+            nn.init.zeros_(block.weight)
+            nn.init.zeros_(block.bias)
+
+    def forward(self, features: torch.Tensor) -> list[torch.Tensor]:
+        """features: [..., H] -> K predicted features [..., H] (fed to the head rows)."""
+        return [features + F.silu(block(features)) for block in self.blocks]
+
+
+def build_head(config: HeadConfig) -> nn.Module:
+    if config.method == "eagle":
+        return EagleHead(config)
+    if config.method == "medusa":
+        return MedusaHeads(config)
+    raise ValueError(f"unknown head method {config.method!r}; expected eagle or medusa")

@@ -1,0 +1,201 @@
+"""``train-draft`` end to end: data -> target features on disk -> head -> folder."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculative.heads.modules import HeadConfig, build_head
+from speculative.heads.store import require_features, save_head
+from speculative.training import features as feats
+from speculative.training.data import MIN_TOKENS, encode_record, is_held_out, read_records
+from speculative.training.trainer import Trainer, TrainSettings, evaluate
+
+METHODS = ("eagle", "medusa")
+
+
+@dataclass
+class TrainDraftOptions:
+    out: Path
+    method: str = "eagle"
+    target: str = "default"
+    runtime: str = "native"
+    precision: str = "fp32"
+    data: list[Path] = field(default_factory=list)
+    self_distill: int = 0
+    draft_vocab: int = 8192
+    steps: int = 0
+    epochs: float = 2.0
+    max_tokens: int = 512
+    held_out: float = 0.05
+    medusa_heads: int = 4
+    unroll: int = 3
+    batch_tokens: int = 2048
+    lr: float = 1e-3
+    seed: int = 0
+    resume: bool = False
+    threads: int = 0
+    progress: bool = True
+    loss_fraction: float = 0.5
+
+
+def head_config(lm: Any, method: str, draft_vocab: int, medusa_heads: int) -> HeadConfig:
+    """The head's shape from the target's config (native or transformers names)."""
+    cfg = getattr(lm, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+
+    def read(*names: str, default: Any = None) -> Any:
+        for name in names:
+            value = getattr(cfg, name, None)
+            if value is not None:
+                return value
+        return default
+
+    hidden = int(require_features(lm).hidden_size)
+    heads = int(read("num_heads", "num_attention_heads", default=max(1, hidden // 64)))
+    return HeadConfig(
+        method=method,
+        hidden_size=hidden,
+        draft_vocab=draft_vocab,
+        intermediate_size=int(read("intermediate_size", default=4 * hidden)),
+        num_heads=heads,
+        num_kv_heads=int(read("num_kv_heads", "num_key_value_heads", default=heads)),
+        rope_theta=float(read("rope_theta", default=10000.0)),
+        rms_norm_eps=float(read("rms_norm_eps", default=1e-5)),
+        medusa_heads=medusa_heads if method == "medusa" else 0,
+    )
+
+
+def collect_records(options: TrainDraftOptions, target: Any) -> list[dict[str, Any]]:
+    records = list(read_records(options.data))
+    if options.self_distill > 0:
+        records += self_distill_records(options, target)
+    if not records:
+        raise ValueError("no training data: give --data FILE... and/or --self-distill N")
+    return records
+
+
+def self_distill_records(options: TrainDraftOptions, target: Any) -> list[dict[str, Any]]:
+    """The target answers N generated chat prompts (kept in OUT/selfdistill.jsonl, reused
+    on --resume)."""
+    from speculative.pipeline import Speculator, build_drafter
+    from speculative.training.prompts import build_prompts
+    from speculative.training.selfdistill import answer_prompts, write_transcripts
+
+    path = options.out / "selfdistill.jsonl"
+    done = list(read_records([path])) if path.is_file() else []
+    prompts = build_prompts(options.self_distill, options.seed)[len(done) :]
+    if prompts:
+        speculator = Speculator(target, build_drafter("ngram", target), gamma=4)
+        answers = answer_prompts(speculator, prompts, seed=options.seed, progress=options.progress)
+        write_transcripts(path, answers)
+    return list(read_records([path]))
+
+
+def prepare_features(options: TrainDraftOptions, target: Any) -> dict[str, Any]:
+    """Extract (or, on --resume, reuse) the feature chunks and the draft vocabulary."""
+    folder = options.out / "features"
+    meta_path = folder / "meta.json"
+    if options.resume and meta_path.is_file():
+        return json.loads(meta_path.read_text())
+    records = collect_records(options, target)
+    sequences = []
+    for index, record in enumerate(records):
+        tokens = encode_record(target.tokenizer, record, options.max_tokens)
+        if len(tokens) >= MIN_TOKENS:
+            sequences.append((tokens, is_held_out(index, options.held_out)))
+    if not any(not held for _, held in sequences):
+        raise ValueError(f"no training sequence has {MIN_TOKENS} tokens or more")
+    started = time.perf_counter()
+    counts, train_tokens, held_tokens = feats.extract(
+        target.lm, sequences, folder, options.progress
+    )
+    vocab = feats.draft_vocabulary(counts, options.draft_vocab, target.lm.vocab_size)
+    meta = {
+        "records": len(records),
+        "train_tokens": train_tokens,
+        "heldout_tokens": held_tokens,
+        "extract_seconds": time.perf_counter() - started,
+        "draft_to_target": vocab.tolist(),
+    }
+    meta_path.write_text(json.dumps(meta))
+    return meta
+
+
+def turn_marker(tokenizer: Any) -> int | None:
+    """The chat template's turn-start token id (ChatML's <|im_start|>), if any."""
+    token_id = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    return int(token_id) if isinstance(token_id, int) and token_id != unknown else None
+
+
+def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
+    """Run the whole pipeline; returns the report (also written to OUT/report.json)."""
+    from speculative.pipeline import load_target
+
+    if options.method not in METHODS:
+        raise ValueError(f"unknown method {options.method!r}; choose one of {', '.join(METHODS)}")
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    torch.manual_seed(options.seed)
+    random.seed(options.seed)
+    options.out.mkdir(parents=True, exist_ok=True)
+    target = load_target(options.target, options.runtime, options.precision)
+    lm = require_features(target.lm, f"target '{target.name}' on the {target.runtime} runtime")
+    meta = prepare_features(options, target)
+    draft_to_target = torch.tensor(meta["draft_to_target"], dtype=torch.long)
+    config = head_config(target.lm, options.method, draft_to_target.numel(), options.medusa_heads)
+    module = build_head(config)
+    embedding = lm.input_embedding().float()
+    rows = lm.output_embedding()[draft_to_target].float().contiguous()
+    settings = TrainSettings(
+        method=options.method,
+        steps=options.steps,
+        epochs=options.epochs,
+        lr=options.lr,
+        batch_tokens=options.batch_tokens,
+        unroll=options.unroll,
+        loss_fraction=options.loss_fraction,
+        seed=options.seed,
+    )
+    checkpoint = options.out / "checkpoint.pt"
+    trainer = Trainer(config, module, embedding, rows, settings, checkpoint)
+    if options.resume and checkpoint.is_file():
+        trainer.load(checkpoint)
+    total = options.steps or max(
+        1, round(options.epochs * meta["train_tokens"] / options.batch_tokens)
+    )
+    train_paths = feats.chunk_paths(options.out / "features", "train")
+    metrics = trainer.run(train_paths, total, options.progress)
+    held_paths = feats.chunk_paths(options.out / "features", "heldout")
+    steps = options.unroll + 2 if options.method == "eagle" else options.medusa_heads
+    marker = turn_marker(target.tokenizer)
+    held = evaluate(module, held_paths, embedding, rows, draft_to_target, steps, marker)
+    report = {
+        "method": options.method,
+        "target": target.name,
+        "out": str(options.out),
+        "records": meta["records"],
+        "train_tokens": meta["train_tokens"],
+        "heldout_tokens": meta["heldout_tokens"],
+        "draft_vocab": draft_to_target.numel(),
+        "steps": trainer.step,
+        "extract_seconds": round(meta["extract_seconds"], 1),
+        "train_seconds": round(trainer.seconds, 1),
+        "loss": round(metrics.loss, 4),
+        "train_top1": round(metrics.top1, 4),
+        "heldout_top1": [round(x, 4) for x in held.top1],
+        "heldout_scope": "answers" if marker is not None else "all tokens",
+        "heldout_accepted": round(held.accepted, 3),
+        "heldout_drafted": steps,
+    }
+    save_head(options.out, config, module, draft_to_target, lm, target.name, {"training": report})
+    (options.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report

@@ -1,0 +1,338 @@
+"""Train an EAGLE or Medusa head on cached target features (see :mod:`.features`).
+
+Loss = distillation against the target's own distribution over the draft vocabulary
+(soft cross-entropy; the target's probabilities come from its stored features) plus,
+for EAGLE, a feature regression. EAGLE trains through ``unroll`` consecutive draft steps
+(each reading its own previous prediction), as drafting will run it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from speculative.heads.modules import EagleHead, HeadConfig, MedusaHeads
+from speculative.training.features import Sequence_, iterate_chunks
+
+REGRESSION_WEIGHT = 0.2
+STEP_DECAY = 0.8  # weight of unrolled step s: STEP_DECAY ** s
+
+
+@dataclass
+class TrainSettings:
+    method: str = "eagle"
+    steps: int = 0  # 0: from epochs
+    epochs: float = 2.0
+    lr: float = 1e-3
+    batch_tokens: int = 2048
+    unroll: int = 3
+    seed: int = 0
+    checkpoint_every: int = 200
+    eval_steps: int = 5
+    loss_fraction: float = 0.5  # share of rows whose distributions enter the loss
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, L] int64 (0-padded)
+    features: torch.Tensor  # [B, L, H] float32 (0-padded)
+    greedy: torch.Tensor  # [B, L] int64
+    lengths: torch.Tensor  # [B] int64
+
+
+@dataclass
+class Metrics:
+    loss: float = 0.0
+    top1: float = 0.0
+
+
+@dataclass
+class HeldOut:
+    """Per draft step s: top-1 agreement with the target's greedy token, and the mean
+    greedy chain length accepted out of ``len(top1)`` drafted."""
+
+    top1: list[float] = field(default_factory=list)
+    accepted: float = 0.0
+    tokens: int = 0
+
+
+def make_batches(
+    sequences: Iterator[Sequence_], batch_tokens: int, rng: random.Random
+) -> Iterator[Batch]:
+    """Pack sequences (shuffled within a window) into padded batches of ~batch_tokens."""
+    window: list[Sequence_] = []
+    for item in sequences:
+        window.append(item)
+        if len(window) >= 64:
+            rng.shuffle(window)
+            yield from _pack(window[:32], batch_tokens)
+            window = window[32:]
+    rng.shuffle(window)
+    yield from _pack(window, batch_tokens)
+
+
+def _pack(items: list[Sequence_], batch_tokens: int) -> Iterator[Batch]:
+    group: list[Sequence_] = []
+    for item in sorted(items, key=lambda s: s.tokens.numel()):
+        longest = max([s.tokens.numel() for s in group] + [item.tokens.numel()])
+        if group and longest * (len(group) + 1) > batch_tokens:
+            yield collate(group)
+            group = []
+        group.append(item)
+    if group:
+        yield collate(group)
+
+
+def collate(items: Sequence[Sequence_]) -> Batch:
+    length = max(s.tokens.numel() for s in items)
+    hidden = items[0].features.shape[-1]
+    tokens = torch.zeros(len(items), length, dtype=torch.long)
+    greedy = torch.zeros(len(items), length, dtype=torch.long)
+    features = torch.zeros(len(items), length, hidden)
+    for i, s in enumerate(items):
+        n = s.tokens.numel()
+        tokens[i, :n], greedy[i, :n], features[i, :n] = s.tokens, s.greedy, s.features
+    lengths = torch.tensor([s.tokens.numel() for s in items])
+    return Batch(tokens, features, greedy, lengths)
+
+
+def _shift(x: torch.Tensor, by: int, length: int) -> torch.Tensor:
+    """x[:, by : by + length] zero-padded on the right: [B, length, ...]."""
+    part = x[:, by : by + length]
+    missing = length - part.shape[1]
+    if missing > 0:
+        pad = torch.zeros(x.shape[0], missing, *x.shape[2:], dtype=x.dtype)
+        part = torch.cat([part, pad], dim=1)
+    return part
+
+
+def predictions(
+    module: nn.Module, batch: Batch, embedding: torch.Tensor, steps: int
+) -> list[tuple[torch.Tensor, int]]:
+    """Per draft step: (predicted features [B, T, H], offset o): row t predicts the
+    feature of position t + o, i.e. the target's distribution of token t + o + 1."""
+    length = batch.tokens.shape[1]
+    if isinstance(module, EagleHead):
+        rows = length - 1
+        embeds = embedding[_shift(batch.tokens, 1, rows + steps - 1)]  # x_{t+1}
+        outputs = module.unrolled(embeds, batch.features[:, :rows], steps)
+        return [(out, s + 1) for s, out in enumerate(outputs)]
+    assert isinstance(module, MedusaHeads)
+    outputs = module(batch.features)
+    return [(out, k + 1) for k, out in enumerate(outputs[:steps])]
+
+
+def batch_loss(
+    module: nn.Module,
+    batch: Batch,
+    embedding: torch.Tensor,
+    rows: torch.Tensor,
+    steps: int,
+    fraction: float = 1.0,
+) -> tuple[torch.Tensor, float]:
+    """Distillation (+ regression for EAGLE) loss and step-0 top-1 agreement."""
+    total = torch.zeros(())
+    top1 = 0.0
+    eagle = isinstance(module, EagleHead)
+    for s, (pred, offset) in enumerate(predictions(module, batch, embedding, steps)):
+        t = pred.shape[1]
+        target = _shift(batch.features, offset, t)  # [B, T, H]
+        valid = torch.arange(t) + offset < batch.lengths.unsqueeze(1)  # [B, T]
+        chosen = _loss_rows(valid, fraction)  # [M] flat row indices
+        pred_rows = pred.reshape(-1, pred.shape[-1])[chosen]  # [M, H]
+        target_rows = target.reshape(-1, target.shape[-1])[chosen]
+        with torch.no_grad():
+            p = torch.softmax(target_rows @ rows.T, dim=-1)  # [M, N]
+        logq = torch.log_softmax(pred_rows @ rows.T, dim=-1)
+        loss = -(p * logq).sum(-1).mean()
+        if eagle:
+            loss = loss + REGRESSION_WEIGHT * F.smooth_l1_loss(pred_rows, target_rows)
+        total = total + STEP_DECAY**s * loss
+        if s == 0:
+            top1 = float((logq.argmax(-1) == p.argmax(-1)).float().mean())
+    return total, top1
+
+
+def _loss_rows(valid: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Flat indices of the valid rows, a random ``fraction`` of them (the output-head
+    matmuls dominate training; every row still shapes the attention context)."""
+    index = valid.reshape(-1).nonzero().squeeze(1)
+    if fraction >= 1 or index.numel() < 2:
+        return index
+    keep = max(1, int(index.numel() * fraction))
+    return index[torch.randperm(index.numel())[:keep]]
+
+
+@torch.no_grad()
+def evaluate(
+    module: nn.Module,
+    paths: Sequence[Path],
+    embedding: torch.Tensor,
+    rows: torch.Tensor,
+    draft_to_target: torch.Tensor,
+    steps: int,
+    answer_marker: int | None = None,
+) -> HeldOut:
+    """Greedy agreement with the target on held-out sequences, per draft step, and the
+    mean accepted length of a chain of ``steps`` drafts (a draft step counts only while
+    the text follows the target's greedy choice, as greedy decoding would). With
+    ``answer_marker`` (the chat template's turn-start token) only positions after its
+    last occurrence count: the answer the drafter will meet, not the template."""
+    module.eval()
+    hits = torch.zeros(steps)
+    seen = torch.zeros(steps)
+    accepted_sum, chains, tokens = 0.0, 0, 0
+    for item in iterate_chunks(paths):
+        batch = collate([item])
+        n = item.tokens.numel()
+        start = _answer_start(item.tokens, answer_marker)
+        tokens += n - start
+        drafted, valids = [], []
+        for pred, offset in predictions(module, batch, embedding, steps):
+            t = pred.shape[1]
+            ids = draft_to_target[(pred[0] @ rows.T).argmax(-1)]  # [T]
+            want = _shift(batch.greedy, offset, t)[0]  # target's token after t + offset
+            valid = (torch.arange(t) + offset < n) & (torch.arange(t) >= start)
+            drafted.append((ids == want) & valid)
+            valids.append(valid)
+        chain = torch.ones(drafted[0].shape[0], dtype=torch.bool)
+        follows = _follows_greedy(item, drafted[0].shape[0], steps, isinstance(module, EagleHead))
+        length = torch.zeros(drafted[0].shape[0])
+        for s, ok in enumerate(drafted):
+            hits[s] += ok.float().sum()
+            seen[s] += valids[s].float().sum()
+            chain = chain & ok & follows[s]
+            length += chain.float()
+        index = torch.arange(length.numel())
+        usable = (index + steps + 1 < n) & (index >= start)
+        accepted_sum += float(length[usable].sum())
+        chains += int(usable.sum())
+    module.train()
+    return HeldOut(
+        top1=(hits / seen.clamp(min=1)).tolist(),
+        accepted=accepted_sum / max(chains, 1),
+        tokens=tokens,
+    )
+
+
+def _answer_start(tokens: torch.Tensor, marker: int | None) -> int:
+    """Index of the first row after the last ``marker`` token plus the role line (the
+    "assistant" and newline tokens), 0 without a marker."""
+    if marker is None:
+        return 0
+    where = (tokens == marker).nonzero()
+    return int(where[-1]) + 2 if where.numel() else 0
+
+
+def _follows_greedy(item: Sequence_, rows: int, steps: int, eagle: bool) -> list[torch.Tensor]:
+    """follows[s][t]: the text tokens a draft at step s of row t is conditioned on are
+    the target's greedy choices (EAGLE reads x_{t+2} .. x_{t+s+1} beyond its true pair;
+    Medusa, blind to x_{t+1}, needs x_{t+1} .. x_{t+s+1})."""
+    greedy_text = torch.zeros(item.tokens.numel() + 1, dtype=torch.bool)
+    greedy_text[1 : item.tokens.numel()] = item.tokens[1:] == item.greedy[:-1]  # x_j greedy
+    out, ok = [], torch.ones(rows, dtype=torch.bool)
+    index = torch.arange(rows)
+    for s in range(steps):
+        needed = index + s + 1  # the newest conditioning token
+        if s > 0 or not eagle:
+            ok = ok & greedy_text[needed.clamp(max=item.tokens.numel())]
+        out.append(ok.clone())
+    return out
+
+
+class Trainer:
+    """The optimisation loop with checkpoints and resume."""
+
+    def __init__(
+        self,
+        config: HeadConfig,
+        module: nn.Module,
+        embedding: torch.Tensor,  # [vocab, H] the target's input embedding
+        rows: torch.Tensor,  # [N, H] the target's output rows of the draft vocabulary
+        settings: TrainSettings,
+        checkpoint: Path | None = None,
+    ) -> None:
+        self.config, self.module, self.settings = config, module, settings
+        self.embedding, self.rows = embedding, rows
+        self.checkpoint = checkpoint
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=settings.lr, weight_decay=0.0)
+        self.step = 0
+        self.seconds = 0.0
+        self.history: list[dict[str, float]] = []
+
+    def lr_at(self, step: int, total: int) -> float:
+        warmup = min(50, total // 10 + 1)
+        if step < warmup:
+            return self.settings.lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return self.settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def run(self, paths: Sequence[Path], total_steps: int, progress: bool = True) -> Metrics:
+        rng = random.Random(self.settings.seed + self.step)
+        metrics = Metrics()
+        bar = tqdm(
+            total=total_steps, initial=self.step, desc="train", unit="step", disable=not progress
+        )
+        started = time.perf_counter() - self.seconds
+        steps = self.settings.unroll if self.config.method == "eagle" else self.config.medusa_heads
+        while self.step < total_steps:
+            order = list(paths)
+            rng.shuffle(order)
+            for batch in make_batches(iterate_chunks(order), self.settings.batch_tokens, rng):
+                if self.step >= total_steps:
+                    break
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self.lr_at(self.step, total_steps)
+                loss, top1 = batch_loss(
+                    self.module,
+                    batch,
+                    self.embedding,
+                    self.rows,
+                    steps,
+                    self.settings.loss_fraction,
+                )
+                self.optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)
+                self.optimizer.step()
+                self.step += 1
+                value = float(loss.detach())
+                metrics.loss = 0.9 * metrics.loss + 0.1 * value if self.step > 1 else value
+                metrics.top1 = 0.9 * metrics.top1 + 0.1 * top1 if self.step > 1 else top1
+                bar.set_postfix(loss=f"{metrics.loss:.3f}", top1=f"{metrics.top1:.3f}")
+                bar.update(1)
+                self.seconds = time.perf_counter() - started
+                if self.checkpoint and self.step % self.settings.checkpoint_every == 0:
+                    self.save(self.checkpoint)
+        bar.close()
+        if self.checkpoint:
+            self.save(self.checkpoint)
+        return metrics
+
+    def save(self, path: Path) -> None:
+        torch.save(
+            {
+                "module": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "step": self.step,
+                "seconds": self.seconds,
+                "settings": asdict(self.settings),
+            },
+            path,
+        )
+
+    def load(self, path: Path) -> None:
+        state = torch.load(path, weights_only=True)
+        self.module.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.seconds = float(state["seconds"])

@@ -1,0 +1,358 @@
+"""Drafting heads (EAGLE, Medusa, auto) on tiny seeded models trained in-process: features
+through the model protocol, lossless greedy and sampled generation, trees, registry,
+train-draft end to end, and the wrong-target check."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from speculative.drafters.auto import AutoDrafter
+from speculative.drafters.eagle import EagleDrafter
+from speculative.drafters.registry import REGISTRY, build_drafter
+from speculative.drafters.tree import TreeDrafter
+from speculative.engine import SpeculativeEngine, StopCriteria
+from speculative.heads.store import HeadMismatch, load_head
+from speculative.models.base import SupportsHiddenStates
+from speculative.models.markov import MarkovLM
+from speculative.models.session import ModelSession
+from speculative.pipeline import load_target
+from speculative.sampling import SamplingParams
+from speculative.training.train_draft import TrainDraftOptions, train_draft
+from tiny import WORDS, save_tiny
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PROMPT = [3, 4, 5, 6, 3, 4, 5, 7, 8, 3, 4]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def write_corpus(path: Path, folder: Path, records: int = 60, seed: int = 0) -> Path:
+    """Self-distillation data, as for the real model: the target's own greedy
+    continuations of random word prompts (pre-tokenized JSONL)."""
+    rng = random.Random(seed)
+    target = load_target(str(folder), "native", "fp32", "torch")
+    lines = []
+    for _ in range(records):
+        prompt = [rng.randrange(2, len(WORDS) + 2) for _ in range(4)]
+        out = generate(target, None, GREEDY, n=40, prompt=prompt)
+        lines.append(json.dumps({"ids": prompt + out.token_ids}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Llama folder plus an EAGLE and a Medusa head trained on its features."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("heads")
+    model = save_tiny(root / "model", seed=0, layers=2)
+    data = write_corpus(root / "data.jsonl", model)
+    out = {"model": model, "data": data}
+    for method in ("eagle", "medusa"):
+        options = TrainDraftOptions(
+            out=root / method, method=method, target=str(model), data=[data], steps=60,
+            draft_vocab=16, batch_tokens=1024, lr=3e-3, progress=False,
+        )  # fmt: skip
+        train_draft(options)
+        out[method] = root / method
+    torch.set_num_threads(threads)
+    return out
+
+
+def target_on(runtime: str, folder: Path):
+    if runtime == "hf":
+        return load_target(str(folder), "hf", "fp32")
+    backend = runtime.removeprefix("native-")
+    if backend == "kernels":
+        from test_native import require_kernels
+
+        require_kernels()
+    return load_target(str(folder), "native", "fp32", backend)
+
+
+def generate(target, drafter, params, gamma=4, n=40, seed=0, prompt=PROMPT):
+    engine = SpeculativeEngine(target.lm, drafter, gamma)
+    stop = StopCriteria(max_new_tokens=n)
+    return engine.generate(prompt, params, stop, torch.Generator().manual_seed(seed))
+
+
+# ---- features through the model protocol ------------------------------------------------
+
+
+@pytest.mark.parametrize("runtime", ["native-kernels", "native-torch", "hf"])
+def test_features_give_the_logits_and_follow_the_cache(trained, runtime):
+    target = target_on(runtime, trained["model"])
+    lm = target.lm
+    assert isinstance(lm, SupportsHiddenStates)
+    ids = torch.tensor([PROMPT])
+    lm.reset()
+    logits, features = lm.forward_with_hidden(ids)
+    assert features.shape == (1, len(PROMPT), lm.hidden_size)
+    assert torch.allclose(features @ lm.output_embedding().T, logits, atol=1e-4)
+    lm.reset()
+    assert torch.equal(lm.forward(ids), logits)  # the plain forward is unchanged
+    session = ModelSession(lm)
+    session.logits_after(PROMPT, [9, 10])
+    assert session.features.shape[0] == len(PROMPT) + 2
+    session.logits_after([*PROMPT[:-1], 11])  # rollback by common prefix, then catch up
+    assert session.features.shape[0] == len(PROMPT)
+    lm.reset()
+    _, fresh = lm.forward_with_hidden(torch.tensor([[*PROMPT[:-1], 11]]))
+    assert torch.allclose(session.features, fresh[0], atol=1e-5)
+
+
+def test_a_model_without_features_is_a_clear_error(trained):
+    from speculative.heads.store import require_features
+
+    with pytest.raises(ValueError, match="cannot return its hidden states"):
+        require_features(MarkovLM(torch.full((4, 4), 0.25)))
+
+
+# ---- lossless generation -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("runtime", ["native-kernels", "native-torch", "hf"])
+@pytest.mark.parametrize("name", ["eagle", "medusa", "auto"])
+def test_greedy_equals_plain_greedy(trained, runtime, name):
+    target = target_on(runtime, trained["model"])
+    folder = trained["medusa" if name == "medusa" else "eagle"]
+    drafter = build_drafter(f"{name}:{folder}", target)
+    plain = generate(target, None, GREEDY).token_ids
+    for gamma in (1, 4):
+        out = generate(target, drafter, GREEDY, gamma)
+        assert out.token_ids == plain
+    assert out.stats.accepted_tokens > 0  # the head is really drafting
+
+
+def test_trained_heads_agree_with_the_target(trained):
+    report = json.loads((trained["eagle"] / "report.json").read_text())
+    assert report["heldout_top1"][0] > 0.2  # chance: ~1/16
+    assert report["heldout_accepted"] > 0.3
+
+
+def sequence_counts(target, drafter, params, runs, n, seed):
+    counts: dict[tuple[int, ...], int] = {}
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(runs):
+        engine = SpeculativeEngine(target.lm, drafter, 3)
+        out = engine.generate(PROMPT, params, StopCriteria(max_new_tokens=n), generator)
+        key = tuple(out.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def p_value(a: dict, b: dict) -> float:
+    keys = sorted(set(a) | set(b))
+    table = np.array([[a.get(k, 0) for k in keys], [b.get(k, 0) for k in keys]])
+    return float(stats.chi2_contingency(table)[1])
+
+
+class MisreportedEagle(EagleDrafter):
+    """Negative control: draws from the head's q but reports a flattened q' to the
+    accept test (q' = (q + uniform over the draft vocabulary) / 2)."""
+
+    def propose(self, context, gamma, params, generator):
+        draft = super().propose(context, gamma, params, generator)
+        if draft.probs is None:
+            return draft
+        support = torch.zeros_like(draft.probs)
+        support[..., self.head.draft_to_target] = 1.0 / self.head.draft_to_target.numel()
+        return type(draft)(tokens=draft.tokens, probs=0.5 * draft.probs + 0.5 * support)
+
+
+@pytest.mark.slow
+def test_sampling_matches_plain_and_catches_a_misreported_q(trained):
+    target = target_on("native-torch", trained["model"])
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    head = load_head(trained["eagle"], target.lm)
+    plain = sequence_counts(target, None, params, 800, 2, seed=1)
+    honest = sequence_counts(target, EagleDrafter(head, target.lm.vocab_size), params, 800, 2, 2)
+    wrong = sequence_counts(target, MisreportedEagle(head, target.lm.vocab_size), params, 800, 2, 2)
+    assert p_value(plain, honest) > 1e-3
+    assert p_value(plain, wrong) < 1e-3
+
+
+def test_sampled_q_is_the_distribution_tokens_come_from(trained):
+    target = target_on("native-torch", trained["model"])
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    for name in ("eagle", "medusa"):
+        drafter = build_drafter(f"{name}:{trained[name]}", target)
+        session = ModelSession(target.lm)
+        session.sync(PROMPT[:-1])
+        drafter.prime(session)
+        draft = drafter.propose(PROMPT, 3, params, torch.Generator().manual_seed(0))
+        probs = draft.probs[0]  # [γ, vocab]
+        assert torch.allclose(probs.sum(-1), torch.ones(len(draft.tokens)), atol=1e-5)
+        outside = torch.ones(probs.shape[-1], dtype=torch.bool)
+        outside[drafter.head.draft_to_target] = False
+        assert probs[:, outside].sum() == 0
+        assert all(probs[i, t] > 0 for i, t in enumerate(draft.tokens))
+
+
+# ---- trees -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["eagle", "medusa"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tree_proposals_are_well_formed(trained, name, temperature):
+    target = target_on("native-torch", trained["model"])
+    drafter = build_drafter(f"{name}:{trained[name]}", target)
+    assert isinstance(drafter, TreeDrafter)
+    session = ModelSession(target.lm)
+    session.sync(PROMPT[:-1])
+    drafter.prime(session)
+    params = SamplingParams(temperature=temperature)
+    tree = drafter.propose_tree(PROMPT, 8, params, torch.Generator().manual_seed(3))
+    n = tree.tokens.numel()
+    assert 2 <= n <= 8
+    assert all(-1 <= int(p) < i for i, p in enumerate(tree.parents))  # parents first
+    for parent in set(tree.parents.tolist()):  # siblings are distinct
+        siblings = tree.tokens[tree.parents == parent].tolist()
+        assert len(siblings) == len(set(siblings))
+    if temperature == 0:
+        assert tree.q is None
+        chain = drafter.propose(PROMPT, 1, params, torch.Generator())
+        assert int(tree.tokens[0]) == chain.tokens[0]  # the best child comes first
+    else:
+        assert tree.q is not None and tree.q.shape == (n, target.lm.vocab_size)
+        assert torch.allclose(tree.q.sum(-1), torch.ones(n), atol=1e-5)
+        assert all(tree.q[i, t] > 0 for i, t in enumerate(tree.tokens.tolist()))
+
+
+def test_tree_children_are_draws_without_replacement(trained):
+    """The first child of the root is distributed as q itself (Gumbel-top-k), the second
+    as q conditioned on differing from the first."""
+    target = target_on("native-torch", trained["model"])
+    drafter = build_drafter(f"medusa:{trained['medusa']}", target)
+    session = ModelSession(target.lm)
+    session.sync(PROMPT[:-1])
+    drafter.prime(session)
+    params = SamplingParams(temperature=1.5)
+    generator = torch.Generator().manual_seed(0)
+    firsts = []
+    for _ in range(3000):
+        tree = drafter.propose_tree(PROMPT, 3, params, generator)
+        firsts.append(int(tree.tokens[0]))
+    q = tree.q[0]
+    support = q.nonzero().squeeze(1)
+    observed = np.array([firsts.count(int(t)) for t in support])
+    expected = q[support].double().numpy()
+    expected = expected / expected.sum() * len(firsts)
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+# ---- auto --------------------------------------------------------------------------------
+
+
+def test_auto_uses_both_and_is_lossless(trained):
+    target = target_on("native-torch", trained["model"])
+    drafter = build_drafter(f"auto:{trained['eagle']}", target)
+    assert isinstance(drafter, AutoDrafter)
+    repetitive = PROMPT * 4
+    plain = generate(target, None, GREEDY, prompt=repetitive, n=60).token_ids
+    assert generate(target, drafter, GREEDY, prompt=repetitive, n=60).token_ids == plain
+    assert drafter.choices["ngram"] > 0 and drafter.choices["head"] > 0
+
+
+def test_auto_prefers_the_option_with_more_tokens_per_cost():
+    from speculative.drafters.auto import Estimate
+
+    cheap_good = Estimate(alpha=0.9, cost=0.01)
+    dear_good = Estimate(alpha=0.9, cost=0.5)
+    cheap_bad = Estimate(alpha=0.1, cost=0.01)
+    assert cheap_good.value(4) > dear_good.value(4) > cheap_bad.value(4)
+
+
+# ---- registry, storage, CLI --------------------------------------------------------------
+
+
+def test_registry_resolves_every_name(trained):
+    target = target_on("hf", trained["model"])
+    expected = {
+        "none": type(None),
+        "ngram": "PromptLookupDrafter",
+        "self-bf16": "DraftModelDrafter",
+        "self-exit:1": "DraftModelDrafter",
+        f"eagle:{trained['eagle']}": "EagleDrafter",
+        f"medusa:{trained['medusa']}": "MedusaDrafter",
+        f"auto:{trained['eagle']}": "AutoDrafter",
+        str(trained["model"]): "DraftModelDrafter",
+    }
+    for name, kind in expected.items():
+        drafter = build_drafter(name, target)
+        got = type(drafter) if kind is type(None) else type(drafter).__name__
+        assert got == kind, name
+    prefixes = {entry.prefix for entry in REGISTRY}
+    assert {"none", "ngram", "self", "self-exit", "eagle", "medusa", "auto"} <= prefixes
+    with pytest.raises(ValueError, match="no eagle head ships"):
+        build_drafter("eagle", target)
+    with pytest.raises(ValueError, match="holds a medusa head"):
+        build_drafter(f"eagle:{trained['medusa']}", target)
+
+
+def test_loading_against_another_target_fails_clearly(trained, tmp_path):
+    other = load_target(str(save_tiny(tmp_path / "other", seed=5, layers=2)), "hf", "fp32")
+    with pytest.raises(HeadMismatch, match="was trained for 'model', not this target"):
+        load_head(trained["eagle"], other.lm)
+
+
+def test_head_folder_is_small_and_stores_no_target_rows(trained):
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(trained["eagle"] / "head.safetensors"))
+    assert tensors["draft_to_target"].dtype == torch.int64
+    assert all(t.dtype == torch.bfloat16 for k, t in tensors.items() if k != "draft_to_target")
+    vocab_rows = [k for k, t in tensors.items() if t.dim() == 2 and t.shape[0] == 16]
+    assert not vocab_rows  # the draft vocabulary's output rows come from the target
+    config = json.loads((trained["eagle"] / "config.json").read_text())
+    assert config["target"]["name"] == "model"
+
+
+def test_train_draft_cli_json_resume_and_errors(trained, tmp_path, capsys):
+    from speculative.cli.main import main
+
+    out = tmp_path / "head"
+    args = [
+        "train-draft", "--target", str(trained["model"]), "--data", str(trained["data"]),
+        "--draft-vocab", "16", "--batch-tokens", "512", "--out", str(out), "--json",
+    ]  # fmt: skip
+    assert main([*args, "--steps", "5"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["steps"] == 5 and report["train_tokens"] > 0
+    assert len(report["heldout_top1"]) == 5 and 0 <= report["heldout_accepted"] <= 5
+    assert main([*args, "--steps", "8", "--resume"]) == 0
+    resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert resumed["steps"] == 8
+    assert main([*args[:-3], "--out", str(tmp_path / "x"), "--data", "/nonexistent.jsonl"]) == 2
+    assert "cannot read training data" in capsys.readouterr().err
+
+
+def test_eagle_drafting_runs_the_head_as_it_was_trained():
+    """Incremental steps over the head's cache (true pairs, then its own predictions)
+    reproduce the unrolled training pass row by row, across a cache reallocation."""
+    from speculative.heads.modules import EagleHead, HeadConfig
+
+    torch.manual_seed(0)
+    config = HeadConfig("eagle", 64, 16, intermediate_size=128, num_heads=4, num_kv_heads=2)
+    head = EagleHead(config).eval()
+    length, steps = 12, 3
+    embeds, features = torch.randn(1, length + steps - 1, 64), torch.randn(1, length, 64)
+    with torch.no_grad():
+        trained = head.unrolled(embeds, features, steps)
+    for t in (3, 11):
+        cache = head.new_cache(4)  # smaller than needed: grows on the way
+        pred = head.step(cache, embeds[0, : t + 1], features[0, : t + 1], torch.arange(t + 1))
+        pred = pred[-1]
+        assert torch.allclose(pred, trained[0][0, t], atol=1e-5)
+        for s in range(1, steps):
+            step_input = (embeds[0, t + s : t + s + 1], pred[None], torch.tensor([t + s]))
+            pred = head.step(cache, *step_input)[-1]
+            assert torch.allclose(pred, trained[s][0, t], atol=1e-5)
