@@ -95,6 +95,14 @@ def test_native_compaction_continues_bitwise(folder, backend, path):
     path_tokens = [TOKENS[i] for i in path]
     assert session.cached == ctx + path_tokens
     assert model.cache_length == len(ctx) + len(path)
+    # the features of the catch-up and of the kept nodes (what drafting heads read)
+    # follow them, as if the accepted path had been fed as a chain
+    features = session.features  # [len(ctx) + len(path), hidden]
+    assert features is not None and features.shape[0] == len(ctx) + len(path)
+    chain_session = ModelSession(load_native(folder, max_length=256, backend=backend))
+    chain_session.sync(ctx[:-CATCH_UP])
+    chain_session.sync(ctx + path_tokens)
+    assert_same(features, chain_session.features, backend == "kernels", "features")
     tail = [9, 21, 4]
     after = session.logits_after(ctx + path_tokens + tail[:1], tail[1:])[0]  # [3, V]
     _, reference = chain_logits(model, ctx, path_tokens, tail)

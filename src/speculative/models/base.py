@@ -137,9 +137,15 @@ class SupportsHiddenStates(Protocol):
     @property
     def hidden_size(self) -> int: ...
 
-    def forward_with_hidden(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``forward``; returns (logits [batch, k, vocab], features [batch, k, hidden]),
-        both float32."""
+    def forward_with_hidden(
+        self,
+        input_ids: torch.Tensor,  # [batch, k] int64
+        attention_mask: torch.Tensor | None = None,  # [k, k] bool: a tree (see forward_tree)
+        position_ids: torch.Tensor | None = None,  # [k] int64 RoPE positions, with the mask
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``forward`` (or ``forward_tree`` given a mask, where the model supports
+        trees); returns (logits [batch, k, vocab], features [batch, k, hidden]), both
+        float32."""
         ...
 
     def input_embedding(self) -> torch.Tensor:

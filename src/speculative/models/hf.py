@@ -100,26 +100,17 @@ class HFCausalLM:
     ) -> torch.Tensor:  # [1, k, vocab]
         """A token tree in one forward: a custom 4D additive mask over cache + new tokens
         (transformers passes 4D masks through unchanged) and explicit position_ids."""
-        batch, k = self._check_input(input_ids)
-        if batch != 1 or attention_mask.shape != (k, k):
-            raise ValueError(f"forward_tree takes input_ids [1, k] and a [k, k] mask, k={k}")
+        return self.forward_with_hidden(input_ids, attention_mask, position_ids)[0]
+
+    def _tree_mask(self, attention_mask: torch.Tensor, k: int) -> torch.Tensor:
+        """[k, k] bool among the new tokens -> [1, 1, k, cache + k] additive mask."""
+        if attention_mask.shape != (k, k):
+            raise ValueError(f"a tree forward takes a [k, k] mask, k={k}")
         visible = torch.ones(k, self._length + k, dtype=torch.bool)  # [k, cache + k]
         visible[:, self._length :] = attention_mask.bool()
         blocked = torch.finfo(self.dtype).min
         mask = torch.zeros(1, 1, k, self._length + k, dtype=self.dtype)
-        mask = mask.masked_fill(~visible, blocked).to(self.device)  # [1, 1, k, cache + k]
-        with torch.inference_mode():
-            output = self.model(
-                input_ids=input_ids.to(device=self.device, dtype=torch.long),
-                attention_mask=mask,
-                position_ids=position_ids.reshape(1, k).to(self.device),
-                cache=self._cache,
-                use_cache=True,
-            )
-            logits = output.logits.float()  # [1, k, vocab]
-        self._length += k
-        self._batch = batch
-        return logits
+        return mask.masked_fill(~visible, blocked).to(self.device)
 
     def keep_slots(self, first: int, slots: Sequence[int]) -> None:
         """Keep positions [0, first) and move ``slots`` right after them (tree compaction):
@@ -137,19 +128,30 @@ class HFCausalLM:
         self._length = first + len(kept)
 
     def forward_with_hidden(
-        self, input_ids: torch.Tensor  # [batch, k] int64
+        self,
+        input_ids: torch.Tensor,  # [batch, k] int64
+        attention_mask: torch.Tensor | None = None,  # [k, k] bool (a tree; batch 1), None = causal
+        position_ids: torch.Tensor | None = None,  # [k] int64, with attention_mask
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`forward`; also returns the final hidden states [batch, k, hidden]
-        (after the final norm: the output head's input), float32."""
+        """As :meth:`forward` (or :meth:`forward_tree` given a mask); also returns the
+        final hidden states [batch, k, hidden] (after the final norm: the output head's
+        input), float32."""
         batch, k = self._check_input(input_ids)
-        positions = torch.arange(self._length, self._length + k, device=self.device)  # [k]
+        extra: dict[str, torch.Tensor] = {}
+        if attention_mask is not None:
+            if batch != 1:
+                raise ValueError("a tree forward takes a batch of one")
+            extra["attention_mask"] = self._tree_mask(attention_mask, k)
+        if position_ids is None:
+            position_ids = torch.arange(self._length, self._length + k)  # [k]
         with torch.inference_mode():
             output = self.model(
                 input_ids=input_ids.to(device=self.device, dtype=torch.long),
-                position_ids=positions.unsqueeze(0).expand(batch, k),
+                position_ids=position_ids.reshape(-1, k).expand(batch, k).to(self.device),
                 cache=self._cache,
                 use_cache=True,
                 output_hidden_states=True,
+                **extra,
             )
             logits = output.logits.float()  # [batch, k, vocab]
             features = output.hidden_states[-1].float()  # [batch, k, hidden]

@@ -74,6 +74,7 @@ class ModelSession:
         self.cached: list[int] = []
         self.forward_calls = 0
         self._tree: list[int] | None = None  # tree tokens fed after ``cached``, not committed
+        self._tree_features: torch.Tensor | None = None  # [n, hidden] features of its nodes
         self._features = torch.empty(0)  # [capacity, hidden] features of the cached slots
         self._feature_length = 0  # slots [0, _feature_length) hold valid features
         self._hidden_model = model if isinstance(model, SupportsHiddenStates) else None
@@ -151,7 +152,14 @@ class ModelSession:
         chain = list(context[keep:])  # catch-up tokens, the root last
         mask, offsets = tree_attention(parents, len(chain))  # [k, k], [k]
         input_ids = torch.tensor([chain + list(tokens)], dtype=torch.long)  # [1, k]
-        logits = self.model.forward_tree(input_ids, mask, keep + offsets)  # [1, k, vocab]
+        if self._hidden_model is not None:
+            logits, features = self._hidden_model.forward_with_hidden(
+                input_ids, mask, keep + offsets
+            )  # [1, k, vocab], [1, k, hidden]
+            self._store_features(features[0, : len(chain)])
+            self._tree_features = features[0, len(chain) :]  # [n, hidden]
+        else:
+            logits = self.model.forward_tree(input_ids, mask, keep + offsets)  # [1, k, vocab]
         self.forward_calls += 1
         self.cached.extend(chain)
         self._tree = list(tokens)
@@ -163,10 +171,12 @@ class ModelSession:
         path is then re-fed as catch-up on the next call)."""
         if self._tree is None:
             raise ValueError("keep_path without a scored tree")
-        tree, first = self._tree, len(self.cached)
-        self._tree = None
+        tree, features, first = self._tree, self._tree_features, len(self.cached)
+        self._tree, self._tree_features = None, None
         if isinstance(self.model, SupportsCacheCompaction):
             self.model.keep_slots(first, [first + i for i in nodes])
+            if features is not None:  # the kept nodes' features follow them
+                self._store_features(features[list(nodes)])
             self.cached.extend(tree[i] for i in nodes)
         else:
             self.model.rollback(len(tree))
@@ -174,7 +184,7 @@ class ModelSession:
     def _drop_tree(self) -> None:
         if self._tree is not None:
             self.model.rollback(len(self._tree))
-            self._tree = None
+            self._tree, self._tree_features = None, None
 
     def _truncate(self, keep: int) -> None:
         drop = len(self.cached) - keep

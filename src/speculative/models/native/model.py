@@ -193,17 +193,20 @@ class NativeLlama:
 
     @torch.no_grad()
     def forward_with_hidden(
-        self, input_ids: torch.Tensor  # [batch, k] int64
+        self,
+        input_ids: torch.Tensor,  # [batch, k] int64
+        attention_mask: torch.Tensor | None = None,  # [k, k] bool (a tree), None = causal
+        position_ids: torch.Tensor | None = None,  # [k] or [batch, k] int64
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`forward` (causal); also returns [batch, k, hidden] features: both
-        decoders leave the final residual stream in the buffer they were given, so the
-        features cost one final norm."""
-        batch, k = self._check_input(input_ids, None)
+        """As :meth:`forward`; also returns [batch, k, hidden] features: both decoders
+        leave the final residual stream in the buffer they were given, so the features
+        cost one final norm."""
+        batch, k = self._check_input(input_ids, attention_mask)
         start = self._length
         self._ensure_cache(batch)
-        positions = self._positions(None, batch, k, start)  # [batch, k]
+        positions = self._positions(position_ids, batch, k, start)  # [batch, k]
         hidden = self.embed[input_ids]  # [batch, k, hidden], updated in place by the decoder
-        logits = self.decoder.forward(hidden, start, positions, None)
+        logits = self.decoder.forward(hidden, start, positions, attention_mask)
         self._length = start + k
         final_norm = self.decoder.final_norm
         features = F.rms_norm(hidden, hidden.shape[-1:], final_norm, self.config.rms_norm_eps)
