@@ -296,6 +296,9 @@ def test_registry_resolves_every_name(trained):
         build_drafter("eagle", target)
     with pytest.raises(ValueError, match="holds a medusa head"):
         build_drafter(f"eagle:{trained['medusa']}", target)
+    # a self-drafter must be cheaper than the target (fp32 here): fp32 cannot help
+    with pytest.raises(ValueError, match="cannot speed up this fp32 target"):
+        build_drafter("self-fp32", target)
 
 
 def test_loading_against_another_target_fails_clearly(trained, tmp_path):

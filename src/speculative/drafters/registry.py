@@ -59,6 +59,10 @@ def _ngram(argument: str, target: LoadedModel) -> Drafter:
     return PromptLookupDrafter()
 
 
+# Weight bytes a precision reads per parameter: a self-drafter must read fewer.
+BYTES_PER_WEIGHT = {"int4": 0.5625, "int8": 1.0, "bf16": 2.0, "fp32": 4.0}
+
+
 def _self_precision(argument: str, target: LoadedModel) -> Drafter:
     from speculative.drafters.model import DraftModelDrafter
 
@@ -66,6 +70,18 @@ def _self_precision(argument: str, target: LoadedModel) -> Drafter:
         raise ValueError("self-<precision> needs a precision, e.g. self-int4")
     if target.make_variant is None:
         raise ValueError(f"the runtime of '{target.name}' cannot build a self-{argument} drafter")
+    cheaper = [
+        p
+        for p in BYTES_PER_WEIGHT
+        if BYTES_PER_WEIGHT[p] < BYTES_PER_WEIGHT.get(target.precision, 4.0)
+    ]
+    if argument in BYTES_PER_WEIGHT and argument not in cheaper:
+        options = "".join(f", self-{p}" for p in cheaper)
+        raise ValueError(
+            f"self-{argument} cannot speed up this {target.precision} target: a draft step "
+            f"would cost as much as a target step or more (drafters that can: ngram, eagle, "
+            f"auto, self-exit:N{options})"
+        )
     # the same model at another precision: it may start from the target's prefill
     model = target.make_variant(argument)
     return DraftModelDrafter(model, target.lm.vocab_size, f"self-{argument}", share_prefill=True)
