@@ -337,7 +337,7 @@ class Speculator:
         draft: str | None = "ngram",
         gamma: int | str = 4,
         runtime: str = "auto",
-        precision: str = "fp32",
+        precision: str = "auto",
         tree: str = "off",
         tree_budget: int | str = DEFAULT_TREE_BUDGET,
     ) -> Speculator:

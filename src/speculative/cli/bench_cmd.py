@@ -83,7 +83,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--runtime", nargs="+", default=["hf"], help="runtimes to compare (each one a config)"
     )
-    parser.add_argument("--precision", default="fp32", help="target weight precision")
+    parser.add_argument(
+        "--precision",
+        default="auto",
+        help="target weight precision (auto: the model's own, e.g. int4 for a Q4 GGUF)",
+    )
     parser.add_argument(
         "--drafters",
         nargs="*",

@@ -65,8 +65,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--precision",
-        default="fp32",
-        help="target weight precision (fp32, bf16; native: int8, int4)",
+        default="auto",
+        help="target weight precision: auto (the model's own: a Q4 GGUF runs int4 as "
+        "stored, bf16 checkpoints bf16, else fp32), fp32, bf16; native also int8, int4. "
+        "Speculation is exact with respect to the target at this precision",
     )
 
 

@@ -49,7 +49,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="native runtime decoder(s): kernels (C), torch, or auto (kernels when they "
         "build); several are measured side by side",
     )
-    parser.add_argument("--precision", default="fp32", help="target weight precision")
+    parser.add_argument(
+        "--precision",
+        default="auto",
+        help="target weight precision (auto: the model's own, e.g. int4 for a Q4 GGUF)",
+    )
     parser.add_argument(
         "--drafters", nargs="*", default=["ngram"], help="drafters whose cost c to measure"
     )
