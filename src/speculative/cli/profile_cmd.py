@@ -58,6 +58,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed rounds per k")
     parser.add_argument("--bandwidth", type=float, default=22.0, help="memory read GB/s")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time a prefill of N prompt tokens from an empty cache (0: skip)",
+    )
+    parser.add_argument(
+        "--no-roofline",
+        dest="roofline",
+        action="store_false",
+        help="skip the roofline (machine peaks measured by the C kernels' microbenchmarks)",
+    )
     add_json_flag(parser)
     parser.set_defaults(run=run)
 
@@ -72,7 +85,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from speculative.drafters import DraftModelDrafter
-    from speculative.engine.costs import drafter_cost, interleaved_forward_ms
+    from speculative.engine.costs import (
+        drafter_cost,
+        interleaved_forward_ms,
+        interleaved_prefill_ms,
+    )
     from speculative.hardware import cpu_info
     from speculative.pipeline import build_drafter, load_target
 
@@ -90,8 +107,13 @@ def run(args: argparse.Namespace) -> int:
     ks = list(range(1, args.max_k + 1))
     print(f"timing k = 1..{args.max_k} ({args.repeats} interleaved rounds) ...", file=sys.stderr)
     times = interleaved_forward_ms([t.lm for t in targets], context, ks, args.repeats)
+    prefills: list[float | None] = [None] * len(targets)
+    if args.prefill > 0:
+        print(f"timing a {args.prefill}-token prefill ...", file=sys.stderr)
+        prefills = list(interleaved_prefill_ms([t.lm for t in targets], args.prefill, 3))
+    peaks: dict[str, object] = {}
     reports = []
-    for target, ms in zip(targets, times, strict=True):
+    for target, ms, prefill in zip(targets, times, prefills, strict=True):
         step = ms[1]
         nbytes = weight_bytes_of(target.lm)
         floor = None if nbytes is None else nbytes / (args.bandwidth * 1e9) * 1e3
@@ -120,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
                 "draft_cost": costs,
             }
         )
+        reports[-1].update(kernel_roofline(target.lm, ms, args, peaks))
+        if prefill is not None:
+            reports[-1].update({"prefill_tokens": args.prefill, "prefill_ms": prefill})
     cpu = cpu_info()
     print(f"\ncpu: {cpu.summary()}")
     print_reports(reports)
@@ -136,12 +161,54 @@ def kernels_of(lm: object) -> dict[str, str]:
     return dict(getattr(getattr(lm, "decoder", None), "kernels", {}))
 
 
+def kernel_roofline(
+    lm: object, ms: dict[int, float], args: argparse.Namespace, peaks: dict
+) -> dict:
+    """The kernels decoder's ISA and, unless --no-roofline, the machine's peaks (measured
+    once per ISA, cached in ``peaks``) and the roofline of each T(k). Empty for others."""
+    decoder = getattr(lm, "decoder", None)
+    library = getattr(decoder, "_library", None)
+    if library is None or not hasattr(decoder, "isa"):
+        return {}
+    out: dict[str, object] = {"kernel_isa": decoder.isa}
+    if not args.roofline:
+        return out
+    import torch
+
+    from speculative.models.native.profile import decoder_work, measure_peaks, roofline
+
+    if decoder.isa not in peaks:
+        print(f"measuring machine peaks ({decoder.isa}) ...", file=sys.stderr)
+        peaks[decoder.isa] = measure_peaks(library, torch.get_num_threads())
+    machine = peaks[decoder.isa]
+    out["machine_peaks"] = machine.to_dict()
+    out["roofline"] = roofline(decoder_work(decoder), machine, args.context, ms, args.bandwidth)
+    return out
+
+
+def print_roofline(r: dict) -> None:
+    peaks, line = r["machine_peaks"], r["roofline"]
+    print(
+        f"  roofline ({r['kernel_isa']}, {peaks['threads']} threads): read "
+        f"{peaks['read_gbps']:.1f} GB/s, fp32 FMA {peaks['fma_gmacs']:.0f} GMAC/s, "
+        f"int8 dot {peaks['int8_gmacs']:.0f} GMAC/s"
+    )
+    print("  MB read   " + " ".join(f"{v['bytes'] / 1e6:5.0f}" for v in line.values()))
+    print("  GMAC      " + " ".join(f"{v['multiply_adds'] / 1e9:5.2f}" for v in line.values()))
+    print("  mem ms    " + " ".join(f"{v['memory_floor_measured_ms']:5.1f}" for v in line.values()))
+    print("  cmp ms    " + " ".join(f"{v['compute_floor_ms']:5.1f}" for v in line.values()))
+    print("  binds     " + " ".join(f"{v['binds'][:3]:>5}" for v in line.values()))
+    print("  T/floor   " + " ".join(f"{v['over_floor']:5.2f}" for v in line.values()))
+
+
 def print_reports(reports: list[dict]) -> None:
     for r in reports:
         floor = r["bandwidth_floor_ms"]
         floor_text = "n/a" if floor is None else f"{floor:.1f} ms"
         ratio = "" if floor is None else f" ({r['decode_ms_per_token'] / floor:.2f}× the floor)"
         backend = f" ({r['backend']})" if r.get("backend") else ""
+        if r.get("kernel_isa"):
+            backend = f" ({r['backend']}, {r['kernel_isa']})"
         print(f"\n{r['model']} · runtime {r['runtime']}{backend} · {r['precision']}")
         if r.get("kernels"):
             kernels = sorted(set(r["kernels"].values()))
@@ -150,5 +217,9 @@ def print_reports(reports: list[dict]) -> None:
         curve = r["verify_cost"]
         print("  k         " + " ".join(f"{k:>5}" for k in curve))
         print("  T(k)/T(1) " + " ".join(f"{v:5.2f}" for v in curve.values()))
+        if "roofline" in r:
+            print_roofline(r)
+        if r.get("prefill_ms") is not None:
+            print(f"  prefill of {r['prefill_tokens']} tokens: {r['prefill_ms']:.0f} ms")
         for name, c in r["draft_cost"].items():
             print(f"  draft cost c[{name}] = " + ("n/a" if c is None else f"{c:.3f}"))

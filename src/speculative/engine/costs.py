@@ -145,3 +145,24 @@ def drafter_cost(
         drafter.reset()  # the drafter's session must not trust the model's cache any more
         return cost
     return propose_ms(drafter, context, repeats) / target_step_ms
+
+
+def interleaved_prefill_ms(
+    models: Sequence[CausalLM], length: int, repeats: int = 3, warmup: int = 1
+) -> list[float]:
+    """Median ms of one forward over ``length`` prompt tokens from an empty cache, for each
+    model, the models interleaved within each round."""
+    if repeats < 1 or length < 1:
+        raise ValueError("need repeats >= 1 and a prompt of at least one token")
+    samples: list[list[float]] = [[] for _ in models]
+    with torch.inference_mode():
+        for repeat in range(warmup + repeats):
+            for model, times in zip(models, samples, strict=True):
+                prompt = _ids([(i * 7919) % model.vocab_size for i in range(length)])
+                model.reset()
+                elapsed = _timed_ms(lambda m=model, p=prompt: m.forward(p))
+                if repeat >= warmup:
+                    times.append(elapsed)
+    for model in models:
+        model.reset()
+    return [statistics.median(times) for times in samples]

@@ -1,15 +1,22 @@
 """The C decoder (``kernels.c``): build it once, pack weights for it, call it via ctypes.
 
-The library is compiled on first use with the system C compiler (``cc``; AVX2 + FMA +
-OpenMP) into ``~/.cache/speculative/kernels/`` under a hash of the source and flags, so
-later processes just load it. Without a compiler or on a CPU without AVX2/FMA,
-:func:`load_kernels` raises :class:`KernelsUnavailable` and the native runtime falls
-back to its PyTorch decoder.
+The library is compiled on first use with the system C compiler (``cc``, OpenMP) into
+``~/.cache/speculative/kernels/`` under a hash of the source and flags, so later processes
+just load it. There is one build per instruction set: ``avx2`` (AVX2 + FMA + F16C, the
+baseline) and ``avx512`` (adds AVX-512 F/BW/VL/DQ + VNNI). ``$SPECULATIVE_KERNEL_ISA``
+(``auto``, the default: the best this CPU runs; ``avx2``; ``avx512``) picks one; both give
+the same bits. Without a compiler or on a CPU without the features,
+:func:`load_kernels` raises :class:`KernelsUnavailable` (naming the missing feature) and
+the native runtime falls back to its PyTorch decoder.
+
+Weights are repacked at load time into the kernels' panel layouts (:func:`pack_panels`,
+:func:`pack_q4_blocks`, :func:`pack_q8_blocks`); the values stay exactly the model's.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -33,19 +40,51 @@ from speculative.models.native.quant import (
 )
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = (
+COMMON_FLAGS = (
     "-O3",
-    "-mavx2",
-    "-mfma",
-    "-mf16c",
     "-ffp-contract=off",
     "-fopenmp",
     "-fPIC",
     "-shared",
     "-Werror=implicit-function-declaration",
 )
-ABI_VERSION = 3
-FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
+# One library per instruction set; "avx512" adds AVX-512 VNNI integer dots for int4 (the
+# same sums as AVX2's, so both give the same bits).
+ISA_FLAGS = {
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "avx512": (
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512vnni",
+    ),
+}
+# bit -> name, as spec_cpu_features() reports them
+CPU_FEATURES = {
+    1: "avx2",
+    2: "fma",
+    4: "f16c",
+    8: "avx512f",
+    16: "avx512bw",
+    32: "avx512vl",
+    64: "avx512dq",
+    128: "avx512vnni",
+}
+ISA_NEEDS = {
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni"),
+}
+ISA_ENV = "SPECULATIVE_KERNEL_ISA"
+ISA_CHOICES = ("auto", "avx2", "avx512")
+ABI_VERSION = 4
+# "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
+FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
+PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
+Q4_PANEL = 8  # outputs per packed panel, int4
 
 
 class KernelsUnavailable(ValueError):
@@ -62,22 +101,25 @@ def kernel_cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def build_kernels(cache_dir: Path | None = None) -> Path:
-    """Compile ``kernels.c`` unless a build of this exact source and flags exists."""
+def build_kernels(cache_dir: Path | None = None, isa: str = "avx2") -> Path:
+    """Compile ``kernels.c`` for ``isa`` unless a build of this exact source and flags exists."""
+    if isa not in ISA_FLAGS:
+        raise KernelsUnavailable(f"unknown kernel ISA {isa!r}; expected one of {tuple(ISA_FLAGS)}")
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None or shutil.which(compiler) is None:
         raise KernelsUnavailable(f"no C compiler ({compiler or 'cc/gcc'}) found")
+    flags = COMMON_FLAGS + ISA_FLAGS[isa]
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
     folder = cache_dir or kernel_cache_dir()
-    target = folder / f"libspeculative-{digest}.so"
+    target = folder / f"libspeculative-{isa}-{digest}.so"
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         built = Path(scratch) / target.name
         result = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+            [compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
             capture_output=True,
             text=True,
         )
@@ -87,24 +129,71 @@ def build_kernels(cache_dir: Path | None = None) -> Path:
     return target
 
 
-def load_kernels(cache_dir: Path | None = None) -> ctypes.CDLL:
-    """The compiled C decoder, built if needed. Raises KernelsUnavailable."""
-    path = build_kernels(cache_dir)
+@functools.cache
+def _open_library(path: str) -> ctypes.CDLL:
+    """dlopen ``path`` once per process and declare the entry points."""
     try:
-        library = ctypes.CDLL(str(path))
+        library = ctypes.CDLL(path)
     except OSError as error:
-        raise KernelsUnavailable(f"cannot load {path.name}: {error}") from error
+        raise KernelsUnavailable(f"cannot load {Path(path).name}: {error}") from error
     if library.spec_abi_version() != ABI_VERSION:
         raise KernelsUnavailable("stale kernel build (ABI version mismatch)")
-    if not library.spec_cpu_supported():
-        raise KernelsUnavailable("this CPU lacks AVX2/FMA/F16C")
-    pointer, i32 = ctypes.c_void_p, ctypes.c_int32
+    pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    library.spec_isa.restype = ctypes.c_char_p
     library.spec_work_floats.argtypes = [pointer, i32, i32]
     library.spec_work_floats.restype = ctypes.c_int64
     library.spec_forward.argtypes = [pointer, pointer, i32, i32, pointer, pointer]
     library.spec_forward.argtypes += [pointer, pointer, pointer, pointer, i32]
     library.spec_forward.restype = None
+    library.spec_linear_work_floats.argtypes = [i32, i32]
+    library.spec_linear_work_floats.restype = ctypes.c_int64
+    library.spec_linear.argtypes = [pointer, pointer, i32, pointer, pointer, i32]
+    library.spec_linear.restype = None
+    library.spec_peak_fma.argtypes = [i32, i64]
+    library.spec_peak_fma.restype = ctypes.c_double
+    library.spec_peak_int8.argtypes = [i32, i64]
+    library.spec_peak_int8.restype = ctypes.c_double
+    library.spec_read_bandwidth.argtypes = [pointer, i64, i32]
+    library.spec_read_bandwidth.restype = ctypes.c_double
     return library
+
+
+def cpu_features(cache_dir: Path | None = None) -> set[str]:
+    """The CPU features kernels.c cares about that this CPU has (asked via the AVX2 build's
+    ``__builtin_cpu_supports``, which runs on any x86-64)."""
+    bits = _open_library(str(build_kernels(cache_dir, "avx2"))).spec_cpu_features()
+    return {name for bit, name in CPU_FEATURES.items() if bits & bit}
+
+
+def kernel_isa(requested: str | None = None, cache_dir: Path | None = None) -> str:
+    """The kernel instruction set to run: ``requested`` or ``$SPECULATIVE_KERNEL_ISA``
+    (``auto`` when unset: the best this CPU has). Raises KernelsUnavailable, naming the
+    missing CPU feature, when the CPU cannot run the requested one."""
+    choice = (requested or os.environ.get(ISA_ENV) or "auto").strip().lower()
+    if choice not in ISA_CHOICES:
+        raise KernelsUnavailable(f"{ISA_ENV}={choice!r}: expected one of {ISA_CHOICES}")
+    have = cpu_features(cache_dir)
+    if choice == "auto":
+        choice = "avx512" if set(ISA_NEEDS["avx512"]) <= have else "avx2"
+    missing = [f for f in ISA_NEEDS[choice] if f not in have]
+    if missing:
+        raise KernelsUnavailable(f"kernel ISA {choice} needs CPU feature {missing[0]}, absent here")
+    return choice
+
+
+def load_kernels(cache_dir: Path | None = None, isa: str | None = None) -> ctypes.CDLL:
+    """The compiled C decoder for ``isa`` (default: :func:`kernel_isa`), built if needed.
+    Raises KernelsUnavailable."""
+    chosen = kernel_isa(isa, cache_dir)
+    library = _open_library(str(build_kernels(cache_dir, chosen)))
+    if library.spec_isa().decode() != chosen:
+        raise KernelsUnavailable(f"kernel build for {chosen} reports {library.spec_isa()!r}")
+    return library
+
+
+def library_isa(library: ctypes.CDLL) -> str:
+    """The instruction set a loaded kernel library was built for ("avx2" or "avx512")."""
+    return library.spec_isa().decode()
 
 
 # ---- structures mirrored from kernels.c ------------------------------------------------
@@ -118,7 +207,6 @@ class _Linear(ctypes.Structure):
         ("pad_", ctypes.c_int32),
         ("weight", ctypes.c_void_p),
         ("scale", ctypes.c_void_p),
-        ("minimum", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
     ]
 
@@ -166,16 +254,60 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return (groups[..., :16] | (groups[..., 16:] << 4)).reshape(out_features, -1).contiguous()
 
 
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """t with zero rows appended up to a multiple of ``multiple`` rows."""
+    extra = -t.shape[0] % multiple
+    if not extra:
+        return t
+    return torch.cat([t, t.new_zeros((extra, *t.shape[1:]))])
+
+
+def pack_panels(dense: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [panels, in, PANEL] (kernels.c's fp32 / bf16 / int8 layout): the PANEL
+    weights of one input side by side, rows past ``out`` zero."""
+    in_features = dense.shape[1]
+    padded = _pad_rows(dense, PANEL)
+    return padded.reshape(-1, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def pack_q4_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1 values -> kernels.c's q4 layout, [panels, groups, 160] uint8.
+
+    q: [out, in] uint8 in 0..15; d, m: [out, in / 32] float16 (weight = d * q + m). Per
+    panel of 8 outputs and group of 32 inputs: four 32-byte chunks (chunk c byte 4 * o + t
+    = q[o][4c + t] | q[o][16 + 4c + t] << 4), then d[8] and m[8] as fp16."""
+    groups = q.shape[1] // GROUP_SIZE
+    q = _pad_rows(q, Q4_PANEL).reshape(-1, Q4_PANEL, groups, 2, 4, 4)  # [P, o, g, half, c, t]
+    nibbles = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [P, o, g, c, t]
+    nibbles = nibbles.permute(0, 2, 3, 1, 4).reshape(-1, groups, 128)  # [P, g, c*o*t]
+
+    def table(t: torch.Tensor) -> torch.Tensor:  # [out, groups] fp16 -> [P, g, 16] bytes
+        t = _pad_rows(t.to(torch.float16), Q4_PANEL).reshape(-1, Q4_PANEL, groups)
+        return t.transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([nibbles, table(d), table(m)], dim=2).contiguous()
+
+
+def pack_q8_blocks(q: torch.Tensor) -> torch.Tensor:
+    """int8 [out, in] -> kernels.c's q8d layout, [panels, groups, 256] int8: per panel of 8
+    outputs and group of 32 inputs, eight 32-byte chunks, chunk j byte 4 * o + t =
+    q[o][4j + t]."""
+    groups = q.shape[1] // GROUP_SIZE
+    q = _pad_rows(q, 8).reshape(-1, 8, groups, 8, 4)  # [P, o, g, j, t]
+    return q.permute(0, 2, 3, 1, 4).reshape(-1, groups, 256).contiguous()
+
+
 @dataclass
 class KernelLinear:
-    """One weight matrix in a format of kernels.c; keeps its tensors alive."""
+    """One weight matrix in a packed format of kernels.c; keeps its tensors alive."""
 
     format: str
-    weight: torch.Tensor  # fp32/bf16(as int16)/int8: [out, in]; int4: [out, in / 2] uint8
+    # fp32 / bf16 (as int16) / int8: [panels, in, 16]; int4: [panels, groups, 160] uint8;
+    # int8dot: [panels, groups, 256] int8
+    weight: torch.Tensor
     in_features: int
     out_features: int
-    scale: torch.Tensor | None = None  # int8: [out] float32; int4: [out, in / 32] float16
-    minimum: torch.Tensor | None = None  # int4: [out, in / 32] float16
+    scale: torch.Tensor | None = None  # int8, int8dot: [out] float32
     bias: torch.Tensor | None = None  # [out] float32
 
     @classmethod
@@ -190,26 +322,19 @@ class KernelLinear:
             quant = weight if isinstance(weight, GroupQuant4) else quantize_group4(weight.float())
             out_features, in_features = quant.q.shape
             # fp16 scales: GGUF Q4_1 stores them so, making this lossless for GGUF files
-            return cls(
-                "int4",
-                pack_nibbles(quant.q),
-                in_features,
-                out_features,
-                scale=quant.scale.to(torch.float16).contiguous(),
-                minimum=quant.minimum.to(torch.float16).contiguous(),
-                bias=bias,
-            )
+            blocks = pack_q4_blocks(quant.q, quant.scale, quant.minimum)
+            return cls("int4", blocks, in_features, out_features, bias=bias)
         dense = (weight.dequantize() if isinstance(weight, GroupQuant4) else weight).float()
         out_features, in_features = dense.shape
         if precision == "fp32":
-            return cls("fp32", dense.contiguous(), in_features, out_features, bias=bias)
+            return cls("fp32", pack_panels(dense), in_features, out_features, bias=bias)
         if precision == "bf16":
-            bits = dense.to(torch.bfloat16).contiguous().view(torch.int16)
+            bits = pack_panels(dense.to(torch.bfloat16).view(torch.int16))
             return cls("bf16", bits, in_features, out_features, bias=bias)
         qweight, scale = quantize_int8_per_channel(dense)
         return cls(
-            "int8",
-            qweight.contiguous(),
+            precision,
+            pack_q8_blocks(qweight) if precision == "int8dot" else pack_panels(qweight),
             in_features,
             out_features,
             scale=scale.float().contiguous(),
@@ -224,12 +349,27 @@ class KernelLinear:
             0,
             _address(self.weight),
             _address(self.scale),
-            _address(self.minimum),
             _address(self.bias),
         )
 
     def weight_bytes(self) -> int:
-        return tensor_bytes(self.weight, self.scale, self.minimum, self.bias)
+        return tensor_bytes(self.weight, self.scale, self.bias)
+
+    def __call__(self, library: ctypes.CDLL, x: torch.Tensor, threads: int = 1) -> torch.Tensor:
+        """x [rows, in] float32 -> [rows, out]: this layer alone, run by ``library``."""
+        x = x.float().contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, self.out_features)
+        work = torch.empty(library.spec_linear_work_floats(rows, self.in_features) + 8)
+        layer = self.struct()
+        library.spec_linear(
+            ctypes.byref(layer), x.data_ptr(), rows, y.data_ptr(), work.data_ptr(), threads
+        )
+        return y
+
+    def multiply_adds(self) -> int:
+        """Multiply-adds of one token row through this layer (padding excluded)."""
+        return self.in_features * self.out_features
 
 
 @dataclass
@@ -299,10 +439,14 @@ class KernelDecoder(DecoderBase):
             for w in layers
         ]
         self.final_norm = final_norm.float().contiguous()
-        self.lm_head = KernelLinear.pack(head, None, lm_head_precision(precision))
+        head_format = lm_head_precision(precision)
+        if precision == "int4" and head_format == "int8":
+            head_format = "int8dot"  # the int4 model runs its int8 head with integer dots
+        self.lm_head = KernelLinear.pack(head, None, head_format)
         self._cos = rotations.real.contiguous()  # [max_length, head_dim / 2]
         self._sin = rotations.imag.contiguous()
         self._library = library
+        self.isa = library_isa(library)  # "avx2" or "avx512"
         self._layer_array = (_Layer * len(self.layers))(*(x.struct() for x in self.layers))
         self._model = _Model(
             num_layers=config.num_layers,

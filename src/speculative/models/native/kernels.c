@@ -1,21 +1,26 @@
-/* One Llama-family decoder forward in C (AVX2 + FMA + OpenMP), for the native runtime.
+/* One Llama-family decoder forward in C (AVX2 + FMA + F16C + OpenMP; optionally AVX-512
+ * VNNI), for the native runtime.
  *
- * Built on first use by speculative/models/native/ckernels.py and called through ctypes;
- * the Python side owns every buffer. The forward appends k tokens to a static KV cache
- * and writes [k, vocab] logits.
+ * Built on first use by speculative/models/native/ckernels.py (once per instruction set:
+ * an "avx2" library, and an "avx512" one where the CPU has AVX-512 F/BW/VL/DQ + VNNI) and
+ * called through ctypes; the Python side owns every buffer. The forward appends k tokens
+ * to a static KV cache and writes [k, vocab] logits.
  *
- * k-invariance by construction: every row (token) is computed by the same instruction
- * sequence whatever the number of rows in the call. Linear layers stream each weight row
- * once and dot it with every activation row, each row with its own four accumulators in a
- * fixed order; attention visits exactly the slots a token may see, in slot order. So a
- * block of k tokens yields bitwise the logits of k single decode steps (speculative
- * verification relies on this), and verifying k tokens reads the weights once.
+ * k-invariance by construction: every row (token) is computed by the same arithmetic
+ * whatever the number of rows in the call. A linear layer keeps one fp32 lane per
+ * (output, token row) pair, summed in input order (fp32 / bf16 / q8) or group order
+ * (q4, exact integer dots inside a group); tiles only choose which pairs run side by
+ * side. Attention visits exactly the slots a token may see, in slot order. So a block of
+ * k tokens yields bitwise the logits of k single decode steps (speculative verification
+ * relies on this), and verifying k tokens reads (and decodes) the weights once. The
+ * AVX-512 build runs the same per-lane operations (q4: VNNI integer dots, equal to the
+ * AVX2 sums), so both libraries give the same bits.
  *
  * Weight formats: fp32; bf16 (upper half of an fp32); q8 (int8 with one fp32 scale per
- * output row); q4 (4-bit q in 0..15 with an fp16 scale and minimum per 32 inputs,
- * value = scale * q + minimum: GGUF Q4_1 blocks as stored). Activations are fp32, except
- * that a q4 layer reads its input quantized to int8 per 32 values, as llama.cpp runs Q4_1
- * (integer dot products; see quantize_rows).
+ * output row); q4 (4-bit q in 0..15 with an fp16 scale d and minimum m per 32 inputs,
+ * value = d * q + m: GGUF Q4_1 blocks as stored). All are repacked at load time into
+ * output panels (see "linear layers"). Activations are fp32, except that a q4 layer reads
+ * its input quantized to int8 per 32 values, as llama.cpp runs Q4_1 (see quantize_rows).
  *
  * Compile with -ffp-contract=off: every fused multiply-add here is explicit, so inlined
  * copies of the same code cannot round differently.
@@ -31,26 +36,13 @@
 #define FMT_BF16 1
 #define FMT_Q8 2
 #define FMT_Q4 3
+#define FMT_Q8D 4  /* q8 weights with int8 activations: integer dots (the int4 model's head) */
 #define GROUP 32
-#define ROW_BLOCK 6      /* activation rows per pass over a weight tile (k <= 6: one pass) */
-#define OUT_BLOCK 2      /* weight rows per tile */
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 8192 /* how far (at least one tile) the weight stream runs ahead */
-#endif
-#ifndef ROW_PANEL
-#define ROW_PANEL 48     /* rows per sweep over the weights: a panel of x stays in cache */
-#endif
-#define Q4_ROW_BLOCK 4   /* the q4 tiles: fewer accumulators fit beside its decoding */
-#define Q4_OUT_BLOCK 2
 
 typedef struct {
     int32_t format, in_features, out_features, pad_;
-    /* f32 | u16 (bf16) | i8: [out, in]; q4: u8 [out, in / 2], per group of 32 inputs 16
-     * bytes whose byte j holds q[j] (low nibble) and q[j + 16] (high nibble), as in GGUF
-     * Q4_1; weight = d * q + m */
-    const void *weight;
-    const void *scale;    /* q8: f32 [out]; q4: fp16 d [out, in / 32] */
-    const void *minimum;  /* q4: fp16 m [out, in / 32] */
+    const void *weight;   /* packed panels, see "linear layers" */
+    const float *scale;   /* q8: f32 [out] row scales; otherwise NULL */
     const float *bias;    /* [out] or NULL */
 } Linear;
 
@@ -71,12 +63,23 @@ typedef struct {
     const float *sin;  /* [max_length, head_dim / 2] */
 } Model;
 
-int spec_abi_version(void) { return 3; }
+int spec_abi_version(void) { return 4; }
 
-int spec_cpu_supported(void) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+const char *spec_isa(void) { return "avx512"; }
+#else
+const char *spec_isa(void) { return "avx2"; }
+#endif
+
+/* The CPU's features as bits (see ckernels.CPU_FEATURES for the names). */
+int spec_cpu_features(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    return (__builtin_cpu_supports("avx2") ? 1 : 0) | (__builtin_cpu_supports("fma") ? 2 : 0) |
+           (__builtin_cpu_supports("f16c") ? 4 : 0) | (__builtin_cpu_supports("avx512f") ? 8 : 0) |
+           (__builtin_cpu_supports("avx512bw") ? 16 : 0) |
+           (__builtin_cpu_supports("avx512vl") ? 32 : 0) |
+           (__builtin_cpu_supports("avx512dq") ? 64 : 0) |
+           (__builtin_cpu_supports("avx512vnni") ? 128 : 0);
 }
 
 /* ---- small vector helpers ------------------------------------------------------- */
@@ -122,68 +125,202 @@ static void exp_inplace(float *v, int n) {
 
 /* ---- linear layers ---------------------------------------------------------------- */
 
-/* Bytes of one stored weight row. */
-static size_t row_bytes(const Linear *L) {
-    const size_t in = (size_t)L->in_features;
-    switch (L->format) {
-    case FMT_F32: return in * 4;
-    case FMT_BF16: return in * 2;
-    case FMT_Q8: return in;
-    default: return in / 2;
-    }
+/* Layouts (packed at load time by ckernels.py; values are exactly the model's):
+ *
+ * fp32 / bf16 / q8: panels of PANEL = 16 output rows, each panel [in][16] (the 16 weights
+ * of input i side by side), so one 8-lane load holds 8 outputs of one input. Rows past
+ * out_features are zero. A tile keeps one 8-lane accumulator per (8 outputs, token row)
+ * and adds w[i] * x[r, i] for i = 0, 1, ..., in - 1 in order: every (output, row) pair is
+ * a single lane summed in input order, whatever the tile shape, the number of rows in the
+ * call or the vector width. One decoded weight vector serves all the tile's rows.
+ *
+ * q4: panels of Q4_PANEL = 8 output rows; per group of 32 inputs one 160-byte block:
+ *   bytes 0..127   nibbles, four chunks of 32 bytes; chunk c byte 4 * o + t holds
+ *                  q[o][4c + t] (low nibble) and q[o][16 + 4c + t] (high nibble)
+ *   bytes 128..143 d[o] fp16, bytes 144..159 m[o] fp16 (weight = d * q + m, GGUF Q4_1)
+ * The nibbles unpack into eight registers u[j] (j = 0..7), u[j] byte 4 * o + t =
+ * q[o][4j + t], once per block; each token row then takes the exact integer dot of
+ * every output with its int8 activations (4 at a time, broadcast) for all 8 outputs. */
+
+#define PANEL 16
+#define Q4_PANEL 8
+#define Q4_BLOCK_BYTES 160
+#define ROW_BLOCK 6      /* token rows per register tile (at most; row blocks are balanced) */
+#define PANEL_GROUP 4    /* panels whose weights stay in cache while all row blocks sweep them */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192 /* how far the software prefetch runs ahead in a weight stream */
+#endif
+#ifndef ROW_PANEL
+#define ROW_PANEL 48     /* rows per sweep over the weights: a panel of x stays in cache */
+#endif
+
+static inline int min_int(int a, int b) { return a < b ? a : b; }
+
+/* This thread's share [begin, end) of n work items (contiguous, sizes differ by <= 1).
+ * Call inside the parallel region; the caller ends its work with a barrier. */
+static inline void thread_range(int n, int *begin, int *end) {
+    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+    *begin = (int)(n * t / threads);
+    *end = (int)(n * (t + 1) / threads);
 }
 
-/* Weights o, i .. i + 31 of an fp32, bf16 or q8 W as four fp32 vectors (i a multiple of
- * 32). The format is a compile-time constant at every call site: the branch folds away. */
-static inline __attribute__((always_inline)) void load_group(const Linear *L, int FORMAT, int o,
-                                                              int i, __m256 *w) {
-    const size_t in = (size_t)L->in_features;
-    if (FORMAT == FMT_F32) {
-        const float *src = (const float *)L->weight + o * in + i;
-        for (int j = 0; j < 4; j++) w[j] = _mm256_loadu_ps(src + 8 * j);
-    } else if (FORMAT == FMT_BF16) {
-        const uint16_t *src = (const uint16_t *)L->weight + o * in + i;
-        for (int j = 0; j < 4; j++) {
-            __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 8 * j)));
-            w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        }
-    } else {  /* FMT_Q8; the row scale is applied to the finished dot */
-        const int8_t *src = (const int8_t *)L->weight + o * in + i;
-        for (int j = 0; j < 4; j++)
-            w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8 * j))));
-    }
+static inline size_t element_bytes(int FORMAT) {
+    return FORMAT == FMT_F32 ? 4 : FORMAT == FMT_BF16 ? 2 : 1;
 }
 
-/* dots[o * ROW_BLOCK + r] = W[o0 + o] . x[r] for OW weight rows and RB activation rows (x
- * stride ldx). Each (o, r) pair has one 8-lane accumulator filled in input order, so its
- * value does not depend on OW, RB or the pair's place in the tile. `ahead` (or NULL):
- * weight bytes to prefetch, `stride` of them per 32 inputs. */
-static inline __attribute__((always_inline)) void dot_tile(
-    const Linear *L, int FORMAT, int o0, const float *x, size_t ldx, int OW, int RB,
-    float *dots, const char *ahead, size_t stride) {
-    __m256 acc[OUT_BLOCK][ROW_BLOCK];
-    for (int o = 0; o < OW; o++)
-        for (int r = 0; r < RB; r++) acc[o][r] = _mm256_setzero_ps();
-    for (int i = 0; i < L->in_features; i += 32) {
-        if (ahead)
-            for (size_t b = 0; b < stride; b += 64)
-                _mm_prefetch(ahead + (size_t)(i / 32) * stride + b, _MM_HINT_T0);
-        for (int o = 0; o < OW; o++) {
-            __m256 w[4];
-            load_group(L, FORMAT, o0 + o, i, w);
-            for (int r = 0; r < RB; r++)
-                for (int j = 0; j < 4; j++)
-                    acc[o][r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + r * ldx + i + 8 * j), acc[o][r]);
+/* Eight consecutive packed weights as fp32 (bf16 is the upper half of an fp32; q8 is the
+ * integer, its row scale applied to the finished sum). FORMAT folds at compile time. */
+static inline __attribute__((always_inline)) __m256 load_weights8(int FORMAT, const char *p) {
+    if (FORMAT == FMT_F32) return _mm256_loadu_ps((const float *)p);
+    if (FORMAT == FMT_BF16) {
+        __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    }
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* One register tile: NV vectors of 8 outputs (NV / 2 consecutive panels starting at w0)
+ * times RB token rows (x stride ldx). out[r * 64 + v * 8 + lane] = sum over i in order of
+ * w[i] * x[r, i]. With NV * RB <= 12 the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void float_tile(
+    int FORMAT, const char *w0, size_t panel_bytes, int in, const float *x, size_t ldx, int NV,
+    int RB, float *out) {
+    const size_t step = PANEL * element_bytes(FORMAT);  /* bytes of one input in a panel */
+    __m256 acc[8][ROW_BLOCK];
+    for (int v = 0; v < NV; v++)
+        for (int r = 0; r < RB; r++) acc[v][r] = _mm256_setzero_ps();
+    for (int i = 0; i < in; i++) {
+        const char *wi = w0 + (size_t)i * step;
+        if ((((size_t)i * step) & 63) == 0)
+            for (int p = 0; p < NV / 2; p++) _mm_prefetch(wi + p * panel_bytes + PREFETCH_BYTES, _MM_HINT_T0);
+        __m256 w[8];
+        for (int v = 0; v < NV; v++)
+            w[v] = load_weights8(FORMAT, wi + (v / 2) * panel_bytes + (v % 2) * 8 * element_bytes(FORMAT));
+        for (int r = 0; r < RB; r++) {
+            const __m256 xb = _mm256_broadcast_ss(x + r * ldx + i);
+            for (int v = 0; v < NV; v++) acc[v][r] = _mm256_fmadd_ps(w[v], xb, acc[v][r]);
         }
     }
-    for (int o = 0; o < OW; o++)
-        for (int r = 0; r < RB; r++) dots[o * ROW_BLOCK + r] = hsum8(acc[o][r]);
+    for (int r = 0; r < RB; r++)
+        for (int v = 0; v < NV; v++) _mm256_storeu_ps(out + r * 64 + v * 8, acc[v][r]);
+}
+
+#define FLOAT_TILE(NV, RB) float_tile(FORMAT, w0, panel_bytes, in, xb, ldx, NV, RB, tile)
+
+#if defined(__AVX512F__)
+/* Sixteen consecutive packed weights (one panel's input i) as fp32: load_weights8 widened. */
+static inline __attribute__((always_inline)) __m512 load_weights16(int FORMAT, const char *p) {
+    if (FORMAT == FMT_F32) return _mm512_loadu_ps((const float *)p);
+    if (FORMAT == FMT_BF16) {
+        __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    }
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* float_tile with one zmm per panel: NP panels x RB rows (NP * RB <= 24 accumulators of
+ * the 32 registers). Each lane runs the same FMA sequence as in float_tile: same bits. */
+static inline __attribute__((always_inline)) void float_tile16(
+    int FORMAT, const char *w0, size_t panel_bytes, int in, const float *x, size_t ldx, int NP,
+    int RB, float *out) {
+    const size_t step = PANEL * element_bytes(FORMAT);
+    __m512 acc[4][ROW_BLOCK];
+    for (int p = 0; p < NP; p++)
+        for (int r = 0; r < RB; r++) acc[p][r] = _mm512_setzero_ps();
+    for (int i = 0; i < in; i++) {
+        const char *wi = w0 + (size_t)i * step;
+        if ((((size_t)i * step) & 63) == 0)
+            for (int p = 0; p < NP; p++) _mm_prefetch(wi + p * panel_bytes + PREFETCH_BYTES, _MM_HINT_T0);
+        __m512 w[4];
+        for (int p = 0; p < NP; p++) w[p] = load_weights16(FORMAT, wi + p * panel_bytes);
+        for (int r = 0; r < RB; r++) {
+            const __m512 xb = _mm512_set1_ps(x[r * ldx + i]);
+            for (int p = 0; p < NP; p++) acc[p][r] = _mm512_fmadd_ps(w[p], xb, acc[p][r]);
+        }
+    }
+    for (int r = 0; r < RB; r++)
+        for (int p = 0; p < NP; p++) _mm512_storeu_ps(out + r * 64 + p * 16, acc[p][r]);
+}
+#define FLOAT_TILE16(NP, RB) float_tile16(FORMAT, w0, panel_bytes, in, xb, ldx, NP, RB, tile)
+#endif
+
+/* y[r, o] (+)= (x[r] . W[o]) * scale[o] + bias[o] for fp32 / bf16 / q8 W. x [rows, in],
+ * y [rows, ldy]. Call inside the parallel region: each thread takes a contiguous range of
+ * panels. For each group of PANEL_GROUP panels the token rows go in balanced blocks of at
+ * most ROW_BLOCK; few rows take wide tiles (more outputs at once, enough independent
+ * accumulators), many rows narrow ones. The tile shape never changes a pair's sum. */
+static inline __attribute__((always_inline)) void linear_float(
+    const Linear *L, int FORMAT, const float *x, int rows, float *y, int ldy, int accumulate) {
+    const int in = L->in_features, out = L->out_features;
+    const int panels = (out + PANEL - 1) / PANEL;
+    const size_t ldx = (size_t)in, panel_bytes = (size_t)in * PANEL * element_bytes(FORMAT);
+    float tile[ROW_BLOCK * 64];
+    int p0, p1;
+    thread_range(panels, &p0, &p1);
+    for (int c0 = 0; c0 < rows; c0 += ROW_PANEL) {
+        const int cn = min_int(ROW_PANEL, rows - c0);
+        const int blocks = (cn + ROW_BLOCK - 1) / ROW_BLOCK;
+        for (int pg = p0; pg < p1; pg += PANEL_GROUP) {
+            const int pn = min_int(PANEL_GROUP, p1 - pg);
+            int r0 = c0;
+            for (int b = 0; b < blocks; b++) {
+                const int left = cn - (r0 - c0), rb = (left + blocks - b - 1) / (blocks - b);
+                const int widest = rb <= 2 ? 4 : 2;  /* AVX2 has 16 registers: NV * RB <= 12 */
+                const float *xb = x + (size_t)r0 * ldx;
+                for (int q = 0; q < pn;) {
+#if defined(__AVX512F__)
+                    const int nv = 2 * (pn - q);  /* all the group's panels: <= 24 zmm */
+                    const char *w0 = (const char *)L->weight + (size_t)(pg + q) * panel_bytes;
+                    (void)widest;
+                    switch (rb * 16 + nv / 2) {
+#define TILE16_ROW(RB) \
+                    case RB * 16 + 1: FLOAT_TILE16(1, RB); break; \
+                    case RB * 16 + 2: FLOAT_TILE16(2, RB); break; \
+                    case RB * 16 + 3: FLOAT_TILE16(3, RB); break; \
+                    case RB * 16 + 4: FLOAT_TILE16(4, RB); break;
+                    TILE16_ROW(1) TILE16_ROW(2) TILE16_ROW(3) TILE16_ROW(4) TILE16_ROW(5)
+                    TILE16_ROW(6)
+#undef TILE16_ROW
+                    }
+#else
+                    const int nv = min_int(widest, 2 * (pn - q));
+                    const char *w0 = (const char *)L->weight + (size_t)(pg + q) * panel_bytes;
+                    switch (rb * 16 + nv) {
+                    case 16 + 8: FLOAT_TILE(8, 1); break;
+                    case 16 + 6: FLOAT_TILE(6, 1); break;
+                    case 16 + 4: FLOAT_TILE(4, 1); break;
+                    case 16 + 2: FLOAT_TILE(2, 1); break;
+                    case 32 + 4: FLOAT_TILE(4, 2); break;
+                    case 32 + 2: FLOAT_TILE(2, 2); break;
+                    case 48 + 4: FLOAT_TILE(4, 3); break;
+                    case 48 + 2: FLOAT_TILE(2, 3); break;
+                    case 64 + 2: FLOAT_TILE(2, 4); break;
+                    case 80 + 2: FLOAT_TILE(2, 5); break;
+                    default: FLOAT_TILE(2, 6); break;
+                    }
+#endif
+                    const int o0 = (pg + q) * PANEL, on = min_int(nv * 8, out - o0);
+                    for (int r = 0; r < rb; r++) {
+                        float *dst = y + (size_t)(r0 + r) * ldy + o0;
+                        for (int o = 0; o < on; o++) {
+                            const float scale = FORMAT == FMT_Q8 ? L->scale[o0 + o] : 1.0f;
+                            const float bias = L->bias ? L->bias[o0 + o] : 0.0f;
+                            const float v = tile[r * 64 + o] * scale + bias;
+                            dst[o] = accumulate ? dst[o] + v : v;
+                        }
+                    }
+                    q += nv / 2;
+                }
+                r0 += rb;
+            }
+        }
+    }
+#pragma omp barrier
 }
 
 /* Activation rows for the q4 dot product, quantized per group of 32 inputs the way
  * llama.cpp does for Q4_1 (its Q8_1): x ~= scale * q with q int8 in -127..127, and
- * part = scale * sum(q). Per-row arrays of groups are padded to a multiple of 8 with
- * zeros (`stride` entries), so the minimum's term is an 8-lane dot. */
+ * part = scale * sum(q). Per-row arrays of groups are padded to a multiple of 8. */
 typedef struct {
     int8_t *q;     /* [rows, in] */
     float *scale;  /* [rows, stride] */
@@ -235,174 +372,218 @@ static void quantize_rows(const float *x, int rows, int in, QuantRows *qx) {
     }
 }
 
-/* fp16 row o of a [out, groups] table as fp32, zero-padded to `stride` entries. */
-static inline void half_row(const uint16_t *table, int o, int groups, int stride, float *out) {
-    const uint16_t *src = table + (size_t)o * groups;
-    int g = 0;
-    for (; g + 8 <= groups; g += 8)
-        _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + g))));
-    for (; g < groups; g++) out[g] = _cvtsh_ss(src[g]);
-    for (; g < stride; g++) out[g] = 0.0f;
+/* Four int8 activations as one broadcast 32-bit lane pattern. */
+static inline __m256i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
 }
 
-/* dots[o * Q4_ROW_BLOCK + r] = W[o0 + o] . x[r0 + r] for a q4 W: per group, the integer
- * dot of the 4-bit weights with the int8 activations (maddubs) times d_w * d_x, one
- * accumulator per pair in group order; then the minimum's term sum_g m_w * part as an
- * 8-lane dot. d and m: this tile's rows as fp32 [OW][stride]. Same per-pair determinism
- * as dot_tile. */
-static inline __attribute__((always_inline)) void dot_tile_q4(
-    const Linear *L, int o0, const QuantRows *qx, int r0, int OW, int RB, const float *d,
-    const float *m, float *dots, const char *ahead, size_t stride_bytes) {
-    const int in = L->in_features, groups = in / GROUP, stride = qx->stride;
-    const uint8_t *nibbles = (const uint8_t *)L->weight;
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[Q4_OUT_BLOCK][Q4_ROW_BLOCK];
-    for (int o = 0; o < OW; o++)
-        for (int r = 0; r < RB; r++) acc[o][r] = _mm256_setzero_ps();
+/* Exact integer dots of 8 outputs (u: the unpacked group) with one row's 32 int8
+ * activations xr: lane o = sum_i q[o][i] * x[i]. Integer sums have no rounding, so the
+ * AVX2 and VNNI variants give the same result. */
+static inline __attribute__((always_inline)) __m256i q4_dot8(const __m256i u[8], const int8_t *xr) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) s = _mm256_dpbusd_epi32(s, u[j], broadcast4(xr + 4 * j));
+    return s;
+#else
+    /* maddubs: int16 lane = two products, |.| <= 2 * 15 * 127 = 3810; eight of them sum
+     * to at most 30480, so the int16 sums cannot overflow */
+    __m256i s = _mm256_maddubs_epi16(u[0], broadcast4(xr));
+    for (int j = 1; j < 8; j++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[j], broadcast4(xr + 4 * j)));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#endif
+}
+
+/* y[r, o] (+)= x[r] . W[o] + bias[o] for q4 W (blocks as described above): quantizes x
+ * into qx, then each thread takes a contiguous range of 8-output panels. Per block (8
+ * outputs x 32 inputs) the nibbles unpack once; every token row then adds
+ *   d * dx * dot + m * part   (one fp32 lane per (output, row), groups in order)
+ * to its accumulator, so a pair's value never depends on the other rows. */
+/* One panel (8 outputs) of a q4 layer for token rows r0 .. r0 + rows - 1 (rows <= ROW_PANEL):
+ * acc[r * 16 + o] = the pair's sum over all groups. */
+static inline void q4_panel8(const uint8_t *blocks, int groups, int in, const QuantRows *qx,
+                             int r0, int rows, float *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int r = 0; r < rows; r++) _mm256_store_ps(acc + r * 16, _mm256_setzero_ps());
     for (int g = 0; g < groups; g++) {
-        if (ahead)
-            for (size_t b = 0; b < stride_bytes; b += 64)
-                _mm_prefetch(ahead + (size_t)g * stride_bytes + b, _MM_HINT_T0);
-        for (int o = 0; o < OW; o++) {
-            const __m128i bytes = _mm_loadu_si128(
-                (const __m128i *)(nibbles + ((size_t)(o0 + o) * groups + g) * 16));
-            const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble),
-                                               _mm_and_si128(bytes, nibble));
-            const __m256 dw = _mm256_broadcast_ss(d + o * stride + g);
-            for (int r = 0; r < RB; r++) {
-                const size_t row = (size_t)(r0 + r);
-                const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx->q + row * in + g * GROUP));
-                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), ones);
-                const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(qx->scale + row * stride + g));
-                acc[o][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[o][r]);
-            }
+        const uint8_t *block = blocks + (size_t)g * Q4_BLOCK_BYTES;
+        for (int b = 0; b < Q4_BLOCK_BYTES; b += 64)
+            _mm_prefetch((const char *)block + PREFETCH_BYTES + b, _MM_HINT_T0);
+        __m256i u[8];
+        for (int c = 0; c < 4; c++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 32 * c));
+            u[c] = _mm256_and_si256(bytes, low);
+            u[c + 4] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 128)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 144)));
+        for (int r = 0; r < rows; r++) {
+            const size_t row = (size_t)(r0 + r), s = row * qx->stride + g;
+            const __m256i dot = q4_dot8(u, qx->q + row * in + g * GROUP);
+            __m256 t = _mm256_mul_ps(m, _mm256_set1_ps(qx->part[s]));
+            t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(qx->scale[s])), t);
+            _mm256_store_ps(acc + r * 16, _mm256_add_ps(_mm256_load_ps(acc + r * 16), t));
         }
     }
-    for (int o = 0; o < OW; o++)
-        for (int r = 0; r < RB; r++) {
-            const float *part = qx->part + (size_t)(r0 + r) * stride;
-            __m256 mins = _mm256_setzero_ps();
-            for (int g = 0; g < stride; g += 8)
-                mins = _mm256_fmadd_ps(_mm256_loadu_ps(m + o * stride + g), _mm256_loadu_ps(part + g), mins);
-            dots[o * Q4_ROW_BLOCK + r] = hsum8(acc[o][r]) + hsum8(mins);
-        }
 }
 
-#define Q4_CASES(OW, o0, dd, mm, target)                                                 \
-    switch (rb) {                                                                        \
-    case 1: dot_tile_q4(L, o0, qx, r0, OW, 1, dd, mm, target, ahead, stride_bytes); break; \
-    case 2: dot_tile_q4(L, o0, qx, r0, OW, 2, dd, mm, target, ahead, stride_bytes); break; \
-    case 3: dot_tile_q4(L, o0, qx, r0, OW, 3, dd, mm, target, ahead, stride_bytes); break; \
-    default: dot_tile_q4(L, o0, qx, r0, OW, Q4_ROW_BLOCK, dd, mm, target, ahead, stride_bytes); break; \
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+/* q4_panel8 for two adjacent panels at once (16 outputs, one zmm lane each): the same
+ * per-lane operations, so the same bits. */
+static inline void q4_panel16(const uint8_t *blocks, const uint8_t *blocks2, int groups, int in,
+                              const QuantRows *qx, int r0, int rows, float *acc) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < rows; r++) _mm512_store_ps(acc + r * 16, _mm512_setzero_ps());
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *block = blocks + (size_t)g * Q4_BLOCK_BYTES;
+        const uint8_t *block2 = blocks2 + (size_t)g * Q4_BLOCK_BYTES;
+        for (int b = 0; b < Q4_BLOCK_BYTES; b += 64) {
+            _mm_prefetch((const char *)block + PREFETCH_BYTES + b, _MM_HINT_T0);
+            _mm_prefetch((const char *)block2 + PREFETCH_BYTES + b, _MM_HINT_T0);
+        }
+        __m512i u[8];
+        for (int c = 0; c < 4; c++) {
+            const __m512i bytes = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(block + 32 * c))),
+                _mm256_loadu_si256((const __m256i *)(block2 + 32 * c)), 1);
+            u[c] = _mm512_and_si512(bytes, low);
+            u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(block + 128))),
+            _mm_loadu_si128((const __m128i *)(block2 + 128)), 1));
+        const __m512 m = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(block + 144))),
+            _mm_loadu_si128((const __m128i *)(block2 + 144)), 1));
+        for (int r = 0; r < rows; r++) {
+            const size_t row = (size_t)(r0 + r), s = row * qx->stride + g;
+            const int8_t *xr = qx->q + row * in + g * GROUP;
+            __m512i dot = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                int32_t four;
+                memcpy(&four, xr + 4 * j, 4);
+                dot = _mm512_dpbusd_epi32(dot, u[j], _mm512_set1_epi32(four));
+            }
+            __m512 t = _mm512_mul_ps(m, _mm512_set1_ps(qx->part[s]));
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(qx->scale[s])), t);
+            _mm512_store_ps(acc + r * 16, _mm512_add_ps(_mm512_load_ps(acc + r * 16), t));
+        }
     }
+}
+#endif
 
-/* linear_format for q4 weights (nibbles [out, in / 2], fp16 scale and minimum tables
- * [out, in / 32]); quantizes x into qx first. */
+/* y[r, o] (+)= x[r] . W[o] + bias[o] for q4 W (blocks as described above): quantizes x
+ * into qx, then each thread takes a contiguous range of 8-output panels. Per block (8
+ * outputs x 32 inputs) the nibbles unpack once; every token row then adds
+ *   d * dx * dot + m * part   (one fp32 lane per (output, row), groups in order)
+ * to its accumulator, so a pair's value never depends on the other rows. */
 static void linear_q4(const Linear *L, const float *x, int rows, float *y, int ldy, int accumulate,
                       QuantRows *qx) {
     quantize_rows(x, rows, L->in_features, qx);  /* ends in a barrier */
-    const int out = L->out_features, groups = L->in_features / GROUP, stride = qx->stride;
-    const int tiles = (out + Q4_OUT_BLOCK - 1) / Q4_OUT_BLOCK;
-    const size_t tile_bytes = (size_t)Q4_OUT_BLOCK * L->in_features / 2;
-    const size_t stride_bytes = tile_bytes / (size_t)groups;
-    const int ahead_tiles = tile_bytes < PREFETCH_BYTES ? (int)(PREFETCH_BYTES / tile_bytes) : 1;
-    float d[Q4_OUT_BLOCK * stride], m[Q4_OUT_BLOCK * stride];
-    for (int panel = 0; panel < rows; panel += ROW_PANEL) {
-    const int panel_end = rows - panel < ROW_PANEL ? rows : panel + ROW_PANEL;
-#pragma omp for schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        const int o0 = t * Q4_OUT_BLOCK, ow = out - o0 < Q4_OUT_BLOCK ? out - o0 : Q4_OUT_BLOCK;
-        for (int o = 0; o < ow; o++) {
-            half_row((const uint16_t *)L->scale, o0 + o, groups, stride, d + o * stride);
-            half_row((const uint16_t *)L->minimum, o0 + o, groups, stride, m + o * stride);
-        }
-        for (int r0 = panel; r0 < panel_end; r0 += Q4_ROW_BLOCK) {
-            const int rb = panel_end - r0 < Q4_ROW_BLOCK ? panel_end - r0 : Q4_ROW_BLOCK;
-            float dots[Q4_OUT_BLOCK * Q4_ROW_BLOCK];
-            const int next = t + ahead_tiles + (r0 - panel) / Q4_ROW_BLOCK;
-            const char *ahead = next < tiles
-                ? (const char *)L->weight + (size_t)next * tile_bytes : NULL;
-            if (ow == Q4_OUT_BLOCK) {
-                Q4_CASES(Q4_OUT_BLOCK, o0, d, m, dots)
-            } else {
-                for (int o = 0; o < ow; o++)
-                    Q4_CASES(1, o0 + o, d + o * stride, m + o * stride, dots + o * Q4_ROW_BLOCK)
-            }
-            for (int o = 0; o < ow; o++) {
-                const float bias = L->bias ? L->bias[o0 + o] : 0.0f;
-                for (int r = 0; r < rb; r++) {
-                    float v = dots[o * Q4_ROW_BLOCK + r] + bias;
-                    float *dst = y + (size_t)(r0 + r) * ldy + o0 + o;
-                    *dst = accumulate ? *dst + v : v;
+    const int in = L->in_features, out = L->out_features, groups = in / GROUP;
+    const int panels = (out + Q4_PANEL - 1) / Q4_PANEL;
+    const size_t panel_bytes = (size_t)groups * Q4_BLOCK_BYTES;
+    float acc[ROW_PANEL * 16] __attribute__((aligned(64)));
+    int p0, p1;
+    thread_range(panels, &p0, &p1);
+    for (int c0 = 0; c0 < rows; c0 += ROW_PANEL) {
+        const int cn = min_int(ROW_PANEL, rows - c0);
+        for (int p = p0; p < p1;) {
+            const uint8_t *blocks = (const uint8_t *)L->weight + (size_t)p * panel_bytes;
+            int done = 1;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+            if (p + 1 < p1) {
+                q4_panel16(blocks, blocks + panel_bytes, groups, in, qx, c0, cn, acc);
+                done = 2;
+            } else
+#endif
+                q4_panel8(blocks, groups, in, qx, c0, cn, acc);
+            const int o0 = p * Q4_PANEL, on = min_int(done * Q4_PANEL, out - o0);
+            for (int r = 0; r < cn; r++) {
+                float *dst = y + (size_t)(c0 + r) * ldy + o0;
+                for (int o = 0; o < on; o++) {
+                    const float v = acc[r * 16 + o] + (L->bias ? L->bias[o0 + o] : 0.0f);
+                    dst[o] = accumulate ? dst[o] + v : v;
                 }
             }
+            p += done;
         }
     }
+#pragma omp barrier
+}
+
+/* q8d: int8 weights (one fp32 scale per output row) against int8 activations quantized
+ * per 32 inputs (quantize_rows), as llama.cpp runs a Q8_0 output layer: the int4 model's
+ * head. Layout: panels of 8 outputs; per group of 32 inputs one 256-byte block of eight
+ * 32-byte chunks, chunk j byte 4 * o + t = w[o][4j + t]. Per block, |w| is taken once;
+ * each row adds dx * dot (exact integer dot, one fp32 lane per pair, groups in order) and
+ * the row scale is applied to the finished sum. */
+#define Q8D_BLOCK_BYTES 256
+
+static inline void q8d_panel8(const int8_t *blocks, int groups, int in, const QuantRows *qx,
+                              int r0, int rows, float *acc) {
+    for (int r = 0; r < rows; r++) _mm256_store_ps(acc + r * 8, _mm256_setzero_ps());
+    for (int g = 0; g < groups; g++) {
+        const int8_t *block = blocks + (size_t)g * Q8D_BLOCK_BYTES;
+        for (int b = 0; b < Q8D_BLOCK_BYTES; b += 64)
+            _mm_prefetch((const char *)block + PREFETCH_BYTES + b, _MM_HINT_T0);
+        __m256i a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(block + 32 * j)));
+        for (int r = 0; r < rows; r++) {
+            const size_t row = (size_t)(r0 + r);
+            const int8_t *xr = qx->q + row * in + g * GROUP;
+            __m256i dot = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                /* |w| * (x with w's sign): each int16 pair <= 2 * 127 * 127, no saturation */
+                const __m256i sx = _mm256_sign_epi8(broadcast4(xr + 4 * j),
+                                                    _mm256_loadu_si256((const __m256i *)(block + 32 * j)));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                dot = _mm256_dpbusd_epi32(dot, a[j], sx);
+#else
+                dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(a[j], sx), _mm256_set1_epi16(1)));
+#endif
+            }
+            const __m256 dx = _mm256_set1_ps(qx->scale[row * qx->stride + g]);
+            _mm256_store_ps(acc + r * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dx, _mm256_load_ps(acc + r * 8)));
+        }
     }
 }
 
-/* dot_tile with constant shapes: unrolled, accumulators in registers */
-#define DOT_TILE(OW, RB, o0, xb, target) \
-    dot_tile(L, FORMAT, o0, xb, ldx, OW, RB, target, ahead, stride)
-#define DOT_CASES(OW, o0, xb, target)                                \
-    switch (rb) {                                                    \
-    case 1: DOT_TILE(OW, 1, o0, xb, target); break;                  \
-    case 2: DOT_TILE(OW, 2, o0, xb, target); break;                  \
-    case 3: DOT_TILE(OW, 3, o0, xb, target); break;                  \
-    case 4: DOT_TILE(OW, 4, o0, xb, target); break;                  \
-    case 5: DOT_TILE(OW, 5, o0, xb, target); break;                  \
-    default: DOT_TILE(OW, ROW_BLOCK, o0, xb, target); break;         \
-    }
-
-/* y[r, o] (+)= x[r] . W[o] * scale + bias: x [rows, in], y [rows, ldy]. Call inside a
- * parallel region: tiles of OUT_BLOCK output rows are shared out among the threads. */
-static inline __attribute__((always_inline)) void linear_format(
-    const Linear *L, int FORMAT, const float *x, int rows, float *y, int ldy, int accumulate) {
-    const int out = L->out_features;
-    const int tiles = (out + OUT_BLOCK - 1) / OUT_BLOCK;
-    const size_t ldx = (size_t)L->in_features, tile_bytes = OUT_BLOCK * row_bytes(L);
-    const size_t stride = tile_bytes * GROUP / ldx;  /* one tile per pass over the inputs */
-    const int ahead_tiles = tile_bytes < PREFETCH_BYTES ? (int)(PREFETCH_BYTES / tile_bytes) : 1;
-    for (int panel = 0; panel < rows; panel += ROW_PANEL) {
-    const int panel_end = rows - panel < ROW_PANEL ? rows : panel + ROW_PANEL;
-#pragma omp for schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        const int o0 = t * OUT_BLOCK, ow = out - o0 < OUT_BLOCK ? out - o0 : OUT_BLOCK;
-        for (int r0 = panel; r0 < panel_end; r0 += ROW_BLOCK) {
-            const int rb = panel_end - r0 < ROW_BLOCK ? panel_end - r0 : ROW_BLOCK;
-            float dots[OUT_BLOCK * ROW_BLOCK];
-            /* pass p prefetches tile t + 1 + p: with several passes per tile the stream
-             * still advances during each, so computing overlaps reading */
-            const int next = t + ahead_tiles + (r0 - panel) / ROW_BLOCK;
-            const char *ahead = next < tiles
-                ? (const char *)L->weight + (size_t)next * tile_bytes : NULL;
-            const float *xb = x + (size_t)r0 * ldx;
-            if (ow == OUT_BLOCK) {
-                DOT_CASES(OUT_BLOCK, o0, xb, dots)
-            } else {  /* ragged last tile: one weight row at a time */
-                for (int o = 0; o < ow; o++) DOT_CASES(1, o0 + o, xb, dots + o * ROW_BLOCK)
-            }
-            for (int o = 0; o < ow; o++) {
-                const float scale = FORMAT == FMT_Q8 ? ((const float *)L->scale)[o0 + o] : 1.0f;
-                const float bias = L->bias ? L->bias[o0 + o] : 0.0f;
-                for (int r = 0; r < rb; r++) {
-                    float v = dots[o * ROW_BLOCK + r] * scale + bias;
-                    float *dst = y + (size_t)(r0 + r) * ldy + o0 + o;
-                    *dst = accumulate ? *dst + v : v;
+static void linear_q8d(const Linear *L, const float *x, int rows, float *y, int ldy, int accumulate,
+                       QuantRows *qx) {
+    quantize_rows(x, rows, L->in_features, qx);  /* ends in a barrier */
+    const int in = L->in_features, out = L->out_features, groups = in / GROUP;
+    const int panels = (out + 7) / 8;
+    const size_t panel_bytes = (size_t)groups * Q8D_BLOCK_BYTES;
+    float acc[ROW_PANEL * 8] __attribute__((aligned(32)));
+    int p0, p1;
+    thread_range(panels, &p0, &p1);
+    for (int c0 = 0; c0 < rows; c0 += ROW_PANEL) {
+        const int cn = min_int(ROW_PANEL, rows - c0);
+        for (int p = p0; p < p1; p++) {
+            q8d_panel8((const int8_t *)L->weight + (size_t)p * panel_bytes, groups, in, qx, c0, cn, acc);
+            const int o0 = p * 8, on = min_int(8, out - o0);
+            for (int r = 0; r < cn; r++) {
+                float *dst = y + (size_t)(c0 + r) * ldy + o0;
+                for (int o = 0; o < on; o++) {
+                    const float v = acc[r * 8 + o] * L->scale[o0 + o] + (L->bias ? L->bias[o0 + o] : 0.0f);
+                    dst[o] = accumulate ? dst[o] + v : v;
                 }
             }
         }
     }
-    }
+#pragma omp barrier
 }
 
 static void linear(const Linear *L, const float *x, int rows, float *y, int ldy, int accumulate,
                    QuantRows *qx) {
     switch (L->format) {
-    case FMT_F32: linear_format(L, FMT_F32, x, rows, y, ldy, accumulate); break;
-    case FMT_BF16: linear_format(L, FMT_BF16, x, rows, y, ldy, accumulate); break;
-    case FMT_Q8: linear_format(L, FMT_Q8, x, rows, y, ldy, accumulate); break;
+    case FMT_F32: linear_float(L, FMT_F32, x, rows, y, ldy, accumulate); break;
+    case FMT_BF16: linear_float(L, FMT_BF16, x, rows, y, ldy, accumulate); break;
+    case FMT_Q8: linear_float(L, FMT_Q8, x, rows, y, ldy, accumulate); break;
+    case FMT_Q8D: linear_q8d(L, x, rows, y, ldy, accumulate, qx); break;
     default: linear_q4(L, x, rows, y, ldy, accumulate, qx); break;
     }
 }
@@ -576,4 +757,136 @@ void spec_forward(const Model *m, float *hidden, int rows, int start, const int6
         rms_norm(hidden, m->final_norm, rows, H, m->eps, normed);
         linear(&m->lm_head, normed, rows, logits, m->vocab, 0, &qx);
     }
+}
+
+/* ---- one linear layer on its own (tests and microbenchmarks) -------------------- */
+
+/* Floats of work memory spec_linear needs for `rows` rows of `in` inputs. */
+int64_t spec_linear_work_floats(int rows, int in) {
+    return (int64_t)rows * (in / 4 + 2 * padded_groups(in));
+}
+
+/* y [rows, out] = x [rows, in] . W^T (* scale) + bias, on `threads` threads: exactly the
+ * computation a layer of the forward does. */
+void spec_linear(const Linear *L, const float *x, int rows, float *y, float *work, int threads) {
+    const int in = L->in_features;
+    QuantRows qx = {(int8_t *)work, work + (size_t)rows * in / 4,
+                    work + (size_t)rows * in / 4 + (size_t)rows * padded_groups(in), 0};
+#pragma omp parallel num_threads(threads)
+    linear(L, x, rows, y, L->out_features, 0, &qx);
+}
+
+/* ---- roofline microbenchmarks (speculative profile) ------------------------------ */
+
+/* Peak fp32 multiply-adds per second on `threads` threads: 12 independent FMA chains per
+ * thread (8 lanes; 16 in the AVX-512 build, as its float tiles), `iterations` rounds. */
+double spec_peak_fma(int threads, int64_t iterations) {
+    double started = 0.0, elapsed = 0.0;
+    float sink = 0.0f;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+#if defined(__AVX512F__)
+#define PEAK_VEC __m512  /* the float tiles of this build are zmm */
+#define PEAK_LANES 16
+#define PEAK_SET1 _mm512_set1_ps
+#define PEAK_FMA _mm512_fmadd_ps
+#define PEAK_ADD _mm512_add_ps
+#define PEAK_SUM(v) _mm512_reduce_add_ps(v)
+#else
+#define PEAK_VEC __m256
+#define PEAK_LANES 8
+#define PEAK_SET1 _mm256_set1_ps
+#define PEAK_FMA _mm256_fmadd_ps
+#define PEAK_ADD _mm256_add_ps
+#define PEAK_SUM(v) hsum8(v)
+#endif
+        PEAK_VEC acc[12];
+        const PEAK_VEC a = PEAK_SET1(0.999999f), b = PEAK_SET1(1e-7f);
+        for (int j = 0; j < 12; j++) acc[j] = PEAK_SET1((float)j);
+#pragma omp barrier
+#pragma omp master
+        started = omp_get_wtime();
+        for (int64_t n = 0; n < iterations; n++)
+            for (int j = 0; j < 12; j++) acc[j] = PEAK_FMA(acc[j], a, b);
+#pragma omp barrier
+#pragma omp master
+        elapsed = omp_get_wtime() - started;
+        PEAK_VEC s = acc[0];
+        for (int j = 1; j < 12; j++) s = PEAK_ADD(s, acc[j]);
+        sink += PEAK_SUM(s);
+    }
+    if (sink == 12345.0f) elapsed += 1e-12;  /* keep the loop alive */
+    return (double)threads * (double)iterations * 12.0 * PEAK_LANES / elapsed;
+}
+
+/* Peak int8 multiply-adds per second of the q4 kernel's integer dot (q4_dot8: maddubs +
+ * int16 adds on AVX2; the AVX-512 build: zmm vpdpbusd as in q4_panel16), 8 independent
+ * 256-MAC dots per round. */
+double spec_peak_int8(int threads, int64_t iterations) {
+    double started = 0.0, elapsed = 0.0;
+    int sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+        __m256i u[8], acc[8];
+        int8_t x[8 * 32];  /* dot j reads its own 32 activations: no common subexpressions */
+        for (int j = 0; j < 8 * 32; j++) x[j] = (int8_t)(j % 61 - 30);
+        for (int j = 0; j < 8; j++) {
+            u[j] = _mm256_set1_epi8((char)(j + 1));
+            acc[j] = _mm256_setzero_si256();
+        }
+#pragma omp barrier
+#pragma omp master
+        started = omp_get_wtime();
+        for (int64_t n = 0; n < iterations; n++) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+            /* this build's q4 tiles: 16 outputs per zmm VNNI dot (q4_panel16) */
+            for (int j = 0; j < 8; j += 2) {
+                __m512i dot = _mm512_setzero_si512();
+                const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(u[j]), u[j + 1], 1);
+                for (int i = 0; i < 8; i++) {
+                    int32_t four;
+                    memcpy(&four, x + 32 * j + 4 * i, 4);
+                    dot = _mm512_dpbusd_epi32(dot, w, _mm512_set1_epi32(four));
+                }
+                acc[j] = _mm256_add_epi32(acc[j], _mm512_castsi512_si256(dot));
+                acc[j + 1] = _mm256_add_epi32(acc[j + 1], _mm512_extracti64x4_epi64(dot, 1));
+            }
+#else
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_add_epi32(acc[j], q4_dot8(u, x + 32 * j));
+#endif
+            x[n & 255] ^= 1;  /* a different dot each round */
+        }
+#pragma omp barrier
+#pragma omp master
+        elapsed = omp_get_wtime() - started;
+        __m256i s = acc[0];
+        for (int j = 1; j < 8; j++) s = _mm256_add_epi32(s, acc[j]);
+        sink += _mm256_extract_epi32(s, 0);
+    }
+    if (sink == 12345) elapsed += 1e-12;
+    return (double)threads * (double)iterations * 8.0 * 256.0 / elapsed;
+}
+
+/* Bytes per second read from `n` floats at `buffer` by `threads` threads (contiguous
+ * shares, summed so the reads happen). */
+double spec_read_bandwidth(const float *buffer, int64_t n, int threads) {
+    double started = 0.0, elapsed = 0.0;
+    float sink = 0.0f;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t begin = n * t / T / 32 * 32, end = n * (t + 1) / T / 32 * 32;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+#pragma omp barrier
+#pragma omp master
+        started = omp_get_wtime();
+        for (int64_t i = begin; i < end; i += 32)
+            for (int j = 0; j < 4; j++) acc[j] = _mm256_add_ps(acc[j], _mm256_loadu_ps(buffer + i + 8 * j));
+#pragma omp barrier
+#pragma omp master
+        elapsed = omp_get_wtime() - started;
+        sink += hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    }
+    if (sink == 12345.0f) elapsed += 1e-12;
+    return (double)(n / 32 * 32) * 4.0 / elapsed;
 }

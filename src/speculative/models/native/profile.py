@@ -1,10 +1,13 @@
-"""Weight bytes and the memory-bandwidth floor of a native model's decode step.
+"""Weight bytes, the memory-bandwidth floor and the roofline of a native model's forward.
 
 Timing forwards (the verify-cost curve T(k)/T(1)) is model-agnostic and lives in
 :mod:`speculative.engine.costs`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 
 def weight_bytes(model: object) -> int:
@@ -20,3 +23,99 @@ def bandwidth_floor_ms(weight_bytes: int, gbps: float = 22.0) -> float:
     if gbps <= 0:
         raise ValueError(f"gbps must be positive, got {gbps}")
     return weight_bytes / (gbps * 1e9) * 1e3
+
+
+# ---- the roofline of a kernels decoder ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class MachinePeaks:
+    """What this machine does per second on ``threads`` threads, measured by kernels.c's
+    microbenchmarks with the kernels' own instructions."""
+
+    isa: str  # the kernel library measured ("avx2" or "avx512")
+    threads: int
+    fma_macs_per_s: float  # fp32 multiply-adds (8-lane FMAs): fp32 / bf16 / int8 layers
+    int8_macs_per_s: float  # int8 multiply-adds of the q4 integer dot (maddubs or VNNI)
+    read_gbps: float  # streaming read bandwidth from memory (256 MB, beyond the caches)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "isa": self.isa,
+            "threads": self.threads,
+            "fma_gmacs": self.fma_macs_per_s / 1e9,
+            "int8_gmacs": self.int8_macs_per_s / 1e9,
+            "read_gbps": self.read_gbps,
+        }
+
+
+def measure_peaks(library: Any, threads: int, repeats: int = 3) -> MachinePeaks:
+    """Best of ``repeats`` runs of each microbenchmark (a shared machine only slows them)."""
+    import torch
+
+    from speculative.models.native.ckernels import library_isa
+
+    fma = max(library.spec_peak_fma(threads, 2_000_000) for _ in range(repeats))
+    int8 = max(library.spec_peak_int8(threads, 200_000) for _ in range(repeats))
+    buffer = torch.ones(64 * 1024 * 1024)  # 256 MB, written so every page is real
+    read = max(
+        library.spec_read_bandwidth(buffer.data_ptr(), buffer.numel(), threads)
+        for _ in range(repeats)
+    )
+    return MachinePeaks(library_isa(library), threads, fma, int8, read / 1e9)
+
+
+INTEGER_DOTS = ("int4", "int8dot")  # kernel formats that run integer dots
+
+
+def decoder_work(decoder: Any) -> dict[str, int]:
+    """Per-token work of a kernels decoder: multiply-adds on the fp32 FMA path and on the
+    int8 dot path (int4 layers and the int4 model's int8 head), weight bytes, and KV-cache
+    bytes per visible slot."""
+    linears = [decoder.lm_head]
+    for layer in decoder.layers:
+        linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
+    cfg = decoder.config
+    return {
+        "fma_macs": sum(x.multiply_adds() for x in linears if x.format not in INTEGER_DOTS),
+        "int8_macs": sum(x.multiply_adds() for x in linears if x.format in INTEGER_DOTS),
+        "attention_macs_per_slot": 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
+        "weight_bytes": int(decoder.weight_bytes()),
+        "kv_bytes_per_slot": 2 * 4 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim,
+    }
+
+
+def roofline(
+    work: dict[str, int],
+    peaks: MachinePeaks,
+    context: int,
+    times_ms: dict[int, float],
+    gbps: float = 22.0,
+) -> dict[str, dict[str, object]]:
+    """For each k: bytes read, multiply-adds, the memory floor (at ``gbps`` and at the
+    measured bandwidth), the compute floor at the measured peaks, which of the two binds,
+    and the measured T(k) over the binding floor.
+
+    A forward of k tokens after ``context`` reads every weight once and the KV cache of
+    the slots it attends to (token j of the block sees context + j + 1 slots)."""
+    out: dict[str, dict[str, object]] = {}
+    for k, ms in times_ms.items():
+        slots = k * context + k * (k + 1) // 2  # attention (token, slot) pairs
+        nbytes = work["weight_bytes"] + work["kv_bytes_per_slot"] * (context + k)
+        fma = k * work["fma_macs"] + slots * work["attention_macs_per_slot"]
+        int8 = k * work["int8_macs"]
+        memory_ms = nbytes / (peaks.read_gbps * 1e9) * 1e3
+        compute_ms = (fma / peaks.fma_macs_per_s + int8 / peaks.int8_macs_per_s) * 1e3
+        floor = max(memory_ms, compute_ms)
+        out[str(k)] = {
+            "bytes": nbytes,
+            "multiply_adds": fma + int8,
+            "int8_multiply_adds": int8,
+            "memory_floor_ms": nbytes / (gbps * 1e9) * 1e3,
+            "memory_floor_measured_ms": memory_ms,
+            "compute_floor_ms": compute_ms,
+            "binds": "memory" if memory_ms >= compute_ms else "compute",
+            "ms": ms,
+            "over_floor": ms / floor,
+        }
+    return out

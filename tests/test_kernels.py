@@ -1,0 +1,264 @@
+"""The C kernels on their own: ISA choice, packed layouts, k-invariance on every ISA path.
+
+Every test runs the AVX2 library (which any CPU the kernels accept can run) and, where the
+CPU has AVX-512 F/BW/VL/DQ + VNNI, the AVX-512 one too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from speculative.models.native import load_native
+from speculative.models.native.ckernels import (
+    ISA_ENV,
+    ISA_NEEDS,
+    KernelLinear,
+    KernelsUnavailable,
+    cpu_features,
+    kernel_isa,
+    library_isa,
+    load_kernels,
+    pack_q4_blocks,
+    pack_q8_blocks,
+)
+from speculative.models.native.quant import (
+    GroupQuant4,
+    quantize_group4,
+    quantize_int8_per_channel,
+)
+
+PRECISIONS = ["fp32", "bf16", "int8", "int4"]
+FORMATS = [*PRECISIONS, "int8dot"]  # int8dot: the int4 model's head (int8 activations)
+ROWS = [*range(1, 17), 40, 64]  # 64 rows: more than one 48-row panel of activations
+
+
+def _compiler_or_skip() -> None:
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler: the C kernels cannot be built here")
+
+
+def _has_avx512() -> bool:
+    return set(ISA_NEEDS["avx512"]) <= cpu_features()
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request: pytest.FixtureRequest) -> str:
+    """Each kernel ISA path; avx512 is skipped (with the reason) on CPUs without it."""
+    _compiler_or_skip()
+    if request.param == "avx512" and not _has_avx512():
+        missing = sorted(set(ISA_NEEDS["avx512"]) - cpu_features())
+        pytest.skip(f"this CPU lacks {', '.join(missing)}: the avx512 kernels cannot run")
+    return request.param
+
+
+def _layer(precision: str, out_features: int = 72, in_features: int = 96) -> KernelLinear:
+    """A seeded layer; 72 outputs are not a multiple of either panel width (16, 8)."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.1
+    bias = torch.randn(out_features, generator=generator)
+    return KernelLinear.pack(weight, bias, precision)
+
+
+def test_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    _compiler_or_skip()
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    assert kernel_isa() == "avx2" and library_isa(load_kernels()) == "avx2"
+    monkeypatch.setenv(ISA_ENV, "auto")
+    assert kernel_isa() == ("avx512" if _has_avx512() else "avx2")
+    monkeypatch.delenv(ISA_ENV)
+    assert kernel_isa() == kernel_isa("auto")
+    monkeypatch.setenv(ISA_ENV, "sse2")
+    with pytest.raises(KernelsUnavailable, match=ISA_ENV):
+        kernel_isa()
+
+
+def test_avx512_refused_without_the_cpu_feature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking for avx512 where the CPU lacks a feature names that feature in one line."""
+    _compiler_or_skip()
+    import speculative.models.native.ckernels as ck
+
+    monkeypatch.setattr(ck, "cpu_features", lambda cache_dir=None: {"avx2", "fma", "f16c"})
+    with pytest.raises(KernelsUnavailable, match="needs CPU feature avx512f") as error:
+        ck.load_kernels(isa="avx512")
+    assert "\n" not in str(error.value)
+    monkeypatch.setenv(ISA_ENV, "avx512")
+    with pytest.raises(KernelsUnavailable, match="avx512f"):
+        ck.kernel_isa()
+    assert ck.kernel_isa("auto") == "avx2"
+    monkeypatch.setattr(ck, "cpu_features", lambda cache_dir=None: {"fma", "f16c"})
+    with pytest.raises(KernelsUnavailable, match="kernel ISA avx2 needs CPU feature avx2"):
+        ck.kernel_isa("auto")
+
+
+def test_q8_blocks_hold_the_documented_layout() -> None:
+    """pack_q8_blocks: chunk j byte 4 * o + t = q[o][4j + t] per (panel of 8, group of 32)."""
+    q = torch.randint(-127, 128, (10, 64), generator=torch.Generator().manual_seed(2))
+    blocks = pack_q8_blocks(q.to(torch.int8))  # [2 panels, 2 groups, 256]
+    assert blocks.shape == (2, 2, 256)
+    for o in range(10):
+        p, lane = divmod(o, 8)
+        for g in range(2):
+            for j in range(8):
+                for t in range(4):
+                    assert blocks[p, g, 32 * j + 4 * lane + t] == q[o, 32 * g + 4 * j + t]
+    assert not blocks[1].reshape(2, 8, 8, 4)[:, :, 2:].any()  # padded outputs
+
+
+def test_q4_blocks_hold_the_documented_layout() -> None:
+    """pack_q4_blocks: chunk c byte 4 * o + t = q[o][4c + t] | q[o][16 + 4c + t] << 4,
+    then d[8] and m[8] as fp16, per (panel of 8 outputs, group of 32 inputs)."""
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (12, 64), generator=generator, dtype=torch.uint8)
+    d = torch.rand(12, 2, generator=generator).half()
+    m = -torch.rand(12, 2, generator=generator).half()
+    blocks = pack_q4_blocks(q, d, m)  # [2 panels, 2 groups, 160]
+    assert blocks.shape == (2, 2, 160) and blocks.dtype == torch.uint8
+    for o in range(12):
+        p, lane = divmod(o, 8)
+        for g in range(2):
+            block = blocks[p, g]
+            for c in range(4):
+                for t in range(4):
+                    byte = int(block[32 * c + 4 * lane + t])
+                    assert byte & 15 == q[o, 32 * g + 4 * c + t]
+                    assert byte >> 4 == q[o, 32 * g + 16 + 4 * c + t]
+            assert block[128:144].view(torch.float16)[lane] == d[o, g]
+            assert block[144:160].view(torch.float16)[lane] == m[o, g]
+    assert not blocks[1, :, :128].reshape(2, 4, 8, 4)[:, :, 4:].any()  # padded outputs
+
+
+@pytest.mark.parametrize("precision", FORMATS)
+def test_linear_rows_are_k_invariant(isa: str, precision: str) -> None:
+    """Each row of a k-row call equals, bitwise, the same row computed alone."""
+    library = load_kernels(isa=isa)
+    layer = _layer(precision)
+    x = torch.randn(max(ROWS), layer.in_features, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([layer(library, x[i : i + 1]) for i in range(max(ROWS))])
+    for rows in ROWS:
+        for threads in (1, 2):
+            together = layer(library, x[:rows], threads)
+            assert torch.equal(together, alone[:rows]), f"{isa} {precision} rows={rows}"
+
+
+@pytest.mark.parametrize("precision", FORMATS)
+def test_linear_matches_dense_reference(isa: str, precision: str) -> None:
+    """A packed layer computes x . W^T + b with the precision's stored weights."""
+    library = load_kernels(isa=isa)
+    generator = torch.Generator().manual_seed(6)
+    weight = torch.randn(72, 96, generator=generator) * 0.1
+    bias = torch.randn(72, generator=generator)
+    x = torch.randn(9, 96, generator=generator)
+    layer = KernelLinear.pack(weight, bias, precision)
+    if precision == "fp32":
+        stored = weight
+    elif precision == "bf16":
+        stored = weight.bfloat16().float()
+    elif precision in ("int8", "int8dot"):
+        qweight, scale = quantize_int8_per_channel(weight)
+        stored = qweight.float() * scale[:, None]
+    else:
+        quant = quantize_group4(weight)
+        stored = GroupQuant4(
+            quant.q, quant.scale.half().float(), quant.minimum.half().float()
+        ).dequantize()
+    expected = x @ stored.T + bias
+    got = layer(library, x)
+    if precision in ("int4", "int8dot"):  # int8 activations per 32 inputs (~0.4 % of a
+        # group's largest value)
+        error = (got - expected).abs().max() / expected.abs().max()
+        assert error < 0.02, f"{precision} relative error {error:.4f}"
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("precision", FORMATS)
+def test_isa_paths_give_the_same_bits(precision: str) -> None:
+    """Both libraries run the same per-lane arithmetic (q4: exact integer dots)."""
+    _compiler_or_skip()
+    if not _has_avx512():
+        pytest.skip("this CPU cannot run the avx512 kernels: nothing to compare")
+    layer = _layer(precision, out_features=200, in_features=256)
+    x = torch.randn(23, 256, generator=torch.Generator().manual_seed(7))
+    a = layer(load_kernels(isa="avx2"), x, 2)
+    b = layer(load_kernels(isa="avx512"), x, 2)
+    assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
+    folder = tmp_path_factory.mktemp("tiny_kernels")
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_model_block_equals_single_steps(
+    tiny_folder: Path, isa: str, precision: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward over k tokens gives bitwise the logits of k decode steps, for k = 1..16,
+    40 and 64, on this ISA path (the forward's whole pipeline, not just the linears)."""
+    monkeypatch.setenv(ISA_ENV, isa)
+    model = load_native(tiny_folder, precision, max_length=160, backend="kernels")
+    assert model.backend == "kernels" and model.decoder.isa == isa
+    ids = torch.randint(0, 96, (1, 100), generator=torch.Generator().manual_seed(8))
+    context = 20
+    model.reset()
+    model.forward(ids[:, :context])
+    steps = torch.cat([model.forward(ids[:, context + i : context + i + 1]) for i in range(64)], 1)
+    for k in ROWS:
+        model.rollback(model.cache_length - context)
+        block = model.forward(ids[:, context : context + k])
+        assert torch.equal(block, steps[:, :k]), f"{isa} {precision} k={k}"
+
+
+def test_roofline_names_the_binding_limit(
+    tiny_folder: Path, isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Peaks are measured (positive, finite); the roofline counts bytes and multiply-adds
+    per k and names the larger floor as the binding one."""
+    from speculative.models.native.profile import (
+        MachinePeaks,
+        decoder_work,
+        measure_peaks,
+        roofline,
+    )
+
+    peaks = measure_peaks(load_kernels(isa=isa), threads=1, repeats=1)
+    assert peaks.isa == isa
+    for value in (peaks.fma_macs_per_s, peaks.int8_macs_per_s, peaks.read_gbps):
+        assert 0 < value < float("inf")
+    monkeypatch.setenv(ISA_ENV, isa)
+    model = load_native(tiny_folder, "int4", max_length=64, backend="kernels")
+    work = decoder_work(model.decoder)
+    layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 2 * 160 + 160 * 64  # qkv, o, gate_up, down
+    assert work["int8_macs"] == 2 * layer + 96 * 64  # the head runs int8 dots too
+    assert work["fma_macs"] == 0
+    slow_memory = MachinePeaks(isa, 1, 1e12, 1e12, 1e-3)  # 1 MB/s: memory binds
+    slow_compute = MachinePeaks(isa, 1, 1e3, 1e3, 1e6)  # 1 kMAC/s: compute binds
+    times = {1: 1.0, 4: 2.0}
+    by_memory = roofline(work, slow_memory, context=10, times_ms=times)
+    by_compute = roofline(work, slow_compute, context=10, times_ms=times)
+    assert {v["binds"] for v in by_memory.values()} == {"memory"}
+    assert {v["binds"] for v in by_compute.values()} == {"compute"}
+    assert by_memory["4"]["bytes"] > by_memory["1"]["bytes"]  # 3 more KV slots
+    assert by_compute["4"]["multiply_adds"] > 4 * work["int8_macs"]
+    floor = by_compute["1"]["compute_floor_ms"]
+    assert by_compute["1"]["over_floor"] == pytest.approx(1.0 / floor)
