@@ -102,3 +102,56 @@ class AdaptiveGamma:
         for i in range(min(drafted, num_accepted + 1, self.max_gamma)):
             self.reached[i] += 1
             self.accepted[i] += float(i < num_accepted)
+
+
+@dataclass(frozen=True)
+class RowLoad:
+    """What the load-aware policy knows of one row of a batched round."""
+
+    alpha: float  # running estimate of the row's per-token acceptance
+    max_gamma: int  # the row's own γ this round (its policy's choice; 0 = no speculation)
+    fed: int = 1  # tokens the row feeds besides its drafts (the last token, catch-up)
+    cost: float = 0.0  # c: one draft step of the row's drafter ÷ one target step
+
+
+def expected_emitted(alpha: float, gamma: int) -> float:
+    """Expected tokens a chain of γ drafts emits per round, the bonus included."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class LoadAwareGamma:
+    """Per-row γ for one batched round, chosen for the load.
+
+    Maximizes the expected emitted tokens per unit of time of the whole round,
+    ``Σ E_i(γ_i) / (T(n)/T(1) + Σ c_i γ_i)`` with ``n`` = every token of the pass (each
+    row's fed tokens plus its drafts) and ``T`` the measured verify-cost curve. Drafts are
+    added one at a time to the row whose next draft is most likely accepted (α_i^(γ_i+1));
+    the best allocation seen along that path wins. While the kernels are flat in n, every
+    row speculates; as the batch fills the flat region, γ shrinks continuously, down to
+    0 (plain batched decoding) when a draft no longer pays for its share of the pass.
+    """
+
+    verify_cost: VerifyCost
+
+    def choose(self, rows: list[RowLoad]) -> list[int]:
+        gammas = [0] * len(rows)
+        best, best_rate = list(gammas), self._rate(rows, gammas)
+        while True:
+            open_rows = [i for i, row in enumerate(rows) if gammas[i] < row.max_gamma]
+            if not open_rows:
+                return best
+            i = max(open_rows, key=lambda j: rows[j].alpha ** (gammas[j] + 1))
+            gammas[i] += 1
+            rate = self._rate(rows, gammas)
+            if rate > best_rate:
+                best, best_rate = list(gammas), rate
+
+    def _rate(self, rows: list[RowLoad], gammas: list[int]) -> float:
+        tokens = sum(expected_emitted(r.alpha, g) for r, g in zip(rows, gammas, strict=True))
+        n = sum(r.fed for r in rows) + sum(gammas)
+        seconds = verify_cost_at(self.verify_cost, n)
+        seconds += sum(r.cost * g for r, g in zip(rows, gammas, strict=True))
+        return tokens / seconds

@@ -1,0 +1,200 @@
+"""Batched speculative decoding: every row of a batch is exactly its single-sequence run.
+
+Rows differ in prompt length, drafter (none, n-gram, a self-int4 draft model), γ,
+sampling parameters, seed and stop criteria; with max_batch below the number of rows,
+rows join as others finish (continuous batching). Each row's tokens must equal, as
+lists of ids, what SpeculativeEngine generates for that row alone on a fresh model:
+bitwise for greedy, the same seeded sample for sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from speculative.drafters.base import Drafter
+from speculative.drafters.model import DraftModelDrafter
+from speculative.drafters.ngram import PromptLookupDrafter
+from speculative.engine import SpeculativeEngine, StopCriteria
+from speculative.engine.batch import BatchEngine, BatchRequest
+from speculative.engine.gamma import LoadAwareGamma, RowLoad
+from speculative.models.native import NativeLlama, load_native
+from speculative.sampling import SamplingParams
+from test_native import VOCAB, _ids, _tiny_llama, require_kernels
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_batch")
+    _tiny_llama(path, layers=2)
+    return path
+
+
+def _decode(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids) + " "
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    prompt: list[int]
+    drafter: str  # "none", "ngram", "self-int4"
+    gamma: int
+    params: SamplingParams
+    seed: int
+    stop: StopCriteria
+
+
+def _specs() -> list[RowSpec]:
+    base = _ids(30, 51)[0].tolist()
+    loop = base[:6] * 4  # repetitive: the n-gram drafter finds continuations
+    greedy, warm = SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9)
+    return [
+        RowSpec(loop, "ngram", 4, greedy, 0, StopCriteria(max_new_tokens=20)),
+        RowSpec(base[:3], "self-int4", 3, warm, 1, StopCriteria(max_new_tokens=16)),
+        RowSpec(base[:17], "none", 0, SamplingParams(temperature=1.0), 2, StopCriteria(9)),
+        RowSpec(base[5:9], "self-int4", 2, greedy, 3, StopCriteria(14, frozenset({3, 17}))),
+        RowSpec(
+            loop[:13], "ngram", 5, SamplingParams(temperature=0.7, top_k=20), 4,
+            StopCriteria(18, stop_strings=(" w9 ",), decode=_decode),
+        ),
+        RowSpec(base[20:], "self-int4", 4, SamplingParams(temperature=1.2), 5, StopCriteria(12)),
+    ]
+
+
+def _drafter(kind: str, folder: Path, backend: str) -> Drafter | None:
+    if kind == "ngram":
+        return PromptLookupDrafter(max_ngram=3)
+    if kind == "self-int4":
+        draft = load_native(folder, "int4", max_length=96, backend=backend)
+        return DraftModelDrafter(draft, VOCAB, "self-int4")
+    return None
+
+
+def _request(spec: RowSpec, folder: Path, backend: str) -> BatchRequest:
+    return BatchRequest(
+        prompt_ids=spec.prompt,
+        params=spec.params,
+        stop=spec.stop,
+        generator=torch.Generator().manual_seed(spec.seed),
+        drafter=_drafter(spec.drafter, folder, backend),
+        gamma=spec.gamma,
+    )
+
+
+def _alone(spec: RowSpec, folder: Path, backend: str) -> tuple[list[int], str | None]:
+    target = load_native(folder, max_length=96, backend=backend)
+    engine = SpeculativeEngine(target, _drafter(spec.drafter, folder, backend), spec.gamma)
+    generator = torch.Generator().manual_seed(spec.seed)
+    result = engine.generate(spec.prompt, spec.params, spec.stop, generator)
+    return result.token_ids, result.finish_reason
+
+
+def _backend(name: str) -> str:
+    if name == "kernels":
+        require_kernels()
+    return name
+
+
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_every_row_equals_its_single_sequence_run(folder: Path, backend: str) -> None:
+    _backend(backend)
+    specs = _specs()
+    target = load_native(folder, max_length=96, backend=backend, max_slots=3)
+    engine = BatchEngine(target, max_batch=3)  # 6 rows through 3 slots: rows join midway
+    results = engine.run(_request(spec, folder, backend) for spec in specs)
+    reasons = set()
+    for spec, result in zip(specs, results, strict=True):
+        tokens, reason = _alone(spec, folder, backend)
+        assert result.token_ids == tokens, spec
+        assert result.finish_reason == reason
+        reasons.add(reason)
+    assert {"length", "eos"} <= reasons or {"length", "stop"} <= reasons
+    assert results[0].stats.accepted_tokens > 0  # the n-gram row really speculated
+    assert engine.target_passes < sum(r.stats.target_calls for r in results)  # shared passes
+    assert not engine.rows and all(target.acquire_slot() == s for s in range(3))  # no leak
+
+
+def test_cancel_frees_the_slot_and_leaves_the_others_exact(folder: Path) -> None:
+    backend = _backend("kernels")
+    specs = _specs()[:3]
+    target = load_native(folder, max_length=96, backend=backend, max_slots=3)
+    engine = BatchEngine(target, max_batch=3)
+    ids = [engine.add(_request(spec, folder, backend)) for spec in specs]
+    for _ in range(2):
+        engine.step()
+    cancelled = engine.cancel(ids[1])
+    assert cancelled.finish_reason == "cancelled"
+    late = _specs()[3]
+    ids.append(engine.add(_request(late, folder, backend)))  # takes the freed slot
+    while engine.rows:
+        engine.step()
+    for i, spec in zip([ids[0], ids[2], ids[3]], [specs[0], specs[2], late], strict=True):
+        assert engine.finished[i].token_ids == _alone(spec, folder, backend)[0]
+    alone = _alone(specs[1], folder, backend)[0]
+    assert cancelled.token_ids == alone[: len(cancelled.token_ids)]
+
+
+def test_swapped_slots_are_caught(folder: Path) -> None:
+    """Negative control: two rows whose cache slots get swapped midway no longer match
+    their single-sequence runs (the comparison above would catch a slot mix-up)."""
+    backend = _backend("kernels")
+    greedy = SamplingParams(temperature=0)
+    base = _ids(30, 61)[0].tolist()
+    specs = [
+        RowSpec(base[:9], "none", 0, greedy, 0, StopCriteria(max_new_tokens=12)),
+        RowSpec(base[9:20], "none", 0, greedy, 0, StopCriteria(max_new_tokens=12)),
+    ]
+    target = load_native(folder, max_length=96, backend=backend)
+    engine = BatchEngine(target, max_batch=2)
+    ids = [engine.add(_request(spec, folder, backend)) for spec in specs]
+    for _ in range(3):
+        engine.step()
+    first, second = engine.rows[ids[0]].session, engine.rows[ids[1]].session
+    first.slot, second.slot = second.slot, first.slot
+    while engine.rows:
+        engine.step()
+    outputs = [engine.finished[i].token_ids for i in ids]
+    assert outputs != [_alone(spec, folder, backend)[0] for spec in specs]
+
+
+def test_load_aware_gamma_keeps_greedy_rows_exact(folder: Path) -> None:
+    """γ per row chosen by the load policy changes only the speed of greedy rows."""
+    backend = _backend("kernels")
+    specs = [s for s in _specs() if s.params.greedy]
+    target = load_native(folder, max_length=96, backend=backend)
+    load = LoadAwareGamma({1: 1.0, 4: 1.05, 8: 1.6, 16: 3.2})
+    engine = BatchEngine(target, max_batch=4, load=load)
+    results = engine.run(_request(spec, folder, backend) for spec in specs)
+    for spec, result in zip(specs, results, strict=True):
+        assert result.token_ids == _alone(spec, folder, backend)[0]
+
+
+def test_load_aware_gamma_shrinks_as_the_batch_grows() -> None:
+    """Flat verify cost up to 8 tokens, linear past it: the policy speculates while drafts
+    ride in the flat part and backs off to plain decoding when the batch fills it."""
+    load = LoadAwareGamma(lambda n: max(1.0, n / 8))
+    chosen = {b: load.choose([RowLoad(alpha=0.7, max_gamma=6)] * b) for b in (1, 2, 4, 8, 16)}
+    totals = [sum(chosen[b]) / b for b in (1, 2, 4, 8, 16)]
+    assert totals == sorted(totals, reverse=True)  # mean γ falls with B
+    assert sum(chosen[1]) >= 4 and sum(chosen[16]) == 0
+    assert load.choose([RowLoad(alpha=0.0, max_gamma=6)]) == [0]  # hopeless drafts: none
+    assert load.choose([RowLoad(0.9, 6), RowLoad(0.2, 6)])[0] > 0  # the likely row drafts
+
+
+def test_engine_refuses_a_model_without_slots(folder: Path) -> None:
+    from tiny import tiny_loaded
+
+    with pytest.raises(ValueError, match="cannot hold several sequences"):
+        BatchEngine(tiny_loaded().lm)
+    target: NativeLlama = load_native(folder, max_length=32, backend="torch", max_slots=1)
+    engine = BatchEngine(target, max_batch=2)
+    spec = _specs()[2]
+    engine.add(_request(spec, Path(), "torch"))
+    with pytest.raises(ValueError, match="no free cache slot"):
+        engine.add(_request(spec, Path(), "torch"))
+    assert len(engine.rows) == 1
+
+
