@@ -198,3 +198,27 @@ def test_engine_refuses_a_model_without_slots(folder: Path) -> None:
     assert len(engine.rows) == 1
 
 
+
+
+def test_interleaved_streams_on_one_target_raise_instead_of_corrupting() -> None:
+    """Two streams interleaved on one target: the older one, whose cache the newer one
+    reset, raises on its next round; the newer one is exactly a fresh generation, and an
+    abandoned stream does not block the next."""
+    from speculative.drafters.ngram import PromptLookupDrafter
+    from speculative.pipeline import Speculator
+    from tiny import tiny_loaded
+
+    loaded = tiny_loaded(seed=3)
+    kwargs = {"max_new_tokens": 12, "chat": False}
+    speculator = Speculator(loaded, PromptLookupDrafter(), gamma=3)
+    other = Speculator(loaded, None)
+    expected = other.generate("the cat sat on the mat", **kwargs).token_ids
+    first = iter(speculator.stream("the dog ran", **kwargs))
+    next(first)
+    second = other.stream("the cat sat on the mat", **kwargs)
+    assert [t for r in second for t in r.tokens] == expected
+    with pytest.raises(RuntimeError, match="another stream"):
+        next(first)
+    abandoned = iter(speculator.stream("the dog ran", **kwargs))
+    next(abandoned)
+    assert speculator.generate("the cat sat on the mat", **kwargs).token_ids == expected
