@@ -182,6 +182,9 @@ def test_load_aware_gamma_shrinks_as_the_batch_grows() -> None:
     assert sum(chosen[1]) >= 4 and sum(chosen[16]) == 0
     assert load.choose([RowLoad(alpha=0.0, max_gamma=6)]) == [0]  # hopeless drafts: none
     assert load.choose([RowLoad(0.9, 6), RowLoad(0.2, 6)])[0] > 0  # the likely row drafts
+    measured = LoadAwareGamma({1: 1.0, 4: 1.15, 8: 1.5, 16: 1.9, 32: 3.0, 64: 5.5})
+    means = [sum(measured.choose([RowLoad(0.8, 8)] * b)) / b for b in (1, 4, 16, 64)]
+    assert means == sorted(means, reverse=True) and means[-1] == 0  # past 64: extrapolated
 
 
 def test_engine_refuses_a_model_without_slots(folder: Path) -> None:

@@ -135,23 +135,36 @@ class LoadAwareGamma:
     """
 
     verify_cost: VerifyCost
+    _costs: dict[int, float] = field(default_factory=dict, repr=False)  # n -> T(n)/T(1)
+
+    def cost(self, n: int) -> float:
+        """T(n)/T(1), looked up once per n; past the last measured point of a mapping,
+        extended along the line through its last two points (not flat)."""
+        if n not in self._costs:
+            self._costs[n] = self._lookup(n)
+        return self._costs[n]
+
+    def _lookup(self, n: int) -> float:
+        curve = self.verify_cost
+        if callable(curve) or len(curve) < 2 or n <= max(curve):
+            return verify_cost_at(curve, n)
+        a, b = sorted(curve)[-2:]
+        slope = (curve[b] - curve[a]) / (b - a)
+        return curve[b] + slope * (n - b)
 
     def choose(self, rows: list[RowLoad]) -> list[int]:
         gammas = [0] * len(rows)
-        best, best_rate = list(gammas), self._rate(rows, gammas)
-        while True:
-            open_rows = [i for i, row in enumerate(rows) if gammas[i] < row.max_gamma]
-            if not open_rows:
-                return best
-            i = max(open_rows, key=lambda j: rows[j].alpha ** (gammas[j] + 1))
+        tokens = float(len(rows))  # Σ E_i(0): each row emits one token without drafts
+        n = sum(r.fed for r in rows)
+        drafting = 0.0  # Σ c_i γ_i
+        best, best_rate = list(gammas), tokens / self.cost(n)
+        gains = [(r.alpha if r.max_gamma > 0 else -1.0) for r in rows]  # α_i^(γ_i + 1)
+        for _ in range(sum(r.max_gamma for r in rows)):
+            i = max(range(len(rows)), key=gains.__getitem__)
+            tokens, n, drafting = tokens + gains[i], n + 1, drafting + rows[i].cost
             gammas[i] += 1
-            rate = self._rate(rows, gammas)
+            gains[i] = gains[i] * rows[i].alpha if gammas[i] < rows[i].max_gamma else -1.0
+            rate = tokens / (self.cost(n) + drafting)
             if rate > best_rate:
                 best, best_rate = list(gammas), rate
-
-    def _rate(self, rows: list[RowLoad], gammas: list[int]) -> float:
-        tokens = sum(expected_emitted(r.alpha, g) for r, g in zip(rows, gammas, strict=True))
-        n = sum(r.fed for r in rows) + sum(gammas)
-        seconds = verify_cost_at(self.verify_cost, n)
-        seconds += sum(r.cost * g for r, g in zip(rows, gammas, strict=True))
-        return tokens / seconds
+        return best
