@@ -225,3 +225,51 @@ def test_interleaved_streams_on_one_target_raise_instead_of_corrupting() -> None
     abandoned = iter(speculator.stream("the dog ran", **kwargs))
     next(abandoned)
     assert speculator.generate("the cat sat on the mat", **kwargs).token_ids == expected
+
+
+def test_cli_batch_generate_matches_single_runs_and_resumes(tmp_path: Path, capsys) -> None:
+    import json
+
+    from speculative.pipeline import Speculator
+    from test_cli import run_cli
+    from tiny import save_tiny
+
+    folder = save_tiny(tmp_path / "tiny", seed=2, layers=2)
+    records = [
+        {"prompt": "the cat sat on the mat and the cat", "max_new_tokens": 12},
+        {"prompt": "a dog ran", "temperature": 0.9, "seed": 4, "max_new_tokens": 9},
+        {"messages": [{"role": "user", "content": "red blue red blue"}], "stop": ["end"]},
+        {"prompt": "it was big", "temperature": 1.0, "top_p": 0.8, "seed": 1},
+        {"prompt": "then the rug"},
+    ]
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    argv = ["generate", "--target", str(folder), "--runtime", "native", "--no-chat"]
+    argv += ["--prompts", str(prompts), "--out", str(out), "--batch-size", "2", "--json"]
+    argv += ["--max-new-tokens", "10", "--draft", "ngram", "--gamma", "3"]
+    code, stdout, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert json.loads(stdout.strip().splitlines()[-1])["rows"] == 5
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["index"] for line in lines] == list(range(5))
+    single = Speculator.load(str(folder), "ngram", 3, "native")
+    for record, line in zip(records, lines, strict=True):
+        content = record.get("prompt") or record["messages"][0]["content"]
+        expected = single.generate(
+            content,
+            chat=False,
+            max_new_tokens=record.get("max_new_tokens", 10),
+            temperature=record.get("temperature", 0.0),
+            top_p=record.get("top_p", 1.0),
+            seed=record.get("seed", 0),
+            stop=record.get("stop", ()),
+        )
+        assert line["token_ids"] == expected.token_ids
+        assert line["text"] == expected.text and line["finish_reason"] == expected.finish_reason
+    kept = out.read_text().splitlines()
+    out.write_text("\n".join(kept[:3]) + "\n" + kept[3][:20])  # a crash mid-line
+    code, stdout, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert json.loads(stdout.strip().splitlines()[-1])["rows"] == 2
+    resumed = [json.loads(x) for x in out.read_text().splitlines() if x.endswith("}")]
+    assert [x["token_ids"] for x in resumed] == [x["token_ids"] for x in lines]
