@@ -273,3 +273,44 @@ def test_cli_batch_generate_matches_single_runs_and_resumes(tmp_path: Path, caps
     assert json.loads(stdout.strip().splitlines()[-1])["rows"] == 2
     resumed = [json.loads(x) for x in out.read_text().splitlines() if x.endswith("}")]
     assert [x["token_ids"] for x in resumed] == [x["token_ids"] for x in lines]
+
+
+def test_mixed_workload_with_cancellations_leaks_no_slot(folder: Path) -> None:
+    """16 requests through 4 slots: mixed prompt lengths, drafters, temperatures and stops,
+    every fifth cancelled after its second round. All rows end, the slots all come back,
+    and every row that was not cancelled equals its single-sequence run."""
+    backend = _backend("kernels")
+    words = _ids(60, 71)[0].tolist()
+    kinds = ("none", "ngram")
+    specs = [
+        RowSpec(
+            (words[i : i + 3 + i % 7] * 2)[: 4 + i % 9],
+            kinds[i % 2],
+            1 + i % 5,
+            SamplingParams(temperature=(0.0, 0.7, 1.0)[i % 3], top_p=(1.0, 0.9)[i % 2]),
+            i,
+            StopCriteria(4 + i % 11, frozenset({5 + i % 3})),
+        )
+        for i in range(16)
+    ]
+    target = load_native(folder, max_length=96, backend=backend, max_slots=4)
+    engine = BatchEngine(target, max_batch=4)
+    queue, ids, rounds = list(enumerate(specs)), {}, {}
+    while queue or engine.rows:
+        while queue and len(engine.rows) < 4:
+            index, spec = queue.pop(0)
+            ids[engine.add(_request(spec, folder, backend))] = index
+        for row_id in engine.step():
+            rounds[row_id] = rounds.get(row_id, 0) + 1
+            if ids[row_id] % 5 == 0 and rounds[row_id] == 2 and row_id in engine.rows:
+                engine.cancel(row_id)
+    assert len(engine.finished) == 16
+    reasons = [r.finish_reason for r in engine.finished.values()]
+    assert reasons.count("cancelled") >= 2 and "eos" in reasons and "length" in reasons
+    assert sorted(target.acquire_slot() for _ in range(4)) == [0, 1, 2, 3]
+    for row_id, index in ids.items():
+        result, alone = engine.finished[row_id], _alone(specs[index], folder, backend)[0]
+        if result.finish_reason == "cancelled":
+            assert result.token_ids == alone[: len(result.token_ids)]
+        else:
+            assert result.token_ids == alone
