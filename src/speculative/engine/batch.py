@@ -41,6 +41,7 @@ from speculative.sampling import SamplingParams
 
 ALPHA_PRIOR = 0.6  # running acceptance estimate: Beta prior mean ...
 ALPHA_PRIOR_WEIGHT = 2.0  # ... and weight in pseudo-drafts
+COST_DECAY = 0.8  # running means of measured seconds: weight of the previous value
 
 
 @dataclass
@@ -67,6 +68,8 @@ class BatchRow:
     gamma_policy: GammaPolicy
     started: float
     rounds: list[Round] = field(default_factory=list)
+    propose_seconds: float | None = None  # running mean of a propose call that drafted
+    step_draft_seconds: float | None = None  # model drafters: running mean per draft step
 
     def result(self) -> GenerationResult:
         return GenerationResult(
@@ -107,6 +110,7 @@ class BatchEngine:
         self.rows: dict[int, BatchRow] = {}  # active rows by id, in joining order
         self.finished: dict[int, GenerationResult] = {}
         self.target_passes = 0
+        self.step_seconds: float | None = None  # running estimate of T(1), in seconds
         self._next_id = 0
 
     @property
@@ -158,7 +162,9 @@ class BatchEngine:
             return {}
         planned = self._propose(list(self.rows.values()))
         inputs = [p.row.session.request(p.row.state.sequence, p.draft.tokens) for p in planned]
+        started = time.perf_counter()
         outputs = self.target.forward_rows(inputs)  # [k_row, vocab] each
+        self._measure_pass(time.perf_counter() - started, sum(r.input_ids.numel() for r in inputs))
         self.target_passes += 1
         rounds = {}
         for p, logits in zip(planned, outputs, strict=True):
@@ -184,19 +190,46 @@ class BatchEngine:
         ]
         if self.load is not None:
             loads = [
-                RowLoad(row.alpha(), g, self._fed(row), row.request.draft_cost)
+                RowLoad(row.alpha(), g, self._fed(row), *self._draft_costs(row))
                 for row, g in zip(rows, wanted, strict=True)
             ]
             wanted = self.load.choose(loads)
         planned = []
         for row, gamma in zip(rows, wanted, strict=True):
             request = row.request
+            started, calls = time.perf_counter(), row.state.stats.draft_calls
             draft = propose_draft(
                 request.drafter, gamma, row.state, self.max_length, request.params,
                 request.generator,
             )  # fmt: skip
+            self._measure_propose(row, time.perf_counter() - started, calls)
             planned.append(_Planned(row, draft))
         return planned
+
+    @staticmethod
+    def _measure_propose(row: BatchRow, seconds: float, calls_before: int) -> None:
+        steps = row.state.stats.draft_calls - calls_before
+        if steps:  # a model drafter: its cost grows with the draft steps
+            row.step_draft_seconds = _running(row.step_draft_seconds, seconds / steps)
+        elif row.request.drafter is not None and seconds > 0:
+            row.propose_seconds = _running(row.propose_seconds, seconds)
+
+    def _draft_costs(self, row: BatchRow) -> tuple[float, float]:
+        """(c per draft step, fixed cost per propose call), each ÷ T(1): the request's
+        ``draft_cost`` until measured, then the running measurements."""
+        if not self.step_seconds:
+            return row.request.draft_cost, 0.0
+        per_step = row.request.draft_cost
+        if row.step_draft_seconds is not None:
+            per_step = row.step_draft_seconds / self.step_seconds
+        per_call = (row.propose_seconds or 0.0) / self.step_seconds
+        return per_step, per_call
+
+    def _measure_pass(self, seconds: float, tokens: int) -> None:
+        """Update the running T(1) estimate from a pass of ``tokens`` tokens."""
+        if self.load is None or tokens > 4 * self.max_batch * 16:  # skip prefill-sized passes
+            return
+        self.step_seconds = _running(self.step_seconds, seconds / self.load.cost(tokens))
 
     @staticmethod
     def _fed(row: BatchRow) -> int:
@@ -221,3 +254,8 @@ class BatchEngine:
             row.session.release()
             self.finished[row.row_id] = row.result()
         return round_
+
+
+def _running(previous: float | None, value: float) -> float:
+    """Running mean with decay COST_DECAY (the first value as is)."""
+    return value if previous is None else COST_DECAY * previous + (1 - COST_DECAY) * value

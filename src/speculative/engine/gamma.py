@@ -112,6 +112,7 @@ class RowLoad:
     max_gamma: int  # the row's own γ this round (its policy's choice; 0 = no speculation)
     fed: int = 1  # tokens the row feeds besides its drafts (the last token, catch-up)
     cost: float = 0.0  # c: one draft step of the row's drafter ÷ one target step
+    call_cost: float = 0.0  # a propose call's fixed cost ÷ one target step (paid if γ > 0)
 
 
 def expected_emitted(alpha: float, gamma: int) -> float:
@@ -126,8 +127,9 @@ class LoadAwareGamma:
     """Per-row γ for one batched round, chosen for the load.
 
     Maximizes the expected emitted tokens per unit of time of the whole round,
-    ``Σ E_i(γ_i) / (T(n)/T(1) + Σ c_i γ_i)`` with ``n`` = every token of the pass (each
-    row's fed tokens plus its drafts) and ``T`` the measured verify-cost curve. Drafts are
+    ``Σ E_i(γ_i) / (T(n)/T(1) + Σ c_i γ_i + Σ_{γ_i > 0} f_i)`` with ``n`` = every token of
+    the pass (each row's fed tokens plus its drafts), ``T`` the measured verify-cost curve
+    and ``f_i`` the fixed cost of a row's propose call (e.g. an n-gram lookup). Drafts are
     added one at a time to the row whose next draft is most likely accepted (α_i^(γ_i+1));
     the best allocation seen along that path wins. While the kernels are flat in n, every
     row speculates; as the batch fills the flat region, γ shrinks continuously, down to
@@ -162,6 +164,8 @@ class LoadAwareGamma:
         for _ in range(sum(r.max_gamma for r in rows)):
             i = max(range(len(rows)), key=gains.__getitem__)
             tokens, n, drafting = tokens + gains[i], n + 1, drafting + rows[i].cost
+            if gammas[i] == 0:
+                drafting += rows[i].call_cost
             gammas[i] += 1
             gains[i] = gains[i] * rows[i].alpha if gammas[i] < rows[i].max_gamma else -1.0
             rate = tokens / (self.cost(n) + drafting)
