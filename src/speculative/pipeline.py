@@ -65,6 +65,8 @@ class LoadedModel:
     precision: str = "fp32"
     make_variant: Callable[[str], CausalLM] | None = None
     backend: str = "torch"  # native runtime: "kernels" (C decoder) or "torch"
+    # the stream whose state the model's cache now holds (see GenerationStream.__iter__)
+    cache_owner: object | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -406,7 +408,9 @@ class Speculator:
             decode=self.decode if stop else None,
         )
         generator = torch.Generator().manual_seed(seed)
-        return GenerationStream(self, self.engine(), prompt_ids, params, criteria, generator)
+        stream = GenerationStream(self, self.engine(), prompt_ids, params, criteria, generator)
+        self.target.cache_owner = stream
+        return stream
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerationOutput:
         """Generate to completion; keyword arguments as in :meth:`stream`."""
@@ -437,7 +441,18 @@ class GenerationStream:
         self._rounds = engine.stream(prompt_ids, params, criteria, generator, self.stats)
 
     def __iter__(self) -> Iterator[Round]:
-        for round_ in self._rounds:
+        """Each round; RuntimeError if a later stream on the same target started since (it
+        reset the shared cache and drafter: going on would silently corrupt both)."""
+        while True:
+            if self.speculator.target.cache_owner is not self:
+                raise RuntimeError(
+                    "another stream on this target model started after this one and reset "
+                    "its cache: finish one stream before starting the next (interleaved "
+                    "generations need a model each, or the batched engine)"
+                )
+            round_ = next(self._rounds, None)
+            if round_ is None:
+                return
             self.rounds.append(round_)
             yield round_
 

@@ -117,6 +117,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    source.add_argument(
+        "--prompts",
+        type=Path,
+        help="JSONL file of prompts (prompt or messages; optional temperature, top_p, seed, "
+        "max_new_tokens, stop), decoded in batches (native runtime); needs --out",
+    )
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=8, help="--prompts: rows decoded together"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="--prompts: results JSONL (rows already there are skipped)"
+    )
     chat = parser.add_mutually_exclusive_group()
     chat.add_argument(
         "--chat",
@@ -185,6 +197,10 @@ def stats_line(stats: dict, colour: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.prompts is not None:
+        from speculative.cli.batch_generate import run_batch
+
+        return run_batch(args)
     prompt = read_prompt(args)
     if not prompt.strip():
         raise CliError("the prompt is empty")

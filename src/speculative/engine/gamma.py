@@ -102,3 +102,73 @@ class AdaptiveGamma:
         for i in range(min(drafted, num_accepted + 1, self.max_gamma)):
             self.reached[i] += 1
             self.accepted[i] += float(i < num_accepted)
+
+
+@dataclass(frozen=True)
+class RowLoad:
+    """What the load-aware policy knows of one row of a batched round."""
+
+    alpha: float  # running estimate of the row's per-token acceptance
+    max_gamma: int  # the row's own γ this round (its policy's choice; 0 = no speculation)
+    fed: int = 1  # tokens the row feeds besides its drafts (the last token, catch-up)
+    cost: float = 0.0  # c: one draft step of the row's drafter ÷ one target step
+    call_cost: float = 0.0  # a propose call's fixed cost ÷ one target step (paid if γ > 0)
+
+
+def expected_emitted(alpha: float, gamma: int) -> float:
+    """Expected tokens a chain of γ drafts emits per round, the bonus included."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class LoadAwareGamma:
+    """Per-row γ for one batched round, chosen for the load.
+
+    Maximizes the expected emitted tokens per unit of time of the whole round,
+    ``Σ E_i(γ_i) / (T(n)/T(1) + Σ c_i γ_i + Σ_{γ_i > 0} f_i)`` with ``n`` = every token of
+    the pass (each row's fed tokens plus its drafts), ``T`` the measured verify-cost curve
+    and ``f_i`` the fixed cost of a row's propose call (e.g. an n-gram lookup). Drafts are
+    added one at a time to the row whose next draft is most likely accepted (α_i^(γ_i+1));
+    the best allocation seen along that path wins. While the kernels are flat in n, every
+    row speculates; as the batch fills the flat region, γ shrinks continuously, down to
+    0 (plain batched decoding) when a draft no longer pays for its share of the pass.
+    """
+
+    verify_cost: VerifyCost
+    _costs: dict[int, float] = field(default_factory=dict, repr=False)  # n -> T(n)/T(1)
+
+    def cost(self, n: int) -> float:
+        """T(n)/T(1), looked up once per n; past the last measured point of a mapping,
+        extended along the line through its last two points (not flat)."""
+        if n not in self._costs:
+            self._costs[n] = self._lookup(n)
+        return self._costs[n]
+
+    def _lookup(self, n: int) -> float:
+        curve = self.verify_cost
+        if callable(curve) or len(curve) < 2 or n <= max(curve):
+            return verify_cost_at(curve, n)
+        a, b = sorted(curve)[-2:]
+        slope = (curve[b] - curve[a]) / (b - a)
+        return curve[b] + slope * (n - b)
+
+    def choose(self, rows: list[RowLoad]) -> list[int]:
+        gammas = [0] * len(rows)
+        tokens = float(len(rows))  # Σ E_i(0): each row emits one token without drafts
+        n = sum(r.fed for r in rows)
+        drafting = 0.0  # Σ c_i γ_i
+        best, best_rate = list(gammas), tokens / self.cost(n)
+        gains = [(r.alpha if r.max_gamma > 0 else -1.0) for r in rows]  # α_i^(γ_i + 1)
+        for _ in range(sum(r.max_gamma for r in rows)):
+            i = max(range(len(rows)), key=gains.__getitem__)
+            tokens, n, drafting = tokens + gains[i], n + 1, drafting + rows[i].cost
+            if gammas[i] == 0:
+                drafting += rows[i].call_cost
+            gammas[i] += 1
+            gains[i] = gains[i] * rows[i].alpha if gammas[i] < rows[i].max_gamma else -1.0
+            rate = tokens / (self.cost(n) + drafting)
+            if rate > best_rate:
+                best, best_rate = list(gammas), rate
+        return best

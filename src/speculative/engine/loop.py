@@ -152,14 +152,7 @@ class SpeculativeEngine:
     ) -> Draft:
         gamma = self.gamma_policy.next_gamma() if self.drafter is not None else 0
         limit = self.target.model.max_length
-        if limit is not None:  # the verification pass must fit the context window
-            gamma = max(0, min(gamma, limit - len(state.sequence) - 1))
-        if gamma == 0 or self.drafter is None:
-            return Draft(tokens=[])
-        calls_before = self.drafter.forward_calls
-        draft = self.drafter.propose(state.sequence, gamma, params, generator)
-        state.stats.draft_calls += self.drafter.forward_calls - calls_before
-        return draft
+        return propose_draft(self.drafter, gamma, state, limit, params, generator)
 
     def verify(
         self,
@@ -169,11 +162,7 @@ class SpeculativeEngine:
         generator: torch.Generator,
     ) -> VerifyResult:
         logits = self.target.logits_after(state.sequence, draft.tokens)  # [1, γ+1, vocab]
-        drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
-        if params.greedy:
-            return verify_greedy(drafted, logits)
-        target_probs = logits_to_probs(logits, params)  # [1, γ+1, vocab]
-        return verify(drafted, draft.probs, target_probs, generator, validate=False)
+        return verify_draft(draft, logits, params, generator)
 
     def commit(
         self, state: DecodeState, draft: Draft, result: VerifyResult, stop: StopCriteria
@@ -192,20 +181,70 @@ class SpeculativeEngine:
         stop: StopCriteria,
     ) -> Round:
         """Append a round's emitted tokens (cut by ``stop``) and record it."""
-        cut = stop.cut(state.generated, emitted)
-        kept = emitted[: cut.keep]
-        state.sequence.extend(kept)
-        state.stats.record_round(drafted, num_accepted, len(kept))
-        if self.drafter is not None:
-            self.drafter.observe(state.sequence, num_accepted)
-        state.finished, state.reason = cut.finished, cut.reason
         limit = self.target.model.max_length
-        if not state.finished and limit is not None and len(state.sequence) >= limit:
-            state.finished, state.reason = True, "context"
-        return Round(
-            tokens=kept,
-            num_accepted=min(num_accepted, len(kept)),
-            drafted=drafted,
-            finished=state.finished,
-            reason=state.reason,
-        )
+        return commit_tokens(state, self.drafter, limit, drafted, emitted, num_accepted, stop)
+
+
+# ---- the steps of a round, shared by the single-sequence and the batched engine ---------
+
+
+def propose_draft(
+    drafter: Drafter | None,
+    gamma: int,
+    state: DecodeState,
+    max_length: int | None,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> Draft:
+    """Ask ``drafter`` for up to ``gamma`` tokens after ``state.sequence`` (fewer where the
+    verification pass would overflow the context window); counts its forward calls."""
+    if max_length is not None:  # the verification pass must fit the context window
+        gamma = max(0, min(gamma, max_length - len(state.sequence) - 1))
+    if gamma == 0 or drafter is None:
+        return Draft(tokens=[])
+    calls_before = drafter.forward_calls
+    draft = drafter.propose(state.sequence, gamma, params, generator)
+    state.stats.draft_calls += drafter.forward_calls - calls_before
+    return draft
+
+
+def verify_draft(
+    draft: Draft,
+    logits: torch.Tensor,  # [1, γ+1, vocab] target logits after the context and each draft
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> VerifyResult:
+    """Greedy check (temperature 0) or modified rejection sampling of one row's draft."""
+    drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
+    if params.greedy:
+        return verify_greedy(drafted, logits)
+    target_probs = logits_to_probs(logits, params)  # [1, γ+1, vocab]
+    return verify(drafted, draft.probs, target_probs, generator, validate=False)
+
+
+def commit_tokens(
+    state: DecodeState,
+    drafter: Drafter | None,
+    max_length: int | None,
+    drafted: int,
+    emitted: list[int],
+    num_accepted: int,
+    stop: StopCriteria,
+) -> Round:
+    """Append a round's emitted tokens (cut by ``stop``), record it, tell the drafter."""
+    cut = stop.cut(state.generated, emitted)
+    kept = emitted[: cut.keep]
+    state.sequence.extend(kept)
+    state.stats.record_round(drafted, num_accepted, len(kept))
+    if drafter is not None:
+        drafter.observe(state.sequence, num_accepted)
+    state.finished, state.reason = cut.finished, cut.reason
+    if not state.finished and max_length is not None and len(state.sequence) >= max_length:
+        state.finished, state.reason = True, "context"
+    return Round(
+        tokens=kept,
+        num_accepted=min(num_accepted, len(kept)),
+        drafted=drafted,
+        finished=state.finished,
+        reason=state.reason,
+    )

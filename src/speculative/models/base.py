@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -110,6 +111,51 @@ class SupportsCacheCompaction(Protocol):
     def keep_slots(self, first: int, slots: Sequence[int]) -> None:
         """Keep slots [0, first), then move slots ``slots`` (increasing, each >= first) to
         first, first + 1, ...; the cache then holds first + len(slots) positions."""
+        ...
+
+
+@dataclass(frozen=True)
+class RowInput:
+    """One sequence's new tokens in a ragged batched forward (:class:`SupportsBatchRows`)."""
+
+    slot: int  # the cache slot (sequence) they extend
+    input_ids: torch.Tensor  # [k] int64, k >= 1
+    attention_mask: torch.Tensor | None = None  # [k, k] bool, True = may attend; None: causal
+    position_ids: torch.Tensor | None = None  # [k] int64; None: slot length + arange(k)
+
+
+@runtime_checkable
+class SupportsBatchRows(Protocol):
+    """A model holding several independent sequences ("slots"), each with its own cache
+    length, that runs all their new tokens in one forward.
+
+    A slot is owned from :meth:`acquire_slot` to :meth:`release_slot`; no two owners share
+    one. A row's logits do not depend on the other rows of the call.
+    """
+
+    def acquire_slot(self) -> int:
+        """An empty free slot, now owned by the caller; ValueError when none is free."""
+        ...
+
+    def release_slot(self, slot: int) -> None:
+        """Empty ``slot`` and free it."""
+        ...
+
+    def slot_length(self, slot: int) -> int:
+        """Positions cached in ``slot``."""
+        ...
+
+    def rollback_slot(self, slot: int, n: int) -> None:
+        """Drop the newest ``n`` positions of ``slot``."""
+        ...
+
+    def keep_slot_positions(self, slot: int, first: int, positions: Sequence[int]) -> None:
+        """Tree compaction within one slot (see :meth:`SupportsCacheCompaction.keep_slots`)."""
+        ...
+
+    def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
+        """Append every row's tokens to its slot (each slot at most once per call);
+        returns each row's logits, [k_row, vocab] float."""
         ...
 
 

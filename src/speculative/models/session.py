@@ -19,6 +19,8 @@ import torch
 
 from speculative.models.base import (
     CausalLM,
+    RowInput,
+    SupportsBatchRows,
     SupportsCacheCompaction,
     SupportsCacheImport,
     SupportsHiddenStates,
@@ -218,3 +220,46 @@ class ModelSession:
             self._features = grown
         self._features[start : start + k] = features
         self._feature_length = start + k
+
+class SlotSession:
+    """One cache slot of a :class:`SupportsBatchRows` model plus the token ids it holds:
+    :class:`ModelSession`'s bookkeeping for one row of a batched forward.
+
+    :meth:`request` plans the row (rollback to the common prefix, catch-up + new tokens);
+    the caller runs every row's request in one ``forward_rows`` call and hands this row's
+    logits back to :meth:`receive`.
+    """
+
+    def __init__(self, model: SupportsBatchRows) -> None:
+        self.model = model
+        self.slot = model.acquire_slot()
+        self.cached: list[int] = []
+        self._pending: list[int] | None = None
+        self._skip = 0
+
+    def request(self, context: Sequence[int], new: Sequence[int] = ()) -> RowInput:
+        """The row that scores ``context[-1]`` and each of ``new`` (the logits of
+        :meth:`ModelSession.logits_after`)."""
+        if len(context) == 0:
+            raise ValueError("context must hold at least one token")
+        keep = common_prefix_length(self.cached, context[:-1])
+        drop = len(self.cached) - keep
+        if drop:
+            self.model.rollback_slot(self.slot, drop)
+            del self.cached[keep:]
+        fed = list(context[keep:]) + list(new)
+        self._pending, self._skip = fed, len(fed) - 1 - len(new)
+        return RowInput(self.slot, torch.tensor(fed, dtype=torch.long))  # [k]
+
+    def receive(self, logits: torch.Tensor) -> torch.Tensor:
+        """This row's logits [k, vocab] from forward_rows -> [1, 1 + len(new), vocab]."""
+        if self._pending is None:
+            raise ValueError("receive without a request")
+        self.cached.extend(self._pending)
+        self._pending = None
+        return logits[self._skip :].unsqueeze(0)
+
+    def release(self) -> None:
+        """Free the slot at once (the session cannot be used afterwards)."""
+        self.model.release_slot(self.slot)
+        self.cached = []

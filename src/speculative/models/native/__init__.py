@@ -15,6 +15,7 @@ def load_native(
     precision: str = "fp32",
     max_length: int = 2048,
     backend: str = "auto",
+    max_slots: int = 64,
 ) -> NativeLlama:
     """Load a HF folder (config.json + *.safetensors) or a .gguf file as a NativeLlama.
 
@@ -22,11 +23,16 @@ def load_native(
     groups of 32; GGUF Q4_1 weights run exactly as stored).
     backend: "kernels" (the C decoder), "torch" (PyTorch ops) or "auto" (the kernels when
     they build here, else torch with a warning).
+    max_slots: most sequences the cache holds at once (batched decoding).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
     return NativeLlama(
-        load_checkpoint(path), precision=precision, max_length=max_length, backend=backend
+        load_checkpoint(path),
+        precision=precision,
+        max_length=max_length,
+        backend=backend,
+        max_slots=max_slots,
     )
 
 

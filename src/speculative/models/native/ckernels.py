@@ -22,13 +22,14 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from speculative.models.native.config import NativeConfig
-from speculative.models.native.decoder_base import DecoderBase, layer_weight_bytes
+from speculative.models.native.decoder_base import DecoderBase, Segment, layer_weight_bytes
 from speculative.models.native.layers import LayerWeights, lm_head_precision
 from speculative.models.native.linear import tensor_bytes
 from speculative.models.native.loading import Weight
@@ -80,7 +81,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 4
+ABI_VERSION = 5
 # "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
@@ -145,6 +146,10 @@ def _open_library(path: str) -> ctypes.CDLL:
     library.spec_forward.argtypes = [pointer, pointer, i32, i32, pointer, pointer]
     library.spec_forward.argtypes += [pointer, pointer, pointer, pointer, i32]
     library.spec_forward.restype = None
+    library.spec_forward_batch.argtypes = [pointer, pointer, i32, pointer, pointer, pointer]
+    library.spec_forward_batch.argtypes += [pointer, pointer, pointer, pointer, pointer, i64]
+    library.spec_forward_batch.argtypes += [pointer, pointer, i32]
+    library.spec_forward_batch.restype = None
     library.spec_linear_work_floats.argtypes = [i32, i32]
     library.spec_linear_work_floats.restype = ctypes.c_int64
     library.spec_linear.argtypes = [pointer, pointer, i32, pointer, pointer, i32]
@@ -426,6 +431,7 @@ class KernelDecoder(DecoderBase):
         if problem is not None:
             raise KernelsUnavailable(problem)
         super().__init__()
+        self.slot_dim = 0
         self.config = config
         self.layers = [
             KernelLayer(
@@ -473,46 +479,65 @@ class KernelDecoder(DecoderBase):
         return (batch, cfg.num_layers, cfg.num_kv_heads, self._model.max_length, cfg.head_dim)
 
     def copy_cache_from(self, source: KernelDecoder, length: int) -> None:
-        """Copy slots [0, length) of ``source``'s cache (same layout, batch of one)."""
-        self.k_cache[:, :, :, :length] = source.k_cache[:, :, :, :length]
-        self.v_cache[:, :, :, :length] = source.v_cache[:, :, :, :length]
+        """Copy positions [0, length) of ``source``'s first sequence into this first one."""
+        self.k_cache[:1, :, :, :length] = source.k_cache[:1, :, :, :length]
+        self.v_cache[:1, :, :, :length] = source.v_cache[:1, :, :, :length]
 
-    def keep_slots(self, first: int, slots: list[int]) -> None:
-        """Move cache slots ``slots`` (increasing, >= first) to first, first + 1, ..."""
+    def keep_slots(self, first: int, slots: list[int], cache_slot: int | None = None) -> None:
+        """Move cache slots ``slots`` (increasing, >= first) to first, first + 1, ... of
+        sequence ``cache_slot`` (every sequence when None)."""
         index = torch.tensor(slots, dtype=torch.long)
         kept = slice(first, first + len(slots))
-        self.k_cache[:, :, :, kept] = self.k_cache.index_select(3, index)
-        self.v_cache[:, :, :, kept] = self.v_cache.index_select(3, index)
+        for cache in (self.k_cache, self.v_cache):
+            view = cache if cache_slot is None else cache.narrow(0, cache_slot, 1)
+            view[:, :, :, kept] = view.index_select(3, index)
 
-    def forward(
+    def forward_segments(
         self,
-        hidden: torch.Tensor,  # [batch, k, hidden] float32 embeddings, owned (updated in place)
-        start: int,
-        positions: torch.Tensor,  # [batch, k] int64
-        attention_mask: torch.Tensor | None,  # [k, k] bool or None (causal)
-    ) -> torch.Tensor:  # [batch, k, vocab]
-        batch, k, _ = hidden.shape
-        hidden = hidden.float().contiguous()
-        positions = positions.to(torch.int64).contiguous()
-        mask = None
-        if attention_mask is not None:
-            mask = attention_mask.to(torch.uint8).contiguous()  # [k, k]
+        hidden: torch.Tensor,  # [rows, hidden] float32 embeddings, owned (updated in place);
+        # segment i owns the next segments[i].rows rows
+        segments: Sequence[Segment],
+    ) -> torch.Tensor:  # [rows, vocab]
+        """All segments in one spec_forward_batch call: each weight is streamed once for
+        every row of every sequence."""
+        if hidden.dtype != torch.float32 or not hidden.is_contiguous():
+            raise ValueError("hidden must be contiguous float32 (it is updated in place)")
+        rows = hidden.shape[0]
+        int32 = torch.int32
+        seq_rows = torch.tensor([s.rows for s in segments], dtype=int32)
+        seq_start = torch.tensor([s.start for s in segments], dtype=int32)
+        seq_slot = torch.tensor([s.slot for s in segments], dtype=int32)
+        positions = torch.cat([s.positions.to(torch.int64) for s in segments]).contiguous()
+        masks, offsets, offset = [], [], 0
+        for s in segments:
+            if s.mask is None:
+                offsets.append(-1)
+                continue
+            masks.append(s.mask.to(torch.uint8).reshape(-1))  # [rows * rows]
+            offsets.append(offset)
+            offset += s.rows * s.rows
+        mask = torch.cat(masks).contiguous() if masks else torch.zeros(1, dtype=torch.uint8)
+        mask_offset = torch.tensor(offsets, dtype=torch.int64)
         threads = torch.get_num_threads()
         model = ctypes.byref(self._model)
-        work = torch.empty(self._library.spec_work_floats(model, k, threads))
-        logits = torch.empty(batch, k, self.vocab_size)
-        for b in range(batch):
-            self._library.spec_forward(
-                model,
-                hidden[b].data_ptr(),
-                k,
-                start,
-                positions[b].data_ptr(),
-                None if mask is None else mask.data_ptr(),
-                self.k_cache[b].data_ptr(),
-                self.v_cache[b].data_ptr(),
-                logits[b].data_ptr(),
-                work.data_ptr(),
-                threads,
-            )
+        work = torch.empty(self._library.spec_work_floats(model, rows, threads))
+        logits = torch.empty(rows, self.vocab_size)
+        slot_floats = self.k_cache[0].numel()  # [layers, kv_heads, max_length, head_dim]
+        self._library.spec_forward_batch(
+            model,
+            hidden.data_ptr(),
+            len(segments),
+            seq_rows.data_ptr(),
+            seq_start.data_ptr(),
+            seq_slot.data_ptr(),
+            positions.data_ptr(),
+            mask.data_ptr(),
+            mask_offset.data_ptr(),
+            self.k_cache.data_ptr(),
+            self.v_cache.data_ptr(),
+            slot_floats,
+            logits.data_ptr(),
+            work.data_ptr(),
+            threads,
+        )
         return logits

@@ -3,6 +3,8 @@ bytes, cache allocation."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +17,21 @@ def layer_weight_bytes(layer: Any) -> int:
     linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
     norms = tensor_bytes(layer.input_norm, layer.post_attention_norm)
     return sum(x.weight_bytes() for x in linears) + norms
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's new tokens in a ragged forward: appended to cache slot ``slot`` at
+    cache positions ``start`` .. ``start + rows - 1``."""
+
+    slot: int
+    start: int
+    positions: torch.Tensor  # [rows] int64 RoPE positions
+    mask: torch.Tensor | None  # [rows, rows] bool (True = may attend) or None (causal)
+
+    @property
+    def rows(self) -> int:
+        return int(self.positions.numel())
 
 
 class DecoderBase:
@@ -40,15 +57,22 @@ class DecoderBase:
     def weight_bytes(self) -> int:
         return self.lm_head.weight_bytes() + sum(layer.weight_bytes() for layer in self.layers)
 
+    slot_dim: int  # the cache slot (sequence) dimension of k_cache / v_cache
+
     def allocate(self, batch: int) -> None:
-        """(Re)allocate the cache for ``batch`` sequences (only ever called when empty).
+        """(Re)allocate the cache for ``batch`` sequences; growing keeps what the existing
+        slots hold, shrinking drops the last slots.
 
         Zero-initialised, so slots never written are finite."""
         if batch == self._batch:
             return
         shape = self.cache_shape(batch)
-        self.k_cache = torch.zeros(shape)
-        self.v_cache = torch.zeros(shape)
+        k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+        kept = min(batch, self._batch)
+        for new, old in ((k_cache, self.k_cache), (v_cache, self.v_cache)):
+            if kept:
+                new.narrow(self.slot_dim, 0, kept).copy_(old.narrow(self.slot_dim, 0, kept))
+        self.k_cache, self.v_cache = k_cache, v_cache
         self._batch = batch
 
     def cache_shape(self, batch: int) -> tuple[int, ...]:
@@ -58,8 +82,9 @@ class DecoderBase:
         """Copy slots [0, length) of ``source``'s cache (same layout, batch of one)."""
         raise NotImplementedError
 
-    def keep_slots(self, first: int, slots: list[int]) -> None:
-        """Move cache slots ``slots`` (increasing, >= first) to first, first + 1, ..."""
+    def keep_slots(self, first: int, slots: list[int], cache_slot: int | None = None) -> None:
+        """Move cache slots ``slots`` (increasing, >= first) to first, first + 1, ... of
+        sequence ``cache_slot`` (every sequence when None)."""
         raise NotImplementedError
 
     def forward(
@@ -70,4 +95,18 @@ class DecoderBase:
         positions: torch.Tensor,  # [batch, k] int64
         attention_mask: torch.Tensor | None,  # [k, k] bool or None (causal)
     ) -> torch.Tensor:  # [batch, k, vocab] float32
+        """Row b of the batch appends to cache slot b at ``start``: one ragged forward."""
+        batch, k, width = hidden.shape
+        segments = [Segment(b, start, positions[b], attention_mask) for b in range(batch)]
+        logits = self.forward_segments(hidden.view(batch * k, width), segments)
+        return logits.view(batch, k, -1)
+
+    def forward_segments(
+        self,
+        hidden: torch.Tensor,  # [rows, hidden] float32, owned: left holding the final
+        # residual stream; segment i owns the next segments[i].rows rows
+        segments: Sequence[Segment],
+    ) -> torch.Tensor:  # [rows, vocab] float32
+        """Append several sequences' new tokens, each to its own cache slot, in one call;
+        a segment's logits equal (bitwise) those of a call with that segment alone."""
         raise NotImplementedError

@@ -63,7 +63,7 @@ typedef struct {
     const float *sin;  /* [max_length, head_dim / 2] */
 } Model;
 
-int spec_abi_version(void) { return 4; }
+int spec_abi_version(void) { return 5; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 const char *spec_isa(void) { return "avx512"; }
@@ -728,16 +728,27 @@ int64_t spec_work_floats(const Model *m, int rows, int threads) {
     return rows * per_row + (int64_t)threads * 2 * m->max_length;
 }
 
-/* Append `rows` tokens at cache slots start..start+rows-1.
- * hidden: [rows, hidden] input embeddings, updated in place into the residual stream;
- * positions: [rows] RoPE positions; mask: [rows, rows] uint8 (1 = may attend) or NULL;
- * k_cache, v_cache: [layers, kv_heads, max_length, head_dim]; logits: [rows, vocab]. */
-void spec_forward(const Model *m, float *hidden, int rows, int start, const int64_t *positions,
-                  const uint8_t *mask, float *k_cache, float *v_cache, float *logits, float *work,
-                  int threads) {
+/* Append the new tokens of `nseq` sequences in one pass: every linear layer runs once
+ * over all rows of all sequences (one weight stream for the whole batch); RoPE, the cache
+ * store and attention run per sequence with its own start, positions, mask and cache slot.
+ * A row's arithmetic does not depend on the other rows (see the header), so each
+ * sequence's logits are bitwise those of a call with that sequence alone.
+ * hidden: [rows, hidden] input embeddings of all sequences (sequence s owns seq_rows[s]
+ * consecutive rows), updated in place into the residual stream; positions: [rows];
+ * sequence s appends at cache slots seq_start[s].. of cache slot seq_slot[s], whose
+ * layers start at k_cache + seq_slot[s] * slot_floats ([layers, kv_heads, max_length,
+ * head_dim] each); mask_offset[s] < 0: causal, else masks + mask_offset[s] holds its
+ * [seq_rows[s], seq_rows[s]] uint8 mask (1 = may attend); logits: [rows, vocab]. */
+void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *seq_rows,
+                        const int32_t *seq_start, const int32_t *seq_slot,
+                        const int64_t *positions, const uint8_t *masks,
+                        const int64_t *mask_offset, float *k_cache, float *v_cache,
+                        int64_t slot_floats, float *logits, float *work, int threads) {
     const int H = m->hidden, d = m->head_dim, inter = m->intermediate;
     const int width = (m->heads + 2 * m->kv_heads) * d;
     const size_t layer_cache = (size_t)m->kv_heads * m->max_length * d;
+    int rows = 0;
+    for (int s = 0; s < nseq; s++) rows += seq_rows[s];
     float *normed = work;
     float *qkv = normed + (size_t)rows * H;
     float *attn = qkv + (size_t)rows * width;
@@ -753,11 +764,20 @@ void spec_forward(const Model *m, float *hidden, int rows, int start, const int6
     {
         for (int l = 0; l < m->num_layers; l++) {
             const Layer *L = &m->layers[l];
-            float *kc = k_cache + l * layer_cache, *vc = v_cache + l * layer_cache;
             rms_norm(hidden, L->input_norm, rows, H, m->eps, normed);
             linear(&L->qkv, normed, rows, qkv, width, 0, &qx);
-            rope_and_store(m, qkv, rows, positions, start, kc, vc);
-            attention(m, qkv, rows, start, mask, kc, vc, attn, scratch);
+            for (int s = 0, r0 = 0; s < nseq; r0 += seq_rows[s], s++) {
+                const size_t cache = (size_t)seq_slot[s] * slot_floats + l * layer_cache;
+                rope_and_store(m, qkv + (size_t)r0 * width, seq_rows[s], positions + r0,
+                               seq_start[s], k_cache + cache, v_cache + cache);
+            }
+            for (int s = 0, r0 = 0; s < nseq; r0 += seq_rows[s], s++) {
+                const size_t cache = (size_t)seq_slot[s] * slot_floats + l * layer_cache;
+                const uint8_t *mask = mask_offset[s] < 0 ? NULL : masks + mask_offset[s];
+                attention(m, qkv + (size_t)r0 * width, seq_rows[s], seq_start[s], mask,
+                          k_cache + cache, v_cache + cache, attn + (size_t)r0 * m->heads * d,
+                          scratch);
+            }
             linear(&L->o, attn, rows, hidden, H, 1, &qx);
             rms_norm(hidden, L->post_norm, rows, H, m->eps, normed);
             linear(&L->gate_up, normed, rows, gate_up, 2 * inter, 0, &qx);
@@ -767,6 +787,19 @@ void spec_forward(const Model *m, float *hidden, int rows, int start, const int6
         rms_norm(hidden, m->final_norm, rows, H, m->eps, normed);
         linear(&m->lm_head, normed, rows, logits, m->vocab, 0, &qx);
     }
+}
+
+/* Append `rows` tokens of one sequence at cache slots start..start+rows-1: a batch of one.
+ * hidden: [rows, hidden] input embeddings, updated in place into the residual stream;
+ * positions: [rows] RoPE positions; mask: [rows, rows] uint8 (1 = may attend) or NULL;
+ * k_cache, v_cache: [layers, kv_heads, max_length, head_dim]; logits: [rows, vocab]. */
+void spec_forward(const Model *m, float *hidden, int rows, int start, const int64_t *positions,
+                  const uint8_t *mask, float *k_cache, float *v_cache, float *logits, float *work,
+                  int threads) {
+    const int32_t seq_rows = rows, seq_start = start, seq_slot = 0;
+    const int64_t mask_offset = mask ? 0 : -1;
+    spec_forward_batch(m, hidden, 1, &seq_rows, &seq_start, &seq_slot, positions, mask,
+                       &mask_offset, k_cache, v_cache, 0, logits, work, threads);
 }
 
 /* ---- one linear layer on its own (tests and microbenchmarks) -------------------- */

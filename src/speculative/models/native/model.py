@@ -27,9 +27,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from speculative.models.base import check_keep_slots
+from speculative.models.base import RowInput, check_keep_slots
 from speculative.models.native.config import NativeConfig, rope_inverse_frequencies
-from speculative.models.native.decoder_base import DecoderBase
+from speculative.models.native.decoder_base import DecoderBase, Segment
 from speculative.models.native.layers import layer_weights
 from speculative.models.native.linear import PRECISIONS
 from speculative.models.native.loading import Checkpoint, Weight
@@ -77,7 +77,9 @@ class NativeLlama:
         precision: str = "fp32",
         max_length: int = 2048,
         backend: str = "auto",
+        max_slots: int = 64,
     ):
+        """max_slots: most sequences the cache may hold at once (batched decoding)."""
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
         if backend not in BACKENDS:
@@ -96,8 +98,10 @@ class NativeLlama:
         tied = cfg.tie_word_embeddings
         self._head_weight = None if tied else checkpoint.dense("lm_head.weight")  # [vocab, H]
         self.name = f"{checkpoint.name}-native-{precision}"
-        self._length = 0
+        self._length = 0  # the single-sequence (``forward``) batch: slots [0, _batch)
         self._batch = 0
+        self._max_slots = max_slots
+        self._slot_lengths: dict[int, int] = {}  # acquired slots (``forward_rows``)
 
     # ---- protocol -------------------------------------------------------------------
     @property
@@ -145,6 +149,80 @@ class NativeLlama:
         self.decoder.copy_cache_from(source.decoder, length)
         self._length = length
         return True
+
+    # ---- batch rows (SupportsBatchRows) ---------------------------------------------
+    def acquire_slot(self) -> int:
+        """The lowest free cache slot (not held by ``forward``'s batch nor another owner)."""
+        held = range(self._batch) if self._length else range(0)
+        for slot in range(self._max_slots):
+            if slot not in self._slot_lengths and slot not in held:
+                self._grow(slot + 1)
+                self._slot_lengths[slot] = 0
+                return slot
+        raise ValueError(f"no free cache slot: all {self._max_slots} are in use")
+
+    def release_slot(self, slot: int) -> None:
+        self._check_slot(slot)
+        del self._slot_lengths[slot]
+
+    def slot_length(self, slot: int) -> int:
+        self._check_slot(slot)
+        return self._slot_lengths[slot]
+
+    def rollback_slot(self, slot: int, n: int) -> None:
+        length = self.slot_length(slot)
+        if not 0 <= n <= length:
+            raise ValueError(f"cannot roll back {n} of {length} positions of slot {slot}")
+        self._slot_lengths[slot] = length - n
+
+    def keep_slot_positions(self, slot: int, first: int, positions: Sequence[int]) -> None:
+        """Keep positions [0, first) of ``slot`` and move ``positions`` right after them."""
+        kept = check_keep_slots(first, positions, self.slot_length(slot))
+        if kept != list(range(first, first + len(kept))):
+            self.decoder.keep_slots(first, kept, cache_slot=slot)
+        self._slot_lengths[slot] = first + len(kept)
+
+    @torch.no_grad()
+    def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
+        """Every row's new tokens through one forward (one weight pass on the kernels);
+        returns [k_row, vocab] float32 logits per row, bitwise those of the row alone."""
+        if not rows:
+            return []
+        segments = [self._segment(row) for row in rows]
+        if len({row.slot for row in rows}) != len(rows):
+            raise ValueError("a slot appears twice in one forward_rows call")
+        ids = torch.cat([row.input_ids.reshape(-1) for row in rows])  # [total]
+        hidden = self.embed[ids]  # [total, hidden], a copy the decoder owns
+        logits = self.decoder.forward_segments(hidden, segments)  # [total, vocab]
+        for segment in segments:
+            self._slot_lengths[segment.slot] = segment.start + segment.rows
+        return list(logits.split([segment.rows for segment in segments]))
+
+    def _segment(self, row: RowInput) -> Segment:
+        start = self.slot_length(row.slot)
+        k = row.input_ids.numel()
+        if row.input_ids.dim() != 1 or k == 0:
+            shape = tuple(row.input_ids.shape)
+            raise ValueError(f"row input_ids must be [k] with k >= 1, got {shape}")
+        if start + k > self._max_length:
+            raise ValueError(
+                f"cache overflow in slot {row.slot}: {start} cached + {k} new > "
+                f"max_length {self._max_length}"
+            )
+        if row.attention_mask is not None and row.attention_mask.shape != (k, k):
+            shape = tuple(row.attention_mask.shape)
+            raise ValueError(f"attention_mask must be [{k}, {k}], got {shape}")
+        positions = self._positions(row.position_ids, 1, k, start)[0]  # [k]
+        return Segment(row.slot, start, positions.contiguous(), row.attention_mask)
+
+    def _check_slot(self, slot: int) -> None:
+        if slot not in self._slot_lengths:
+            raise ValueError(f"cache slot {slot} is not acquired")
+
+    def _grow(self, slots: int) -> None:
+        """Make the cache hold at least ``slots`` sequences (existing slots kept)."""
+        if slots > self.decoder._batch:
+            self.decoder.allocate(slots)
 
     @torch.no_grad()
     def forward(
@@ -238,11 +316,14 @@ class NativeLlama:
         return batch, k
 
     def _ensure_cache(self, batch: int) -> None:
+        taken = sorted(s for s in self._slot_lengths if s < batch)
+        if taken:
+            raise ValueError(f"cache slot {taken[0]} is held by a batch row (forward_rows)")
         if batch == self._batch:
             return
         if self._length:
             raise ValueError(f"batch changed from {self._batch} to {batch} with a non-empty cache")
-        self.decoder.allocate(batch)
+        self._grow(batch)
         self._batch = batch
 
     def _positions(

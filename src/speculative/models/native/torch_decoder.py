@@ -17,13 +17,14 @@ change a token's result either. Block and step forwards agree bitwise.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from speculative.models.native.config import NativeConfig
-from speculative.models.native.decoder_base import DecoderBase, layer_weight_bytes
+from speculative.models.native.decoder_base import DecoderBase, Segment, layer_weight_bytes
 from speculative.models.native.layers import LayerWeights, lm_head_precision
 from speculative.models.native.linear import LinearFactory, PackedLinear, linear_mode_from_env
 from speculative.models.native.loading import Weight
@@ -89,6 +90,7 @@ class TorchDecoder(DecoderBase):
         """linear_mode: which linear kernels to try (see :class:`LinearFactory`); None
         reads ``SPECULATIVE_TORCH_LINEAR`` (default ``auto``)."""
         super().__init__()
+        self.slot_dim = 1
         self.config = config
         mode = linear_mode_from_env() if linear_mode is None else linear_mode
         make_linear = LinearFactory(precision, mode)
@@ -107,38 +109,54 @@ class TorchDecoder(DecoderBase):
         return (cfg.num_layers, batch, self._chunks, cfg.num_kv_heads, KEY_CHUNK, cfg.head_dim)
 
     def copy_cache_from(self, source: TorchDecoder, length: int) -> None:
-        """Copy slots [0, length) of ``source``'s cache (same layout, batch of one)."""
+        """Copy positions [0, length) of ``source``'s first sequence into this first one."""
         for first in range(0, length, KEY_CHUNK):
             chunk, last = first // KEY_CHUNK, min(KEY_CHUNK, length - first)
-            self.k_cache[:, :, chunk, :, :last] = source.k_cache[:, :, chunk, :, :last]
-            self.v_cache[:, :, chunk, :, :last] = source.v_cache[:, :, chunk, :, :last]
+            self.k_cache[:, :1, chunk, :, :last] = source.k_cache[:, :1, chunk, :, :last]
+            self.v_cache[:, :1, chunk, :, :last] = source.v_cache[:, :1, chunk, :, :last]
 
-    def keep_slots(self, first: int, slots: list[int]) -> None:
-        """Move cache slots ``slots`` (increasing, >= first) to first, first + 1, ...
-        (in order: a destination never lies after a source still to be read)."""
+    def keep_slots(self, first: int, slots: list[int], cache_slot: int | None = None) -> None:
+        """Move cache slots ``slots`` (increasing, >= first) to first, first + 1, ... of
+        sequence ``cache_slot`` (every sequence when None), in order: a destination never
+        lies after a source still to be read."""
+        caches = (self.k_cache, self.v_cache)
+        if cache_slot is not None:
+            caches = tuple(cache.narrow(1, cache_slot, 1) for cache in caches)
         for target, source in enumerate(slots, start=first):
             (tc, to), (sc, so) = divmod(target, KEY_CHUNK), divmod(source, KEY_CHUNK)
-            self.k_cache[:, :, tc, :, to] = self.k_cache[:, :, sc, :, so]
-            self.v_cache[:, :, tc, :, to] = self.v_cache[:, :, sc, :, so]
+            for cache in caches:
+                cache[:, :, tc, :, to] = cache[:, :, sc, :, so]
 
-    def forward(
+    def forward_segments(
         self,
-        hidden: torch.Tensor,  # [batch, k, hidden] float32 embeddings, owned: left holding
-        start: int,  # the final residual stream (before the final norm)
-        positions: torch.Tensor,  # [batch, k] int64
-        attention_mask: torch.Tensor | None,  # [k, k] bool or None (causal)
-    ) -> torch.Tensor:  # [batch, k, vocab]
-        batch, k, _ = hidden.shape
-        visible = self._visibility(attention_mask, k, start)  # [k, start + k]
-        logits = torch.empty(batch, k, self.vocab_size)
+        hidden: torch.Tensor,  # [rows, hidden] float32 embeddings, owned: left holding the
+        # final residual stream; segment i owns the next segments[i].rows rows
+        segments: Sequence[Segment],
+    ) -> torch.Tensor:  # [rows, vocab]
+        """One sequence at a time (the reference the C batch is tested against)."""
+        logits = torch.empty(hidden.shape[0], self.vocab_size)
+        first = 0
+        for segment in segments:
+            rows = slice(first, first + segment.rows)
+            logits[rows] = self._forward_one(hidden[rows], segment)
+            first += segment.rows
+        return logits
+
+    def _forward_one(
+        self,
+        hidden: torch.Tensor,  # [k, hidden], updated in place into the residual stream
+        segment: Segment,
+    ) -> torch.Tensor:  # [k, vocab]
+        k, start = segment.rows, segment.start
+        visible = self._visibility(segment.mask, k, start)  # [k, start + k]
+        logits = torch.empty(k, self.vocab_size)
         for first in range(0, k, ROW_TILE):
             rows = min(ROW_TILE, k - first)
             tile = _Tile.make(start, first, rows, visible)
-            for b in range(batch):
-                rotation = self.rotations[positions[b, tile.tokens]].unsqueeze(1)  # [T, 1, d/2]
-                residual = hidden[b, tile.tokens]  # [ROW_TILE, hidden], a copy
-                logits[b, first : first + rows] = self._tile(residual, b, tile, rotation)
-                hidden[b, first : first + rows] = residual[:rows]  # the final residual stream
+            rotation = self.rotations[segment.positions[tile.tokens]].unsqueeze(1)  # [T, 1, d/2]
+            residual = hidden[tile.tokens]  # [ROW_TILE, hidden], a copy
+            logits[first : first + rows] = self._tile(residual, segment.slot, tile, rotation)
+            hidden[first : first + rows] = residual[:rows]  # the final residual stream
         return logits
 
     @staticmethod

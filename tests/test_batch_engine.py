@@ -1,0 +1,316 @@
+"""Batched speculative decoding: every row of a batch is exactly its single-sequence run.
+
+Rows differ in prompt length, drafter (none, n-gram, a self-int4 draft model), γ,
+sampling parameters, seed and stop criteria; with max_batch below the number of rows,
+rows join as others finish (continuous batching). Each row's tokens must equal, as
+lists of ids, what SpeculativeEngine generates for that row alone on a fresh model:
+bitwise for greedy, the same seeded sample for sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from speculative.drafters.base import Drafter
+from speculative.drafters.model import DraftModelDrafter
+from speculative.drafters.ngram import PromptLookupDrafter
+from speculative.engine import SpeculativeEngine, StopCriteria
+from speculative.engine.batch import BatchEngine, BatchRequest
+from speculative.engine.gamma import LoadAwareGamma, RowLoad
+from speculative.models.native import NativeLlama, load_native
+from speculative.sampling import SamplingParams
+from test_native import VOCAB, _ids, _tiny_llama, require_kernels
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_batch")
+    _tiny_llama(path, layers=2)
+    return path
+
+
+def _decode(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids) + " "
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    prompt: list[int]
+    drafter: str  # "none", "ngram", "self-int4"
+    gamma: int
+    params: SamplingParams
+    seed: int
+    stop: StopCriteria
+
+
+def _specs() -> list[RowSpec]:
+    base = _ids(30, 51)[0].tolist()
+    loop = base[:6] * 4  # repetitive: the n-gram drafter finds continuations
+    greedy, warm = SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9)
+    return [
+        RowSpec(loop, "ngram", 4, greedy, 0, StopCriteria(max_new_tokens=20)),
+        RowSpec(base[:3], "self-int4", 3, warm, 1, StopCriteria(max_new_tokens=16)),
+        RowSpec(base[:17], "none", 0, SamplingParams(temperature=1.0), 2, StopCriteria(9)),
+        RowSpec(base[5:9], "self-int4", 2, greedy, 3, StopCriteria(14, frozenset({3, 17}))),
+        RowSpec(
+            loop[:13], "ngram", 5, SamplingParams(temperature=0.7, top_k=20), 4,
+            StopCriteria(18, stop_strings=(" w9 ",), decode=_decode),
+        ),
+        RowSpec(base[20:], "self-int4", 4, SamplingParams(temperature=1.2), 5, StopCriteria(12)),
+    ]
+
+
+def _drafter(kind: str, folder: Path, backend: str) -> Drafter | None:
+    if kind == "ngram":
+        return PromptLookupDrafter(max_ngram=3)
+    if kind == "self-int4":
+        draft = load_native(folder, "int4", max_length=96, backend=backend)
+        return DraftModelDrafter(draft, VOCAB, "self-int4")
+    return None
+
+
+def _request(spec: RowSpec, folder: Path, backend: str) -> BatchRequest:
+    return BatchRequest(
+        prompt_ids=spec.prompt,
+        params=spec.params,
+        stop=spec.stop,
+        generator=torch.Generator().manual_seed(spec.seed),
+        drafter=_drafter(spec.drafter, folder, backend),
+        gamma=spec.gamma,
+    )
+
+
+def _alone(spec: RowSpec, folder: Path, backend: str) -> tuple[list[int], str | None]:
+    target = load_native(folder, max_length=96, backend=backend)
+    engine = SpeculativeEngine(target, _drafter(spec.drafter, folder, backend), spec.gamma)
+    generator = torch.Generator().manual_seed(spec.seed)
+    result = engine.generate(spec.prompt, spec.params, spec.stop, generator)
+    return result.token_ids, result.finish_reason
+
+
+def _backend(name: str) -> str:
+    if name == "kernels":
+        require_kernels()
+    return name
+
+
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_every_row_equals_its_single_sequence_run(folder: Path, backend: str) -> None:
+    _backend(backend)
+    specs = _specs()
+    target = load_native(folder, max_length=96, backend=backend, max_slots=3)
+    engine = BatchEngine(target, max_batch=3)  # 6 rows through 3 slots: rows join midway
+    results = engine.run(_request(spec, folder, backend) for spec in specs)
+    reasons = set()
+    for spec, result in zip(specs, results, strict=True):
+        tokens, reason = _alone(spec, folder, backend)
+        assert result.token_ids == tokens, spec
+        assert result.finish_reason == reason
+        reasons.add(reason)
+    assert {"length", "eos"} <= reasons or {"length", "stop"} <= reasons
+    assert results[0].stats.accepted_tokens > 0  # the n-gram row really speculated
+    assert engine.target_passes < sum(r.stats.target_calls for r in results)  # shared passes
+    assert not engine.rows and all(target.acquire_slot() == s for s in range(3))  # no leak
+
+
+def test_cancel_frees_the_slot_and_leaves_the_others_exact(folder: Path) -> None:
+    backend = _backend("kernels")
+    specs = _specs()[:3]
+    target = load_native(folder, max_length=96, backend=backend, max_slots=3)
+    engine = BatchEngine(target, max_batch=3)
+    ids = [engine.add(_request(spec, folder, backend)) for spec in specs]
+    for _ in range(2):
+        engine.step()
+    cancelled = engine.cancel(ids[1])
+    assert cancelled.finish_reason == "cancelled"
+    late = _specs()[3]
+    ids.append(engine.add(_request(late, folder, backend)))  # takes the freed slot
+    while engine.rows:
+        engine.step()
+    for i, spec in zip([ids[0], ids[2], ids[3]], [specs[0], specs[2], late], strict=True):
+        assert engine.finished[i].token_ids == _alone(spec, folder, backend)[0]
+    alone = _alone(specs[1], folder, backend)[0]
+    assert cancelled.token_ids == alone[: len(cancelled.token_ids)]
+
+
+def test_swapped_slots_are_caught(folder: Path) -> None:
+    """Negative control: two rows whose cache slots get swapped midway no longer match
+    their single-sequence runs (the comparison above would catch a slot mix-up)."""
+    backend = _backend("kernels")
+    greedy = SamplingParams(temperature=0)
+    base = _ids(30, 61)[0].tolist()
+    specs = [
+        RowSpec(base[:9], "none", 0, greedy, 0, StopCriteria(max_new_tokens=12)),
+        RowSpec(base[9:20], "none", 0, greedy, 0, StopCriteria(max_new_tokens=12)),
+    ]
+    target = load_native(folder, max_length=96, backend=backend)
+    engine = BatchEngine(target, max_batch=2)
+    ids = [engine.add(_request(spec, folder, backend)) for spec in specs]
+    for _ in range(3):
+        engine.step()
+    first, second = engine.rows[ids[0]].session, engine.rows[ids[1]].session
+    first.slot, second.slot = second.slot, first.slot
+    while engine.rows:
+        engine.step()
+    outputs = [engine.finished[i].token_ids for i in ids]
+    assert outputs != [_alone(spec, folder, backend)[0] for spec in specs]
+
+
+def test_load_aware_gamma_keeps_greedy_rows_exact(folder: Path) -> None:
+    """γ per row chosen by the load policy changes only the speed of greedy rows."""
+    backend = _backend("kernels")
+    specs = [s for s in _specs() if s.params.greedy]
+    target = load_native(folder, max_length=96, backend=backend)
+    load = LoadAwareGamma({1: 1.0, 4: 1.05, 8: 1.6, 16: 3.2})
+    engine = BatchEngine(target, max_batch=4, load=load)
+    results = engine.run(_request(spec, folder, backend) for spec in specs)
+    for spec, result in zip(specs, results, strict=True):
+        assert result.token_ids == _alone(spec, folder, backend)[0]
+
+
+def test_load_aware_gamma_shrinks_as_the_batch_grows() -> None:
+    """Flat verify cost up to 8 tokens, linear past it: the policy speculates while drafts
+    ride in the flat part and backs off to plain decoding when the batch fills it."""
+    load = LoadAwareGamma(lambda n: max(1.0, n / 8))
+    chosen = {b: load.choose([RowLoad(alpha=0.7, max_gamma=6)] * b) for b in (1, 2, 4, 8, 16)}
+    totals = [sum(chosen[b]) / b for b in (1, 2, 4, 8, 16)]
+    assert totals == sorted(totals, reverse=True)  # mean γ falls with B
+    assert sum(chosen[1]) >= 4 and sum(chosen[16]) == 0
+    assert load.choose([RowLoad(alpha=0.0, max_gamma=6)]) == [0]  # hopeless drafts: none
+    assert load.choose([RowLoad(0.9, 6), RowLoad(0.2, 6)])[0] > 0  # the likely row drafts
+    measured = LoadAwareGamma({1: 1.0, 4: 1.15, 8: 1.5, 16: 1.9, 32: 3.0, 64: 5.5})
+    means = [sum(measured.choose([RowLoad(0.8, 8)] * b)) / b for b in (1, 4, 16, 64)]
+    assert means == sorted(means, reverse=True) and means[-1] == 0  # past 64: extrapolated
+
+
+def test_engine_refuses_a_model_without_slots(folder: Path) -> None:
+    from tiny import tiny_loaded
+
+    with pytest.raises(ValueError, match="cannot hold several sequences"):
+        BatchEngine(tiny_loaded().lm)
+    target: NativeLlama = load_native(folder, max_length=32, backend="torch", max_slots=1)
+    engine = BatchEngine(target, max_batch=2)
+    spec = _specs()[2]
+    engine.add(_request(spec, Path(), "torch"))
+    with pytest.raises(ValueError, match="no free cache slot"):
+        engine.add(_request(spec, Path(), "torch"))
+    assert len(engine.rows) == 1
+
+
+
+
+def test_interleaved_streams_on_one_target_raise_instead_of_corrupting() -> None:
+    """Two streams interleaved on one target: the older one, whose cache the newer one
+    reset, raises on its next round; the newer one is exactly a fresh generation, and an
+    abandoned stream does not block the next."""
+    from speculative.drafters.ngram import PromptLookupDrafter
+    from speculative.pipeline import Speculator
+    from tiny import tiny_loaded
+
+    loaded = tiny_loaded(seed=3)
+    kwargs = {"max_new_tokens": 12, "chat": False}
+    speculator = Speculator(loaded, PromptLookupDrafter(), gamma=3)
+    other = Speculator(loaded, None)
+    expected = other.generate("the cat sat on the mat", **kwargs).token_ids
+    first = iter(speculator.stream("the dog ran", **kwargs))
+    next(first)
+    second = other.stream("the cat sat on the mat", **kwargs)
+    assert [t for r in second for t in r.tokens] == expected
+    with pytest.raises(RuntimeError, match="another stream"):
+        next(first)
+    abandoned = iter(speculator.stream("the dog ran", **kwargs))
+    next(abandoned)
+    assert speculator.generate("the cat sat on the mat", **kwargs).token_ids == expected
+
+
+def test_cli_batch_generate_matches_single_runs_and_resumes(tmp_path: Path, capsys) -> None:
+    import json
+
+    from speculative.pipeline import Speculator
+    from test_cli import run_cli
+    from tiny import save_tiny
+
+    folder = save_tiny(tmp_path / "tiny", seed=2, layers=2)
+    records = [
+        {"prompt": "the cat sat on the mat and the cat", "max_new_tokens": 12},
+        {"prompt": "a dog ran", "temperature": 0.9, "seed": 4, "max_new_tokens": 9},
+        {"messages": [{"role": "user", "content": "red blue red blue"}], "stop": ["end"]},
+        {"prompt": "it was big", "temperature": 1.0, "top_p": 0.8, "seed": 1},
+        {"prompt": "then the rug"},
+    ]
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    argv = ["generate", "--target", str(folder), "--runtime", "native", "--no-chat"]
+    argv += ["--prompts", str(prompts), "--out", str(out), "--batch-size", "2", "--json"]
+    argv += ["--max-new-tokens", "10", "--draft", "ngram", "--gamma", "3"]
+    code, stdout, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert json.loads(stdout.strip().splitlines()[-1])["rows"] == 5
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["index"] for line in lines] == list(range(5))
+    single = Speculator.load(str(folder), "ngram", 3, "native")
+    for record, line in zip(records, lines, strict=True):
+        content = record.get("prompt") or record["messages"][0]["content"]
+        expected = single.generate(
+            content,
+            chat=False,
+            max_new_tokens=record.get("max_new_tokens", 10),
+            temperature=record.get("temperature", 0.0),
+            top_p=record.get("top_p", 1.0),
+            seed=record.get("seed", 0),
+            stop=record.get("stop", ()),
+        )
+        assert line["token_ids"] == expected.token_ids
+        assert line["text"] == expected.text and line["finish_reason"] == expected.finish_reason
+    kept = out.read_text().splitlines()
+    out.write_text("\n".join(kept[:3]) + "\n" + kept[3][:20])  # a crash mid-line
+    code, stdout, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert json.loads(stdout.strip().splitlines()[-1])["rows"] == 2
+    resumed = [json.loads(x) for x in out.read_text().splitlines() if x.endswith("}")]
+    assert [x["token_ids"] for x in resumed] == [x["token_ids"] for x in lines]
+
+
+def test_mixed_workload_with_cancellations_leaks_no_slot(folder: Path) -> None:
+    """16 requests through 4 slots: mixed prompt lengths, drafters, temperatures and stops,
+    every fifth cancelled after its second round. All rows end, the slots all come back,
+    and every row that was not cancelled equals its single-sequence run."""
+    backend = _backend("kernels")
+    words = _ids(60, 71)[0].tolist()
+    kinds = ("none", "ngram")
+    specs = [
+        RowSpec(
+            (words[i : i + 3 + i % 7] * 2)[: 4 + i % 9],
+            kinds[i % 2],
+            1 + i % 5,
+            SamplingParams(temperature=(0.0, 0.7, 1.0)[i % 3], top_p=(1.0, 0.9)[i % 2]),
+            i,
+            StopCriteria(4 + i % 11, frozenset({5 + i % 3})),
+        )
+        for i in range(16)
+    ]
+    target = load_native(folder, max_length=96, backend=backend, max_slots=4)
+    engine = BatchEngine(target, max_batch=4)
+    queue, ids, rounds = list(enumerate(specs)), {}, {}
+    while queue or engine.rows:
+        while queue and len(engine.rows) < 4:
+            index, spec = queue.pop(0)
+            ids[engine.add(_request(spec, folder, backend))] = index
+        for row_id in engine.step():
+            rounds[row_id] = rounds.get(row_id, 0) + 1
+            if ids[row_id] % 5 == 0 and rounds[row_id] == 2 and row_id in engine.rows:
+                engine.cancel(row_id)
+    assert len(engine.finished) == 16
+    reasons = [r.finish_reason for r in engine.finished.values()]
+    assert reasons.count("cancelled") >= 2 and "eos" in reasons and "length" in reasons
+    assert sorted(target.acquire_slot() for _ in range(4)) == [0, 1, 2, 3]
+    for row_id, index in ids.items():
+        result, alone = engine.finished[row_id], _alone(specs[index], folder, backend)[0]
+        if result.finish_reason == "cancelled":
+            assert result.token_ids == alone[: len(result.token_ids)]
+        else:
+            assert result.token_ids == alone

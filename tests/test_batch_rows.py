@@ -1,0 +1,136 @@
+"""Per-slot caches and the ragged batched forward of the native runtime (SupportsBatchRows).
+
+Each row of a ``forward_rows`` call must get bitwise the logits it gets alone: the C
+kernels run every linear once over all rows of all sequences, so this holds only if a
+(weight row, token row) pair's sum never depends on the other token rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from speculative.models.base import RowInput, SupportsBatchRows
+from speculative.models.native import NativeLlama, load_native
+from speculative.models.session import tree_attention
+from test_native import _ids, _tiny_llama, require_kernels
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_rows")
+    _tiny_llama(path, layers=2)
+    return path
+
+
+def _rows_script() -> list[list[tuple[list[int], list[int] | None]]]:
+    """Three sequences over three calls: (tokens, tree parents or None) per sequence.
+
+    Different prompt lengths (cache lengths), block sizes 1..11, and a token tree (the
+    first token its root, then nodes with parents, -1 = the root)."""
+    a, b, c = _ids(40, 21)[0].tolist(), _ids(40, 22)[0].tolist(), _ids(40, 23)[0].tolist()
+    return [
+        [(a[:3], None), (b[:11], None), (c[:1], None)],  # prefills of different lengths
+        [(a[3:8], None), (b[11:12], None), (c[1:10], None)],
+        [(a[8:9], None), (b[12:16], [-1, -1, 0]), (c[10:14], None)],  # b: a tree
+    ]
+
+
+def _row_input(slot: int, length: int, tokens: list[int], parents: list[int] | None) -> RowInput:
+    ids = torch.tensor(tokens, dtype=torch.long)  # [k]
+    if parents is None:
+        return RowInput(slot, ids)
+    mask, offsets = tree_attention(parents, 1)  # [k, k], [k]
+    return RowInput(slot, ids, mask, length + offsets)
+
+
+def _run(model: NativeLlama, together: bool) -> list[list[torch.Tensor]]:
+    """Logits per call and sequence; rows in one forward_rows call, or one call each."""
+    slots = [model.acquire_slot() for _ in range(3)]
+    outputs = []
+    for step in _rows_script():
+        rows = [
+            _row_input(slot, model.slot_length(slot), tokens, parents)
+            for slot, (tokens, parents) in zip(slots, step, strict=True)
+        ]
+        if together:
+            outputs.append(model.forward_rows(rows))
+        else:
+            outputs.append([model.forward_rows([row])[0] for row in rows])
+    return outputs
+
+
+@pytest.mark.parametrize(
+    ("backend", "precision"),
+    [("kernels", "fp32"), ("kernels", "int4"), ("kernels", "bf16"), ("torch", "fp32")],
+)
+def test_row_in_a_batch_equals_row_alone(folder: Path, backend: str, precision: str) -> None:
+    if backend == "kernels":
+        require_kernels()
+    batched = load_native(folder, precision, max_length=64, backend=backend)
+    alone = load_native(folder, precision, max_length=64, backend=backend)
+    assert isinstance(batched, SupportsBatchRows)
+    for step_b, step_a in zip(_run(batched, True), _run(alone, False), strict=True):
+        for row_b, row_a in zip(step_b, step_a, strict=True):
+            assert torch.equal(row_b, row_a)
+
+
+def test_rows_match_the_single_sequence_forward(folder: Path) -> None:
+    """A slot continues exactly like the single-sequence cache (forward + rollback)."""
+    require_kernels()
+    model = load_native(folder, max_length=64, backend="kernels")
+    single = load_native(folder, max_length=64, backend="kernels")
+    ids = _ids(20, 31)
+    slot = model.acquire_slot()
+    first = model.forward_rows([RowInput(slot, ids[0, :12])])[0]
+    assert torch.equal(first, single.forward(ids[:, :12])[0])
+    model.rollback_slot(slot, 4)
+    single.rollback(4)
+    again = model.forward_rows([RowInput(slot, ids[0, 8:20])])[0]
+    assert torch.equal(again, single.forward(ids[:, 8:20])[0])
+    assert model.slot_length(slot) == 20
+
+
+def test_kernels_batch_matches_torch_reference(folder: Path) -> None:
+    require_kernels()
+    kernels = _run(load_native(folder, max_length=64, backend="kernels"), True)
+    reference = _run(load_native(folder, max_length=64, backend="torch"), False)
+    for step_k, step_r in zip(kernels, reference, strict=True):
+        for row_k, row_r in zip(step_k, step_r, strict=True):
+            torch.testing.assert_close(row_k, row_r, atol=1e-4, rtol=1e-4)
+
+
+def test_a_misassigned_slot_is_detected(folder: Path) -> None:
+    """Negative control: feeding one sequence's continuation into another's slot changes
+    its logits, so the equality tests above would catch a slot mix-up."""
+    require_kernels()
+    model = load_native(folder, max_length=64, backend="kernels")
+    a, b = model.acquire_slot(), model.acquire_slot()
+    ids_a, ids_b = _ids(10, 41)[0], _ids(10, 42)[0]
+    model.forward_rows([RowInput(a, ids_a[:6]), RowInput(b, ids_b[:6])])
+    right = model.forward_rows([RowInput(a, ids_a[6:8]), RowInput(b, ids_b[6:8])])
+    model.rollback_slot(a, 2)
+    model.rollback_slot(b, 2)
+    swapped = model.forward_rows([RowInput(b, ids_a[6:8]), RowInput(a, ids_b[6:8])])
+    assert not torch.equal(right[0], swapped[1])
+    assert not torch.equal(right[1], swapped[0])
+
+
+def test_slots_are_owned_and_freed(folder: Path) -> None:
+    model = load_native(folder, max_length=32, backend="torch", max_slots=2)
+    a, b = model.acquire_slot(), model.acquire_slot()
+    with pytest.raises(ValueError, match="no free cache slot"):
+        model.acquire_slot()
+    model.forward_rows([RowInput(a, torch.tensor([1, 2, 3]))])
+    with pytest.raises(ValueError, match="held by a batch row"):
+        model.forward(torch.tensor([[1, 2]]))  # the single-sequence cache is slot 0 = a
+    with pytest.raises(ValueError, match="twice"):
+        model.forward_rows([RowInput(b, torch.tensor([1])), RowInput(b, torch.tensor([2]))])
+    with pytest.raises(ValueError, match="cache overflow"):
+        model.forward_rows([RowInput(a, torch.zeros(30, dtype=torch.long))])
+    model.release_slot(a)
+    with pytest.raises(ValueError, match="not acquired"):
+        model.slot_length(a)
+    assert model.acquire_slot() == a and model.slot_length(a) == 0
