@@ -226,6 +226,7 @@ def payload(run: BenchRun, rows: Sequence[ResultRow]) -> dict[str, Any]:
         "results": [r.to_dict() for r in rows],
         "mismatches": [asdict(m) for m in run.mismatches],
         "outputs_identical": not run.mismatches,
+        "llamacpp_same_text": run.peer_agreement,
         "highlights": highlights(rows),
         "cpu": cpu_info().as_dict(),
     }
@@ -362,7 +363,7 @@ def markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
 
 
 def decoding_label(run: BenchRun) -> str:
-    """"greedy", or the sampling settings (outputs then differ by chance: not compared)."""
+    """ "greedy", or the sampling settings (outputs then differ by chance: not compared)."""
     settings = run.settings
     if settings.temperature == 0:
         return "greedy"
@@ -418,6 +419,11 @@ def markdown_report(run: BenchRun, rows: Sequence[ResultRow], plots: Sequence[st
     ]
     mismatch_lines = [f"- ⚠️ {m.describe()}" for m in run.mismatches] or [
         "- every configuration's greedy output matched plain decoding token for token"
+    ]
+    mismatch_lines += [
+        f"- {name} (same model file, another program): the same text as ours on "
+        f"{v['same']}/{v['prompts']} prompts (the rest diverge at a near tie)"
+        for name, v in run.peer_agreement.items()
     ]
     sections = [
         "# `speculative bench` report",

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from speculative.bench.llamacpp import ENGINE as LLAMACPP
+from speculative.bench.llamacpp import llamacpp_missing, llamacpp_peers
 from speculative.bench.methods import (
     OURS,
     PLAIN,
@@ -119,6 +121,7 @@ class BenchRun:
     costs: dict[str, RuntimeCosts]
     mismatches: list[Mismatch]
     prompt_tokens: list[int]
+    peer_agreement: dict[str, dict[str, int]] = field(default_factory=dict)  # llama.cpp rows
 
 
 @dataclass
@@ -218,6 +221,47 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def llamacpp_methods(settings: BenchSettings, setups: Sequence[RuntimeSetup]) -> list[Method]:
+    """llama.cpp's plain and prompt-lookup rows on the target's own GGUF file, when the
+    target is one and llama-cpp-python is installed (else none, with the reason)."""
+    import torch
+
+    from speculative.models.loading import resolve_model
+
+    gguf = resolve_model(settings.target).source_gguf
+    native = [s for s in setups if s.runtime == "native"]
+    missing = llamacpp_missing()
+    if gguf is None or not native or missing:
+        reason = missing or "the target is not a GGUF file on the native runtime"
+        print(f"bench: no llama.cpp rows ({reason})", file=sys.stderr)
+        return []
+    lookup = max_fixed_gamma(settings.gammas)
+    eos = native[0].target.eos_token_ids
+    return list(llamacpp_peers(gguf, eos, torch.get_num_threads(), lookup, "native"))
+
+
+def same_text_as_ours(
+    methods: Sequence[Method], measurements: Sequence[Measurement], engine: str
+) -> dict[str, dict[str, int]]:
+    """For each ``engine`` row: on how many prompts its greedy tokens equal our plain
+    decoding's (another program may round a near tie the other way)."""
+    by_name = {m.name: m for m in methods}
+    ours = {
+        x.prompt_index: x.tokens
+        for x in measurements
+        if by_name[x.method].engine == OURS and by_name[x.method].family == PLAIN
+        and by_name[x.method].runtime == "native"
+    }  # fmt: skip
+    counts: dict[str, dict[str, int]] = {}
+    for x in measurements:
+        if by_name[x.method].engine != engine or x.prompt_index not in ours:
+            continue
+        entry = counts.setdefault(x.method, {"same": 0, "prompts": 0})
+        entry["prompts"] += 1
+        entry["same"] += int(x.tokens == ours[x.prompt_index])
+    return counts
+
+
 def check_outputs(methods: Sequence[Method], measurements: Sequence[Measurement]) -> list[Mismatch]:
     """Compare every configuration's tokens with plain decoding on its runtime."""
     by_name = {m.name: m for m in methods}
@@ -230,7 +274,7 @@ def check_outputs(methods: Sequence[Method], measurements: Sequence[Measurement]
     mismatches = []
     for x in measurements:
         ref = reference.get((by_name[x.method].runtime, x.prompt_index))
-        if ref is None:
+        if ref is None or by_name[x.method].engine == LLAMACPP:  # another program's rounding
             continue
         index = first_difference(ref, x.tokens)
         if index is not None:
@@ -300,9 +344,12 @@ def run_bench(
         ours = build_methods(setup, costs[setup.runtime], settings, with_peers=not peers_done)
         peers_done = peers_done or any(m.engine != OURS for m in ours)
         methods.extend(ours)
+    if settings.peers and settings.temperature == 0:
+        methods.extend(llamacpp_methods(settings, setups))
     measurements = measure(methods, prompts, prompt_ids, settings)
     # under sampling the outputs differ by chance: only greedy runs must be identical
     mismatches = check_outputs(methods, measurements) if settings.temperature == 0 else []
+    agreement = same_text_as_ours(methods, measurements, LLAMACPP)
     return BenchRun(
         settings=settings,
         model=setups[0].target.name,
@@ -312,4 +359,5 @@ def run_bench(
         costs=costs,
         mismatches=mismatches,
         prompt_tokens=[len(ids) for ids in prompt_ids[setups[0].runtime]],
+        peer_agreement=agreement,
     )
