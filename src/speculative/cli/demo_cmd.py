@@ -31,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt (chat template applied)")
     add_model_arguments(parser)
     add_tree_argument(parser)
-    parser.set_defaults(draft="self-int4")
+    parser.set_defaults(draft="ngram")
     parser.add_argument("--gamma", default="3", help="drafted tokens per round, or 'auto'")
     parser.add_argument("--max-new-tokens", type=positive_int, default=96, help="token budget")
     add_json_flag(parser)
