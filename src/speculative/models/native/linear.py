@@ -58,8 +58,8 @@ class PackedLinear(Protocol):
 
 
 class LinearKernelUnavailable(ValueError):
-    """A linear kernel cannot run, or is not row invariant, on this CPU (the reason is
-    the message). A ValueError so the CLI reports it in one line."""
+    """A linear kernel cannot run on this CPU (the reason is the message). A ValueError
+    so the CLI reports it in one line."""
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
