@@ -1,0 +1,106 @@
+"""Scale-out on Ray, on a local Ray instance started here (one for the whole module).
+
+`speculative generate --prompts … --ray --workers 2` must write exactly what the local
+batched job writes (each row's tokens do not depend on which worker or batch decoded it),
+resume after a crash like the local job, and turn a worker's failure into one line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'speculative[ray]')")
+
+from test_cli import last_json, run_cli  # noqa: E402
+from tiny import save_tiny  # noqa: E402
+
+TIMING = ("seconds", "prefill_seconds", "tokens_per_second")
+RECORDS = [
+    {"prompt": "the cat sat on the mat and the cat", "max_new_tokens": 12},
+    {"prompt": "a dog ran", "temperature": 0.9, "seed": 4, "max_new_tokens": 9},
+    {"messages": [{"role": "user", "content": "red blue red blue"}], "stop": ["end"]},
+    {"prompt": "it was big", "temperature": 1.0, "top_p": 0.8, "seed": 1},
+    {"prompt": "then the rug"},
+]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray instance with 2 CPUs for every test here (start-up is paid once)."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A tiny native model, a prompts file and the generate arguments (no --out)."""
+    folder = tmp_path_factory.mktemp("ray_job")
+    model = save_tiny(folder / "tiny", seed=2, layers=2)
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    argv = ["generate", "--target", str(model), "--runtime", "native", "--no-chat"]
+    argv += ["--prompts", str(prompts), "--batch-size", "2", "--json"]
+    argv += ["--max-new-tokens", "10", "--draft", "ngram", "--gamma", "3"]
+    return folder, argv
+
+
+def _lines(path: Path) -> list[dict]:
+    """The output lines without their timings (which differ from run to run)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for line in lines:
+        for key in TIMING:
+            line["stats"].pop(key)
+    return lines
+
+
+def test_ray_job_equals_the_local_job_and_resumes(local_ray, job, capsys) -> None:
+    folder, argv = job
+    local, spread = folder / "local.jsonl", folder / "ray.jsonl"
+    code, out, err = run_cli(capsys, *argv, "--out", str(local))
+    assert code == 0, err
+    code, out, err = run_cli(capsys, *argv, "--out", str(spread), "--ray", "--workers", "2")
+    assert code == 0, err
+    summary = last_json(out)
+    assert summary["rows"] == 5 and summary["workers"] == 2
+    expected = _lines(local)
+    assert [line["index"] for line in expected] == list(range(5))
+    assert len({tuple(line["token_ids"]) for line in expected}) == 5  # rows are distinct
+    assert _lines(spread) == expected
+    assert summary["new_tokens"] == sum(len(line["token_ids"]) for line in expected)
+
+    kept = spread.read_text().splitlines()
+    spread.write_text("\n".join(kept[:2]) + "\n" + kept[2][:25])  # a crash mid-line
+    code, out, err = run_cli(capsys, *argv, "--out", str(spread), "--ray", "--workers", "2")
+    assert code == 0, err
+    assert last_json(out)["rows"] == 3
+    assert _lines(spread) == expected
+
+
+def test_a_worker_failure_is_one_line(local_ray, job, capsys) -> None:
+    """The hf runtime has no cache slots: the worker's own error comes back, no traceback."""
+    folder, argv = job
+    argv = [a if a != "native" else "hf" for a in argv]
+    code, _, err = run_cli(capsys, *argv, "--out", str(folder / "x.jsonl"), "--ray")
+    assert code == 2
+    assert "needs the native runtime" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_missing_ray_is_a_clear_error(job, capsys, monkeypatch) -> None:
+    folder, argv = job
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    code, _, err = run_cli(capsys, *argv, "--out", str(folder / "y.jsonl"), "--ray")
+    assert code == 2 and "speculative[ray]" in err and "Traceback" not in err
+
+
+def test_ray_flags_need_their_companions(job, capsys) -> None:
+    folder, argv = job
+    code, _, err = run_cli(capsys, *argv, "--out", str(folder / "z.jsonl"), "--workers", "2")
+    assert code == 2 and "need --ray" in err
+    code, _, err = run_cli(capsys, "generate", "--prompt", "hi", "--ray")
+    assert code == 2 and "--ray needs --prompts" in err
