@@ -11,6 +11,7 @@ from speculative.cli import (
     demo_cmd,
     generate_cmd,
     profile_cmd,
+    serve_cmd,
     simulate_cmd,
     theory_cmd,
     train_draft_cmd,
@@ -38,6 +39,7 @@ def build_parser() -> Parser:
         profile_cmd,
         bench_cmd,
         train_draft_cmd,
+        serve_cmd,
     ):
         command.add_parser(subparsers)
     return parser
