@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from speculative import __version__
 from speculative.cli import (
     bench_cmd,
+    bench_serve_cmd,
     demo_cmd,
     generate_cmd,
     profile_cmd,
@@ -40,6 +41,7 @@ def build_parser() -> Parser:
         bench_cmd,
         train_draft_cmd,
         serve_cmd,
+        bench_serve_cmd,
     ):
         command.add_parser(subparsers)
     return parser
