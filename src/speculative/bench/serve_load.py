@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import statistics
 import threading
 import time
@@ -82,7 +83,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile of sorted ``values`` (nearest rank); 0 when empty."""
     if not values:
         return 0.0
-    rank = max(1, min(len(values), round(q / 100 * len(values) + 0.5)))
+    rank = max(1, min(len(values), math.ceil(q / 100 * len(values))))
     return float(values[rank - 1])
 
 
