@@ -7,6 +7,7 @@ resume after a crash like the local job, and turn a worker's failure into one li
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'spec
 from test_cli import last_json, run_cli  # noqa: E402
 from tiny import save_tiny  # noqa: E402
 
+pytestmark = pytest.mark.filterwarnings("ignore::pydantic.warnings.PydanticDeprecatedSince20")
 TIMING = ("seconds", "prefill_seconds", "tokens_per_second")
 RECORDS = [
     {"prompt": "the cat sat on the mat and the cat", "max_new_tokens": 12},
@@ -104,3 +106,60 @@ def test_ray_flags_need_their_companions(job, capsys) -> None:
     assert code == 2 and "need --ray" in err
     code, _, err = run_cli(capsys, "generate", "--prompt", "hi", "--ray")
     assert code == 2 and "--ray needs --prompts" in err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_replicas_answer_like_the_single_server(local_ray, tmp_path_factory) -> None:
+    """`serve --replicas 2`: greedy completions, chat and streams through the one Ray Serve
+    endpoint equal the single uvicorn server's, and both replicas are running."""
+    openai = pytest.importorskip("openai")
+    from ray import serve
+
+    from server_helpers import API_KEY, tiny_chat_folder
+    from speculative.scaleout.ray_serve import APP_NAME, served, server_app
+    from speculative.server import ServerConfig
+    from speculative.server.background import serve_in_background
+
+    folder = tiny_chat_folder(tmp_path_factory.mktemp("ray_serve"))
+    config = ServerConfig(
+        target=str(folder), drafts=("ngram", "none"), max_batch=4, api_key=API_KEY
+    )
+
+    def answers(url: str) -> list[str]:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+        model = client.models.list().data[0].id
+        texts = []
+        for prompt in ("the cat sat on the mat", "red blue red blue red", "a dog ran"):
+            texts.append(
+                client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+                .choices[0]
+                .text
+            )
+        chat = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "the dog sat"}],
+            max_tokens=10,
+            temperature=0,
+            extra_body={"speculative": {"draft": "none"}},
+        )
+        texts.append(chat.choices[0].message.content)
+        stream = client.completions.create(
+            model=model, prompt="the cat sat", max_tokens=12, temperature=0, stream=True
+        )
+        texts.append("".join(chunk.choices[0].text for chunk in stream if chunk.choices))
+        return texts
+
+    with serve_in_background(server_app(config)) as single:
+        expected = answers(single.url)
+    assert all(expected) and len(set(expected)) > 1
+    with served(functools.partial(server_app, config), 2, port=_free_port()) as url:
+        status = serve.status().applications[APP_NAME].deployments
+        assert [d.replica_states for d in status.values()] == [{"RUNNING": 2}]
+        assert answers(url) == expected

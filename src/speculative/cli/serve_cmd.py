@@ -7,6 +7,7 @@ import os
 import sys
 
 from speculative.cli.common import CliError, Formatter, positive_int
+from speculative.cli.serve_ray import add_replica_arguments, serve_replicas, uses_ray
 
 DESCRIPTION = """\
 Serve a model over HTTP with an OpenAI-compatible API, decoding every request with
@@ -88,6 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--timeout-keep-alive", type=positive_int, default=5, help="idle connection timeout (s)"
     )
     parser.add_argument("--log-level", default="info", help="uvicorn log level")
+    add_replica_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -130,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
             "reach this port can use the model (give --api-key)",
             file=sys.stderr,
         )
+    if uses_ray(args):
+        return serve_replicas(args, config)
     print(
         f"speculative: loading {config.target} with drafters {', '.join(config.drafts)}",
         file=sys.stderr,

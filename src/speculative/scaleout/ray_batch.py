@@ -31,7 +31,7 @@ def import_ray() -> Any:
         import ray
     except ImportError:
         raise RayJobError(
-            "--ray needs Ray: pip install 'speculative[ray]' (or 'ray[serve]')"
+            "Ray is not installed: pip install 'speculative[ray]' (or 'ray[serve]')"
         ) from None
     return ray
 
