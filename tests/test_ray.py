@@ -16,6 +16,8 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'speculative[ray]')")
 
+from speculative.batch_jobs import BatchJob, RowDecoder  # noqa: E402
+from speculative.scaleout.ray_batch import BatchWorker  # noqa: E402
 from test_cli import last_json, run_cli  # noqa: E402
 from tiny import save_tiny  # noqa: E402
 
@@ -60,6 +62,7 @@ def _lines(path: Path) -> list[dict]:
     return lines
 
 
+@pytest.mark.slow
 def test_ray_job_equals_the_local_job_and_resumes(local_ray, job, capsys) -> None:
     folder, argv = job
     local, spread = folder / "local.jsonl", folder / "ray.jsonl"
@@ -83,6 +86,7 @@ def test_ray_job_equals_the_local_job_and_resumes(local_ray, job, capsys) -> Non
     assert _lines(spread) == expected
 
 
+@pytest.mark.slow
 def test_a_worker_failure_is_one_line(local_ray, job, capsys) -> None:
     """The hf runtime has no cache slots: the worker's own error comes back, no traceback."""
     folder, argv = job
@@ -93,10 +97,49 @@ def test_a_worker_failure_is_one_line(local_ray, job, capsys) -> None:
     assert len(err.strip().splitlines()) == 1, err
 
 
+def _worker(model: Path, **settings) -> BatchWorker:
+    job = BatchJob(target=str(model), runtime="native", chat=False, gamma=3, **settings)
+    worker = BatchWorker(job, threads=1)
+    worker.load()
+    return worker
+
+
+def test_worker_hands_over_every_row_then_done(job) -> None:
+    """The actor class in-process: take() returns each finished row once, then done; the
+    lines are the local job's."""
+    folder, _ = job
+    items = list(enumerate(RECORDS))
+    worker = _worker(folder / "tiny", max_new_tokens=10, batch_size=2)
+    worker.start(items)
+    taken, done, calls = [], False, 0
+    while not done:
+        lines, done = worker.take()
+        taken += lines
+        calls += 1
+    local = list(RowDecoder(worker.job).run(items))
+    assert sorted(line["index"] for line in taken) == list(range(5))
+    by_index = {line["index"]: line["token_ids"] for line in taken}
+    assert [by_index[line["index"]] for line in local] == [line["token_ids"] for line in local]
+    assert calls >= 2  # lines come as rows finish, not all at the end
+
+
+def test_worker_error_reaches_take(job) -> None:
+    """A row that cannot run (an empty prompt, after a good one) fails the worker's take()
+    with the decoder's own error, instead of hanging the driver."""
+    folder, _ = job
+    worker = _worker(folder / "tiny", max_new_tokens=4, batch_size=2)
+    worker.start([(0, {"prompt": "the cat"}), (1, {"prompt": "  "})])
+    with pytest.raises(ValueError, match="empty"):
+        while not worker.take()[1]:
+            pass
+
+
 def test_missing_ray_is_a_clear_error(job, capsys, monkeypatch) -> None:
     folder, argv = job
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     code, _, err = run_cli(capsys, *argv, "--out", str(folder / "y.jsonl"), "--ray")
+    assert code == 2 and "speculative[ray]" in err and "Traceback" not in err
+    code, _, err = run_cli(capsys, "serve", "--replicas", "2", "--target", str(folder))
     assert code == 2 and "speculative[ray]" in err and "Traceback" not in err
 
 
@@ -106,6 +149,8 @@ def test_ray_flags_need_their_companions(job, capsys) -> None:
     assert code == 2 and "need --ray" in err
     code, _, err = run_cli(capsys, "generate", "--prompt", "hi", "--ray")
     assert code == 2 and "--ray needs --prompts" in err
+    code, _, err = run_cli(capsys, "serve", "--replicas", "2", "--port", "0")
+    assert code == 2 and "fixed --port" in err
 
 
 def _free_port() -> int:
@@ -116,6 +161,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_replicas_answer_like_the_single_server(local_ray, tmp_path_factory) -> None:
     """`serve --replicas 2`: greedy completions, chat and streams through the one Ray Serve
     endpoint equal the single uvicorn server's, and both replicas are running."""

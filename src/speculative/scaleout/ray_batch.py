@@ -2,10 +2,12 @@
 
 Each actor (:class:`BatchWorker`) loads the target once and runs the same
 :class:`~speculative.batch_jobs.RowDecoder` as the local job on its share of the rows (every
-N-th row, so the shares are alike and early rows finish early). Its method is a Ray streaming
-generator: each row's result line comes back to the driver as soon as the row finishes, and
-:func:`ray_rows` merges the actors' streams in arrival order (the caller puts them back in
-input order).
+N-th row, so the shares are alike and early rows finish early), on a thread of its own. The
+driver keeps one :meth:`BatchWorker.take` call in flight per actor: it returns the rows that
+finished since the last call as soon as there is one, so each row's line reaches the driver
+when its row finishes, and :func:`ray_rows` hands them on in arrival order (the caller puts
+them back in input order). Plain calls rather than a Ray streaming generator: Ray Client
+(``ray://``) does not carry streaming generators.
 
 ``address``: None starts a local Ray instance, or joins the one ``RAY_ADDRESS`` names (or a
 local one already running); ``ray://host:10001`` joins a remote cluster through Ray Client;
@@ -15,11 +17,16 @@ local one already running); ``ray://host:10001`` joins a remote cluster through 
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from speculative.batch_jobs import BatchJob, Record, ResultLine, RowDecoder
+
+_DONE = "done"  # the decoding thread's last item
 
 
 class RayJobError(RuntimeError):
@@ -37,11 +44,12 @@ def import_ray() -> Any:
 
 
 class BatchWorker:
-    """One Ray actor: a target loaded once, decoding the rows it is given."""
+    """One Ray actor: a target loaded once, decoding the rows it is given on a thread."""
 
     def __init__(self, job: BatchJob, threads: int) -> None:
         self.job, self.threads = job, threads
         self.decoder: RowDecoder | None = None
+        self.lines: queue.Queue[ResultLine | BaseException | str] = queue.Queue()
 
     def load(self) -> str:
         """Load the target (a method rather than in __init__, so a failure comes back as
@@ -54,10 +62,35 @@ class BatchWorker:
         self.decoder = RowDecoder(self.job)
         return socket.gethostname()
 
-    def run(self, items: Sequence[tuple[int, Record]]) -> Iterator[ResultLine]:
-        """Decode ``(index, record)`` pairs; a streaming generator (one line per row)."""
+    def start(self, items: Sequence[tuple[int, Record]]) -> None:
+        """Begin decoding ``(index, record)`` pairs; :meth:`take` collects the lines."""
         assert self.decoder is not None, "call load() first"
-        yield from self.decoder.run(items)
+        threading.Thread(target=self._decode, args=(self.decoder, items), daemon=True).start()
+
+    def _decode(self, decoder: RowDecoder, items: Sequence[tuple[int, Record]]) -> None:
+        try:
+            for line in decoder.run(items):
+                self.lines.put(line)
+        except BaseException as exc:  # handed to the driver by take()
+            self.lines.put(exc)
+        finally:
+            self.lines.put(_DONE)
+
+    def take(self) -> tuple[list[ResultLine], bool]:
+        """The lines finished since the last call (waits for at least one), and whether
+        the share is done. Re-raises the decoding thread's error."""
+        got, done = [self.lines.get()], False
+        while not self.lines.empty():
+            got.append(self.lines.get())
+        lines = []
+        for item in got:
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, str):
+                done = True
+            else:
+                lines.append(item)
+        return lines, done
 
 
 def shares(items: Sequence[tuple[int, Record]], workers: int) -> list[list[tuple[int, Record]]]:
@@ -73,9 +106,12 @@ def ray_session(address: str | None) -> Iterator[Any]:
     started = not ray.is_initialized()
     if started:
         try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            if address and address.startswith("ray://"):
+                ray.init(address=address)  # Ray Client: the cluster's own settings
+            else:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
         except (ConnectionError, ValueError, RuntimeError) as exc:
-            where = address or "a local instance"
+            where = address or os.environ.get("RAY_ADDRESS") or "a local instance"
             raise RayJobError(f"cannot start or join Ray at {where}: {exc}") from None
     try:
         yield ray
@@ -89,7 +125,8 @@ def worker_message(exc: Exception) -> str:
     cause = getattr(exc, "cause", None)
     if cause is not None:
         return f"{type(cause).__name__}: {cause}"
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @contextmanager
@@ -111,27 +148,24 @@ def ray_rows(
                 ray.get([actor.load.remote() for actor in actors])
             except ray.exceptions.RayError as exc:
                 raise RayJobError(f"a Ray worker could not load: {worker_message(exc)}") from None
-            streams = [
-                actor.run.options(num_returns="streaming").remote(share)
-                for actor, share in zip(actors, work, strict=True)
-            ]
-            yield merged(ray, streams)
+            ray.get([a.start.remote(share) for a, share in zip(actors, work, strict=True)])
+            yield collected(ray, actors)
         finally:
             for actor in actors:
                 ray.kill(actor)
 
 
-def merged(ray: Any, streams: list[Any]) -> Iterator[ResultLine]:
-    """The items of several Ray streaming generators, each as soon as it is ready."""
-    waiting = list(streams)
-    while waiting:
-        ready, waiting = ray.wait(waiting, num_returns=1)
-        for stream in ready:
+def collected(ray: Any, actors: Sequence[Any]) -> Iterator[ResultLine]:
+    """Every actor's lines, each batch as soon as one actor has some."""
+    calls = {actor.take.remote(): actor for actor in actors}
+    while calls:
+        ready, _ = ray.wait(list(calls), num_returns=1)
+        for ref in ready:
+            actor = calls.pop(ref)
             try:
-                line = ray.get(next(stream))
-            except StopIteration:
-                continue
+                lines, done = ray.get(ref)
             except ray.exceptions.RayError as exc:
                 raise RayJobError(f"a Ray worker failed: {worker_message(exc)}") from None
-            waiting.append(stream)
-            yield line
+            if not done:
+                calls[actor.take.remote()] = actor
+            yield from lines
