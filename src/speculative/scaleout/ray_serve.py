@@ -10,6 +10,7 @@ took the request.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -89,9 +90,8 @@ def served(
 ) -> Iterator[str]:
     """Replicas up for the duration of the block (Ray started and stopped if needed)."""
     with ray_session(address):
-        url = start_replicas(build_app, replicas, **options)
-        try:
-            yield url
+        try:  # an interrupt while the replicas start still takes them down
+            yield start_replicas(build_app, replicas, **options)
         finally:
             import_serve().shutdown()
 
@@ -101,6 +101,11 @@ def serve_forever(
 ) -> None:
     """Serve until interrupted (Ctrl-C), then take the replicas down."""
     with served(build_app, replicas, address, **options) as url:
-        print(f"serving {replicas} Ray Serve replicas at {url} (Ctrl-C stops)", flush=True)
+        print(
+            f"speculative: serving {replicas} Ray Serve replica(s) on {url} "
+            "(playground at /, metrics at /metrics; Ctrl-C stops)",
+            file=sys.stderr,
+            flush=True,
+        )
         while True:
             time.sleep(3600)
