@@ -17,7 +17,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'speculative[ray]')")
 
 from speculative.batch_jobs import BatchJob, RowDecoder  # noqa: E402
-from speculative.scaleout.ray_batch import BatchWorker  # noqa: E402
+from speculative.scaleout.ray_batch import BatchWorker, RayJobError, check_reachable  # noqa: E402
 from test_cli import last_json, run_cli  # noqa: E402
 from tiny import save_tiny  # noqa: E402
 
@@ -209,3 +209,13 @@ def test_two_replicas_answer_like_the_single_server(local_ray, tmp_path_factory)
         status = serve.status().applications[APP_NAME].deployments
         assert [d.replica_states for d in status.values()] == [{"RUNNING": 2}]
         assert answers(url) == expected
+
+
+def test_an_unreachable_cluster_fails_fast() -> None:
+    """Ray retries a dead address for minutes; the job says so at once."""
+    port = _free_port()  # nothing listens there now
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(RayJobError, match="cannot reach Ray"):
+            check_reachable(address, timeout_s=2)
+    for address in (None, "auto", "local"):
+        check_reachable(address)  # local instances: nothing to check

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -54,8 +55,6 @@ class BatchWorker:
     def load(self) -> str:
         """Load the target (a method rather than in __init__, so a failure comes back as
         the worker's own exception); returns the node's host name."""
-        import socket
-
         import torch
 
         torch.set_num_threads(self.threads)
@@ -105,19 +104,44 @@ def ray_session(address: str | None) -> Iterator[Any]:
     ray = import_ray()
     started = not ray.is_initialized()
     if started:
+        check_reachable(address or os.environ.get("RAY_ADDRESS"))
         try:
-            if address and address.startswith("ray://"):
+            if (address or os.environ.get("RAY_ADDRESS", "")).startswith("ray://"):
                 ray.init(address=address)  # Ray Client: the cluster's own settings
             else:
                 ray.init(address=address, include_dashboard=False, log_to_driver=False)
         except (ConnectionError, ValueError, RuntimeError) as exc:
-            where = address or os.environ.get("RAY_ADDRESS") or "a local instance"
-            raise RayJobError(f"cannot start or join Ray at {where}: {exc}") from None
+            raise RayJobError(connect_message(address, exc)) from None
     try:
         yield ray
     finally:
         if started:
             ray.shutdown()
+
+
+def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """Fail fast on a HOST:PORT (or ray://HOST:PORT) nothing listens on: Ray itself
+    retries for minutes."""
+    if not address or ":" not in address.removeprefix("ray://"):
+        return  # a local instance, "auto" or "local"
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        raise RayJobError(f"cannot reach Ray at {address}: {exc}") from None
+
+
+def connect_message(address: str | None, exc: Exception) -> str:
+    """Why Ray did not start or connect, with the usual fix for a remote cluster."""
+    where = address or os.environ.get("RAY_ADDRESS")
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    message = f"cannot start or join Ray at {where or 'a local instance'}: {text}"
+    if where and "RAY_AUTH_MODE" not in os.environ:
+        message += (
+            " (a cluster with token authentication, Ray's default, needs RAY_AUTH_MODE=token "
+            "and its token in RAY_AUTH_TOKEN or ~/.ray/auth_token)"
+        )
+    return message
 
 
 def worker_message(exc: Exception) -> str:
