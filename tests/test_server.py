@@ -310,3 +310,58 @@ def test_metrics_cover_the_issue_list(server, client: openai.OpenAI, model: str)
         accepted / drafted
     )
     assert http(server.url + "/metrics", key=None)[0] == 401
+
+
+def test_serve_command_refuses_bad_setups(capsys: pytest.CaptureFixture) -> None:
+    from speculative.cli.serve_cmd import is_loopback
+
+    assert main(["serve", "--draft", "ngram,eagle"]) == 2  # refused before loading anything
+    assert "hidden features" in capsys.readouterr().err
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_default_model_greedy_equals_generate() -> None:
+    """The default model: chat and completion, streamed and whole, equal what `generate`
+    prints (its Speculator, on the same loaded model: loaded once); the streamed text
+    (byte-level BPE, non-ASCII) arrives without broken characters."""
+    from speculative.drafters.registry import build_drafter
+    from speculative.models.loading import resolve_model
+    from speculative.pipeline import Speculator, load_target
+    from speculative.server import ServerConfig, create_app
+    from speculative.server.background import serve_in_background
+    from speculative.server.state import build_state
+
+    try:
+        resolve_model("default")
+    except Exception as exc:
+        pytest.skip(f"the default model is not available: {exc}")
+    prompt = "Write three short sentences in French about café, crème brûlée and naïveté."
+    loaded = load_target("default")
+    speculator = Speculator(loaded, build_drafter("ngram", loaded), gamma=4)
+    chat = speculator.generate(prompt, chat=True, max_new_tokens=40)
+    raw_prompt = "A list of French desserts: crème brûlée, tarte Tatin,"
+    raw = speculator.generate(raw_prompt, chat=False, max_new_tokens=40)
+    assert len(chat.token_ids) >= 20 and len(raw.token_ids) >= 20
+    state = build_state(ServerConfig(drafts=("ngram", "none"), max_batch=4), loaded)
+    with serve_in_background(create_app(state)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = state.model_id
+        messages = [{"role": "user", "content": prompt}]
+        whole = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=40, temperature=0
+        )
+        assert whole.choices[0].message.content == chat.text
+        streamed = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=40, temperature=0, stream=True
+        )
+        text, parts, stats, _ = stream_text(streamed)
+        assert text == chat.text and all("\ufffd" not in p for p in parts)
+        assert stats["tau"] >= 1
+        plain = client.completions.create(
+            model=model, prompt=raw_prompt, max_tokens=40, temperature=0, stream=True,
+            extra_body={"speculative": {"draft": "none"}},
+        )  # fmt: skip
+        assert stream_text(plain)[0] == raw.text
+    assert any(ord(c) > 127 for c in chat.text + raw.text)  # the check saw non-ASCII
