@@ -119,9 +119,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = model_id(url, args.api_key)
         drafts = [args.draft, "none"] if args.compare_plain else [args.draft]
-        warm = LoadSpec(model, 1, 2, 8, api_key=args.api_key)
-        run_load(url, warm, prompts)  # first-request costs out of the figures
         for level in concurrency:
+            for draft in drafts:  # first-use costs (cache growth, lazy set-up) out of the figures
+                warm = LoadSpec(model, level, level, 4, draft=draft, api_key=args.api_key)
+                run_load(url, warm, prompts)
             for draft in drafts:
                 spec = LoadSpec(
                     model, level, args.requests, args.max_tokens, args.temperature, draft,

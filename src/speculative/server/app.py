@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speculative.engine.batch import BatchEngine, BatchRequest
+from speculative.engine.gamma import LoadAwareGamma
 from speculative.engine.loop import GenerationResult
 from speculative.engine.stopping import StopCriteria
 from speculative.sampling import SamplingParams
@@ -65,7 +66,8 @@ def create_app(state: ServerState) -> FastAPI:
     """The app over an already loaded :class:`ServerState` (one batched engine, one
     scheduler thread, one metrics registry per app)."""
     metrics = ServerMetrics()
-    engine = BatchEngine(state.loaded.lm, max_batch=state.config.max_batch)
+    load = None if state.verify_cost is None else LoadAwareGamma(state.verify_cost)
+    engine = BatchEngine(state.loaded.lm, max_batch=state.config.max_batch, load=load)
     scheduler = Scheduler(engine, metrics, state.config.max_waiting)
     metrics.attach(scheduler)
 
@@ -275,7 +277,7 @@ def _speculation(
     """The request's drafter (one loaded at startup, or none) and γ."""
     options = body.speculative
     draft = state.default_draft
-    gamma = state.config.gamma
+    gamma = state.row_gamma
     if options is not None:
         draft = options.draft if options.draft is not None else draft
         gamma = options.gamma if options.gamma is not None else gamma
@@ -335,7 +337,8 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "speculative": {
             "drafters": state.drafter_names(),
             "default_draft": state.default_draft,
-            "gamma": state.config.gamma,
+            "gamma": state.row_gamma,
+            "gamma_policy": "load-aware" if state.verify_cost is not None else "fixed",
             "max_batch": state.config.max_batch,
         },
     }
