@@ -137,6 +137,19 @@ def test_greedy_chat_equals_generate(folder: Path, client: openai.OpenAI, model:
         assert 0 <= stats["alpha"] <= 1 and stats["tau"] >= 1
 
 
+def test_load_aware_gamma_is_lossless(folder: Path) -> None:
+    """--gamma auto: each round's γ is chosen for the load; the text does not change."""
+    expected = generate(folder, "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "40")
+    with start_server(folder, gamma="auto") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        card = client.models.list().data[0]
+        assert card.model_extra["speculative"]["gamma_policy"] == "load-aware"
+        whole = client.completions.create(
+            model=card.id, prompt=PROMPT, max_tokens=40, temperature=0
+        )
+        assert whole.choices[0].text == expected["text"]
+
+
 def test_seeded_sampling_is_reproducible(folder: Path, client: openai.OpenAI, model: str) -> None:
     settings = ["--no-chat", "--max-new-tokens", "30", "--temperature", "0.9", "--top-p", "0.95"]
     texts = {}
