@@ -108,7 +108,8 @@ def row_line(summary: dict) -> str:
         f"TTFT p50 {summary['ttft_p50_s'] * 1000:.0f} ms "
         f"p99 {summary['ttft_p99_s'] * 1000:.0f} ms · "
         f"{summary['stream_tokens_per_s_mean']:.1f} tok/s per stream · "
-        f"{summary['aggregate_tokens_per_s']:.1f} tok/s aggregate"
+        f"{summary['aggregate_tokens_per_s']:.1f} tok/s aggregate · "
+        f"α {summary['alpha_mean'] or 0:.2f} τ {summary['tau_mean'] or 0:.2f}"
     )
 
 
