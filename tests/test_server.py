@@ -226,6 +226,38 @@ def test_disconnect_frees_the_slot(server, client: openai.OpenAI, model: str) ->
     assert cancelled == before + 1  # it left as cancelled, not by finishing its 2000 tokens
 
 
+def test_disconnect_without_streaming_frees_the_slot(server, model: str) -> None:
+    import socket
+    from urllib.parse import urlsplit
+
+    def scrape() -> str:
+        return http(server.url + "/metrics")[1]
+
+    label = 'endpoint="completions",status="cancelled"'
+    before = metric(scrape(), "speculative_requests_total", label)
+    body = json.dumps(
+        {"model": model, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}
+    ).encode()
+    parts = urlsplit(server.url)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((parts.hostname, parts.port)) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 10
+        while metric(scrape(), "speculative_requests_running") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while metric(text := scrape(), "speculative_requests_running") != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert metric(text, "speculative_requests_total", label) == before + 1
+    assert metric(text, "speculative_free_cache_slots") == 4
+
+
 BAD_INPUTS = [
     ("/v1/completions", b"{not json", 400, None),
     ("/v1/completions", {"model": "MODEL"}, 400, "prompt"),

@@ -388,17 +388,19 @@ async def _complete(
 ) -> Response:
     """A whole (non-streamed) response; a client that goes away cancels its row."""
     ttft = None
+    next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
     while True:
         try:
             event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
         except TimeoutError:
+            event = None
+        if time.monotonic() >= next_check:  # rounds may arrive faster than any timeout
+            next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
             if await request.is_disconnected():
-                scheduler.cancel(job)
-                metrics.count_request(prepared.endpoint, "cancelled")
+                _cancel_unfinished(job, prepared.endpoint, scheduler, metrics)
                 return Response(status_code=499)
-            continue
-        if isinstance(event, RoundEvent):
-            if ttft is None and event.round.tokens:
+        if event is None or isinstance(event, RoundEvent):
+            if event is not None and ttft is None and event.round.tokens:
                 ttft = time.perf_counter() - job.submitted
             continue
         if isinstance(event, ErrorEvent):
