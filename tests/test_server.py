@@ -150,6 +150,24 @@ def test_load_aware_gamma_is_lossless(folder: Path) -> None:
         assert whole.choices[0].text == expected["text"]
 
 
+def test_draft_model_instances_are_reused_not_reloaded(folder: Path) -> None:
+    """A model drafter (the target at int4) is built once per concurrent row and reused by
+    later requests; its output is still the target's greedy text."""
+    expected = generate(folder, "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "30")
+    with start_server(folder, drafts=("self-int4", "ngram")) as server:
+        pool = server.server.config.app.state.server.pools["self-int4"]
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        for _ in range(3):
+            whole = client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=30, temperature=0
+            )
+            assert whole.choices[0].text == expected["text"]
+            assert whole.model_extra["speculative"]["draft"] == "self-int4"
+            assert whole.model_extra["speculative"]["drafted"] > 0
+        assert pool.built == 1  # warmed at startup, then reused by all three requests
+
+
 def test_seeded_sampling_is_reproducible(folder: Path, client: openai.OpenAI, model: str) -> None:
     settings = ["--no-chat", "--max-new-tokens", "30", "--temperature", "0.9", "--top-p", "0.95"]
     texts = {}
