@@ -129,6 +129,8 @@ def test_greedy_chat_equals_generate(folder: Path, client: openai.OpenAI, model:
         )  # fmt: skip
         chunks = list(streamed)
         assert chunks[0].choices[0].delta.role == "assistant"
+        texts = [c for c in chunks if c.choices and c.choices[0].delta.content]
+        assert all({"pieces", "alpha", "tau"} <= set(c.model_extra["speculative"]) for c in texts)
         count = len(expected["token_ids"])
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == count
         text, _, stats, reason = stream_text(chunks)

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speculative.engine.batch import BatchEngine, BatchRequest
 from speculative.engine.gamma import LoadAwareGamma
-from speculative.engine.loop import GenerationResult
+from speculative.engine.loop import GenerationResult, Round
 from speculative.engine.stopping import StopCriteria
 from speculative.sampling import SamplingParams
 from speculative.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -432,6 +432,26 @@ async def _complete(
     return JSONResponse(body)
 
 
+@dataclass
+class _RunningStats:
+    """α and τ so far, sent with every streamed chunk (the playground shows them live)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+    passes: int = 0
+
+    def add(self, round_: Round) -> None:
+        self.drafted += round_.drafted
+        self.accepted += round_.num_accepted
+        self.tokens += len(round_.tokens)
+        self.passes += 1
+
+    def to_dict(self) -> dict[str, float]:
+        alpha = self.accepted / self.drafted if self.drafted else 0.0
+        return {"alpha": alpha, "tau": self.tokens / self.passes if self.passes else 0.0}
+
+
 def _sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
@@ -447,6 +467,7 @@ async def _stream(
     options = prepared.body.stream_options
     include_usage = options is not None and options.include_usage
     ttft = None
+    running = _RunningStats()
     if envelope.chat:
         yield _sse(envelope.wrap([envelope.delta("", None, role=True)], stream=True))
     while True:
@@ -457,6 +478,7 @@ async def _stream(
             yield _sse("[DONE]")
             return
         if isinstance(event, RoundEvent):
+            running.add(event.round)
             pieces = text.push(event.round.tokens, token_kinds(event.round))
         else:
             pieces = text.finish()
@@ -466,7 +488,7 @@ async def _stream(
             chunk = envelope.wrap(
                 [envelope.delta("".join(p for p, _ in pieces), None)],
                 stream=True,
-                speculative={"pieces": [list(p) for p in pieces]},
+                speculative={"pieces": [list(p) for p in pieces], **running.to_dict()},
             )
             yield _sse(chunk)
         if isinstance(event, DoneEvent):
