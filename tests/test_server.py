@@ -129,12 +129,45 @@ def test_greedy_chat_equals_generate(folder: Path, client: openai.OpenAI, model:
         )  # fmt: skip
         chunks = list(streamed)
         assert chunks[0].choices[0].delta.role == "assistant"
+        texts = [c for c in chunks if c.choices and c.choices[0].delta.content]
+        assert all({"pieces", "alpha", "tau"} <= set(c.model_extra["speculative"]) for c in texts)
         count = len(expected["token_ids"])
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == count
         text, _, stats, reason = stream_text(chunks)
         assert text == expected["text"]
         assert reason == {"eos": "stop", "length": "length"}[expected["finish_reason"]]
         assert 0 <= stats["alpha"] <= 1 and stats["tau"] >= 1
+
+
+def test_load_aware_gamma_is_lossless(folder: Path) -> None:
+    """--gamma auto: each round's γ is chosen for the load; the text does not change."""
+    expected = generate(folder, "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "40")
+    with start_server(folder, gamma="auto") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        card = client.models.list().data[0]
+        assert card.model_extra["speculative"]["gamma_policy"] == "load-aware"
+        whole = client.completions.create(
+            model=card.id, prompt=PROMPT, max_tokens=40, temperature=0
+        )
+        assert whole.choices[0].text == expected["text"]
+
+
+def test_draft_model_instances_are_reused_not_reloaded(folder: Path) -> None:
+    """A model drafter (the target at int4) is built once per concurrent row and reused by
+    later requests; its output is still the target's greedy text."""
+    expected = generate(folder, "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "30")
+    with start_server(folder, drafts=("self-int4", "ngram")) as server:
+        pool = server.server.config.app.state.server.pools["self-int4"]
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        for _ in range(3):
+            whole = client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=30, temperature=0
+            )
+            assert whole.choices[0].text == expected["text"]
+            assert whole.model_extra["speculative"]["draft"] == "self-int4"
+            assert whole.model_extra["speculative"]["drafted"] > 0
+        assert pool.built == 1  # warmed at startup, then reused by all three requests
 
 
 def test_seeded_sampling_is_reproducible(folder: Path, client: openai.OpenAI, model: str) -> None:
@@ -211,6 +244,38 @@ def test_disconnect_frees_the_slot(server, client: openai.OpenAI, model: str) ->
     assert metric(text, "speculative_free_cache_slots") == 4
     cancelled = metric(text, "speculative_requests_total", 'endpoint="chat",status="cancelled"')
     assert cancelled == before + 1  # it left as cancelled, not by finishing its 2000 tokens
+
+
+def test_disconnect_without_streaming_frees_the_slot(server, model: str) -> None:
+    import socket
+    from urllib.parse import urlsplit
+
+    def scrape() -> str:
+        return http(server.url + "/metrics")[1]
+
+    label = 'endpoint="completions",status="cancelled"'
+    before = metric(scrape(), "speculative_requests_total", label)
+    body = json.dumps(
+        {"model": model, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}
+    ).encode()
+    parts = urlsplit(server.url)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((parts.hostname, parts.port)) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 10
+        while metric(scrape(), "speculative_requests_running") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while metric(text := scrape(), "speculative_requests_running") != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert metric(text, "speculative_requests_total", label) == before + 1
+    assert metric(text, "speculative_free_cache_slots") == 4
 
 
 BAD_INPUTS = [
@@ -310,3 +375,58 @@ def test_metrics_cover_the_issue_list(server, client: openai.OpenAI, model: str)
         accepted / drafted
     )
     assert http(server.url + "/metrics", key=None)[0] == 401
+
+
+def test_serve_command_refuses_bad_setups(capsys: pytest.CaptureFixture) -> None:
+    from speculative.cli.serve_cmd import is_loopback
+
+    assert main(["serve", "--draft", "ngram,eagle"]) == 2  # refused before loading anything
+    assert "hidden features" in capsys.readouterr().err
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_default_model_greedy_equals_generate() -> None:
+    """The default model: chat and completion, streamed and whole, equal what `generate`
+    prints (its Speculator, on the same loaded model: loaded once); the streamed text
+    (byte-level BPE, non-ASCII) arrives without broken characters."""
+    from speculative.drafters.registry import build_drafter
+    from speculative.models.loading import resolve_model
+    from speculative.pipeline import Speculator, load_target
+    from speculative.server import ServerConfig, create_app
+    from speculative.server.background import serve_in_background
+    from speculative.server.state import build_state
+
+    try:
+        resolve_model("default")
+    except Exception as exc:
+        pytest.skip(f"the default model is not available: {exc}")
+    prompt = "Write three short sentences in French about café, crème brûlée and naïveté."
+    loaded = load_target("default")
+    speculator = Speculator(loaded, build_drafter("ngram", loaded), gamma=4)
+    chat = speculator.generate(prompt, chat=True, max_new_tokens=40)
+    raw_prompt = "A list of French desserts: crème brûlée, tarte Tatin,"
+    raw = speculator.generate(raw_prompt, chat=False, max_new_tokens=40)
+    assert len(chat.token_ids) >= 20 and len(raw.token_ids) >= 20
+    state = build_state(ServerConfig(drafts=("ngram", "none"), max_batch=4), loaded)
+    with serve_in_background(create_app(state)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = state.model_id
+        messages = [{"role": "user", "content": prompt}]
+        whole = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=40, temperature=0
+        )
+        assert whole.choices[0].message.content == chat.text
+        streamed = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=40, temperature=0, stream=True
+        )
+        text, parts, stats, _ = stream_text(streamed)
+        assert text == chat.text and all("\ufffd" not in p for p in parts)
+        assert stats["tau"] >= 1
+        plain = client.completions.create(
+            model=model, prompt=raw_prompt, max_tokens=40, temperature=0, stream=True,
+            extra_body={"speculative": {"draft": "none"}},
+        )  # fmt: skip
+        assert stream_text(plain)[0] == raw.text
+    assert any(ord(c) > 127 for c in chat.text + raw.text)  # the check saw non-ASCII

@@ -43,6 +43,8 @@ class RequestTiming:
     seconds: float  # end to end
     tokens: int  # completion tokens
     error: str | None = None
+    alpha: float | None = None  # the request's acceptance rate (server's speculative stats)
+    tau: float | None = None  # its tokens per target pass
 
     @property
     def tokens_per_second(self) -> float:
@@ -63,6 +65,8 @@ class LoadResult:
         ok = [t for t in self.timings if t.error is None]
         ttfts = sorted(t.ttft for t in ok if t.ttft is not None)
         rates = [t.tokens_per_second for t in ok]
+        alphas = [t.alpha for t in ok if t.alpha is not None]
+        taus = [t.tau for t in ok if t.tau is not None]
         tokens = sum(t.tokens for t in ok)
         return {
             "draft": self.spec.draft,
@@ -76,6 +80,8 @@ class LoadResult:
             "stream_tokens_per_s_p50": percentile(sorted(rates), 50),
             "aggregate_tokens_per_s": tokens / self.wall_seconds if self.wall_seconds else 0.0,
             "wall_seconds": self.wall_seconds,
+            "alpha_mean": statistics.fmean(alphas) if alphas else None,
+            "tau_mean": statistics.fmean(taus) if taus else None,
         }
 
 
@@ -117,7 +123,7 @@ def stream_once(connection: http.client.HTTPConnection, path: str, body: dict, k
     if key:
         headers["Authorization"] = f"Bearer {key}"
     started = time.perf_counter()
-    ttft, tokens = None, 0
+    ttft, tokens, stats = None, 0, {}
     try:
         connection.request("POST", path, json.dumps(body), headers)
         response = connection.getresponse()
@@ -147,11 +153,14 @@ def stream_once(connection: http.client.HTTPConnection, path: str, body: dict, k
                 ttft = time.perf_counter() - started
             if chunk.get("usage"):
                 tokens = int(chunk["usage"]["completion_tokens"])
+            if "tau" in (chunk.get("speculative") or {}):
+                stats = chunk["speculative"]
         if not done:
             return RequestTiming(ttft, time.perf_counter() - started, tokens, "no [DONE]")
     except (OSError, http.client.HTTPException, ValueError) as exc:
         return RequestTiming(ttft, time.perf_counter() - started, tokens, repr(exc))
-    return RequestTiming(ttft, time.perf_counter() - started, tokens)
+    seconds = time.perf_counter() - started
+    return RequestTiming(ttft, seconds, tokens, None, stats.get("alpha"), stats.get("tau"))
 
 
 def _chunk_text(chunk: dict[str, Any]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -49,6 +50,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also run every level with drafting off",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="interleaved speculative/plain pairs per level (the speedup is their median)",
     )
     parser.add_argument("--prompts", type=Path, default=None, help="JSONL prompts (bench format)")
     parser.add_argument("--api-key", default=os.environ.get("SPECULATIVE_API_KEY"), help="key")
@@ -101,7 +108,8 @@ def row_line(summary: dict) -> str:
         f"TTFT p50 {summary['ttft_p50_s'] * 1000:.0f} ms "
         f"p99 {summary['ttft_p99_s'] * 1000:.0f} ms · "
         f"{summary['stream_tokens_per_s_mean']:.1f} tok/s per stream · "
-        f"{summary['aggregate_tokens_per_s']:.1f} tok/s aggregate"
+        f"{summary['aggregate_tokens_per_s']:.1f} tok/s aggregate · "
+        f"α {summary['alpha_mean'] or 0:.2f} τ {summary['tau_mean'] or 0:.2f}"
     )
 
 
@@ -115,25 +123,42 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     process, url = (None, args.url) if args.url else start_server(args)
-    results = []
+    results, speedups = [], []
     try:
         model = model_id(url, args.api_key)
         drafts = [args.draft, "none"] if args.compare_plain else [args.draft]
-        warm = LoadSpec(model, 1, 2, 8, api_key=args.api_key)
-        run_load(url, warm, prompts)  # first-request costs out of the figures
         for level in concurrency:
-            for draft in drafts:
-                spec = LoadSpec(
-                    model, level, args.requests, args.max_tokens, args.temperature, draft,
-                    args.gamma if draft != "none" else None, api_key=args.api_key,
-                )  # fmt: skip
-                summary = run_load(url, spec, prompts).summary()
-                results.append(summary)
-                print(row_line(summary), file=sys.stderr, flush=True)
+            for draft in drafts:  # first-use costs (cache growth, lazy set-up) out of the figures
+                warm = LoadSpec(model, level, level, 4, draft=draft, api_key=args.api_key)
+                run_load(url, warm, prompts)
+            pairs = []
+            for repeat in range(args.repeats):  # speculative and plain interleaved
+                rates = []
+                for draft in drafts:
+                    spec = LoadSpec(
+                        model, level, args.requests, args.max_tokens, args.temperature, draft,
+                        args.gamma if draft != "none" else None, api_key=args.api_key,
+                    )  # fmt: skip
+                    summary = run_load(url, spec, prompts).summary() | {"repeat": repeat}
+                    results.append(summary)
+                    rates.append(summary["aggregate_tokens_per_s"])
+                    print(row_line(summary), file=sys.stderr, flush=True)
+                if len(rates) == 2 and rates[1] > 0:
+                    pairs.append(rates[0] / rates[1])
+            if pairs:
+                ratio = statistics.median(pairs)
+                speedups.append({"concurrency": level, "median": ratio, "pairs": pairs})
+                print(
+                    f"c={level:>3} speculative ÷ plain aggregate throughput: {ratio:.2f}x "
+                    f"(median of {len(pairs)} interleaved pairs: "
+                    f"{', '.join(f'{p:.2f}' for p in pairs)})",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         if process is not None:
             process.terminate()
             process.wait(timeout=30)
     if args.json:
-        emit_json({"url": url, "results": results})
+        emit_json({"url": url, "results": results, "speedups": speedups})
     return 0

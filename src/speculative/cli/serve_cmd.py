@@ -51,7 +51,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "self-int4 / self-int8 / self-bf16, a draft model path",
     )
     parser.add_argument(
-        "--gamma", type=positive_int, default=4, help="default drafted tokens per round"
+        "--gamma",
+        type=gamma_setting,
+        default=4,
+        help="drafted tokens per round (a request's default), or 'auto': each round, every "
+        "row's γ (up to 8, or the request's) is chosen for the load from the verify-cost "
+        "curve measured at start, down to 0 when a draft no longer pays for its share",
     )
     parser.add_argument(
         "--precision", default="auto", help="target precision (auto, fp32, bf16, int8, int4)"
@@ -91,6 +96,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--log-level", default="info", help="uvicorn log level")
     add_replica_arguments(parser)
     parser.set_defaults(run=run)
+
+
+def gamma_setting(text: str) -> int | str:
+    return "auto" if text == "auto" else positive_int(text)
 
 
 def build_config(args: argparse.Namespace):

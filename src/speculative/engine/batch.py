@@ -185,8 +185,7 @@ class BatchEngine:
     # ---- the steps of a round ------------------------------------------------------
     def _propose(self, rows: list[BatchRow]) -> list[_Planned]:
         wanted = [
-            row.gamma_policy.next_gamma() if row.request.drafter is not None else 0
-            for row in rows
+            row.gamma_policy.next_gamma() if row.request.drafter is not None else 0 for row in rows
         ]
         if self.load is not None:
             loads = [

@@ -129,9 +129,7 @@ class SpeculativeEngine:
             rounds=rounds,
         )
 
-    def start(
-        self, prompt_ids: Sequence[int], stats: GenerationStats | None = None
-    ) -> DecodeState:
+    def start(self, prompt_ids: Sequence[int], stats: GenerationStats | None = None) -> DecodeState:
         if len(prompt_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
         limit = self.target.model.max_length

@@ -221,6 +221,7 @@ class ModelSession:
         self._features[start : start + k] = features
         self._feature_length = start + k
 
+
 class SlotSession:
     """One cache slot of a :class:`SupportsBatchRows` model plus the token ids it holds:
     :class:`ModelSession`'s bookkeeping for one row of a batched forward.

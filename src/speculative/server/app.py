@@ -30,7 +30,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speculative.engine.batch import BatchEngine, BatchRequest
-from speculative.engine.loop import GenerationResult
+from speculative.engine.gamma import LoadAwareGamma
+from speculative.engine.loop import GenerationResult, Round
 from speculative.engine.stopping import StopCriteria
 from speculative.sampling import SamplingParams
 from speculative.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -65,7 +66,8 @@ def create_app(state: ServerState) -> FastAPI:
     """The app over an already loaded :class:`ServerState` (one batched engine, one
     scheduler thread, one metrics registry per app)."""
     metrics = ServerMetrics()
-    engine = BatchEngine(state.loaded.lm, max_batch=state.config.max_batch)
+    load = None if state.verify_cost is None else LoadAwareGamma(state.verify_cost)
+    engine = BatchEngine(state.loaded.lm, max_batch=state.config.max_batch, load=load)
     scheduler = Scheduler(engine, metrics, state.config.max_waiting)
     metrics.attach(scheduler)
 
@@ -275,7 +277,7 @@ def _speculation(
     """The request's drafter (one loaded at startup, or none) and γ."""
     options = body.speculative
     draft = state.default_draft
-    gamma = state.config.gamma
+    gamma = state.row_gamma
     if options is not None:
         draft = options.draft if options.draft is not None else draft
         gamma = options.gamma if options.gamma is not None else gamma
@@ -335,7 +337,8 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "speculative": {
             "drafters": state.drafter_names(),
             "default_draft": state.default_draft,
-            "gamma": state.config.gamma,
+            "gamma": state.row_gamma,
+            "gamma_policy": "load-aware" if state.verify_cost is not None else "fixed",
             "max_batch": state.config.max_batch,
         },
     }
@@ -385,17 +388,19 @@ async def _complete(
 ) -> Response:
     """A whole (non-streamed) response; a client that goes away cancels its row."""
     ttft = None
+    next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
     while True:
         try:
             event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
         except TimeoutError:
+            event = None
+        if time.monotonic() >= next_check:  # rounds may arrive faster than any timeout
+            next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
             if await request.is_disconnected():
-                scheduler.cancel(job)
-                metrics.count_request(prepared.endpoint, "cancelled")
+                _cancel_unfinished(job, prepared.endpoint, scheduler, metrics)
                 return Response(status_code=499)
-            continue
-        if isinstance(event, RoundEvent):
-            if ttft is None and event.round.tokens:
+        if event is None or isinstance(event, RoundEvent):
+            if event is not None and ttft is None and event.round.tokens:
                 ttft = time.perf_counter() - job.submitted
             continue
         if isinstance(event, ErrorEvent):
@@ -427,6 +432,26 @@ async def _complete(
     return JSONResponse(body)
 
 
+@dataclass
+class _RunningStats:
+    """α and τ so far, sent with every streamed chunk (the playground shows them live)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+    passes: int = 0
+
+    def add(self, round_: Round) -> None:
+        self.drafted += round_.drafted
+        self.accepted += round_.num_accepted
+        self.tokens += len(round_.tokens)
+        self.passes += 1
+
+    def to_dict(self) -> dict[str, float]:
+        alpha = self.accepted / self.drafted if self.drafted else 0.0
+        return {"alpha": alpha, "tau": self.tokens / self.passes if self.passes else 0.0}
+
+
 def _sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
@@ -442,6 +467,7 @@ async def _stream(
     options = prepared.body.stream_options
     include_usage = options is not None and options.include_usage
     ttft = None
+    running = _RunningStats()
     if envelope.chat:
         yield _sse(envelope.wrap([envelope.delta("", None, role=True)], stream=True))
     while True:
@@ -452,6 +478,7 @@ async def _stream(
             yield _sse("[DONE]")
             return
         if isinstance(event, RoundEvent):
+            running.add(event.round)
             pieces = text.push(event.round.tokens, token_kinds(event.round))
         else:
             pieces = text.finish()
@@ -461,7 +488,7 @@ async def _stream(
             chunk = envelope.wrap(
                 [envelope.delta("".join(p for p, _ in pieces), None)],
                 stream=True,
-                speculative={"pieces": [list(p) for p in pieces]},
+                speculative={"pieces": [list(p) for p in pieces], **running.to_dict()},
             )
             yield _sse(chunk)
         if isinstance(event, DoneEvent):

@@ -23,6 +23,7 @@ NONE = "none"
 # Drafters that read the target's hidden features during the target's own pass: the
 # batched engine does not hand features to per-row drafters, so they would draft nothing.
 NEEDS_TARGET_FEATURES = ("eagle", "medusa", "auto")
+AUTO_MAX_GAMMA = 8  # γ "auto": a row's cap; the load-aware policy picks up to it
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class ServerConfig:
 
     target: str = "default"
     drafts: tuple[str, ...] = ("ngram",)  # the first is the default drafter
-    gamma: int = 4
+    gamma: int | str = 4  # or "auto": per-row γ chosen for the load (LoadAwareGamma)
     runtime: str = "native"
     precision: str = "auto"
     max_batch: int = 8
@@ -43,8 +44,8 @@ class ServerConfig:
     max_waiting: int = 256  # requests queued beyond the batch before 503s
 
     def check(self) -> None:
-        if self.gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        if self.gamma != "auto" and (not isinstance(self.gamma, int) or self.gamma < 1):
+            raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {self.gamma!r}")
         if self.max_batch < 1:
             raise ValueError(f"max batch must be >= 1, got {self.max_batch}")
         if not self.drafts:
@@ -96,6 +97,13 @@ class ServerState:
     config: ServerConfig
     loaded: LoadedModel
     pools: dict[str, DrafterPool] = field(default_factory=dict)
+    verify_cost: dict[int, float] | None = None  # T(k)/T(1), measured for γ "auto"
+
+    @property
+    def row_gamma(self) -> int:
+        """A request's γ when it gives none (with "auto": the cap the policy works under)."""
+        gamma = self.config.gamma
+        return AUTO_MAX_GAMMA if gamma == "auto" else int(gamma)
 
     @property
     def model_id(self) -> str:
@@ -125,6 +133,20 @@ class ServerState:
         return names if NONE in names else [*names, NONE]
 
 
+def reserve_slots(lm: SupportsBatchRows, count: int) -> None:
+    """Grow the target's cache to ``count`` rows now (once, at startup: not while serving,
+    where each new slot would reallocate the cache), and fail early if it cannot."""
+    slots = []
+    try:
+        for _ in range(count):
+            slots.append(lm.acquire_slot())
+    except ValueError as exc:
+        raise ValueError(f"--max-batch {count} does not fit the target's cache: {exc}") from None
+    finally:
+        for slot in slots:
+            lm.release_slot(slot)
+
+
 def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
     """A state over an already loaded target: checks it can batch, warms one instance of
     each drafter (so a bad drafter name fails at startup, not in a request)."""
@@ -136,7 +158,13 @@ def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
             f"serving needs a target that holds several sequences (the native runtime); "
             f"'{loaded.name}' on the {loaded.runtime} runtime cannot"
         )
+    reserve_slots(loaded.lm, config.max_batch)
     state = ServerState(config, loaded)
+    if config.gamma == "auto":  # the verify-cost curve the load-aware policy needs
+        from speculative.engine.costs import verify_cost_curve
+
+        context = [(i * 7919) % loaded.lm.vocab_size for i in range(64)]
+        state.verify_cost = verify_cost_curve(loaded.lm, context, 16, 2).verify_cost
     for name in config.drafts:
         if name == NONE:
             continue
