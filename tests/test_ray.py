@@ -84,6 +84,9 @@ def test_ray_job_equals_the_local_job_and_resumes(local_ray, job, capsys) -> Non
     assert code == 0, err
     assert last_json(out)["rows"] == 3
     assert _lines(spread) == expected
+    code, out, err = run_cli(capsys, *argv, "--out", str(spread), "--ray", "--workers", "2")
+    assert code == 0 and last_json(out)["rows"] == 0  # all done: nothing runs
+    assert _lines(spread) == expected
 
 
 @pytest.mark.slow

@@ -142,12 +142,13 @@ def run_batch(args: argparse.Namespace) -> int:
     todo = [i for i in range(len(records)) if i not in done]
     items = [(i, records[i]) for i in todo]
     summary: dict[str, Any] = {"rows": len(todo)}
-    if args.ray is None:
+    if not items:  # every row is in --out already: nothing to load
+        new_tokens, seconds = 0, 0.0
+    elif args.ray is None:
         from speculative.batch_jobs import RowDecoder
 
-        new_tokens, seconds = write_in_order(
-            args.out, len(records), done, RowDecoder(job).run(items)
-        )
+        lines = RowDecoder(job).run(items)  # loads the target before the clock starts
+        new_tokens, seconds = write_in_order(args.out, len(records), done, lines)
     else:
         from speculative.scaleout.ray_batch import RayJobError, ray_rows
 
@@ -156,6 +157,7 @@ def run_batch(args: argparse.Namespace) -> int:
                 new_tokens, seconds = write_in_order(args.out, len(records), done, lines)
         except RayJobError as exc:
             raise CliError(str(exc)) from None
+    if args.ray is not None:
         summary["workers"] = args.workers
     if args.json:
         summary["new_tokens"] = new_tokens
