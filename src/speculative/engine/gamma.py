@@ -154,10 +154,12 @@ class LoadAwareGamma:
         slope = (curve[b] - curve[a]) / (b - a)
         return curve[b] + slope * (n - b)
 
-    def choose(self, rows: list[RowLoad]) -> list[int]:
+    def choose(self, rows: list[RowLoad], extra_tokens: int = 0) -> list[int]:
+        """Every row's γ; ``extra_tokens``: other tokens in the same pass (prefill chunks
+        of joining rows), which make the pass dearer but emit nothing."""
         gammas = [0] * len(rows)
         tokens = float(len(rows))  # Σ E_i(0): each row emits one token without drafts
-        n = sum(r.fed for r in rows)
+        n = sum(r.fed for r in rows) + extra_tokens
         drafting = 0.0  # Σ c_i γ_i
         best, best_rate = list(gammas), tokens / self.cost(n)
         gains = [(r.alpha if r.max_gamma > 0 else -1.0) for r in rows]  # α_i^(γ_i + 1)
