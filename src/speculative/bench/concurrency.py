@@ -45,6 +45,7 @@ Loader = Callable[[str, str, str], LoadedModel]
 GREEDY = SamplingParams(temperature=0.0)
 PLAIN, PEER = "plain", "transformers/generate"
 CURVE_POINTS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class ConcurrencySettings:
     chat: bool | None = None
     progress: bool = True
     curve_repeats: int = 3
+    clock: str = "wall"  # "cpu": process CPU time (steadier on a shared machine, 1 thread)
 
 
 @dataclass
@@ -102,7 +104,7 @@ class _Record:
     per_request: float
     mean_gamma: float | None = None
     passes: int | None = None
-    forward_seconds: float | None = None
+    forward_share: float | None = None  # wall time inside the target pass ÷ wall time
 
 
 # --------------------------------------------------------------------------- our engine
@@ -115,8 +117,10 @@ def run_engine_batch(
     gamma: int,
     load: LoadAwareGamma | None,
     max_new_tokens: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> _Record:
-    """One closed batch to completion; the prefill pass is excluded from tokens and time."""
+    """One closed batch to completion; the prefill pass is excluded from tokens and time.
+    ``clock`` times the batch (the share in the target pass is always wall time)."""
     engine = BatchEngine(target.lm, max_batch=len(prompts), load=load)
     stop = StopCriteria(max_new_tokens=max_new_tokens)  # no EOS: every row emits the budget
     for ids in prompts:
@@ -126,12 +130,12 @@ def run_engine_batch(
     before = sum(len(row.state.generated) for row in engine.rows.values())
     before += sum(len(result.token_ids) for result in engine.finished.values())
     forward_before, passes_before = engine.forward_seconds, engine.target_passes
-    started, finished_at = time.perf_counter(), {}
+    started, wall, finished_at = clock(), time.perf_counter(), {}
     while engine.rows:
         for row_id, round_ in engine.step().items():
             if round_.finished:
-                finished_at[row_id] = time.perf_counter() - started
-    seconds = time.perf_counter() - started
+                finished_at[row_id] = clock() - started
+    seconds, wall = clock() - started, time.perf_counter() - wall
     results = [engine.finished[i] for i in sorted(engine.finished)]
     per_request = [
         len(r.token_ids) / finished_at[i] for i, r in enumerate(results) if finished_at.get(i)
@@ -144,7 +148,7 @@ def run_engine_batch(
         per_request=statistics.mean(per_request) if per_request else 0.0,
         mean_gamma=statistics.mean(gammas) if gammas else 0.0,
         passes=engine.target_passes - passes_before,
-        forward_seconds=engine.forward_seconds - forward_before,
+        forward_share=(engine.forward_seconds - forward_before) / wall if wall > 0 else None,
     )
 
 
@@ -152,7 +156,11 @@ def run_engine_batch(
 
 
 def transformers_batch(
-    model: Any, prompts: Sequence[list[int]], max_new_tokens: int, pad_id: int
+    model: Any,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    pad_id: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> _Record:
     """transformers' padded batched ``generate()`` (left padding, greedy, exactly
     ``max_new_tokens`` each): decode time = t(N tokens) − t(1 token)."""
@@ -164,13 +172,13 @@ def transformers_batch(
         mask[b, width - len(ids) :] = 1
 
     def generate(tokens: int) -> tuple[torch.Tensor, float]:
-        started = time.perf_counter()
+        started = clock()
         with torch.inference_mode():
             output = model.generate(
                 input_ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
                 do_sample=False, pad_token_id=pad_id,
             )  # fmt: skip
-        return output[:, width:], time.perf_counter() - started
+        return output[:, width:], clock() - started
 
     _, first = generate(1)
     output, total = generate(max_new_tokens)
@@ -226,6 +234,9 @@ def run_concurrency(
     for runtime, target in setups.items():
         if not isinstance(target.lm, SupportsBatchRows):
             raise ValueError(f"the {runtime} runtime cannot hold several sequences")
+    if settings.clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {settings.clock!r}")
+    clock = CLOCKS[settings.clock]
     largest = max(settings.concurrency)
     ids = {rt: batch_prompts(t, prompts, settings.chat, largest) for rt, t in setups.items()}
     curves = {}
@@ -252,8 +263,9 @@ def run_concurrency(
                 ]
                 for label, gamma, load in configs:
                     record = run_engine_batch(
-                        target, prompts_b, settings.drafter, gamma, load, settings.max_new_tokens
-                    )
+                        target, prompts_b, settings.drafter, gamma, load,
+                        settings.max_new_tokens, clock,
+                    )  # fmt: skip
                     records.setdefault((runtime, label), []).append(record)
                     bar.update()
             if peer is not None:
@@ -270,6 +282,9 @@ def run_concurrency(
     notes = [
         "closed batches: all rows start together, greedy, exactly max_new_tokens each (no "
         "EOS); the prefill pass is excluded",
+        f"clock: {settings.clock} ({'process CPU time' if settings.clock == 'cpu' else 'wall'}"
+        f"); torch threads: {torch.get_num_threads()}; 'in forward': wall time inside the "
+        "target pass ÷ wall time of the decode steps (the rest: drafting and Python)",
     ]
     return ConcurrencyRun(settings, cells, curves, prompt_tokens, notes)
 
@@ -283,9 +298,7 @@ def _cells(batch: int, records: dict[tuple[str, str], list[_Record]]) -> list[Ce
         identical = None
         if label != PEER and plain is not None:
             identical = all(r.tokens == plain[0].tokens for r in runs)
-        forward = None
-        if mid.forward_seconds is not None and mid.seconds > 0:
-            forward = mid.forward_seconds / mid.seconds
+        forward = mid.forward_share
         cells.append(
             Cell(
                 runtime=runtime,

@@ -189,6 +189,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=8,
         help="batched mode: a row's γ cap under the load-aware policy",
     )
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="batched mode: wall time, or process CPU time (steadier when other jobs share "
+        "the cores; use with --threads 1)",
+    )
     add_json_flag(parser)
     parser.set_defaults(run=run)
 
@@ -244,6 +251,7 @@ def concurrency_settings(args: argparse.Namespace):
         peers=not args.no_peers,
         chat=args.chat,
         progress=not args.no_progress,
+        clock=args.clock,
     )
 
 
