@@ -238,3 +238,27 @@ def test_single_sequence_engine_chunks_its_prefill_exactly(folder: Path) -> None
     (chunked, calls), (whole, whole_calls) = run(7), run(None)
     assert chunked == whole
     assert calls - whole_calls == (49 + 6) // 7 - 1  # 7 prefill passes instead of 1
+
+
+def test_load_aware_needs_a_margin_over_plain_batched_decoding() -> None:
+    """A draft predicted to gain 3 % is not taken (its inputs are noisy estimates);
+    without the margin it is (the control), and a large gain is taken either way."""
+    from speculative.engine.gamma import LoadAwareGamma, RowLoad
+
+    flat = {1: 1.0, 2: 1.0, 8: 1.0}
+    marginal = RowLoad(alpha=0.5, max_gamma=1, fed=1, cost=1.5 / 1.03 - 1)  # (1+α)/(1+c)=1.03
+    assert LoadAwareGamma(flat).choose([marginal]) == [0]
+    assert LoadAwareGamma(flat, margin=0.0).choose([marginal]) == [1]
+    assert LoadAwareGamma(flat).choose([RowLoad(alpha=0.8, max_gamma=4)]) == [4]
+
+
+def test_load_aware_cost_curve_never_falls() -> None:
+    """A noisy curve where 3 tokens look cheaper than 2 is read as its running maximum, so
+    drafts never look free; the measured points that do rise are kept."""
+    from speculative.engine.gamma import LoadAwareGamma
+
+    policy = LoadAwareGamma({1: 1.0, 2: 1.9, 3: 1.0, 4: 1.2, 6: 2.5})
+    costs = [policy.cost(n) for n in range(1, 8)]
+    assert costs == sorted(costs)
+    assert costs[:4] == [1.0, 1.9, 1.9, 1.9] and costs[5] == 2.5
+    assert policy.cost(200) > policy.cost(7)  # extended past the last point, and cached

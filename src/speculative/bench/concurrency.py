@@ -242,7 +242,10 @@ def run_concurrency(
     curves = {}
     for runtime, target in setups.items():
         context = ids[runtime][0][:64]
-        curves[runtime] = rows_verify_cost(target.lm, context, CURVE_POINTS, settings.curve_repeats)  # type: ignore[arg-type]
+        model: Any = target.lm  # SupportsBatchRows, checked above
+        curves[runtime] = rows_verify_cost(
+            model, context, CURVE_POINTS, settings.curve_repeats, clock=clock
+        )
     peer = _peer_model(settings, setups, loader) if settings.peers else None
     pad = min(next(iter(setups.values())).eos_token_ids, default=0)
     labels = [PLAIN, f"{settings.drafter} γ={settings.gamma}", f"{settings.drafter} load-aware"]

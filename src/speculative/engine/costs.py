@@ -181,10 +181,12 @@ def rows_verify_cost(
     points: Sequence[int],
     repeats: int = 5,
     rows: int = 8,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[int, float]:
     """T(n)/T(1) of one batched pass (``forward_rows``) of n tokens spread over ``rows``
     sequences (1..⌈n/rows⌉ tokens each, as in a batched round), each after ``context``;
-    the n values are interleaved and every slot is rolled back after each pass."""
+    the n values are interleaved and every slot is rolled back after each pass.
+    ``clock``: e.g. ``time.process_time`` on one thread when other jobs share the cores."""
     if repeats < 1 or not points or min(points) < 1 or not context:
         raise ValueError("need repeats >= 1, token counts n >= 1 and a context")
     probe = _probe_tokens(context, max(points))
@@ -200,7 +202,9 @@ def rows_verify_cost(
                     for s, k in zip(slots, sizes, strict=True)
                     if k
                 ]
-                elapsed = _timed_ms(lambda b=batch: model.forward_rows(b))
+                started = clock()
+                model.forward_rows(batch)
+                elapsed = clock() - started
                 for row in batch:
                     model.rollback_slot(row.slot, row.input_ids.numel())
                 if repeat:
