@@ -400,7 +400,9 @@ class KernelLayer:
         return layer_weight_bytes(self)
 
 
-def kernel_shape_problem(hidden: int, intermediate: int, q_size: int, head_dim: int) -> str | None:
+def kernel_shape_problem(
+    hidden: int, intermediate: int, q_size: int, head_dim: int
+) -> str | None:
     """Why kernels.c cannot run these shapes (None when it can)."""
     for name, width in (("hidden", hidden), ("intermediate", intermediate), ("q_size", q_size)):
         if width % GROUP_SIZE:
