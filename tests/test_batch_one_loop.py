@@ -262,3 +262,17 @@ def test_load_aware_cost_curve_never_falls() -> None:
     assert costs == sorted(costs)
     assert costs[:4] == [1.0, 1.9, 1.9, 1.9] and costs[5] == 2.5
     assert policy.cost(200) > policy.cost(7)  # extended past the last point, and cached
+
+
+def test_load_aware_charges_padding_on_a_padding_runtime() -> None:
+    """One well-predicted row among seven poor ones: on total tokens its 8 drafts are
+    cheap, but a runtime that pads every row to the longest pays them 8 times over."""
+    from speculative.engine.gamma import LoadAwareGamma, RowLoad
+    from speculative.models.base import PadsBatchRows
+
+    policy = LoadAwareGamma(lambda n: max(1.0, n / 16))
+    rows = [RowLoad(0.95, 8)] + [RowLoad(0.2, 8)] * 7
+    assert policy.choose(rows) == [8, 0, 0, 0, 0, 0, 0, 0]
+    hf = HFCausalLM(tiny_llama(0, VOCAB, 1))
+    assert isinstance(hf, PadsBatchRows) and hf.padded_tokens([3, 1, 2]) == 9
+    assert policy.choose(rows, padded=hf.padded_tokens) == [1, 0, 0, 0, 0, 0, 0, 0]

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from speculative.bench.prompts import BenchPrompt
 from speculative.engine import BatchEngine, BatchRequest, LoadAwareGamma, StopCriteria
 from speculative.engine.costs import rows_verify_cost
-from speculative.models.base import SupportsBatchRows
+from speculative.models.base import PadsBatchRows, SupportsBatchRows
 from speculative.pipeline import LoadedModel, build_drafter, encode_prompt, load_target
 from speculative.sampling import SamplingParams
 
@@ -243,8 +243,9 @@ def run_concurrency(
     for runtime, target in setups.items():
         context = ids[runtime][0][:64]
         model: Any = target.lm  # SupportsBatchRows, checked above
+        rows = 1 if isinstance(model, PadsBatchRows) else 8  # n = the positions computed
         curves[runtime] = rows_verify_cost(
-            model, context, CURVE_POINTS, settings.curve_repeats, clock=clock
+            model, context, CURVE_POINTS, settings.curve_repeats, rows, clock
         )
     peer = _peer_model(settings, setups, loader) if settings.peers else None
     pad = min(next(iter(setups.values())).eos_token_ids, default=0)

@@ -41,7 +41,7 @@ from speculative.engine.round import (
 from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import StopCriteria
 from speculative.engine.tree import TreeRound
-from speculative.models.base import CausalLM, RowInput, SupportsBatchRows
+from speculative.models.base import CausalLM, PadsBatchRows, RowInput, SupportsBatchRows
 from speculative.models.session import (
     ModelSession,
     RowPool,
@@ -266,7 +266,8 @@ class BatchEngine:
                 RowLoad(row.alpha(), g, self._fed(row), *self._draft_costs(row))
                 for row, g in zip(rows, wanted, strict=True)
             ]
-            wanted = self.load.choose(loads, extra_tokens)
+            padded = self.target.padded_tokens if isinstance(self.target, PadsBatchRows) else None
+            wanted = self.load.choose(loads, extra_tokens, padded)
         planned = []
         for row, gamma in zip(rows, wanted, strict=True):
             started, calls = time.perf_counter(), row.state.stats.draft_calls

@@ -4,6 +4,7 @@ output distribution, only the speed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -170,23 +171,37 @@ class LoadAwareGamma:
         slope = (curve[b] - curve[a]) / (b - a)
         return curve[b] + slope * (n - b)
 
-    def choose(self, rows: list[RowLoad], extra_tokens: int = 0) -> list[int]:
+    def choose(
+        self,
+        rows: list[RowLoad],
+        extra_tokens: int = 0,
+        padded: Callable[[Sequence[int]], int] | None = None,
+    ) -> list[int]:
         """Every row's γ; ``extra_tokens``: other tokens in the same pass (prefill chunks
-        of joining rows), which make the pass dearer but emit nothing."""
+        of joining rows), which make the pass dearer but emit nothing. ``padded``: the
+        pass computes ``padded(row lengths)`` positions (a runtime that pads every row to
+        the longest); None: the total tokens."""
         gammas = [0] * len(rows)
         tokens = float(len(rows))  # Σ E_i(0): each row emits one token without drafts
-        n = sum(r.fed for r in rows) + extra_tokens
+        lengths = [r.fed for r in rows]
+
+        def pass_cost() -> float:
+            if padded is None:
+                return self.cost(sum(lengths) + extra_tokens)
+            return self.cost(padded([*lengths, extra_tokens] if extra_tokens else lengths))
+
         drafting = 0.0  # Σ c_i γ_i
-        best, best_rate = list(gammas), tokens / self.cost(n) * (1 + self.margin)
+        best, best_rate = list(gammas), tokens / pass_cost() * (1 + self.margin)
         gains = [(r.alpha if r.max_gamma > 0 else -1.0) for r in rows]  # α_i^(γ_i + 1)
         for _ in range(sum(r.max_gamma for r in rows)):
             i = max(range(len(rows)), key=gains.__getitem__)
-            tokens, n, drafting = tokens + gains[i], n + 1, drafting + rows[i].cost
+            tokens, drafting = tokens + gains[i], drafting + rows[i].cost
+            lengths[i] += 1
             if gammas[i] == 0:
                 drafting += rows[i].call_cost
             gammas[i] += 1
             gains[i] = gains[i] * rows[i].alpha if gammas[i] < rows[i].max_gamma else -1.0
-            rate = tokens / (self.cost(n) + drafting)
+            rate = tokens / (pass_cost() + drafting)
             if rate > best_rate:
                 best, best_rate = list(gammas), rate
         return best

@@ -289,6 +289,11 @@ class HFCausalLM:
                 self._keep_new(slot_cache, cache, b, cached, k)
         return [logits[b, :k] for b, k in enumerate(ks)]
 
+    @staticmethod
+    def padded_tokens(row_lengths: Sequence[int]) -> int:
+        """Positions one :meth:`forward_rows` computes: every row padded to the longest."""
+        return len(row_lengths) * max(row_lengths, default=0)
+
     def _slot(self, slot: int) -> _SlotCache:
         if slot not in self._slots:
             raise ValueError(f"cache slot {slot} is not acquired")
