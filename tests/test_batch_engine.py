@@ -192,10 +192,14 @@ def test_load_aware_gamma_shrinks_as_the_batch_grows() -> None:
 
 
 def test_engine_refuses_a_model_without_slots(folder: Path) -> None:
-    from tiny import tiny_loaded
+    import numpy as np
 
+    from speculative.models.markov import MarkovLM, stochastic_matrix
+
+    markov = MarkovLM(stochastic_matrix(np.random.default_rng(0), 5, 1.0))
     with pytest.raises(ValueError, match="cannot hold several sequences"):
-        BatchEngine(tiny_loaded().lm)
+        BatchEngine(markov)
+    assert BatchEngine(markov, max_batch=1).max_batch == 1  # a batch of one on its own cache
     target: NativeLlama = load_native(folder, max_length=32, backend="torch", max_slots=1)
     engine = BatchEngine(target, max_batch=2)
     spec = _specs()[2]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from speculative.drafters.base import Drafter, SupportsPriming
-from speculative.models.base import CausalLM
+from speculative.models.base import CausalLM, RowInput, SupportsBatchRows
 from speculative.models.session import ModelSession
 from speculative.sampling import SamplingParams
 
@@ -173,3 +173,44 @@ def interleaved_prefill_ms(
     for model in models:
         model.reset()
     return [statistics.median(times) for times in samples]
+
+
+def rows_verify_cost(
+    model: SupportsBatchRows,
+    context: Sequence[int],
+    points: Sequence[int],
+    repeats: int = 5,
+    rows: int = 8,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[int, float]:
+    """T(n)/T(1) of one batched pass (``forward_rows``) of n tokens spread over ``rows``
+    sequences (1..⌈n/rows⌉ tokens each, as in a batched round), each after ``context``;
+    the n values are interleaved and every slot is rolled back after each pass.
+    ``clock``: e.g. ``time.process_time`` on one thread when other jobs share the cores."""
+    if repeats < 1 or not points or min(points) < 1 or not context:
+        raise ValueError("need repeats >= 1, token counts n >= 1 and a context")
+    probe = _probe_tokens(context, max(points))
+    slots = [model.acquire_slot() for _ in range(rows)]
+    try:
+        model.forward_rows([RowInput(s, torch.tensor(list(context))) for s in slots])
+        times: dict[int, list[float]] = {n: [] for n in points}
+        for repeat in range(repeats + 1):  # the first round warms up
+            for n in points:
+                sizes = [n // rows + (i < n % rows) for i in range(rows)]
+                batch = [
+                    RowInput(s, torch.tensor(probe[:k]))
+                    for s, k in zip(slots, sizes, strict=True)
+                    if k
+                ]
+                started = clock()
+                model.forward_rows(batch)
+                elapsed = clock() - started
+                for row in batch:
+                    model.rollback_slot(row.slot, row.input_ids.numel())
+                if repeat:
+                    times[n].append(elapsed)
+    finally:
+        for s in slots:
+            model.release_slot(s)
+    base = statistics.median(times[min(points)])
+    return {n: statistics.median(t) / base for n, t in times.items()}

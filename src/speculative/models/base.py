@@ -159,6 +159,17 @@ class SupportsBatchRows(Protocol):
         ...
 
 
+@runtime_checkable
+class PadsBatchRows(Protocol):
+    """A :class:`SupportsBatchRows` model whose pass pads every row to the longest one (the
+    transformers runtime): its cost grows with rows × the longest row's tokens, not with
+    the total tokens of the pass."""
+
+    def padded_tokens(self, row_lengths: Sequence[int]) -> int:
+        """Token positions one pass computes for rows of these lengths."""
+        ...
+
+
 def check_keep_slots(first: int, slots: Sequence[int], length: int) -> list[int]:
     """Validate a keep_slots request against a cache of ``length`` slots."""
     kept = [int(s) for s in slots]
