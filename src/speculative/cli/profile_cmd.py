@@ -168,25 +168,32 @@ def kernels_of(lm: object) -> dict[str, str]:
 def kernel_roofline(
     lm: object, ms: dict[int, float], args: argparse.Namespace, peaks: dict
 ) -> dict:
-    """The kernels decoder's ISA and, unless --no-roofline, the machine's peaks (measured
-    once per ISA, cached in ``peaks``) and the roofline of each T(k). Empty for others."""
-    decoder = getattr(lm, "decoder", None)
-    library = getattr(decoder, "_library", None)
-    if library is None or not hasattr(decoder, "isa"):
+    """The kernel library's ISA and, unless --no-roofline, the machine's peaks (measured
+    once per ISA, cached in ``peaks``) and the roofline of each T(k). Empty for models
+    not running on the C kernels (asked through :class:`SupportsKernels`)."""
+    from speculative.models.base import SupportsKernels
+
+    if not isinstance(lm, SupportsKernels):
         return {}
-    out: dict[str, object] = {"kernel_isa": decoder.isa}
+    library, work = lm.kernel_library(), lm.kernel_work()
+    if library is None or work is None:
+        return {}
+    from speculative.models.native.ckernels import library_isa
+
+    isa = library_isa(library)
+    out: dict[str, object] = {"kernel_isa": isa}
     if not args.roofline:
         return out
     import torch
 
-    from speculative.models.native.profile import decoder_work, measure_peaks, roofline
+    from speculative.models.native.profile import measure_peaks, roofline
 
-    if decoder.isa not in peaks:
-        print(f"measuring machine peaks ({decoder.isa}) ...", file=sys.stderr)
-        peaks[decoder.isa] = measure_peaks(library, torch.get_num_threads())
-    machine = peaks[decoder.isa]
+    if isa not in peaks:
+        print(f"measuring machine peaks ({isa}) ...", file=sys.stderr)
+        peaks[isa] = measure_peaks(library, torch.get_num_threads())
+    machine = peaks[isa]
     out["machine_peaks"] = machine.to_dict()
-    out["roofline"] = roofline(decoder_work(decoder), machine, args.context, ms, args.bandwidth)
+    out["roofline"] = roofline(work, machine, args.context, ms, args.bandwidth)
     return out
 
 

@@ -81,7 +81,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 5
+ABI_VERSION = 6
 # "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
@@ -400,9 +400,7 @@ class KernelLayer:
         return layer_weight_bytes(self)
 
 
-def kernel_shape_problem(
-    hidden: int, intermediate: int, q_size: int, head_dim: int
-) -> str | None:
+def kernel_shape_problem(hidden: int, intermediate: int, q_size: int, head_dim: int) -> str | None:
     """Why kernels.c cannot run these shapes (None when it can)."""
     for name, width in (("hidden", hidden), ("intermediate", intermediate), ("q_size", q_size)):
         if width % GROUP_SIZE:
@@ -453,6 +451,7 @@ class KernelDecoder(DecoderBase):
         self._sin = rotations.imag.contiguous()
         self._library = library
         self.isa = library_isa(library)  # "avx2" or "avx512"
+        self.library = library
         self.kernels = {"layers": f"C {self.isa} ({precision})", "lm_head": f"C {head_format}"}
         self._layer_array = (_Layer * len(self.layers))(*(x.struct() for x in self.layers))
         self._model = _Model(
