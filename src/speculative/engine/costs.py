@@ -6,18 +6,24 @@
   every k alike. The curve is reported as ``T(k)/T(1)`` (exactly 1 at k = 1).
 - ``c``: the draft cost, ms of one draft step ÷ ms of one target decode step, measured
   interleaved on the same context. A model-free drafter's step is its ``propose`` call.
+- Round overhead: the wall time of a generation round outside the target's forwards and
+  the drafter's calls (sampling, verification, bookkeeping, session sync), measured by
+  timing those calls inside real generations (:func:`round_overheads`).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from speculative.drafters.base import Drafter, SupportsPriming
+from speculative.engine.loop import SpeculativeEngine
+from speculative.engine.stopping import StopCriteria
 from speculative.models.base import CausalLM
 from speculative.models.session import ModelSession
 from speculative.sampling import SamplingParams
@@ -173,3 +179,158 @@ def interleaved_prefill_ms(
     for model in models:
         model.reset()
     return [statistics.median(times) for times in samples]
+
+
+# ---- time per round outside the forwards ----------------------------------------------
+
+TARGET_CALLS = ("forward", "forward_with_hidden", "forward_tree")
+DRAFTER_CALLS = ("propose", "propose_tree", "observe")
+
+
+@dataclass
+class CallClock:
+    """Seconds spent inside the timed calls of one object (nested calls counted once)."""
+
+    seconds: float = 0.0
+    depth: int = 0
+
+
+@contextmanager
+def timed_calls(obj: object, names: Sequence[str], clock: CallClock) -> Iterator[None]:
+    """Time ``obj``'s methods ``names`` (those it has) into ``clock`` while inside; the
+    wrappers are instance attributes, removed on exit (the class methods then show
+    again). Costs two perf_counter calls per timed call."""
+    wrapped = [name for name in names if callable(getattr(obj, name, None))]
+    for name in wrapped:
+        setattr(obj, name, _timed(getattr(obj, name), clock))
+    try:
+        yield
+    finally:
+        for name in wrapped:
+            delattr(obj, name)
+
+
+def _timed(method: Callable, clock: CallClock) -> Callable:
+    def call(*args: object, **kwargs: object) -> object:
+        clock.depth += 1
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            clock.depth -= 1
+            if clock.depth == 0:
+                clock.seconds += time.perf_counter() - started
+
+    return call
+
+
+@dataclass(frozen=True)
+class RoundOverhead:
+    """Per-round times of real generations (medians over repeats), in milliseconds."""
+
+    drafter: str  # "none" for plain decoding
+    sampling: str  # "greedy" or e.g. "T=0.8, top-p=0.95"
+    rounds: float  # rounds per generation
+    tokens_per_round: float
+    round_ms: float  # wall time of a round
+    target_ms: float  # inside the target's forwards
+    draft_ms: float  # inside the drafter's propose / observe
+    overhead_ms: float  # the rest: sampling, verification, bookkeeping, session sync
+
+    def to_dict(self, step_ms: float | None = None) -> dict[str, object]:
+        out: dict[str, object] = dict(self.__dict__)
+        if step_ms:
+            out["overhead_share_of_step"] = self.overhead_ms / step_ms
+        return out
+
+
+def sampling_label(params: SamplingParams) -> str:
+    if params.greedy:
+        return "greedy"
+    label = f"T={params.temperature:g}"
+    if params.top_k:
+        label += f", top-k={params.top_k}"
+    if params.top_p < 1:
+        label += f", top-p={params.top_p:g}"
+    return label
+
+
+def round_overheads(
+    target: CausalLM,
+    drafters: dict[str, Drafter | None],
+    prompt: Sequence[int],
+    settings: Sequence[SamplingParams],
+    tokens: int = 64,
+    gamma: int = 3,
+    repeats: int = 3,
+) -> list[RoundOverhead]:
+    """For each drafter (None: plain decoding) and sampling setting, generate ``tokens``
+    tokens after ``prompt`` ``repeats`` times (all configurations interleaved, seeds
+    0..repeats-1) and split each round's wall time into target forwards, drafter calls and
+    the overhead around them (medians of the per-round means)."""
+    samples: dict[tuple[str, int], list[tuple[float, ...]]] = {}
+    for repeat in range(repeats):
+        for name, drafter in drafters.items():
+            for index, params in enumerate(settings):
+                samples.setdefault((name, index), []).append(
+                    _timed_generation(target, drafter, prompt, params, tokens, gamma, repeat)
+                )
+    out = []
+    for (name, index), runs in samples.items():
+        rounds, per_round, round_ms, target_ms, draft_ms = (
+            statistics.median(column) for column in zip(*runs, strict=True)
+        )
+        out.append(
+            RoundOverhead(
+                drafter=name,
+                sampling=sampling_label(settings[index]),
+                rounds=rounds,
+                tokens_per_round=per_round,
+                round_ms=round_ms,
+                target_ms=target_ms,
+                draft_ms=draft_ms,
+                overhead_ms=round_ms - target_ms - draft_ms,
+            )
+        )
+    return out
+
+
+def _timed_generation(
+    target: CausalLM,
+    drafter: Drafter | None,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    tokens: int,
+    gamma: int,
+    seed: int,
+) -> tuple[float, float, float, float, float]:
+    """(rounds, tokens per round, ms per round, target ms per round, drafter ms per round)
+    of one generation; the prefill is left out."""
+    engine = SpeculativeEngine(target, drafter, gamma)
+    target_clock, draft_clock = CallClock(), CallClock()
+    stop = StopCriteria(max_new_tokens=tokens)
+    generator = torch.Generator().manual_seed(seed)
+    rounds = 0
+    with torch.inference_mode(), timed_calls(target, TARGET_CALLS, target_clock):
+        stream = engine.stream(prompt, params, stop, generator)
+        first = next(stream)  # the prefill and the first round: not timed
+        del first
+        with timed_calls(drafter, DRAFTER_CALLS, draft_clock):
+            target_clock.seconds = 0.0
+            started = time.perf_counter()
+            emitted = 0
+            for round_ in stream:
+                rounds += 1
+                emitted += len(round_.tokens)
+            wall = time.perf_counter() - started
+    target.reset()
+    if rounds == 0:
+        raise ValueError("the generation ended after one round: ask for more tokens")
+    scale = 1000.0 / rounds
+    return (
+        float(rounds),
+        emitted / rounds,
+        wall * scale,
+        target_clock.seconds * scale,
+        draft_clock.seconds * scale,
+    )
