@@ -277,7 +277,8 @@ def print_reports(reports: list[dict]) -> None:
 
 
 def print_overheads(rows: list[dict]) -> None:
-    print("  per round, ms (rest: outside the target's forwards and the drafter's calls)")
+    print("  per round, ms (rest: outside the target's forwards and the drafter's calls;")
+    print("  the median round's, robust to scheduler pauses; round/target/draft: means)")
     print(f"    {'drafter':<18} {'sampling':<18} tok/round  round  target  draft  rest  rest/T1")
     for o in rows:
         print(

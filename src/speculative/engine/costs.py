@@ -226,7 +226,9 @@ def _timed(method: Callable, clock: CallClock) -> Callable:
 
 @dataclass(frozen=True)
 class RoundOverhead:
-    """Per-round times of real generations (medians over repeats), in milliseconds."""
+    """Per-round times of real generations, in milliseconds: means over all rounds of all
+    repeats, and the median round's overhead (robust to the scheduler's pauses on a
+    shared machine, which land in whatever code runs)."""
 
     drafter: str  # "none" for plain decoding
     sampling: str  # "greedy" or e.g. "T=0.8, top-p=0.95"
@@ -235,7 +237,8 @@ class RoundOverhead:
     round_ms: float  # wall time of a round
     target_ms: float  # inside the target's forwards
     draft_ms: float  # inside the drafter's propose / observe
-    overhead_ms: float  # the rest: sampling, verification, bookkeeping, session sync
+    overhead_mean_ms: float  # round - target - draft: sampling, verification, bookkeeping
+    overhead_ms: float  # the median round's overhead
 
     def to_dict(self, step_ms: float | None = None) -> dict[str, object]:
         out: dict[str, object] = dict(self.__dict__)
@@ -255,6 +258,20 @@ def sampling_label(params: SamplingParams) -> str:
     return label
 
 
+@dataclass(frozen=True)
+class RoundTimes:
+    """One round: wall, target and drafter seconds, and the tokens it emitted."""
+
+    wall: float
+    target: float
+    draft: float
+    tokens: int
+
+    @property
+    def overhead(self) -> float:
+        return self.wall - self.target - self.draft
+
+
 def round_overheads(
     target: CausalLM,
     drafters: dict[str, Drafter | None],
@@ -267,35 +284,40 @@ def round_overheads(
     """For each drafter (None: plain decoding) and sampling setting, generate ``tokens``
     tokens after ``prompt`` ``repeats`` times (all configurations interleaved, seeds
     0..repeats-1) and split each round's wall time into target forwards, drafter calls and
-    the overhead around them (medians of the per-round means)."""
-    samples: dict[tuple[str, int], list[tuple[float, ...]]] = {}
+    the overhead around them."""
+    samples: dict[tuple[str, int], list[RoundTimes]] = {}
     for repeat in range(repeats):
         for name, drafter in drafters.items():
             for index, params in enumerate(settings):
-                samples.setdefault((name, index), []).append(
-                    _timed_generation(target, drafter, prompt, params, tokens, gamma, repeat)
+                samples.setdefault((name, index), []).extend(
+                    _timed_rounds(target, drafter, prompt, params, tokens, gamma, repeat)
                 )
     out = []
-    for (name, index), runs in samples.items():
-        rounds, per_round, round_ms, target_ms, draft_ms = (
-            statistics.median(column) for column in zip(*runs, strict=True)
-        )
+    for (name, index), rounds in samples.items():
+        if not rounds:
+            raise ValueError("the generations ended after one round: ask for more tokens")
+        n = len(rounds)
+        wall, target_s, draft_s = (sum(getattr(r, f) for r in rounds) / n for f in TIMES)
         out.append(
             RoundOverhead(
                 drafter=name,
                 sampling=sampling_label(settings[index]),
-                rounds=rounds,
-                tokens_per_round=per_round,
-                round_ms=round_ms,
-                target_ms=target_ms,
-                draft_ms=draft_ms,
-                overhead_ms=round_ms - target_ms - draft_ms,
+                rounds=n / repeats,
+                tokens_per_round=sum(r.tokens for r in rounds) / n,
+                round_ms=wall * 1e3,
+                target_ms=target_s * 1e3,
+                draft_ms=draft_s * 1e3,
+                overhead_mean_ms=(wall - target_s - draft_s) * 1e3,
+                overhead_ms=statistics.median(r.overhead for r in rounds) * 1e3,
             )
         )
     return out
 
 
-def _timed_generation(
+TIMES = ("wall", "target", "draft")
+
+
+def _timed_rounds(
     target: CausalLM,
     drafter: Drafter | None,
     prompt: Sequence[int],
@@ -303,34 +325,24 @@ def _timed_generation(
     tokens: int,
     gamma: int,
     seed: int,
-) -> tuple[float, float, float, float, float]:
-    """(rounds, tokens per round, ms per round, target ms per round, drafter ms per round)
-    of one generation; the prefill is left out."""
+) -> list[RoundTimes]:
+    """The rounds of one generation after its first (the prefill's) round."""
     engine = SpeculativeEngine(target, drafter, gamma)
     target_clock, draft_clock = CallClock(), CallClock()
     stop = StopCriteria(max_new_tokens=tokens)
     generator = torch.Generator().manual_seed(seed)
-    rounds = 0
+    out = []
     with torch.inference_mode(), timed_calls(target, TARGET_CALLS, target_clock):
         stream = engine.stream(prompt, params, stop, generator)
-        first = next(stream)  # the prefill and the first round: not timed
-        del first
+        next(stream)  # the prefill and the first round: not timed
         with timed_calls(drafter, DRAFTER_CALLS, draft_clock):
-            target_clock.seconds = 0.0
-            started = time.perf_counter()
-            emitted = 0
-            for round_ in stream:
-                rounds += 1
-                emitted += len(round_.tokens)
-            wall = time.perf_counter() - started
+            while True:
+                before = (time.perf_counter(), target_clock.seconds, draft_clock.seconds)
+                round_ = next(stream, None)
+                if round_ is None:
+                    break
+                after = (time.perf_counter(), target_clock.seconds, draft_clock.seconds)
+                spent = [b - a for a, b in zip(before, after, strict=True)]
+                out.append(RoundTimes(*spent, tokens=len(round_.tokens)))
     target.reset()
-    if rounds == 0:
-        raise ValueError("the generation ended after one round: ask for more tokens")
-    scale = 1000.0 / rounds
-    return (
-        float(rounds),
-        emitted / rounds,
-        wall * scale,
-        target_clock.seconds * scale,
-        draft_clock.seconds * scale,
-    )
+    return out
