@@ -125,15 +125,23 @@ def model_draft_cost(
     return draft_ms[1] / target_ms[1]
 
 
-def propose_ms(drafter: Drafter, context: Sequence[int], repeats: int = 5) -> float:
-    """Median ms of one ``propose`` of a single token after ``context`` (greedy)."""
+def propose_ms(
+    drafter: Drafter,
+    context: Sequence[int],
+    repeats: int = 5,
+    between: Callable[[], object] | None = None,
+) -> float:
+    """Median ms of one ``propose`` of a single token after ``context`` (greedy);
+    ``between`` (untimed) runs before each timed call."""
     params = SamplingParams(temperature=0.0)
     generator = torch.Generator().manual_seed(0)
     drafter.reset()
     drafter.propose(context, 1, params, generator)  # warm-up (and catch-up for models)
-    times = [
-        _timed_ms(lambda: drafter.propose(context, 1, params, generator)) for _ in range(repeats)
-    ]
+    times = []
+    for _ in range(repeats):
+        if between is not None:
+            between()
+        times.append(_timed_ms(lambda: drafter.propose(context, 1, params, generator)))
     drafter.reset()
     return statistics.median(times)
 
@@ -151,11 +159,21 @@ def drafter_cost(
         cost = model_draft_cost(draft_model, target, context, repeats)
         drafter.reset()  # the drafter's session must not trust the model's cache any more
         return cost
+    between = None
     if isinstance(drafter, SupportsPriming):  # heads read the target's features
         session = ModelSession(target)
         session.sync(list(context)[:-1])
         drafter.prime(session)
-    cost = propose_ms(drafter, context, repeats) / target_step_ms
+        probe = _ids(_probe_tokens(context, 1))
+
+        def between() -> None:
+            """A target step (rolled back) before each draft step, as in decoding: the
+            target's weights stream through the caches and evict the head's."""
+            with torch.inference_mode():
+                target.forward(probe)
+            target.rollback(1)
+
+    cost = propose_ms(drafter, context, repeats, between) / target_step_ms
     target.reset()
     return cost
 
