@@ -368,7 +368,7 @@ def test_eagle_drafting_runs_the_head_as_it_was_trained():
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_kernel_runners_compute_the_heads(trained, precision):
     """The C runners compute what the PyTorch heads compute: at the head's own bf16 values
-    (fp32 target) to bf16 rounding of the rows, at int8 (int4 target) to quantization; the
+    (fp32 target) to bf16 rounding of the rows, at int4 (int4 target) to quantization; the
     EAGLE runner's cache carries over calls and takes a [k, k] mask among new pairs."""
     from speculative.heads.runners import (
         KernelEagleRunner,
@@ -379,7 +379,7 @@ def test_kernel_runners_compute_the_heads(trained, precision):
 
     target = target_on("native-kernels", trained["model"])
     library = target.lm.kernel_library()
-    tolerance = 5e-3 if precision == "fp32" else 0.05  # bf16 output rows: 3 digits
+    tolerance = 5e-3 if precision == "fp32" else 0.15  # bf16 rows: 3 digits; int4: 4 bits
     eagle = load_head(trained["eagle"], target.lm)
     fast, slow = KernelEagleRunner(eagle, library, precision, 64), TorchEagleRunner(eagle)
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ from speculative.drafters.base import Draft
 from speculative.drafters.head_common import (
     HeadDrafter,
     draft_distribution,
-    draw,
+    draw_from_logits,
     draw_without_replacement,
     true_feature_count,
 )
@@ -135,10 +135,10 @@ class EagleDrafter(HeadDrafter):
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(gamma):
-            probs = draft_distribution(logits, params)  # [N]
-            token = self.target_token(draw(probs, params, generator))
+            index, probs = draw_from_logits(logits, params, generator)  # probs: [N] or None
+            token = self.target_token(index)
             tokens.append(token)
-            if not params.greedy:
+            if probs is not None:
                 rows.append(probs)
             if i + 1 < gamma:
                 step = ([token], feature.unsqueeze(0), position + i)

@@ -70,6 +70,18 @@ def to_full_vocab(probs: torch.Tensor, draft_to_target: torch.Tensor, vocab: int
     return full.scatter_(-1, index, probs)
 
 
+def draw_from_logits(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[int, torch.Tensor | None]:
+    """One draft-vocabulary index from [N] draft logits and the processed probs it was
+    drawn from (None when greedy: the first argmax, taken straight from the logits in
+    numpy, is what the one-hot distribution's argmax would give)."""
+    if params.greedy:
+        return int(logits.detach().numpy().argmax()), None
+    probs = draft_distribution(logits, params)  # [N]
+    return draw(probs, params, generator), probs
+
+
 def draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One draft-vocabulary index from [N] processed probs (argmax when greedy)."""
     if params.greedy:

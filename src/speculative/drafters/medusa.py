@@ -67,11 +67,11 @@ class MedusaDrafter(HeadDrafter):
         logits = self._head_logits(context, gamma)
         if logits is None:
             return Draft(tokens=[])
+        if params.greedy:  # the first argmax of each head's logits (numpy: no one-hot)
+            indices = logits.numpy().argmax(axis=-1).tolist()
+            return Draft(tokens=[self.target_token(i) for i in indices])
         probs = draft_distribution(logits, params)  # [gamma, N]
-        indices = [draw(row, params, generator) for row in probs]
-        tokens = [self.target_token(i) for i in indices]
-        if params.greedy:
-            return Draft(tokens=tokens)
+        tokens = [self.target_token(draw(row, params, generator)) for row in probs]
         q = self.full_vocab(probs)
         return Draft(tokens=tokens, probs=q.unsqueeze(0))  # [1, len, vocab]
 
