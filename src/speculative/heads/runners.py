@@ -16,7 +16,6 @@ the drafter samples from are the ones it reports as q.
 
 from __future__ import annotations
 
-import ctypes
 from typing import Protocol
 
 import torch
@@ -27,8 +26,7 @@ from speculative.heads.store import TrainedHead
 from speculative.models.native.ckernels import (
     KernelLayer,
     KernelLinear,
-    _Layer,
-    _Model,
+    kernel_model,
     kernel_shape_problem,
 )
 from speculative.models.native.loading import rope_interleave_index
@@ -139,23 +137,18 @@ class KernelEagleRunner:
         inv = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
         angles = torch.outer(torch.arange(max_length, dtype=torch.float32), inv)
         self._cos, self._sin = angles.cos().contiguous(), angles.sin().contiguous()
-        self._layers = (_Layer * 1)(self.layer.struct())
-        self._model = _Model(
-            num_layers=1,
+        self._model = kernel_model(
             hidden=cfg.hidden_size,
             heads=cfg.num_heads,
             kv_heads=cfg.num_kv_heads,
             head_dim=d,
             intermediate=cfg.intermediate_size,
-            vocab=self.rows.out_features,
-            max_length=max_length,
             eps=cfg.rms_norm_eps,
-            pad_=0,
-            layers=ctypes.addressof(self._layers),
-            final_norm=None,
-            lm_head=self.rows.struct(),
-            cos=self._cos.data_ptr(),
-            sin=self._sin.data_ptr(),
+            layers=[self.layer],
+            final_norm=None,  # the output feature goes to the rows as it is
+            lm_head=self.rows,
+            cos=self._cos,
+            sin=self._sin,
         )
         shape = (1, cfg.num_kv_heads, max_length, d)  # [layers, kv_heads, slots, head_dim]
         self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)
@@ -193,7 +186,7 @@ class KernelEagleRunner:
         threads = torch.get_num_threads()
         hidden = self.fc(self.library, fused, threads)  # [k, H], updated in place below
         lib = self.library
-        model = ctypes.byref(self._model)
+        model = self._model.pointer
         work = torch.empty(lib.spec_work_floats(model, k, threads))
         logits = torch.empty(k, self.rows.out_features)
         pos = positions.to(torch.int64).contiguous()
