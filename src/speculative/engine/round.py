@@ -22,13 +22,7 @@ from speculative.drafters.tree import DraftTree
 from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import StopCriteria
 from speculative.models.base import RowInput
-from speculative.sampling import (
-    SamplingParams,
-    VerifyResult,
-    logits_to_probs,
-    verify,
-    verify_greedy,
-)
+from speculative.sampling import SamplingParams, VerifyResult, verify_greedy, verify_logits
 from speculative.sampling.tree import TreeVerifyResult
 
 
@@ -109,12 +103,12 @@ def verify_draft(
     params: SamplingParams,
     generator: torch.Generator,
 ) -> VerifyResult:
-    """Greedy check (temperature 0) or modified rejection sampling of one row's draft."""
-    drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
+    """Greedy check (temperature 0) or modified rejection sampling of one row's draft
+    (``verify_logits``: verify's result from the logits, processing only the rows read)."""
     if params.greedy:
+        drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
         return verify_greedy(drafted, logits)
-    target_probs = logits_to_probs(logits, params)  # [1, γ+1, vocab]
-    return verify(drafted, draft.probs, target_probs, generator, validate=False)
+    return verify_logits(draft.tokens, draft.probs, logits, params, generator)
 
 
 def accepted(result: VerifyResult | TreeVerifyResult) -> tuple[list[int], int]:

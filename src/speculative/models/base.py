@@ -212,3 +212,21 @@ class SupportsHiddenStates(Protocol):
     def output_embedding(self) -> torch.Tensor:
         """The output head's weight, [vocab, hidden] float32 (read-only)."""
         ...
+
+
+@runtime_checkable
+class SupportsKernels(Protocol):
+    """A model whose layers may run on the native C kernels (:mod:`..native.ckernels`).
+
+    Drafting heads ask it for the library to run their own small layers with the target's
+    kernels; ``speculative profile`` asks it for the roofline's work counts."""
+
+    def kernel_library(self) -> object | None:
+        """The loaded kernel library (a ctypes CDLL) running this model's layers, or None
+        when this instance runs on another decoder (the PyTorch fallback)."""
+        ...
+
+    def kernel_work(self) -> dict[str, int] | None:
+        """Per-token work of the kernels decoder (multiply-adds on the fp32 and int8 dot
+        paths, weight bytes, KV bytes per slot: ``profile.decoder_work``), or None."""
+        ...
