@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from speculative import __version__
 from speculative.cli import (
     bench_cmd,
+    check_cmd,
     demo_cmd,
     generate_cmd,
     profile_cmd,
@@ -37,6 +38,7 @@ def build_parser() -> Parser:
         demo_cmd,
         profile_cmd,
         bench_cmd,
+        check_cmd,
         train_draft_cmd,
     ):
         command.add_parser(subparsers)

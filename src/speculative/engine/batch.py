@@ -29,6 +29,7 @@ from speculative.engine.loop import (
     DecodeState,
     GenerationResult,
     Round,
+    Verifier,
     commit_tokens,
     propose_draft,
     verify_draft,
@@ -96,10 +97,15 @@ class BatchEngine:
     """Decodes many rows together over a target with per-row cache slots."""
 
     def __init__(
-        self, target: CausalLM, max_batch: int = 8, load: LoadAwareGamma | None = None
+        self,
+        target: CausalLM,
+        max_batch: int = 8,
+        load: LoadAwareGamma | None = None,
+        verifier: Verifier | None = None,
     ) -> None:
         """load: choose every row's γ (at most its own) for the load each round; None
-        keeps each row's own γ."""
+        keeps each row's own γ. verifier: as in :class:`SpeculativeEngine` (negative
+        controls only)."""
         if not isinstance(target, SupportsBatchRows):
             raise ValueError(f"{type(target).__name__} cannot hold several sequences (slots)")
         if max_batch < 1:
@@ -107,6 +113,7 @@ class BatchEngine:
         self.target = target
         self.max_batch = max_batch
         self.load = load
+        self.verifier = verifier
         self.rows: dict[int, BatchRow] = {}  # active rows by id, in joining order
         self.finished: dict[int, GenerationResult] = {}
         self.target_passes = 0
@@ -239,7 +246,7 @@ class BatchEngine:
     def _commit(self, planned: _Planned, logits: torch.Tensor) -> Round:
         row, draft = planned.row, planned.draft
         request = row.request
-        result = verify_draft(draft, logits, request.params, request.generator)
+        result = verify_draft(draft, logits, request.params, request.generator, self.verifier)
         num_accepted = int(result.num_accepted[0])
         if request.drafter is not None:
             row.gamma_policy.update(len(draft.tokens), num_accepted)

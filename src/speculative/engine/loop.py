@@ -10,7 +10,7 @@ exactly; both caches follow the committed sequence on the next call. With no dra
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,9 +26,12 @@ from speculative.sampling import (
     SamplingParams,
     VerifyResult,
     logits_to_probs,
+    one_hot_argmax,
     verify,
     verify_greedy,
 )
+
+Verifier = Callable[..., VerifyResult]  # the signature of sampling.verify
 
 
 @dataclass(frozen=True)
@@ -75,12 +78,17 @@ class SpeculativeEngine:
         drafter: Drafter | None = None,
         gamma: GammaPolicy | int = 4,
         tree: TreeRound | None = None,
+        verifier: Verifier | None = None,
     ) -> None:
-        """tree: draft token trees with this strategy instead of chains of γ tokens."""
+        """tree: draft token trees with this strategy instead of chains of γ tokens.
+        verifier: replaces the exact block verification (None: :func:`verify`, or
+        :func:`verify_greedy` at temperature 0); only deliberately broken rules go here,
+        the negative controls of ``speculative check``."""
         self.target = ModelSession(target)
         self.drafter = drafter
         self.gamma_policy = FixedGamma(gamma) if isinstance(gamma, int) else gamma
         self.tree = tree
+        self.verifier = verifier
 
     def stream(
         self,
@@ -162,7 +170,7 @@ class SpeculativeEngine:
         generator: torch.Generator,
     ) -> VerifyResult:
         logits = self.target.logits_after(state.sequence, draft.tokens)  # [1, γ+1, vocab]
-        return verify_draft(draft, logits, params, generator)
+        return verify_draft(draft, logits, params, generator, self.verifier)
 
     def commit(
         self, state: DecodeState, draft: Draft, result: VerifyResult, stop: StopCriteria
@@ -213,9 +221,14 @@ def verify_draft(
     logits: torch.Tensor,  # [1, γ+1, vocab] target logits after the context and each draft
     params: SamplingParams,
     generator: torch.Generator,
+    verifier: Verifier | None = None,
 ) -> VerifyResult:
-    """Greedy check (temperature 0) or modified rejection sampling of one row's draft."""
+    """Greedy check (temperature 0) or modified rejection sampling of one row's draft;
+    ``verifier`` (a negative control) is given one-hot argmax target rows when greedy."""
     drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
+    if verifier is not None:
+        probs = one_hot_argmax(logits) if params.greedy else logits_to_probs(logits, params)
+        return verifier(drafted, draft.probs, probs, generator, validate=False)
     if params.greedy:
         return verify_greedy(drafted, logits)
     target_probs = logits_to_probs(logits, params)  # [1, γ+1, vocab]
