@@ -123,13 +123,19 @@ def test_stops_exactly_inside_a_block():
 
 def test_stop_strings_cut_tokens():
     decode = lambda ids: "".join("abcde"[i] for i in ids)  # noqa: E731
+    params, seed = SamplingParams(), 4
+    uncut = make_engine("model", 5).generate(
+        [0], params, StopCriteria(max_new_tokens=100), torch.Generator().manual_seed(seed)
+    )
+    full = decode(uncut.token_ids)
+    hit = full.find("ea")
+    assert hit >= 0  # the stop string really occurs (else nothing below is tested)
     stop = StopCriteria(max_new_tokens=100, stop_strings=("ea",), decode=decode)
-    g = torch.Generator().manual_seed(4)
-    result = make_engine("model", 5).generate([0], SamplingParams(), stop, g)
-    text = decode(result.token_ids)
-    assert text.endswith("ea") or len(result.token_ids) == 100
-    assert "ea" not in text[:-1]
-    assert stop.final_text(text) == text[: text.find("ea")] if "ea" in text else True
+    result = make_engine("model", 5).generate([0], params, stop, torch.Generator().manual_seed(seed))
+    # the same seeded run, cut right after the first "ea" (the token that completes it)
+    assert result.token_ids == uncut.token_ids[: hit + 2]
+    assert result.finish_reason == "stop"
+    assert stop.final_text(decode(result.token_ids)) == full[:hit]
 
 
 def test_stop_string_window_is_bounded_and_finds_boundary_hits():
