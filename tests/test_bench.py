@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from speculative import theory
 from speculative.bench import (
     BenchSettings,
     forward_ms,
@@ -23,7 +24,6 @@ from speculative.bench import (
     write_outputs,
 )
 from speculative.bench.prompts import categories, take_per_category
-from speculative import theory
 from speculative.cli.main import main
 from tiny import save_tiny, tiny_loaded
 

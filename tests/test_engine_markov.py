@@ -131,7 +131,8 @@ def test_stop_strings_cut_tokens():
     hit = full.find("ea")
     assert hit >= 0  # the stop string really occurs (else nothing below is tested)
     stop = StopCriteria(max_new_tokens=100, stop_strings=("ea",), decode=decode)
-    result = make_engine("model", 5).generate([0], params, stop, torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    result = make_engine("model", 5).generate([0], params, stop, generator)
     # the same seeded run, cut right after the first "ea" (the token that completes it)
     assert result.token_ids == uncut.token_ids[: hit + 2]
     assert result.finish_reason == "stop"
