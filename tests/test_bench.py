@@ -116,7 +116,7 @@ def test_gamma_choices():
     choices = parse_gamma_choices(["2", "auto", "heuristic", "2"])
     assert [c.label for c in choices] == ["2", "auto", "heuristic"]
     assert choices[0].fixed == 2 and choices[1].fixed is None
-    with pytest.raises(ValueError, match="integers"):
+    with pytest.raises(ValueError, match="integer >= 1, 'auto' or 'heuristic'"):
         parse_gamma_choices(["fast"])
 
 

@@ -104,3 +104,25 @@ def test_common_prefix_length_matches_a_linear_scan(seed: int):
             expected += 1
         assert common_prefix_length(a, b) == expected
         assert common_prefix_length(b, a) == expected
+
+
+def test_one_gamma_parser_for_generate_speculator_and_bench():
+    """"heuristic" is accepted (or anything else refused) alike everywhere."""
+    from speculative.bench import parse_gamma_choices
+    from speculative.cli.main import build_parser
+    from speculative.pipeline import Speculator, make_gamma_policy, parse_gamma
+
+    assert [parse_gamma(v) for v in ("3", 3, "auto", "heuristic")] == [3, 3, "auto", "heuristic"]
+    assert isinstance(make_gamma_policy("heuristic"), HeuristicGamma)
+    assert isinstance(make_gamma_policy("auto"), AdaptiveGamma)
+    assert [c.fixed for c in parse_gamma_choices(["2", "heuristic"])] == [2, None]
+    assert Speculator(None, None, "heuristic").gamma == "heuristic"  # type: ignore[arg-type]
+    for bad in ("fast", "0", 0, "-2", True):
+        with pytest.raises(ValueError, match="integer >= 1, 'auto' or 'heuristic'"):
+            parse_gamma(bad)
+        with pytest.raises(ValueError, match="integer >= 1, 'auto' or 'heuristic'"):
+            parse_gamma_choices([str(bad)])
+        with pytest.raises(ValueError, match="integer >= 1, 'auto' or 'heuristic'"):
+            Speculator(None, None, bad)  # type: ignore[arg-type]
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--gamma", "heuristic"])
+    assert parse_gamma(args.gamma) == "heuristic"

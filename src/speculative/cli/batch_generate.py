@@ -66,7 +66,13 @@ def run_batch(args: argparse.Namespace) -> int:
     from speculative.engine import StopCriteria
     from speculative.engine.batch import BatchEngine, BatchRequest
     from speculative.models.base import SupportsBatchRows
-    from speculative.pipeline import build_drafter, encode_prompt, load_target, parse_gamma
+    from speculative.pipeline import (
+        build_drafter,
+        encode_prompt,
+        load_target,
+        make_gamma_policy,
+        parse_gamma,
+    )
     from speculative.sampling import SamplingParams
 
     if args.out is None:
@@ -95,7 +101,7 @@ def run_batch(args: argparse.Namespace) -> int:
         )
         generator = torch.Generator().manual_seed(int(record.get("seed", args.seed)))
         drafter = build_drafter(args.draft, loaded)
-        row_gamma = AUTO_MAX_GAMMA if gamma == "auto" else int(gamma)
+        row_gamma = AUTO_MAX_GAMMA if gamma == "auto" else make_gamma_policy(gamma)
         return BatchRequest(ids, params, criteria, generator, drafter, row_gamma)
 
     def decode(token_ids: list[int]) -> str:

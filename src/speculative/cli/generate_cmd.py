@@ -84,7 +84,10 @@ def tree_budget(text: str) -> int | str:
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--gamma", default="4", help="drafted tokens per round, or 'auto' (adaptive γ)"
+        "--gamma",
+        default="4",
+        help="drafted tokens per round, 'auto' (adaptive γ from measured costs) or "
+        "'heuristic' (transformers' +2/−1 schedule)",
     )
     parser.add_argument(
         "--temperature",
