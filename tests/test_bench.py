@@ -248,10 +248,12 @@ def test_cli_json_is_the_last_line(capsys, tiny_target, prompts_file, tmp_path):
         "bench",
         "--target", str(tiny_target),
         "--prompts", str(prompts_file),
+        "--runtime", "hf",
         "--drafters", "ngram",
         "--gamma", "2",
         "--max-new-tokens", "6",
         "--repeats", "1",
+        "--threads", "1",
         "--no-progress",
         "--json",
     )  # fmt: skip
@@ -266,6 +268,31 @@ def test_cli_json_is_the_last_line(capsys, tiny_target, prompts_file, tmp_path):
     }
     assert data["outputs_identical"] is True
     assert "speedup vs plain decoding by category" in out
+
+
+def test_cli_defaults_run_what_a_user_gets(capsys, tiny_target, prompts_file):
+    """No --runtime: auto resolves to the native runtime (a Llama folder); the default
+    drafters that cannot help this fp32 target are skipped, self-int4 is kept; decode-only
+    throughput is reported beside end-to-end."""
+    code, out, err = run_cli(
+        capsys,
+        "bench",
+        "--target", str(tiny_target),
+        "--prompts", str(prompts_file),
+        "--gamma", "2",
+        "--max-new-tokens", "6",
+        "--repeats", "1",
+        "--no-progress",
+        "--json",
+    )  # fmt: skip
+    assert code == 0
+    data = json.loads(out.strip().splitlines()[-1])
+    configs = {r["config"] for r in data["results"]}
+    assert configs == {"native/plain", "native/ngram/γ=2", "native/self-int4/γ=2"}
+    assert "skipping drafter eagle" in err  # no head ships for the tiny model
+    for row in data["results"]:
+        assert 0 < row["tokens_per_second"] < row["decode_tokens_per_second"]
+    assert "decode tok/s" in out
 
 
 # --------------------------------------------------------------------------- real model
