@@ -18,6 +18,7 @@ from speculative.cli.common import (
     positive_int,
     probability,
 )
+from speculative.exactness.controls import CONTROL_NAME
 
 EXIT_NOT_EXACT = 1
 
@@ -28,7 +29,9 @@ output is distributed as the target's own samples.
 Method. From a few fixed prompts it draws N continuations of L tokens three ways, each
 with its own seeded generator: the target's own sampling (plain decoding, no drafter),
 speculative sampling with --draft / --gamma / the mode, and a NEGATIVE CONTROL: the same
-engine with a deliberately broken rule (every drafted token accepted). For each prompt it
+engine with a deliberately broken rule (every drafted token accepted, the bonus token
+drawn from the wrong row of target distributions: visible with poor and near-perfect
+drafters alike, since L defaults to γ + 1). For each prompt it
 compares the joint distribution of the first 1, 2 and 3 tokens, the marginal of each later
 position, and position 2 given the most frequent first tokens: rare outcomes binned into
 "other", a chi-square (or G) test each, Holm-corrected over the run. For the joints it
@@ -92,7 +95,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--samples", type=positive_int, default=2000, help="N continuations per prompt per way"
     )
     parser.add_argument(
-        "--length", type=positive_int, default=3, help="L tokens per continuation (sampling)"
+        "--length",
+        type=positive_int,
+        default=None,
+        help="L tokens per continuation (sampling; default γ + 1, at least 3, so that the "
+        "control's bonus token is compared)",
     )
     parser.add_argument(
         "--prompt", action="append", default=None, metavar="TEXT",
@@ -234,7 +241,7 @@ def print_report(report: Any) -> None:
                 f"{'identical' if same else 'DIFFER'} (control: {'same' if ctl else 'differs'})"
             )
     else:
-        print(f"  N = {c.samples} per prompt per way · {report.prompts} prompts · L = {c.length}")
+        print(f"  N = {c.samples} per prompt per way · {report.prompts} prompts · L = {c.horizon}")
         print("  prompt statistic         bins  p (Holm)   TV̂      TV bound")
         for x in report.comparisons:
             bound = f"{x.tv_bound:.3f}" if x.joint else "  –"
@@ -243,7 +250,7 @@ def print_report(report: Any) -> None:
                 f"{x.tv_hat:.4f}  {bound}"
             )
         print(
-            f"  control ({'accept-all'}): min p (Holm) {report.min_p(report.control):.3g} · "
+            f"  control ({CONTROL_NAME}): min p (Holm) {report.min_p(report.control):.3g} · "
             f"pilot says N ≥ {report.required_samples} detects it"
         )
     detected = "detected" if report.control_detected else "NOT detected"
@@ -266,7 +273,7 @@ def report_markdown(report: Any) -> str:
         "# speculative check",
         "",
         f"**Verdict: {report.verdict}** · negative control "
-        f"({'accept-all'}): {'detected' if report.control_detected else 'NOT detected'}",
+        f"({CONTROL_NAME}): {'detected' if report.control_detected else 'NOT detected'}",
         "",
         f"- target: {report.target} ({report.runtime}, {report.precision})",
         f"- drafter: {c.drafter} · γ {c.gamma} · mode {c.mode} · {c.sampling_label()}",
@@ -275,7 +282,7 @@ def report_markdown(report: Any) -> str:
     if not c.greedy:
         lines += [
             f"- N = {c.samples} continuations per prompt per way, {report.prompts} prompts, "
-            f"L = {c.length}; {c.method} tests, Holm-corrected; TV bound at "
+            f"L = {c.horizon}; {c.method} tests, Holm-corrected; TV bound at "
             f"{100 * (1 - c.alpha):g}% (simultaneous over the joint statistics)",
             "",
             "| prompt | statistic | bins | p (Holm) | control p (Holm) | TV̂ | TV bound |",
@@ -304,6 +311,7 @@ def run_matrix_command(args: argparse.Namespace) -> int:
 
     from speculative.exactness import CheckConfig
     from speculative.exactness.matrix import (
+        DEFAULT_SAMPLINGS,
         GRID_MODES,
         SAMPLINGS,
         default_drafters,
@@ -328,14 +336,14 @@ def run_matrix_command(args: argparse.Namespace) -> int:
 
         return get
 
-    base = replace(CheckConfig(), gamma=4, samples=args.matrix_samples, seed=args.seed)
-    plans = [("tiny", tiny_drafters(folder), [list(TINY_PROMPTS[0])], base)]
+    base = replace(CheckConfig(), gamma=2, samples=args.matrix_samples, seed=args.seed)
+    plans = [("tiny", tiny_drafters(folder), [list(TINY_PROMPTS[0])], base, SAMPLINGS)]
     if args.default_samples > 0:
         default_base = replace(base, samples=args.default_samples, pilot=min(100, base.pilot))
-        plans.append(("default", default_drafters(), None, default_base))
+        plans.append(("default", default_drafters(), None, default_base, DEFAULT_SAMPLINGS))
     sections, all_cells = [], []
-    for name, drafters, prompts, config in plans:
-        cells_total = len(drafters) * len(GRID_MODES) * len(SAMPLINGS)
+    for name, drafters, prompts, config, samplings in plans:
+        cells_total = len(drafters) * len(GRID_MODES) * len(samplings)
         bar = tqdm(total=cells_total, desc=f"matrix {name}", unit="cell", file=sys.stderr,
                    disable=args.no_progress)  # fmt: skip
         get = targets_for(name)
@@ -349,7 +357,7 @@ def run_matrix_command(args: argparse.Namespace) -> int:
             bar.update(1)
 
         with bar:
-            cells = run_matrix(get, drafters, prompts, config, on_cell=advance)
+            cells = run_matrix(get, drafters, prompts, config, GRID_MODES, samplings, advance)
         torch.set_num_threads(threads)
         all_cells.append((name, cells))
         sections.append(section_markdown(_section_title(name), cells, _section_note(name, config)))
@@ -377,12 +385,13 @@ def _section_note(name: str, config: Any) -> str:
     what = (
         "Built from a seed by `speculative check --target tiny` (a test fixture). "
         if name == "tiny"
-        else "One built-in prompt, chat template. "
+        else "One built-in prompt, chat template; greedy and T = 1 only. "
     )
     return (
-        f"{what}γ = {config.gamma}, L = {config.length} tokens per continuation (greedy: "
-        f"{config.greedy_length}), N per prompt per way as given, control = accept every "
-        "drafted token. 'min p' is the smallest Holm-adjusted p-value of the speculative "
+        f"{what}γ = {config.gamma}, L = {config.horizon} tokens per continuation (greedy: "
+        f"{config.greedy_length}), N per prompt per way as given, control = every drafted "
+        "token accepted and the bonus token drawn from the wrong row. 'min p' is the "
+        "smallest Holm-adjusted p-value of the speculative "
         "sample against plain sampling (exact cells: large); 'control min p' the same for "
         "the control (must be < 0.001). The TV bound is for the binned joint distributions "
         "of the first 1–3 tokens."
@@ -395,7 +404,8 @@ def matrix_markdown(sections: list[str], cpu: str) -> str:
         "Generated by `speculative check --matrix --out docs` (do not edit by hand). Each "
         "cell draws continuations from fixed prompts three ways (the target's own "
         "sampling, speculative sampling, and the negative control: the same engine with "
-        "every drafted token accepted) and tests them as `speculative check` does "
+        "every drafted token accepted and the bonus drawn from the wrong row) and "
+        "tests them as `speculative check` does "
         "(`speculative check --help` has the method).\n\n"
         f"CPU: {cpu}.\n"
     )

@@ -44,7 +44,9 @@ def tiny_drafters(folder: Path) -> list[Drafter]:
 
 
 def default_drafters() -> list[Drafter]:
-    """The drafters that can pay on the default (int4) model."""
+    """The registry's drafters on the default (int4) model: self-int4/int8/bf16 cannot be
+    cheaper than an int4 target (the registry refuses them); self-exit needs the
+    transformers runtime."""
     return [
         Drafter("ngram", "ngram", "native"),
         Drafter("eagle", "eagle", "native"),
@@ -52,6 +54,9 @@ def default_drafters() -> list[Drafter]:
         Drafter("auto", "auto", "native"),
         Drafter("self-exit:15", "self-exit:15", "hf"),
     ]
+
+
+DEFAULT_SAMPLINGS = SAMPLINGS[:2]  # greedy and T = 1: the default model's grid is smaller
 
 
 @dataclass

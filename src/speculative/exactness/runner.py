@@ -51,7 +51,7 @@ class CheckConfig:
     top_k: int = 0
     top_p: float = 1.0
     samples: int = 2000  # N per prompt per way
-    length: int = 3  # L tokens per continuation (sampling)
+    length: int | None = None  # L tokens per continuation (sampling); None: γ + 1, >= 3
     greedy_length: int = 32  # tokens per prompt compared at temperature 0
     alpha: float = 0.001  # family-wise level of the tests; TV bound at 1 − alpha
     max_bins: int = 8
@@ -68,7 +68,7 @@ class CheckConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.samples < 1 or self.length < 1 or self.greedy_length < 1:
+        if self.samples < 1 or (self.length or 1) < 1 or self.greedy_length < 1:
             raise ValueError("samples and lengths must be >= 1")
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
@@ -76,6 +76,14 @@ class CheckConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def horizon(self) -> int:
+        """L: as given, else γ + 1 (at least 3) so that a bonus token after a fully
+        accepted chain lies inside the compared positions (5 for γ auto/heuristic)."""
+        if self.length is not None:
+            return self.length
+        return max(3, self.gamma + 1) if isinstance(self.gamma, int) else 5
 
     def sampling(self) -> Any:
         from speculative.sampling import SamplingParams
@@ -115,11 +123,14 @@ def draw(
     indices: range,
     length: int,
     tick: Tick = lambda n: None,
+    drafted: Counter | None = None,
 ) -> list[list[tuple[int, ...]]]:
-    """Continuations ``indices`` of each prompt, drawn ``way``; [prompt][i] -> tokens."""
+    """Continuations ``indices`` of each prompt, drawn ``way``; [prompt][i] -> tokens.
+    ``drafted[way]`` (when given) counts the drafted tokens."""
+    drafted = Counter() if drafted is None else drafted
     if config.mode == "batch":
-        return _draw_batch(target, config, way, prompts, indices, length, tick)
-    return _draw_single(target, config, way, prompts, indices, length, tick)
+        return _draw_batch(target, config, way, prompts, indices, length, tick, drafted)
+    return _draw_single(target, config, way, prompts, indices, length, tick, drafted)
 
 
 def _stop(target: Any, length: int) -> Any:
@@ -128,7 +139,7 @@ def _stop(target: Any, length: int) -> Any:
     return StopCriteria(max_new_tokens=length, eos_token_ids=target.eos_token_ids)
 
 
-def _draw_single(target, config, way, prompts, indices, length, tick):
+def _draw_single(target, config, way, prompts, indices, length, tick, drafted):
     from speculative.engine import SpeculativeEngine
     from speculative.pipeline import build_drafter, make_tree_round
 
@@ -150,13 +161,15 @@ def _draw_single(target, config, way, prompts, indices, length, tick):
         rows = []
         for i in indices:
             generator = torch.Generator().manual_seed(_seed(config, way, p, i))
-            rows.append(tuple(engine.generate(prompt, params, stop, generator).token_ids))
+            result = engine.generate(prompt, params, stop, generator)
+            drafted[way] += result.stats.drafted_tokens
+            rows.append(tuple(result.token_ids))
             tick(1)
         out.append(rows)
     return out
 
 
-def _draw_batch(target, config, way, prompts, indices, length, tick):
+def _draw_batch(target, config, way, prompts, indices, length, tick, drafted):
     from speculative.engine import BatchEngine, BatchRequest
     from speculative.models.base import SupportsBatchRows
     from speculative.pipeline import build_drafter
@@ -190,7 +203,9 @@ def _draw_batch(target, config, way, prompts, indices, length, tick):
         for row_id in [r for r in owners if r in engine.finished]:
             key, drafter = owners.pop(row_id)
             pool.append(drafter)
-            results[key] = tuple(engine.finished.pop(row_id).token_ids)
+            result = engine.finished.pop(row_id)
+            drafted[way] += result.stats.drafted_tokens
+            results[key] = tuple(result.token_ids)
             tick(1)
     return [[results[(p, i)] for i in indices] for p in range(len(prompts))]
 
@@ -341,7 +356,7 @@ class CheckReport:
             "sampling": c.sampling_label(),
             "samples_per_prompt": c.samples,
             "prompts": self.prompts,
-            "length": c.greedy_length if c.greedy else c.length,
+            "length": c.greedy_length if c.greedy else c.horizon,
             "alpha": c.alpha,
             "tv_bound": self.tv_bound,
             "failing": self.failing,
@@ -378,6 +393,16 @@ def run_check(
     return report
 
 
+def require_drafts(drafted: Counter, config: CheckConfig) -> None:
+    """A check in which the drafter never proposed a token tested nothing: refuse it."""
+    if drafted["speculative"] == 0:
+        raise ValueError(
+            f"the '{config.drafter}' drafter proposed no token in {config.mode} mode on these "
+            "prompts, so nothing speculative was checked (e.g. heads need the target's "
+            "features, which the batched engine's shared pass does not give)"
+        )
+
+
 def _report(target, config, prompts, **kw) -> CheckReport:
     return CheckReport(
         config=config, target=target.name, runtime=target.runtime,
@@ -386,12 +411,13 @@ def _report(target, config, prompts, **kw) -> CheckReport:
 
 
 def _greedy_check(target, config, prompts, tick) -> CheckReport:
-    once = range(1)
+    once, drafted = range(1), Counter()
     runs = {
         way: [rows[0] for rows in draw(target, config, way, prompts, once,
-                                       config.greedy_length, tick)]
+                                       config.greedy_length, tick, drafted)]
         for way in WAYS
     }  # fmt: skip
+    require_drafts(drafted, config)
     identical = [a == b for a, b in zip(runs["reference"], runs["speculative"], strict=True)]
     control = [a == b for a, b in zip(runs["reference"], runs["control"], strict=True)]
     failing = None
@@ -410,7 +436,7 @@ def _greedy_check(target, config, prompts, tick) -> CheckReport:
 
 
 def _sampling_check(target, config, prompts, tick) -> CheckReport:
-    n, length = config.samples, config.length
+    n, length = config.samples, config.horizon
     pilot = min(config.pilot, n)
     ref = draw(target, config, "reference", prompts, range(pilot), length, tick)
     ctl = draw(target, config, "control", prompts, range(pilot), length, tick)
@@ -422,6 +448,9 @@ def _sampling_check(target, config, prompts, tick) -> CheckReport:
             f"a pilot of {pilot} per prompt shows it {need}; raise --samples (or use a "
             "drafter that disagrees with the target more often)"
         )
+    drafted: Counter = Counter()
+    spec = draw(target, config, "speculative", prompts, range(n), length, tick, drafted)
+    require_drafts(drafted, config)
     rest = range(pilot, n)
     if rest:
         for rows, more in (
@@ -430,7 +459,6 @@ def _sampling_check(target, config, prompts, tick) -> CheckReport:
         ):
             for a, b in zip(rows, more, strict=True):
                 a.extend(b)
-    spec = draw(target, config, "speculative", prompts, range(n), length, tick)
     found = comparisons(ref, spec, length, config)
     control = comparisons(ref, ctl, length, config)
     failed = [c for c in found if c.p_adjusted < config.alpha]

@@ -19,6 +19,7 @@ WORDS = (
     "and", "then", "it", "was", "big", "small", "red", "blue", "end",
 )  # fmt: skip
 HIDDEN = 64
+EOS_SCALE = 0.3  # the EOS row of the output head, shrunk
 # token ids (EOS is 1); repetitive, so that n-gram lookup drafts from the first round
 TINY_PROMPTS = ([2, 4, 6, 8, 2, 4, 6], [3, 5, 7, 9, 3, 5])
 
@@ -55,7 +56,10 @@ def save_tiny_target(folder: Path, seed: int = 0, layers: int = 2) -> Path:
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        LlamaForCausalLM(config).eval().save_pretrained(folder)
+        model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # EOS possible but rare: continuations mostly run their length
+        model.lm_head.weight[config.eos_token_id] *= EOS_SCALE
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     _save_random_heads(folder, seed, len(vocab))
     return folder
@@ -83,7 +87,7 @@ def _save_random_heads(folder: Path, seed: int, vocab: int) -> None:
 
 def tiny_target_folder(cache: Path, seed: int = 0) -> Path:
     """The tiny target in ``cache/tiny-<seed>``, written on first use."""
-    folder = Path(cache) / f"tiny-{seed}"
+    folder = Path(cache) / f"tiny-v2-{seed}"
     if not (folder / "medusa" / "config.json").is_file():
         save_tiny_target(folder, seed)
     return folder
