@@ -17,6 +17,7 @@ import broken
 from speculative.cli.main import main
 from speculative.exactness import CheckConfig, ControlTooWeak, run_check, stats
 from speculative.exactness.controls import accept_all, accept_all_tree
+from speculative.exactness.matrix import GRID_MODES, SAMPLINGS, run_matrix, tiny_drafters
 from speculative.exactness.tiny import TINY_PROMPTS, tiny_target_folder
 from speculative.pipeline import load_target
 from speculative.sampling import verify, verify_tree
@@ -204,3 +205,24 @@ def test_cli_check_json_and_report(tiny: Path, tmp_path: Path, monkeypatch, caps
     assert (tmp_path / "check.md").read_text().startswith("# speculative check")
     assert main(["check", "--target", "tiny", "--samples", "3", "--no-progress"]) == 2
     assert "negative control was not detected" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_matrix_on_the_tiny_model(native, tiny: Path) -> None:
+    """A reduced grid (CI time; `speculative check --matrix` runs every drafter and all four
+    sampling settings): ngram, self-int4 and EAGLE × chain, tree, batch × greedy and T = 1.
+    Every cell is exact with its control detected; heads in batch mode are refused (they
+    draft nothing there), not passed."""
+    drafters = [d for d in tiny_drafters(tiny) if d.label in ("ngram", "self-int4", "eagle")]
+    config = CheckConfig(gamma=2, samples=500)
+    cells = run_matrix(lambda runtime: native, drafters, PROMPTS, config, GRID_MODES, SAMPLINGS[:2])
+    assert len(cells) == 3 * 3 * 2
+    for cell in cells:
+        where = (cell.drafter.label, cell.mode, cell.sampling, cell.problem)
+        if cell.drafter.label == "eagle" and cell.mode == "batch":
+            assert cell.problem is not None and cell.problem.startswith("n/a"), where
+            continue
+        assert cell.report is not None and cell.report.exact, where
+        assert cell.report.control_detected, where
+        if not cell.report.config.greedy:
+            assert cell.report.tv_bound < 0.35, where

@@ -393,9 +393,9 @@ def run_check(
     return report
 
 
-def require_drafts(drafted: Counter, config: CheckConfig) -> None:
+def require_drafts(drafted: Counter, config: CheckConfig, way: str = "speculative") -> None:
     """A check in which the drafter never proposed a token tested nothing: refuse it."""
-    if drafted["speculative"] == 0:
+    if drafted[way] == 0:
         raise ValueError(
             f"the '{config.drafter}' drafter proposed no token in {config.mode} mode on these "
             "prompts, so nothing speculative was checked (e.g. heads need the target's "
@@ -438,8 +438,10 @@ def _greedy_check(target, config, prompts, tick) -> CheckReport:
 def _sampling_check(target, config, prompts, tick) -> CheckReport:
     n, length = config.samples, config.horizon
     pilot = min(config.pilot, n)
+    drafted: Counter = Counter()
     ref = draw(target, config, "reference", prompts, range(pilot), length, tick)
-    ctl = draw(target, config, "control", prompts, range(pilot), length, tick)
+    ctl = draw(target, config, "control", prompts, range(pilot), length, tick, drafted)
+    require_drafts(drafted, config, "control")
     required = pilot_requirement(comparisons(ref, ctl, length, config), pilot, config)
     if pilot < n and (required is None or required > n):
         need = "is not visible in the pilot" if required is None else f"needs N ≥ {required}"
@@ -448,7 +450,6 @@ def _sampling_check(target, config, prompts, tick) -> CheckReport:
             f"a pilot of {pilot} per prompt shows it {need}; raise --samples (or use a "
             "drafter that disagrees with the target more often)"
         )
-    drafted: Counter = Counter()
     spec = draw(target, config, "speculative", prompts, range(n), length, tick, drafted)
     require_drafts(drafted, config)
     rest = range(pilot, n)
