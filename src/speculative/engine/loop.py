@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speculative.drafters.base import Draft, Drafter, SupportsPriming
-from speculative.engine.gamma import FixedGamma, GammaPolicy
+from speculative.engine.gamma import FixedGamma, GammaPolicy, SupportsCostFeedback
 from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import StopCriteria
 from speculative.engine.tree import TreeRound
@@ -113,8 +113,15 @@ class SpeculativeEngine:
             if self.tree is not None:
                 round_ = self.tree.run(self, state, params, generator, stop)
             else:
+                round_started = time.perf_counter()
                 draft = self.propose(state, params, generator)
+                proposed = time.perf_counter()
                 result = self.verify(state, draft, params, generator)
+                if isinstance(self.gamma_policy, SupportsCostFeedback) and draft.tokens:
+                    verified = time.perf_counter()
+                    self.gamma_policy.observe_costs(
+                        len(draft.tokens), proposed - round_started, verified - proposed
+                    )
                 round_ = self.commit(state, draft, result, stop)
             state.stats.seconds = time.perf_counter() - started
             yield round_
