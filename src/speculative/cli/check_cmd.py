@@ -84,7 +84,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--tree", choices=["off", "static", "dynamic"], default="off", help="draft token trees"
     )
     mode.add_argument(
-        "--batch", action="store_true", help="use the batched engine (native runtime)"
+        "--batch",
+        action="store_true",
+        help="use the batched engine (one row per continuation; native runtime). Default: "
+        "batched where the target and drafter support it, else single-sequence chains",
+    )
+    mode.add_argument(
+        "--single", action="store_true", help="use the single-sequence engine (chains)"
     )
     parser.add_argument(
         "--temperature", type=non_negative_float, default=1.0, help="0: greedy identity check"
@@ -154,6 +160,18 @@ def load_check_target(name: str, runtime: str, precision: str) -> tuple[Any, lis
     return load_target(name, runtime, precision), []
 
 
+HEAD_DRAFTERS = ("eagle", "medusa", "auto")  # need the target's features: no batch mode
+
+
+def batches(target: Any, drafter: str) -> bool:
+    """Whether the default mode is the batched engine: the target has per-row cache slots
+    and the drafter drafts there (heads need features the shared pass does not give)."""
+    from speculative.models.base import SupportsBatchRows
+
+    head = drafter.split(":")[0] in HEAD_DRAFTERS
+    return isinstance(target.lm, SupportsBatchRows) and not head
+
+
 def encode_prompts(target: Any, texts: list[str]) -> list[list[int]]:
     from speculative.pipeline import encode_prompt
 
@@ -165,6 +183,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     from speculative.pipeline import parse_gamma
 
     mode = "batch" if args.batch else ("chain" if args.tree == "off" else f"tree-{args.tree}")
+    if getattr(args, "auto_batch", False):
+        mode = "batch"
     return CheckConfig(
         drafter=args.draft,
         gamma=parse_gamma(args.gamma),
@@ -188,10 +208,14 @@ def run(args: argparse.Namespace) -> int:
     from speculative.sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_k, args.top_p)  # validate before loading
-    config = config_from_args(args)
-    if config.drafter.strip() == "none":
+    config_from_args(args)  # validate before loading
+    if args.draft.strip() == "none":
         raise CliError("--draft none has nothing to check: name a drafter")
     target, prompts = load_check_target(args.target, args.runtime, args.precision)
+    args.auto_batch = not (args.single or args.batch or args.tree != "off") and batches(
+        target, args.draft
+    )
+    config = config_from_args(args)
     if args.prompt or not prompts:
         prompts = encode_prompts(target, args.prompt or list(DEFAULT_PROMPTS))
     report = check_with_progress(target, config, prompts, not args.no_progress)

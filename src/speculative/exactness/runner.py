@@ -58,7 +58,7 @@ class CheckConfig:
     method: str = "chi2"  # or "g"
     pilot: int = 200  # continuations per prompt drawn first to size the control's power
     power: float = 0.99
-    max_batch: int = 16
+    max_batch: int = 32
     seed: int = 0
     # the rules under test (None: the engine's exact ones); a broken one here is how the
     # check itself is tested
