@@ -7,6 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
+import broken
 from speculative.drafters import DraftModelDrafter, PromptLookupDrafter
 from speculative.engine import (
     AdaptiveGamma,
@@ -70,6 +71,18 @@ def test_sequence_distribution_negative_control():
     plain = sequence_counts(make_engine(None), n, length, SamplingParams(), seed=1)
     draft_only = SpeculativeEngine(MarkovLM(Q), None)
     wrong = sequence_counts(draft_only, n, length, SamplingParams(), seed=2)
+    assert two_sample_p_value(plain, wrong) < 1e-3
+
+
+@pytest.mark.parametrize("rule", [broken.always_accept, broken.resample_from_target])
+def test_sequence_distribution_negative_control_broken_rule(rule):
+    """The same engine and drafter as above with a broken verification rule (the engine's
+    verifier seam): the test above detects it."""
+    n, length = 3000, 3
+    plain = sequence_counts(make_engine(None), n, length, SamplingParams(), seed=1)
+    target, draft = MarkovLM(P, "target"), DraftModelDrafter(MarkovLM(Q, "draft"), 5)
+    engine = SpeculativeEngine(target, draft, 4, verifier=rule)
+    wrong = sequence_counts(engine, n, length, SamplingParams(), seed=2)
     assert two_sample_p_value(plain, wrong) < 1e-3
 
 
