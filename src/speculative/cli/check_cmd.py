@@ -385,6 +385,9 @@ def run_matrix_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
         all_cells.append((name, cells))
         sections.append(section_markdown(_section_title(name), cells, _section_note(name, config)))
+        if args.out is not None:  # each section as soon as it is done
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "exactness.partial.md").write_text("\n".join(sections))
     command = (
         f"speculative check --matrix --matrix-samples {args.matrix_samples} "
         f"--default-samples {args.default_samples} --out DIR"
