@@ -98,7 +98,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: off)")
     parser.add_argument("--top-p", type=probability, default=1.0, help="nucleus mass (1: off)")
     parser.add_argument(
-        "--samples", type=positive_int, default=2000, help="N continuations per prompt per way"
+        "--samples", type=positive_int, default=1000, help="N continuations per prompt per way"
     )
     parser.add_argument(
         "--length",
