@@ -50,7 +50,7 @@ class CheckConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    samples: int = 1000  # N per prompt per way
+    samples: int = 500  # N per prompt per way
     length: int | None = None  # L tokens per continuation (sampling); None: γ + 1, >= 3
     greedy_length: int = 32  # tokens per prompt compared at temperature 0
     alpha: float = 0.001  # family-wise level of the tests; TV bound at 1 − alpha
