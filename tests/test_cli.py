@@ -113,3 +113,17 @@ def test_console_script_runs():
         check=True,
     )
     assert "2.47x" in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["generate", "check", "bench", "demo"])
+def test_help_lists_registry_drafters_and_no_flag_defaults(capsys, command):
+    from speculative.drafters.registry import REGISTRY
+
+    code, out, _ = run_cli(capsys, command, "--help")
+    assert code == 0
+    for nonsense in ("(default: True)", "(default: False)", "(default: None)"):
+        assert nonsense not in out, nonsense
+    if command in ("generate", "check"):
+        for entry in REGISTRY:  # every registry drafter, self-int4 included
+            assert f"\n  {entry.prefix}" in out, entry.prefix
+        assert "self-int4" in out

@@ -7,6 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
+import broken
 from speculative.drafters import DraftModelDrafter, PromptLookupDrafter
 from speculative.engine import (
     AdaptiveGamma,
@@ -73,6 +74,18 @@ def test_sequence_distribution_negative_control():
     assert two_sample_p_value(plain, wrong) < 1e-3
 
 
+@pytest.mark.parametrize("rule", [broken.always_accept, broken.resample_from_target])
+def test_sequence_distribution_negative_control_broken_rule(rule):
+    """The same engine and drafter as above with a broken verification rule (the engine's
+    verifier seam): the test above detects it."""
+    n, length = 3000, 3
+    plain = sequence_counts(make_engine(None), n, length, SamplingParams(), seed=1)
+    target, draft = MarkovLM(P, "target"), DraftModelDrafter(MarkovLM(Q, "draft"), 5)
+    engine = SpeculativeEngine(target, draft, 4, verifier=rule)
+    wrong = sequence_counts(engine, n, length, SamplingParams(), seed=2)
+    assert two_sample_p_value(plain, wrong) < 1e-3
+
+
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_greedy_matches_plain(gamma, drafter):
@@ -123,13 +136,20 @@ def test_stops_exactly_inside_a_block():
 
 def test_stop_strings_cut_tokens():
     decode = lambda ids: "".join("abcde"[i] for i in ids)  # noqa: E731
+    params, seed = SamplingParams(), 4
+    uncut = make_engine("model", 5).generate(
+        [0], params, StopCriteria(max_new_tokens=100), torch.Generator().manual_seed(seed)
+    )
+    full = decode(uncut.token_ids)
+    hit = full.find("ea")
+    assert hit >= 0  # the stop string really occurs (else nothing below is tested)
     stop = StopCriteria(max_new_tokens=100, stop_strings=("ea",), decode=decode)
-    g = torch.Generator().manual_seed(4)
-    result = make_engine("model", 5).generate([0], SamplingParams(), stop, g)
-    text = decode(result.token_ids)
-    assert text.endswith("ea") or len(result.token_ids) == 100
-    assert "ea" not in text[:-1]
-    assert stop.final_text(text) == text[: text.find("ea")] if "ea" in text else True
+    generator = torch.Generator().manual_seed(seed)
+    result = make_engine("model", 5).generate([0], params, stop, generator)
+    # the same seeded run, cut right after the first "ea" (the token that completes it)
+    assert result.token_ids == uncut.token_ids[: hit + 2]
+    assert result.finish_reason == "stop"
+    assert stop.final_text(decode(result.token_ids)) == full[:hit]
 
 
 def test_stop_string_window_is_bounded_and_finds_boundary_hits():

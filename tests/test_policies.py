@@ -50,7 +50,7 @@ def test_adaptive_gamma_grows_with_acceptance_and_stops_when_drafting_cannot_pay
     for _ in range(40):
         gamma = weak.next_gamma()
         weak.update(gamma, 0)  # nothing accepted
-    # later positions keep their prior, but the first one's 0.1 caps the value of going on
+    # later positions inherit the first one's low estimate: going on cannot pay
     assert weak.position_acceptance()[0] < 0.15 and weak.next_gamma() <= 2
 
     costly = AdaptiveGamma(c=1.0, verify_cost={1: 1.0, 2: 2.0, 3: 3.0}, max_gamma=2)
@@ -104,3 +104,66 @@ def test_common_prefix_length_matches_a_linear_scan(seed: int):
             expected += 1
         assert common_prefix_length(a, b) == expected
         assert common_prefix_length(b, a) == expected
+
+
+def test_one_gamma_parser_for_generate_speculator_and_bench():
+    """"heuristic" is accepted (or anything else refused) alike everywhere."""
+    from speculative.bench import parse_gamma_choices
+    from speculative.cli.main import build_parser
+    from speculative.pipeline import Speculator, make_gamma_policy, parse_gamma
+
+    assert [parse_gamma(v) for v in ("3", 3, "auto", "heuristic")] == [3, 3, "auto", "heuristic"]
+    assert isinstance(make_gamma_policy("heuristic"), HeuristicGamma)
+    assert isinstance(make_gamma_policy("auto"), AdaptiveGamma)
+    assert [c.fixed for c in parse_gamma_choices(["2", "heuristic"])] == [2, None]
+    assert Speculator(None, None, "heuristic").gamma == "heuristic"  # type: ignore[arg-type]
+    for bad in ("fast", "0", 0, "-2", True):
+        with pytest.raises(ValueError, match="integer >= 1, 'auto' or 'heuristic'"):
+            parse_gamma(bad)
+        with pytest.raises(ValueError, match="integer >= 1, 'auto' or 'heuristic'"):
+            parse_gamma_choices([str(bad)])
+        with pytest.raises(ValueError, match="integer >= 1, 'auto' or 'heuristic'"):
+            Speculator(None, None, bad)  # type: ignore[arg-type]
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--gamma", "heuristic"])
+    assert parse_gamma(args.gamma) == "heuristic"
+
+
+def test_unreached_positions_inherit_what_was_learnt():
+    """Drafting 2 tokens that are always accepted: positions 3+ were never examined, yet
+    their estimate follows position 2 (not the 0.6 prior that kept γ small)."""
+    policy = AdaptiveGamma(c=0.05, verify_cost={k: 1.0 for k in range(1, 20)}, decay=1.0)
+    for _ in range(50):
+        policy.update(2, 2)
+    rates = policy.position_acceptance()
+    assert rates[1] > 0.95 and rates[5] == pytest.approx(rates[1])
+    assert policy.next_gamma() >= 8
+
+
+def _trained(feedback: bool) -> AdaptiveGamma:
+    curve = {k: 1.0 + 0.05 * (k - 1) for k in range(1, 20)}
+    policy = AdaptiveGamma(c=0.1, verify_cost=curve, decay=1.0)
+    rng = random.Random(1)
+    for _ in range(300):
+        gamma = rng.randint(1, 6)
+        accepted = 0
+        while accepted < gamma and rng.random() < 0.75:
+            accepted += 1
+        policy.update(gamma, accepted)
+        if feedback:  # each round pays one extra draft-model forward of 1.0 step: catch-up
+            step = 0.01
+            policy.observe_costs(gamma, (0.1 * gamma + 1.0) * step, curve[gamma + 1] * step)
+    return policy
+
+
+def test_adaptive_gamma_charges_the_measured_catch_up_of_each_round():
+    seen, blind = _trained(True), _trained(False)
+    assert seen.overhead == pytest.approx(1.0, rel=1e-6)
+    assert seen.step_seconds == pytest.approx(0.01)
+    rates = seen.position_acceptance()
+    values = {
+        g: expected_tokens_positional(rates, g) / (0.1 * g + 1.0 + seen.verify_cost[g + 1])
+        for g in range(1, 13)
+    }
+    assert seen.next_gamma() == max(values, key=values.get)
+    # negative control: blind to the per-round cost, the policy drafts shorter chains
+    assert blind.overhead == 0.0 and blind.next_gamma() < seen.next_gamma()

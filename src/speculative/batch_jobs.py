@@ -75,7 +75,7 @@ class RowDecoder:
         """The engine's :class:`BatchRequest` for one record (record values over the job's)."""
         from speculative.engine import StopCriteria
         from speculative.engine.batch import BatchRequest
-        from speculative.pipeline import build_drafter, encode_prompt
+        from speculative.pipeline import build_drafter, encode_prompt, make_gamma_policy
         from speculative.sampling import SamplingParams
 
         job, loaded = self.job, self.loaded
@@ -96,7 +96,7 @@ class RowDecoder:
         )
         generator = torch.Generator().manual_seed(int(record.get("seed", job.seed)))
         drafter = build_drafter(job.draft, loaded)
-        row_gamma = AUTO_MAX_GAMMA if self.gamma == "auto" else int(self.gamma)
+        row_gamma = AUTO_MAX_GAMMA if self.gamma == "auto" else make_gamma_policy(self.gamma)
         return BatchRequest(ids, params, criteria, generator, drafter, row_gamma)
 
     def result_line(self, index: int, record: Record, result: GenerationResult) -> ResultLine:

@@ -34,6 +34,7 @@ from speculative.engine import (
     AdaptiveGamma,
     GammaPolicy,
     GenerationStats,
+    HeuristicGamma,
     Round,
     SpeculativeEngine,
     StopCriteria,
@@ -262,27 +263,36 @@ def encode_prompt(
     return list(tokenizer(text)["input_ids"])
 
 
+GAMMA_SCHEDULES = ("auto", "heuristic")
+
+
 def make_gamma_policy(
     gamma: int | str, c: float = 0.3, verify_cost: dict[int, float] | None = None
 ) -> GammaPolicy | int:
-    """An int, or ``"auto"`` for :class:`AdaptiveGamma` with the given cost estimates."""
+    """An int, ``"auto"`` (:class:`AdaptiveGamma` with the given cost estimates) or
+    ``"heuristic"`` (:class:`HeuristicGamma`, transformers' +2/−1 schedule)."""
     gamma = parse_gamma(gamma)
     if gamma == "auto":
         return AdaptiveGamma(c=c, verify_cost=verify_cost or {1: 1.0, 2: 1.8})
+    if gamma == "heuristic":
+        return HeuristicGamma()
     return gamma
 
 
 def parse_gamma(gamma: int | str) -> int | str:
-    """Validate a γ setting: an integer >= 1 (also as text) or "auto"."""
-    if gamma == "auto":
-        return "auto"
+    """Validate a γ setting, the one parser of generate, demo, check, bench and
+    :class:`Speculator`: an integer >= 1 (also as text), "auto" or "heuristic"."""
+    if isinstance(gamma, str) and gamma.strip() in GAMMA_SCHEDULES:
+        return gamma.strip()
     if isinstance(gamma, str):
         try:
             gamma = int(gamma)
         except ValueError:
-            raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}") from None
-    if gamma < 1:
-        raise ValueError(f"gamma must be >= 1 or 'auto', got {gamma}")
+            raise ValueError(
+                f"gamma must be an integer >= 1, 'auto' or 'heuristic', got {gamma!r}"
+            ) from None
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+        raise ValueError(f"gamma must be an integer >= 1, 'auto' or 'heuristic', got {gamma!r}")
     return gamma
 
 
@@ -304,7 +314,8 @@ def make_tree_round(
 class Speculator:
     """A loaded target plus drafter: generate text, streaming or not.
 
-    gamma: drafted tokens per round, or "auto" (:class:`AdaptiveGamma`). With "auto" and no
+    gamma: drafted tokens per round, "auto" (:class:`AdaptiveGamma`) or "heuristic"
+    (:class:`HeuristicGamma`). With "auto" and no
     ``draft_cost`` / ``verify_cost`` given, both are measured on first use (a few seconds):
     the draft cost c and the target's verify-cost curve T(k)/T(1).
     tree: "off" (chains), "static" or "dynamic" token trees of at most ``tree_budget`` nodes
@@ -323,7 +334,7 @@ class Speculator:
     ) -> None:
         self.target = target
         self.drafter = drafter
-        self.gamma = gamma
+        self.gamma = parse_gamma(gamma)
         self.draft_cost = draft_cost
         self.verify_cost = verify_cost
         if tree_budget != "auto" and (not isinstance(tree_budget, int) or tree_budget < 1):

@@ -24,7 +24,7 @@ from speculative.engine import (
     StopCriteria,
 )
 from speculative.models.base import CausalLM
-from speculative.pipeline import LoadedModel, make_gamma_policy
+from speculative.pipeline import LoadedModel, make_gamma_policy, parse_gamma
 from speculative.sampling import SamplingParams
 
 PLAIN = "plain"
@@ -78,21 +78,13 @@ class GammaChoice:
 
 
 def parse_gamma_choices(values: Sequence[str]) -> list[GammaChoice]:
-    """``["2", "4", "auto", "heuristic"]`` → choices; anything else is a ValueError."""
+    """``["2", "4", "auto", "heuristic"]`` → choices, each parsed by
+    :func:`speculative.pipeline.parse_gamma` (the one γ parser); ValueError otherwise."""
     choices = []
     for value in dict.fromkeys(v.strip() for v in values):
-        if value in SCHEDULES:
-            choices.append(GammaChoice(value))
-            continue
-        try:
-            number = int(value)
-        except ValueError:
-            raise ValueError(
-                f"--gamma values must be integers >= 1, 'auto' or 'heuristic'; got {value!r}"
-            ) from None
-        if number < 1:
-            raise ValueError(f"--gamma values must be >= 1, got {number}")
-        choices.append(GammaChoice(value, number))
+        parsed = parse_gamma(value)
+        fixed = None if isinstance(parsed, str) else parsed
+        choices.append(GammaChoice(value, fixed))
     if not choices:
         raise ValueError("give at least one --gamma value")
     return choices

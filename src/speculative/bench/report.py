@@ -75,7 +75,9 @@ class ResultRow:
     new_tokens: int
     seconds: float
     tokens_per_second: float
+    decode_tokens_per_second: float | None = None  # after the prompt's prefill (ours)
     speedup_vs_plain: float | None = None
+    decode_speedup_vs_plain: float | None = None
     speedup_vs_transformers: float | None = None
     speedup_vs_transformers_plain: float | None = None
     acceptance_rate: float | None = None
@@ -117,9 +119,19 @@ def _predictions(
     return theory.speedup(alpha, gamma, c), theory.generalized_speedup(alpha, gamma, c, curve)
 
 
+def _decode_throughput(items: Sequence[Measurement]) -> float | None:
+    """Tokens per second of decoding alone (prefill excluded), None when not measured."""
+    decode = [x.median_decode_seconds for x in items]
+    if not decode or any(d is None for d in decode):
+        return None
+    seconds = sum(d for d in decode if d is not None)
+    return sum(len(x.tokens) for x in items) / seconds if seconds > 0 else None
+
+
 def _base_row(method: Method, category: str, items: Sequence[Measurement]) -> ResultRow:
     tokens, seconds, tps = _throughput(items)
     return ResultRow(
+        decode_tokens_per_second=_decode_throughput(items),
         config=method.name,
         engine=method.engine,
         runtime=method.runtime,
@@ -181,6 +193,9 @@ def _add_speedups(rows: Sequence[ResultRow]) -> None:
         reference = plain.get(row.runtime)
         row.speedup_vs_plain = _ratio(
             row.tokens_per_second, reference and reference.tokens_per_second
+        )
+        row.decode_speedup_vs_plain = _ratio(
+            row.decode_tokens_per_second, reference and reference.decode_tokens_per_second
         )
         row.speedup_vs_transformers_plain = _ratio(
             row.tokens_per_second, hf_plain and hf_plain.tokens_per_second
@@ -303,7 +318,8 @@ def fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
 
 
 OVERALL_COLUMNS = (
-    "config", "tok/s", "×plain", "×hf-same", "α", "τ", "mean γ", "c",
+    "config", "tok/s", "×plain", "decode tok/s", "decode ×plain", "×hf-same", "α", "τ",
+    "mean γ", "c",
     "pred", "pred T(k)", "real/pred", "real/pred T(k)", "identical",
 )  # fmt: skip
 
@@ -313,6 +329,8 @@ def overall_cells(row: ResultRow) -> list[str]:
         row.config,
         fmt(row.tokens_per_second, ".1f"),
         fmt(row.speedup_vs_plain, ".2f", "x"),
+        fmt(row.decode_tokens_per_second, ".1f"),
+        fmt(row.decode_speedup_vs_plain, ".2f", "x"),
         fmt(row.speedup_vs_transformers, ".2f", "x"),
         fmt(row.acceptance_rate),
         fmt(row.mean_accepted_length),

@@ -86,10 +86,19 @@ class Measurement:
     tokens: list[int]
     seconds: list[float]
     stats: GenerationStats | None
+    prefill_seconds: list[float] = field(default_factory=list)  # ours: each run's prefill
 
     @property
     def median_seconds(self) -> float:
         return statistics.median(self.seconds)
+
+    @property
+    def median_decode_seconds(self) -> float | None:
+        """Median wall time after the prompt's prefill (None: not measured, e.g. peers)."""
+        if len(self.prefill_seconds) != len(self.seconds):
+            return None
+        pairs = zip(self.seconds, self.prefill_seconds, strict=True)
+        return statistics.median(s - p for s, p in pairs)
 
 
 @dataclass
@@ -143,7 +152,9 @@ def load_runtimes(settings: BenchSettings, loader: Loader) -> list[RuntimeSetup]
                 drafters[spec] = build_drafter(spec, target)
             except ValueError as exc:  # e.g. self-int4 on the hf runtime
                 print(f"bench: {runtime}: skipping drafter {spec}: {exc}", file=sys.stderr)
-        setups.append(RuntimeSetup(runtime, target, drafters))
+        if any(s.runtime == target.runtime for s in setups):  # e.g. "auto" and "native"
+            continue
+        setups.append(RuntimeSetup(target.runtime, target, drafters))  # "auto" resolved
     return setups
 
 
@@ -317,6 +328,7 @@ def measure(
                         tokens=first.tokens,
                         seconds=[r.seconds for r in runs],
                         stats=first.stats,
+                        prefill_seconds=[r.stats.prefill_seconds for r in runs if r.stats],
                     )
                 )
     return measurements

@@ -40,12 +40,15 @@ method, acceptance α, mean accepted length τ, acceptance by draft position, th
 c and T(k)/T(1), the speedups the seed formula and the generalized one predict, and
 realized ÷ predicted. Every output is checked token for token against plain decoding.
 
-Running time (measured with SmolLM2-135M on 2 shared CPU cores, --threads 1, ~70 ms a
-decode step): --quick (1 prompt per category, 32 new tokens, γ 4/auto/heuristic, 1 repeat,
-10 configurations = 80 measured generations) takes about 4 minutes. The full mode (80
-prompts, 128 new tokens, γ 2/4/auto/heuristic, 3 repeats, 12 configurations ≈ 2900
-generations of up to 128 tokens) takes roughly 8 hours there; trim it with
---per-category, --repeats, --max-new-tokens and --gamma.
+Defaults are what a user gets: --runtime auto (the native runtime where it supports the
+model, at the model's own precision: int4 for the default GGUF), every core, and the
+drafters that can pay (ngram, self-int4, eagle, auto; a self-<precision> drafter no cheaper
+than the target, e.g. self-int4 on an int4 target, is dropped with a note). Tokens/s is
+reported end to end (prompt prefill included) and decode-only (after the prefill), each
+with its speedup over plain decoding. --quick: 1 prompt per category, 128 new tokens (so
+decoding, not the prefill, dominates), γ 4/auto/heuristic, 1 repeat. The full mode (80
+prompts, 128 new tokens, γ 2/4/auto/heuristic, 3 repeats) takes hours on 2 cores; trim it
+with --per-category, --repeats, --max-new-tokens and --gamma.
 
 --concurrency B [B ...] switches to batched decoding: for each batch size B, B prompts
 (categories interleaved) are decoded together by the batched engine with plain batched
@@ -74,7 +77,15 @@ class ModeDefaults:
 NO_DEFAULT = "%(default).0s"
 
 FULL = ModeDefaults(None, 128, ("2", "4", "auto", "heuristic"), 3, 7, 16)
-QUICK = ModeDefaults(1, 32, ("4", "auto", "heuristic"), 1, 3, 8)
+QUICK = ModeDefaults(1, 128, ("4", "auto", "heuristic"), 1, 3, 8)
+DEFAULT_DRAFTERS = ["ngram", "self-int4", "eagle", "auto"]  # those that can pay
+
+
+def every_core() -> int:
+    """CPUs this process may run on."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -90,7 +101,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="target model: 'default' (SmolLM2-135M-Instruct), a folder, a .gguf or a hub id",
     )
     parser.add_argument(
-        "--runtime", nargs="+", default=["hf"], help="runtimes to compare (each one a config)"
+        "--runtime",
+        nargs="+",
+        default=["auto"],
+        help="runtimes to compare (each one a config): auto (native where supported), "
+        "native, hf (transformers; also enables its generate() peers)",
     )
     parser.add_argument(
         "--precision",
@@ -100,8 +115,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--drafters",
         nargs="*",
-        default=["ngram", "self-bf16"],
-        help="built-in drafters to compare (none: only --draft ones)",
+        default=DEFAULT_DRAFTERS,
+        help="built-in drafters to compare (none: only --draft ones); those a target cannot "
+        "use or that cannot be cheaper than it are skipped with a note",
     )
     parser.add_argument(
         "--draft",
@@ -122,7 +138,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-new-tokens",
         type=positive_int,
         default=None,
-        help="token budget per prompt (default 128; quick: 32)" + NO_DEFAULT,
+        help="token budget per prompt (default 128; quick: 128)" + NO_DEFAULT,
     )
     parser.add_argument(
         "--repeats",
@@ -164,8 +180,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--threads",
         type=positive_int,
-        default=1,
-        help="torch intra-op threads (1 is steadiest on a shared CPU)",
+        default=None,
+        help=f"torch intra-op threads (default: every core, {every_core()} here; 1 is "
+        "steadiest on a shared CPU)",
     )
     parser.add_argument("--quick", action="store_true", help="a few-minute smoke run (see above)")
     parser.add_argument(
@@ -303,7 +320,7 @@ def run_suite_mode(args: argparse.Namespace) -> int:
     mode = QUICK if args.quick else FULL
     prompts = take_per_category(load_prompts(args.prompts), args.per_category or mode.per_category)
     threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or every_core())
     try:
         bench = run_bench(settings, prompts)
     finally:

@@ -22,7 +22,17 @@ class Parser(argparse.ArgumentParser):
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Show defaults and keep the hand-written layout of descriptions."""
+    """Show defaults and keep the hand-written layout of descriptions.
+
+    A flag (store_true / store_false) or an option whose default is None shows no
+    "(default: ...)": "--no-chat (default: True)" would describe the destination, not the
+    flag."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        flag = isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction)
+        if flag or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def emit_json(payload: dict[str, Any]) -> None:

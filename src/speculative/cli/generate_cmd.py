@@ -25,16 +25,7 @@ token from normalize(max(0, p − q)), and a fully accepted round earns a bonus 
 output is distributed exactly as the target's own samples (at temperature 0: identical to
 greedy decoding).
 
-Drafters (--draft):
-  none          plain autoregressive decoding on the same runtime (the reference)
-  ngram         prompt lookup: copy what followed the latest match of the last n-gram
-  self-bf16     the target's own weights in bfloat16
-  self-exit:N   the target's first N layers (early exit)
-  eagle         EAGLE head over the target's features (shipped for the default model;
-                eagle:DIR for a head trained with `speculative train-draft`)
-  medusa        Medusa heads (medusa:DIR likewise)
-  auto          n-gram lookup or the EAGLE head, chosen per round by tokens per cost
-  PATH | ID     a smaller causal LM with the same vocabulary
+Drafters (--draft): listed at the end of this text, from the drafter registry.
 
 Token trees (--tree; model drafters and ngram): draft a tree of candidates instead of one chain,
 verify every node in one target pass with a tree attention mask, and keep the longest
@@ -99,7 +90,10 @@ def tree_budget(text: str) -> int | str:
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--gamma", default="4", help="drafted tokens per round, or 'auto' (adaptive γ)"
+        "--gamma",
+        default="4",
+        help="drafted tokens per round, 'auto' (adaptive γ from measured costs) or "
+        "'heuristic' (transformers' +2/−1 schedule)",
     )
     parser.add_argument(
         "--temperature",
@@ -113,11 +107,17 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
 
 
+def drafters_description() -> str:
+    from speculative.drafters.registry import drafter_help
+
+    return "\nDrafters (--draft), from the registry:\n" + drafter_help()
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "generate",
         help="generate text with speculative decoding",
-        description=DESCRIPTION,
+        description=DESCRIPTION + drafters_description(),
         formatter_class=Formatter,
     )
     source = parser.add_mutually_exclusive_group(required=True)

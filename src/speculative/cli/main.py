@@ -9,6 +9,7 @@ from speculative import __version__
 from speculative.cli import (
     bench_cmd,
     bench_serve_cmd,
+    check_cmd,
     demo_cmd,
     generate_cmd,
     profile_cmd,
@@ -39,6 +40,7 @@ def build_parser() -> Parser:
         demo_cmd,
         profile_cmd,
         bench_cmd,
+        check_cmd,
         train_draft_cmd,
         serve_cmd,
         bench_serve_cmd,

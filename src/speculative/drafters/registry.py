@@ -179,7 +179,12 @@ REGISTRY: tuple[Entry, ...] = (
     Entry("none", _none, "plain decoding (no drafter)"),
     Entry("ngram", _ngram, "prompt lookup (n-gram copy)"),
     Entry("self-exit", _self_exit, "the target's first N layers: self-exit:N"),
-    Entry("self", _self_precision, "the target at another precision: self-int4", dash=True),
+    Entry(
+        "self",
+        _self_precision,
+        "the target at a cheaper precision: self-bf16, self-int8, self-int4",
+        dash=True,
+    ),
     Entry("eagle", _eagle, "EAGLE head (shipped, or eagle:DIR)"),
     Entry("medusa", _medusa, "Medusa heads (shipped, or medusa:DIR)"),
     Entry("auto", _auto, "n-gram or EAGLE head per round (auto:DIR)"),
@@ -199,3 +204,12 @@ def build_drafter(spec: str | None, target: LoadedModel) -> Drafter | None:
 
 def drafter_names() -> list[str]:
     return [entry.prefix for entry in REGISTRY]
+
+
+def drafter_help() -> str:
+    """One line per registry entry (for --help), then the draft-model fallback."""
+    names = [entry.prefix + ("-<precision>" if entry.dash else "") for entry in REGISTRY]
+    width = max(len(n) for n in [*names, "PATH | ID"]) + 2
+    lines = [f"  {n:<{width}}{e.summary}" for n, e in zip(names, REGISTRY, strict=True)]
+    lines.append(f"  {'PATH | ID':<{width}}a smaller causal LM with the same vocabulary")
+    return "\n".join(lines) + "\n"

@@ -27,12 +27,19 @@ from dataclasses import dataclass, field
 import torch
 
 from speculative.drafters.base import Drafter, SupportsPriming
-from speculative.engine.gamma import FixedGamma, GammaPolicy, LoadAwareGamma, RowLoad
+from speculative.engine.gamma import (
+    FixedGamma,
+    GammaPolicy,
+    LoadAwareGamma,
+    RowLoad,
+    SupportsCostFeedback,
+)
 from speculative.engine.round import (
     DecodeState,
     GenerationResult,
     Proposal,
     Round,
+    Verifier,
     accepted,
     commit_tokens,
     propose_draft,
@@ -110,6 +117,7 @@ class BatchRow:
 class _Planned:
     row: BatchRow
     proposal: Proposal
+    propose_seconds: float = 0.0  # this round's drafting time
 
 
 def new_state(
@@ -137,11 +145,13 @@ class BatchEngine:
         *,
         prefill_chunk: int | None = None,
         pool: RowPool | None = None,
+        verifier: Verifier | None = None,
     ) -> None:
         """load: choose every row's γ (at most its own) for the load each round; None
         keeps each row's own γ. prefill_chunk: most prompt tokens a joining row feeds per
         pass (None: its whole prompt in one pass). pool: where rows live (default: the
-        target's cache slots; a model without slots holds one row on its own cache)."""
+        target's cache slots; a model without slots holds one row on its own cache).
+        verifier: replaces the exact chain verification (negative controls only)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -155,6 +165,7 @@ class BatchEngine:
         self.max_batch = max_batch
         self.load = load
         self.prefill_chunk = prefill_chunk
+        self.verifier = verifier
         self.rows: dict[int, BatchRow] = {}  # active rows by id, in joining order
         self.finished: dict[int, GenerationResult] = {}
         self.target_passes = 0
@@ -218,6 +229,7 @@ class BatchEngine:
             row.state.stats.prefill_seconds += seconds
         rounds = {}
         for p, logits in zip(planned, outputs[len(chunks) :], strict=True):
+            _feed_back_costs(p, seconds)
             rounds[p.row.row_id] = self._commit(p, p.row.session.receive(logits))
         return rounds
 
@@ -272,8 +284,9 @@ class BatchEngine:
         for row, gamma in zip(rows, wanted, strict=True):
             started, calls = time.perf_counter(), row.state.stats.draft_calls
             proposal = self._proposal(row, gamma)
-            self._measure_propose(row, time.perf_counter() - started, calls)
-            planned.append(_Planned(row, proposal))
+            seconds = time.perf_counter() - started
+            self._measure_propose(row, seconds, calls)
+            planned.append(_Planned(row, proposal, seconds))
         return planned
 
     def _own_gamma(self, row: BatchRow) -> int:
@@ -343,7 +356,9 @@ class BatchEngine:
             row.session.keep_path(result.path)
         else:
             assert proposal.draft is not None
-            result = verify_draft(proposal.draft, logits, request.params, request.generator)
+            result = verify_draft(
+                proposal.draft, logits, request.params, request.generator, self.verifier
+            )
         emitted, num_accepted = accepted(result)
         if request.drafter is not None and proposal.tree is None:
             row.gamma_policy.update(proposal.drafted, num_accepted)
@@ -358,6 +373,14 @@ class BatchEngine:
             row.session.release()
             self.finished[row.row_id] = row.result()
         return round_
+
+
+def _feed_back_costs(planned: _Planned, pass_seconds: float) -> None:
+    """Tell a γ policy that learns from timings what this round's drafting and its
+    verification pass really cost (catch-up forwards and overheads included)."""
+    policy, drafted = planned.row.gamma_policy, planned.proposal.drafted
+    if drafted and planned.proposal.tree is None and isinstance(policy, SupportsCostFeedback):
+        policy.observe_costs(drafted, planned.propose_seconds, pass_seconds)
 
 
 def _default_pool(target: CausalLM, max_batch: int) -> RowPool:

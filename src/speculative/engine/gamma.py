@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from speculative.theory import VerifyCost, expected_tokens_positional, verify_cost_at
 
@@ -17,6 +17,14 @@ class GammaPolicy(Protocol):
     def next_gamma(self) -> int: ...
 
     def update(self, drafted: int, num_accepted: int) -> None: ...
+
+
+@runtime_checkable
+class SupportsCostFeedback(Protocol):
+    """A policy that learns the measured wall time of each round's drafting and verifying
+    (what the engine really paid, catch-up forwards and overheads included)."""
+
+    def observe_costs(self, gamma: int, draft_seconds: float, verify_seconds: float) -> None: ...
 
 
 @dataclass
@@ -55,10 +63,17 @@ class HeuristicGamma:
 class AdaptiveGamma:
     """Pick γ maximizing the generalized speedup from running per-position acceptance.
 
-    Acceptance at each draft position is estimated with a Beta prior (``prior_alpha``
-    accepted out of ``prior_weight`` pseudo-rounds) plus exponentially decayed counts, so
-    the estimate follows the text's current predictability.
-    cost: draft step cost c; verify_cost: T(k)/T(1) mapping or callable.
+    Acceptance at each draft position is estimated with a Beta prior plus exponentially
+    decayed counts, so the estimate follows the text's current predictability. The prior
+    of position 1 is ``prior_alpha`` (weight ``prior_weight``); the prior of each later
+    position is the estimate of the one before, so positions not yet reached (beyond the
+    γ used so far) inherit what was learnt instead of a fixed guess that would hold γ down.
+
+    Costs, in target decode steps: c per draft step and the verify-cost curve T(k)/T(1),
+    measured beforehand; plus, learnt from the engine's timings of each round
+    (:meth:`observe_costs`), the drafting time a round pays beyond γ·c: the drafter's
+    catch-up forward after a recovered or bonus token (which feeds 1–2 tokens), sampling
+    and bookkeeping. The value of γ is E[tokens](γ) / (γ c + overhead + T(γ + 1)).
     """
 
     c: float
@@ -68,26 +83,33 @@ class AdaptiveGamma:
     prior_weight: float = 2.0
     decay: float = 0.9
     probe_every: int = 8
+    cost_decay: float = 0.9  # running means of the measured round costs
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     idle_rounds: int = 0
+    overhead: float = 0.0  # measured drafting per round beyond γ·c, in target steps
+    step_seconds: float | None = None  # measured T(1), from the verification passes
 
     def __post_init__(self) -> None:
         self.reached = [0.0] * self.max_gamma
         self.accepted = [0.0] * self.max_gamma
 
     def position_acceptance(self) -> list[float]:
-        return [
-            (a + self.prior_alpha * self.prior_weight) / (r + self.prior_weight)
-            for a, r in zip(self.accepted, self.reached, strict=True)
-        ]
+        rates, prior = [], self.prior_alpha
+        for a, r in zip(self.accepted, self.reached, strict=True):
+            prior = (a + prior * self.prior_weight) / (r + self.prior_weight)
+            rates.append(prior)
+        return rates
+
+    def round_cost(self, gamma: int) -> float:
+        """Cost of a round drafting γ tokens, in target decode steps."""
+        return gamma * self.c + self.overhead + verify_cost_at(self.verify_cost, gamma + 1)
 
     def next_gamma(self) -> int:
         rates = self.position_acceptance()
         best_gamma, best_value = 1, 0.0
         for gamma in range(1, self.max_gamma + 1):
-            tokens = expected_tokens_positional(rates, gamma)
-            value = tokens / (gamma * self.c + verify_cost_at(self.verify_cost, gamma + 1))
+            value = expected_tokens_positional(rates, gamma) / self.round_cost(gamma)
             if value > best_value:
                 best_gamma, best_value = gamma, value
         plain = 1.0 / verify_cost_at(self.verify_cost, 1)
@@ -103,6 +125,19 @@ class AdaptiveGamma:
         for i in range(min(drafted, num_accepted + 1, self.max_gamma)):
             self.reached[i] += 1
             self.accepted[i] += float(i < num_accepted)
+
+    def observe_costs(self, gamma: int, draft_seconds: float, verify_seconds: float) -> None:
+        """One round's measured drafting and verification times (γ > 0 rounds)."""
+        if gamma < 1 or verify_seconds <= 0:
+            return
+        step = verify_seconds / verify_cost_at(self.verify_cost, gamma + 1)
+        self.step_seconds = _decayed(self.step_seconds, step, self.cost_decay)
+        excess = max(0.0, draft_seconds / self.step_seconds - gamma * self.c)
+        self.overhead = _decayed(self.overhead, excess, self.cost_decay)
+
+
+def _decayed(previous: float | None, value: float, decay: float) -> float:
+    return value if previous is None else decay * previous + (1 - decay) * value
 
 
 @dataclass(frozen=True)

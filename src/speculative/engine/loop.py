@@ -27,6 +27,7 @@ from speculative.engine.round import (
     DecodeState,
     GenerationResult,
     Round,
+    Verifier,
     commit_tokens,
     propose_draft,
     verify_draft,
@@ -43,6 +44,7 @@ __all__ = [
     "GenerationResult",
     "Round",
     "SpeculativeEngine",
+    "Verifier",
     "commit_tokens",
     "propose_draft",
     "verify_draft",
@@ -59,14 +61,18 @@ class SpeculativeEngine:
         gamma: GammaPolicy | int = 4,
         tree: TreeRound | None = None,
         prefill_chunk: int | None = None,
+        verifier: Verifier | None = None,
     ) -> None:
         """tree: draft token trees with this strategy instead of chains of γ tokens.
-        prefill_chunk: most prompt tokens per prefill pass (None: the prompt in one)."""
+        prefill_chunk: most prompt tokens per prefill pass (None: the prompt in one).
+        verifier: replaces the exact block verification; only deliberately broken rules go
+        here, the negative controls of ``speculative check`` and the tests."""
         self.target = ModelSession(target)
         self.drafter = drafter
         self.gamma_policy = FixedGamma(gamma) if isinstance(gamma, int) else gamma
         self.tree = tree
         self.prefill_chunk = prefill_chunk
+        self.verifier = verifier
 
     def stream(
         self,
@@ -83,7 +89,7 @@ class SpeculativeEngine:
         """
         batch = BatchEngine(
             self.target.model, max_batch=1, prefill_chunk=self.prefill_chunk,
-            pool=SinglePool(self.target),
+            pool=SinglePool(self.target), verifier=self.verifier,
         )  # fmt: skip
         request = BatchRequest(
             prompt_ids, params, stop, generator, self.drafter, self.gamma_policy, tree=self.tree

@@ -13,6 +13,7 @@ runs them for every row of a pass, and the single-sequence
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,8 +23,17 @@ from speculative.drafters.tree import DraftTree
 from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import StopCriteria
 from speculative.models.base import RowInput
-from speculative.sampling import SamplingParams, VerifyResult, verify_greedy, verify_logits
+from speculative.sampling import (
+    SamplingParams,
+    VerifyResult,
+    logits_to_probs,
+    one_hot_argmax,
+    verify_greedy,
+    verify_logits,
+)
 from speculative.sampling.tree import TreeVerifyResult
+
+Verifier = Callable[..., VerifyResult]  # the signature of sampling.verify
 
 
 @dataclass(frozen=True)
@@ -102,9 +112,16 @@ def verify_draft(
     logits: torch.Tensor,  # [1, γ+1, vocab] target logits after the context and each draft
     params: SamplingParams,
     generator: torch.Generator,
+    verifier: Verifier | None = None,
 ) -> VerifyResult:
     """Greedy check (temperature 0) or modified rejection sampling of one row's draft
-    (``verify_logits``: verify's result from the logits, processing only the rows read)."""
+    (``verify_logits``: verify's result from the logits, processing only the rows read).
+    ``verifier`` replaces the exact rule: only the deliberately broken rules of negative
+    controls go there; it is given one-hot argmax target rows when greedy."""
+    if verifier is not None:
+        drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
+        probs = one_hot_argmax(logits) if params.greedy else logits_to_probs(logits, params)
+        return verifier(drafted, draft.probs, probs, generator, validate=False)
     if params.greedy:
         drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
         return verify_greedy(drafted, logits)

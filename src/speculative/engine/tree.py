@@ -19,7 +19,7 @@ import torch
 from speculative.drafters.base import Drafter
 from speculative.drafters.tree import DraftTree, TreeDrafter
 from speculative.engine.stats import GenerationStats
-from speculative.sampling import SamplingParams, logits_to_probs
+from speculative.sampling import SamplingParams, logits_to_probs, one_hot_argmax
 from speculative.sampling.tree import TreeVerifyResult, verify_tree, verify_tree_greedy
 
 TreeVerifier = Callable[..., TreeVerifyResult]  # the signature of verify_tree
@@ -79,7 +79,9 @@ class TreeRound:
         params: SamplingParams,
         generator: torch.Generator,
     ) -> TreeVerifyResult:
-        if params.greedy:
+        if params.greedy and self.verifier is verify_tree:
             return verify_tree_greedy(tree.tokens, tree.parents, logits)
-        target_probs = logits_to_probs(logits, params)  # [n + 1, vocab]
+        # a replaced verifier (a negative control) sees one-hot argmax rows when greedy
+        process = one_hot_argmax if params.greedy else lambda x: logits_to_probs(x, params)
+        target_probs = process(logits)  # [n + 1, vocab]
         return self.verifier(tree.tokens, tree.parents, tree.q, target_probs, generator, False)

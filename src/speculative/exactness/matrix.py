@@ -1,0 +1,170 @@
+"""The exactness grid: drafters × modes × sampling settings, one check per cell, and its
+markdown table (docs/exactness.md)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from speculative.exactness.runner import CheckConfig, CheckReport, ControlTooWeak, run_check
+
+# (label, temperature, top_k, top_p)
+SAMPLINGS: tuple[tuple[str, float, int, float], ...] = (
+    ("greedy", 0.0, 0, 1.0),
+    ("T=1", 1.0, 0, 1.0),
+    ("T=0.7 top-k=5", 0.7, 5, 1.0),
+    ("T=0.7 top-p=0.9", 0.7, 0, 0.9),
+)
+GRID_MODES = ("chain", "tree-static", "batch")
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """A drafter of the grid: its label, registry name and the runtime it runs on."""
+
+    label: str
+    spec: str
+    runtime: str
+
+
+def tiny_drafters(folder: Path) -> list[Drafter]:
+    """Every registry drafter on the tiny fixture (self-exit on transformers: the native
+    runtime has no early exit; heads: the fixture's random heads)."""
+    return [
+        Drafter("ngram", "ngram", "native"),
+        Drafter("self-int4", "self-int4", "native"),
+        Drafter("eagle", f"eagle:{folder / 'eagle'}", "native"),
+        Drafter("medusa", f"medusa:{folder / 'medusa'}", "native"),
+        Drafter("auto", f"auto:{folder / 'eagle'}", "native"),
+        Drafter("self-exit:1", "self-exit:1", "hf"),
+    ]
+
+
+def default_drafters() -> list[Drafter]:
+    """The registry's drafters on the default (int4) model: self-int4/int8/bf16 cannot be
+    cheaper than an int4 target (the registry refuses them); self-exit needs the
+    transformers runtime."""
+    return [
+        Drafter("ngram", "ngram", "native"),
+        Drafter("eagle", "eagle", "native"),
+        Drafter("medusa", "medusa", "native"),
+        Drafter("auto", "auto", "native"),
+        Drafter("self-exit:15", "self-exit:15", "hf"),
+    ]
+
+
+DEFAULT_SAMPLINGS = SAMPLINGS[:2]  # greedy and T = 1: the default model's grid is smaller
+
+
+@dataclass
+class Cell:
+    drafter: Drafter
+    mode: str
+    sampling: str
+    seconds: float
+    report: CheckReport | None = None
+    problem: str | None = None  # "n/a: ..." (unsupported) or "control not detected: ..."
+
+    @property
+    def ok(self) -> bool:
+        """Exact with its control detected, or not applicable."""
+        if self.report is None:
+            return self.problem is not None and self.problem.startswith("n/a")
+        return self.report.exact and self.report.control_detected
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "drafter": self.drafter.label,
+            "runtime": self.drafter.runtime,
+            "mode": self.mode,
+            "sampling": self.sampling,
+            "seconds": self.seconds,
+            "problem": self.problem,
+            "report": None if self.report is None else self.report.to_dict(),
+        }
+
+
+def run_matrix(
+    targets: Callable[[str], Any],
+    drafters: Sequence[Drafter],
+    prompts: Sequence[Sequence[int]],
+    base: CheckConfig,
+    modes: Sequence[str] = GRID_MODES,
+    samplings: Sequence[tuple[str, float, int, float]] = SAMPLINGS,
+    on_cell: Callable[[Cell], None] = lambda cell: None,
+) -> list[Cell]:
+    """One check per (drafter, mode, sampling); ``targets(runtime)`` gives the loaded
+    target for a runtime."""
+    cells = []
+    for drafter in drafters:
+        for mode in modes:
+            for label, temperature, top_k, top_p in samplings:
+                config = replace(
+                    base, drafter=drafter.spec, mode=mode, temperature=temperature,
+                    top_k=top_k, top_p=top_p,
+                )  # fmt: skip
+                cell = _run_cell(targets(drafter.runtime), drafter, config, label, prompts)
+                cells.append(cell)
+                on_cell(cell)
+    return cells
+
+
+def _run_cell(target, drafter, config, label, prompts) -> Cell:
+    started = time.perf_counter()
+    try:
+        report = run_check(target, config, prompts)
+    except ControlTooWeak as exc:
+        return Cell(drafter, config.mode, label, time.perf_counter() - started,
+                    problem=f"control not detected: {exc}")  # fmt: skip
+    except ValueError as exc:
+        return Cell(drafter, config.mode, label, time.perf_counter() - started,
+                    problem=f"n/a: {exc}")  # fmt: skip
+    cell = Cell(drafter, config.mode, label, report.seconds, report)
+    if not report.control_detected:
+        cell.problem = "control not detected at this N"
+    return cell
+
+
+def _fmt_p(p: float | None) -> str:
+    return "–" if p is None else f"{p:.2g}"
+
+
+def cell_row(cell: Cell) -> str:
+    d = cell.drafter
+    head = f"| {d.label} | {d.runtime} | {cell.mode} | {cell.sampling} |"
+    if cell.report is None:
+        reason = (cell.problem or "").replace("|", "/")
+        return f"{head} – | – | – | – | – | {cell.seconds:.1f} | {reason} |"
+    r = cell.report
+    if r.config.greedy:
+        n = f"{r.prompts}×{r.config.greedy_length} tok"
+        tv, p_spec, p_ctl = "identical" if r.exact else "differs", "–", "–"
+    else:
+        n = f"{r.prompts}×{r.config.samples}"
+        tv = f"{r.tv_bound:.3f}"
+        p_spec, p_ctl = _fmt_p(r.min_p(r.comparisons)), _fmt_p(r.min_p(r.control))
+    verdict = "exact" if r.exact else f"**NOT EXACT** ({r.failing})"
+    control = "detected" if r.control_detected else "**not detected**"
+    return f"{head} {n} | {tv} | {p_spec} | {p_ctl} | {control} | {cell.seconds:.1f} | {verdict} |"
+
+
+TABLE_HEAD = (
+    "| drafter | runtime | mode | sampling | N (prompts × per prompt) | TV bound (99.9%) "
+    "| min p (Holm) | control min p | control | s | verdict |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def section_markdown(title: str, cells: Sequence[Cell], note: str) -> str:
+    rows = "\n".join(cell_row(c) for c in cells)
+    checked = [c for c in cells if c.report is not None]
+    summary = (
+        f"{len(checked)} cells checked ({sum(c.report.exact for c in checked)} exact, "
+        f"control detected in {sum(c.report.control_detected for c in checked)}), "
+        f"{len(cells) - len(checked)} not run; "
+        f"{sum(c.seconds for c in cells):.0f} s in all."
+    )
+    return f"## {title}\n\n{note}\n\n{summary}\n\n{TABLE_HEAD}\n{rows}\n"

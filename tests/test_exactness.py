@@ -1,0 +1,228 @@
+"""`speculative check`: its statistics against scipy and simulation, the engine's verifier
+seam, and whole checks on the tiny fixture, each with a negative control (a broken rule
+under test must be reported NOT EXACT; the accept-all control must be detected)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+import broken
+from speculative.cli.main import main
+from speculative.exactness import CheckConfig, ControlTooWeak, run_check, stats
+from speculative.exactness.controls import accept_all, accept_all_tree
+from speculative.exactness.matrix import GRID_MODES, SAMPLINGS, run_matrix, tiny_drafters
+from speculative.exactness.tiny import TINY_PROMPTS, tiny_target_folder
+from speculative.pipeline import load_target
+from speculative.sampling import verify, verify_tree
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+# ---- statistics ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("df", [1, 2, 7, 30])
+def test_chi2_sf_and_isf_match_scipy(df: int) -> None:
+    for x in (0.1, 1.0, df, 3.0 * df + 5, 80.0):
+        assert stats.chi2_sf(x, df) == pytest.approx(scipy_stats.chi2.sf(x, df), rel=1e-9)
+    for p in (0.5, 1e-3, 1e-8):
+        assert stats.chi2_isf(p, df) == pytest.approx(scipy_stats.chi2.isf(p, df), rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["chi2", "g"])
+def test_homogeneity_test_matches_scipy(method: str) -> None:
+    table = stats.Table(("a", "b", "c", "other"), (50, 30, 15, 5), (40, 45, 10, 9))
+    ours = stats.homogeneity_test(table, method)
+    lambda_ = "pearson" if method == "chi2" else "log-likelihood"
+    ref = scipy_stats.chi2_contingency(
+        np.array([table.a, table.b]), correction=False, lambda_=lambda_
+    )
+    assert ours.statistic == pytest.approx(ref.statistic, rel=1e-10)
+    assert ours.df == ref.dof == 3
+    assert ours.p_value == pytest.approx(ref.pvalue, rel=1e-8)
+
+
+def test_holm_adjustment() -> None:
+    # m = 4: sorted p * (4, 3, 2, 1), running maximum, capped at 1
+    assert stats.holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
+    assert stats.holm([0.9, 0.8]) == [1.0, 1.0]
+    assert stats.bonferroni([0.01, 0.3]) == pytest.approx([0.02, 0.6])
+
+
+def test_bin_counts_keeps_valid_cells_and_every_count() -> None:
+    rng = np.random.default_rng(0)
+    a = Counter(rng.zipf(1.6, 500).tolist())
+    b = Counter(rng.zipf(1.6, 300).tolist())
+    table = stats.bin_counts(a, b, max_bins=6)
+    assert table.n_a == 500 and table.n_b == 300
+    assert 2 <= table.bins <= 6 and table.labels[-1] == stats.OTHER
+    share = 300 / 800
+    for x, y in zip(table.a, table.b, strict=True):
+        assert (x + y) * share >= stats.MIN_EXPECTED
+
+
+def _tables(p: np.ndarray, q: np.ndarray, n: int, trials: int, seed: int) -> list[stats.Table]:
+    rng = np.random.default_rng(seed)
+    labels = tuple(range(len(p)))
+    return [
+        stats.Table(labels, tuple(rng.multinomial(n, p)), tuple(rng.multinomial(n, q)))
+        for _ in range(trials)
+    ]
+
+
+P4 = np.array([0.4, 0.3, 0.2, 0.1])
+Q4 = np.array([0.3, 0.3, 0.2, 0.2])  # TV(P4, Q4) = 0.1
+
+
+def test_tv_bound_covers_the_true_tv_and_the_margin_is_needed() -> None:
+    tables = _tables(P4, Q4, 2000, 300, seed=1)
+    bounds = [stats.tv_upper_bound(t, delta=0.05) for t in tables]
+    assert min(bounds) >= 0.1  # coverage (the bound is conservative: no miss expected)
+    # negative control: the bare estimate TV̂ falls below the true TV far more often than
+    # the δ = 5% a bound may miss (about 18% of the trials here)
+    assert sum(stats.tv_distance(t) < 0.1 for t in tables) > 2 * 0.05 * len(tables)
+
+
+P2, Q2 = np.array([0.55, 0.45]), np.array([0.45, 0.55])  # TV 0.1, λ = 2nε² exactly
+
+
+def _power(p: np.ndarray, q: np.ndarray, n: int, alpha: float, seed: int) -> float:
+    tables = _tables(p, q, n, 300, seed)
+    return float(np.mean([stats.homogeneity_test(t).p_value < alpha for t in tables]))
+
+
+def test_sample_size_for_detection_is_enough_and_a_quarter_is_not() -> None:
+    alpha = 1e-3
+    n = stats.samples_to_detect_tv(0.1, bins=2, alpha=alpha, power=0.9)
+    assert _power(P2, Q2, n, alpha, seed=2) >= 0.85  # 0.9 up to simulation noise
+    # negative control: at a quarter of that N the same test misses the difference often
+    assert _power(P2, Q2, n // 4, alpha, seed=3) < 0.5
+    # any other pair at the same TV has a larger effect: the N is enough for it too
+    assert _power(P4, Q4, stats.samples_to_detect_tv(0.1, 4, alpha, 0.9), alpha, 4) >= 0.9
+    needed = stats.samples_for_tv_bound(0.05, bins=4, delta=alpha)
+    table = stats.Table((0, 1, 2, 3), (needed // 4,) * 4, (needed // 4,) * 4)
+    assert stats.tv_upper_bound(table, alpha) <= 0.0501
+
+
+# ---- the engine seam and the controls -----------------------------------------------------
+
+
+def test_accept_all_keeps_every_draft_and_verify_does_not() -> None:
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[[0.9, 0.1], [0.9, 0.1], [0.5, 0.5]]])  # [1, γ+1, 2]
+    q = torch.tensor([[[0.0, 1.0], [0.0, 1.0]]])
+    drafted = torch.tensor([[1, 1]])
+    assert accept_all(drafted, q, p, g).emitted(0)[:2] == [1, 1]
+    kept = [int(verify(drafted, q, p, g).num_accepted[0]) for _ in range(200)]
+    assert np.mean(kept) < 0.3  # the exact rule accepts token 1 with probability 0.1
+
+
+def test_accept_all_tree_follows_first_children() -> None:
+    tokens, parents = torch.tensor([5, 6, 7]), torch.tensor([-1, -1, 0])
+    p = torch.full((4, 8), 1 / 8)
+    result = accept_all_tree(tokens, parents, None, p, torch.Generator().manual_seed(0))
+    assert result.path == [0, 2] and result.tokens[:2] == [5, 7]
+    exact = verify_tree(tokens, parents, None, p, torch.Generator().manual_seed(0))
+    assert exact.num_accepted <= 2
+
+
+# ---- whole checks on the tiny fixture --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_target_folder(tmp_path_factory.mktemp("fixtures"))
+
+
+@pytest.fixture(scope="module")
+def native(tiny: Path):
+    return load_target(str(tiny), "native", "fp32")
+
+
+PROMPTS = [list(TINY_PROMPTS[0])]
+
+
+def test_check_passes_exact_sampling_and_detects_its_control(native) -> None:
+    report = run_check(native, CheckConfig("ngram", samples=400, length=2), PROMPTS)
+    assert report.exact and report.control_detected
+    assert report.min_p(report.comparisons) > 1e-3 > report.min_p(report.control)
+    assert 0 < report.tv_bound < 0.5
+    assert report.verdict.startswith("exact (TV ≤ ")
+
+
+@pytest.mark.parametrize("mode", ["chain", "batch"])
+def test_check_reports_a_broken_rule_not_exact(native, mode: str) -> None:
+    """Negative control of the check itself: the rule under test is broken."""
+    config = CheckConfig(
+        "ngram", samples=400, length=2, mode=mode, verifier=broken.resample_from_target
+    )
+    report = run_check(native, config, PROMPTS)
+    assert not report.exact
+    assert report.verdict.startswith("NOT EXACT (position ")
+
+
+@pytest.mark.slow
+def test_check_reports_a_broken_tree_rule_not_exact(native, tiny: Path) -> None:
+    """A subtle tree bug (a rejected sibling left in q): p ~ 1e-6 at this N (~20 s)."""
+    config = CheckConfig(
+        f"eagle:{tiny / 'eagle'}", samples=1000, pilot=1000, length=1, mode="tree-static",
+        temperature=0.7, tree_verifier=broken.tree_keep_rejected_in_q,
+    )  # fmt: skip
+    assert not run_check(native, config, [list(p) for p in TINY_PROMPTS]).exact
+
+
+def test_greedy_check_is_identity_and_detects_its_control(native, tiny: Path) -> None:
+    for mode, drafter in (("chain", "self-int4"), ("tree-dynamic", f"eagle:{tiny / 'eagle'}")):
+        config = CheckConfig(drafter, mode=mode, temperature=0.0, greedy_length=24)
+        report = run_check(native, config, [list(p) for p in TINY_PROMPTS])
+        assert report.exact and report.greedy_identical == [True, True]
+        assert report.control_detected, mode
+
+
+def test_too_small_n_is_an_error_not_a_pass(native) -> None:
+    config = CheckConfig("self-int4", samples=300, length=1, pilot=30)
+    with pytest.raises(ControlTooWeak, match="too small to detect the negative control"):
+        run_check(native, config, PROMPTS)
+
+
+def test_cli_check_json_and_report(tiny: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("SPECULATIVE_CACHE", str(tiny.parent.parent))
+    monkeypatch.setattr("speculative.cli.check_cmd.tiny_folder", lambda: tiny)
+    argv = ["check", "--target", "tiny", "--samples", "300", "--length", "2", "--json",
+            "--prompt", "the cat sat on the mat the cat", "--no-progress", "--out",
+            str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert payload["exact"] and payload["control_detected"]
+    assert payload["verdict"].startswith("exact (TV ≤")
+    assert (tmp_path / "check.md").read_text().startswith("# speculative check")
+    assert main(["check", "--target", "tiny", "--samples", "3", "--no-progress"]) == 2
+    assert "negative control was not detected" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_matrix_on_the_tiny_model(native, tiny: Path) -> None:
+    """A reduced grid (CI time; `speculative check --matrix` runs every drafter and all four
+    sampling settings): ngram, self-int4 and EAGLE × chain, tree, batch × greedy and T = 1.
+    Every cell is exact with its control detected; heads in batch mode are refused (they
+    draft nothing there), not passed."""
+    drafters = [d for d in tiny_drafters(tiny) if d.label in ("ngram", "self-int4", "eagle")]
+    config = CheckConfig(gamma=2, samples=500)
+    cells = run_matrix(lambda runtime: native, drafters, PROMPTS, config, GRID_MODES, SAMPLINGS[:2])
+    assert len(cells) == 3 * 3 * 2
+    for cell in cells:
+        where = (cell.drafter.label, cell.mode, cell.sampling, cell.problem)
+        if cell.drafter.label == "eagle" and cell.mode == "batch":
+            assert cell.problem is not None and cell.problem.startswith("n/a"), where
+            continue
+        assert cell.report is not None and cell.report.exact, where
+        assert cell.report.control_detected, where
+        if not cell.report.config.greedy:
+            assert cell.report.tv_bound < 0.35, where
