@@ -287,7 +287,7 @@ def run_concurrency_mode(args: argparse.Namespace) -> int:
     settings = concurrency_settings(args)
     prompts = load_prompts(args.prompts)
     threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or every_core())
     try:
         bench = run_concurrency(settings, prompts)
     except ValueError as exc:
