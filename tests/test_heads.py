@@ -332,11 +332,20 @@ def test_train_draft_cli_json_resume_and_errors(trained, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["steps"] == 5 and report["train_tokens"] > 0
     assert len(report["heldout_top1"]) == 5 and 0 <= report["heldout_accepted"] <= 5
+    assert report["heldout_acceptance_rate"] == pytest.approx(report["heldout_accepted"] / 5, 1e-3)
+    assert report["heldout_source"] == "split of the training data"
     assert main([*args, "--steps", "8", "--resume"]) == 0
     resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert resumed["steps"] == 8
     assert main([*args[:-3], "--out", str(tmp_path / "x"), "--data", "/nonexistent.jsonl"]) == 2
     assert "cannot read training data" in capsys.readouterr().err
+    held = write_corpus(tmp_path / "eval.jsonl", trained["model"], records=3, seed=1)
+    separate = [*args[:-3], "--out", str(tmp_path / "e"), "--eval-data", str(held), "--json"]
+    assert main([*separate, "--steps", "2"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["heldout_source"] == "eval data"
+    assert report["heldout_tokens"] == 3 * 44  # all of it (4 prompt + 40 answer tokens each)
+    assert report["train_tokens"] == 60 * 44  # every --data record trains
 
 
 def test_eagle_drafting_runs_the_head_as_it_was_trained():
