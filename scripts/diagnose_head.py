@@ -116,7 +116,8 @@ def held_out_metric(drafter: EagleDrafter, target, sequences: list[list[int]], f
 
 def source_sequences(target, source: str, count: int, max_new: int) -> list[list[int]]:
     """Token sequences like the training's: bench chat/QA answers (``bench``), answers to
-    the self-distillation prompts (``selfdistill``), or the documentation / code records
+    the self-distillation prompts (``selfdistill``), to its topic templates over topics it
+    never saw (``newtopics``), or the documentation / code records
     of scripts/prepare_draft_data.py (``docs``), chat-templated as training does."""
     from speculative.training.data import encode_record
 
@@ -137,6 +138,10 @@ def source_sequences(target, source: str, count: int, max_new: int) -> list[list
             for p in bench
         ]
         chats = chats[: (count + 1) // 2] + chats[len(chats) // 2 :][: count // 2]
+    elif source == "newtopics":  # the training's topic templates over unseen topics
+        from speculative.training.prompts import eval_prompts
+
+        chats = eval_prompts(count)
     else:
         from speculative.training.prompts import build_prompts
 
@@ -163,7 +168,7 @@ def main() -> None:
         "--sources",
         nargs="*",
         default=None,
-        choices=("bench", "selfdistill", "docs"),
+        choices=("bench", "selfdistill", "newtopics", "docs"),
         help="only the training's held-out metric on these kinds of text",
     )
     args = parser.parse_args()

@@ -503,3 +503,15 @@ def test_drafting_agrees_with_the_target_as_the_training_metric_says(trained, me
     off = torch.tensor(drafted_first_tokens(drafter, target.lm, tokens, len(prompt), True))
     assert float((off != metric[rows]).float().mean()) > 0.2  # the metric would not match
     assert float((off == answer).float().mean()) < agreement
+
+
+def test_eval_prompts_name_no_training_topic():
+    """Held-out prompts (--eval-data text) are on topics the training prompts never name."""
+    from speculative.training.prompts import EVAL_TOPICS, TOPICS, build_prompts, eval_prompts
+
+    held = eval_prompts(40)
+    assert len({repr(m) for m in held}) == 40
+    assert all(any(topic in m[0]["content"] for topic in EVAL_TOPICS) for m in held)
+    training = " ".join(m["content"] for p in build_prompts(3000, seed=0) for m in p).lower()
+    assert not [topic for topic in EVAL_TOPICS if topic.lower() in training]
+    assert not set(EVAL_TOPICS) & set(TOPICS)

@@ -137,6 +137,28 @@ TOPICS = (
     "video game design",
 )
 
+# Topics no training prompt uses: answers about them are held-out text (--eval-data) that
+# measures what a head learned beyond the training topics (answers about a training topic,
+# even to another template, share its content: a split of them overstates acceptance).
+EVAL_TOPICS = (
+    "origami",
+    "the French Revolution",
+    "owls",
+    "knitting",
+    "magnets",
+    "public libraries",
+    "bicycles",
+    "the Byzantine Empire",
+    "hedgehogs",
+    "wind chimes",
+    "lighthouses",
+    "penguins",
+    "tea ceremonies",
+    "submarines",
+    "the Olympic Games",
+    "snowflakes",
+)
+
 TEMPLATES = (
     "Explain {t} in simple terms.",
     "Can you give me a short introduction to {t}?",
@@ -244,6 +266,15 @@ def build_prompts(
             seen.add(key)
             prompts.append(messages)
     return prompts
+
+
+def eval_prompts(count: int) -> list[list[dict[str, str]]]:
+    """``count`` topic prompts over EVAL_TOPICS (templates in turn): held-out chat prompts
+    on topics the training prompts never name."""
+    pairs = [(t, topic) for t in TEMPLATES for topic in EVAL_TOPICS]
+    rng = random.Random(0)
+    rng.shuffle(pairs)
+    return [_user(template.format(t=topic)) for template, topic in pairs[:count]]
 
 
 def _user(text: str) -> list[dict[str, str]]:
