@@ -115,10 +115,11 @@ def held_out_metric(drafter: EagleDrafter, target, sequences: list[list[int]], f
 
 
 def source_sequences(target, source: str, count: int, max_new: int) -> list[list[int]]:
-    """Token sequences like the training's: bench chat/QA answers (``bench``), answers to
-    the self-distillation prompts (``selfdistill``), to its topic templates over topics it
-    never saw (``newtopics``), or the documentation / code records
-    of scripts/prepare_draft_data.py (``docs``), chat-templated as training does."""
+    """Token sequences like the training's, chat-templated as training does: bench chat/QA
+    answers (``bench``); answers to the self-distillation prompts (``selfdistill``), to
+    its topic templates over topics it never saw (``newtopics``) or over its own topics
+    (``seentopics``); or the documentation / code records of prepare_draft_data.py
+    (``docs``)."""
     from speculative.training.data import encode_record
 
     if source == "docs":
@@ -142,6 +143,10 @@ def source_sequences(target, source: str, count: int, max_new: int) -> list[list
         from speculative.training.prompts import eval_prompts
 
         chats = eval_prompts(count)
+    elif source == "seentopics":  # the same construction over the training's topics
+        from speculative.training.prompts import TOPICS, eval_prompts
+
+        chats = eval_prompts(count, TOPICS)
     else:
         from speculative.training.prompts import build_prompts
 
@@ -168,7 +173,7 @@ def main() -> None:
         "--sources",
         nargs="*",
         default=None,
-        choices=("bench", "selfdistill", "newtopics", "docs"),
+        choices=("bench", "selfdistill", "seentopics", "newtopics", "docs"),
         help="only the training's held-out metric on these kinds of text",
     )
     args = parser.parse_args()

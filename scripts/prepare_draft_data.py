@@ -10,8 +10,9 @@ Writes into --out:
   prompts.jsonl      the self-distillation prompts (never the benchmark's prompts)
   selfdistill-I.jsonl the target's own answers to them (appended as they come: a partial
                      run is usable; rerun with --skip to continue)
-  eval.jsonl         with --eval N: the target's answers to N prompts on topics no training
-                     prompt names (train-draft --eval-data: an honest held-out acceptance)
+  eval.jsonl         with --eval N: the target's answers to N open-ended prompts on topics
+                     no training prompt names (train-draft --eval-data: the acceptance
+                     chat-like text gets, not a split of the easier templated records)
 The corpus is never committed; train-draft reads these files (--data).
 """
 

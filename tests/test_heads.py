@@ -506,7 +506,8 @@ def test_drafting_agrees_with_the_target_as_the_training_metric_says(trained, me
 
 
 def test_eval_prompts_name_no_training_topic():
-    """Held-out prompts (--eval-data text) are on topics the training prompts never name."""
+    """Held-out prompts (--eval-data text) are on topics the training prompts never name,
+    so their answers are never near-copies of training answers."""
     from speculative.training.prompts import EVAL_TOPICS, TOPICS, build_prompts, eval_prompts
 
     held = eval_prompts(40)

@@ -137,9 +137,11 @@ TOPICS = (
     "video game design",
 )
 
-# Topics no training prompt uses: answers about them are held-out text (--eval-data) that
-# measures what a head learned beyond the training topics (answers about a training topic,
-# even to another template, share its content: a split of them overstates acceptance).
+# Topics no training prompt uses: the target's answers about them are held-out open-ended
+# prose (--eval-data), the text chat and QA decoding meets. A split of the training records
+# instead averages in text a head finds much easier (documentation answers that restate
+# the question, templated code and arithmetic tasks close to training ones) and overstates
+# what chat gets (docs/heads-diagnosis.md).
 EVAL_TOPICS = (
     "origami",
     "the French Revolution",
@@ -268,10 +270,10 @@ def build_prompts(
     return prompts
 
 
-def eval_prompts(count: int) -> list[list[dict[str, str]]]:
-    """``count`` topic prompts over EVAL_TOPICS (templates in turn): held-out chat prompts
-    on topics the training prompts never name."""
-    pairs = [(t, topic) for t in TEMPLATES for topic in EVAL_TOPICS]
+def eval_prompts(count: int, topics: Sequence[str] = EVAL_TOPICS) -> list[list[dict[str, str]]]:
+    """``count`` topic prompts over ``topics`` (default EVAL_TOPICS: held-out chat prompts
+    on topics the training prompts never name)."""
+    pairs = [(t, topic) for t in TEMPLATES for topic in topics]
     rng = random.Random(0)
     rng.shuffle(pairs)
     return [_user(template.format(t=topic)) for template, topic in pairs[:count]]
