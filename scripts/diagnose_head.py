@@ -10,8 +10,15 @@ guess token n, which greedy decoding makes the target's argmax):
     session (what the engine does), and the first-draft acceptance of a real greedy run;
 
 and compares the inputs the head sees in both (features, token ids, positions).
+With --sources it only computes the training's held-out metric on kinds of text (bench
+answers, self-distillation answers, topic prompts seen or unseen in training, the
+documentation records), to see which text the held-out figure stands for.
 
-    PYTHONPATH=src .venv/bin/python scripts/diagnose_head.py --prompts 4 --max-new-tokens 48
+    PYTHONPATH=src .venv/bin/python scripts/diagnose_head.py --prompts 6 --max-new-tokens 64
+    PYTHONPATH=src .venv/bin/python scripts/diagnose_head.py --prompts 8 --max-new-tokens 64 \
+        --sources bench selfdistill seentopics newtopics docs
+
+Findings: docs/heads-diagnosis.md.
 """
 
 from __future__ import annotations
