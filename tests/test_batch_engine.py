@@ -57,7 +57,11 @@ def _specs() -> list[RowSpec]:
         RowSpec(base[:17], "none", 0, SamplingParams(temperature=1.0), 2, StopCriteria(9)),
         RowSpec(base[5:9], "self-int4", 2, greedy, 3, StopCriteria(14, frozenset({3, 17}))),
         RowSpec(
-            loop[:13], "ngram", 5, SamplingParams(temperature=0.7, top_k=20), 4,
+            loop[:13],
+            "ngram",
+            5,
+            SamplingParams(temperature=0.7, top_k=20),
+            4,
             StopCriteria(18, stop_strings=(" w9 ",), decode=_decode),
         ),
         RowSpec(base[20:], "self-int4", 4, SamplingParams(temperature=1.2), 5, StopCriteria(12)),
@@ -188,10 +192,14 @@ def test_load_aware_gamma_shrinks_as_the_batch_grows() -> None:
 
 
 def test_engine_refuses_a_model_without_slots(folder: Path) -> None:
-    from tiny import tiny_loaded
+    import numpy as np
 
+    from speculative.models.markov import MarkovLM, stochastic_matrix
+
+    markov = MarkovLM(stochastic_matrix(np.random.default_rng(0), 5, 1.0))
     with pytest.raises(ValueError, match="cannot hold several sequences"):
-        BatchEngine(tiny_loaded().lm)
+        BatchEngine(markov)
+    assert BatchEngine(markov, max_batch=1).max_batch == 1  # a batch of one on its own cache
     target: NativeLlama = load_native(folder, max_length=32, backend="torch", max_slots=1)
     engine = BatchEngine(target, max_batch=2)
     spec = _specs()[2]
@@ -199,8 +207,6 @@ def test_engine_refuses_a_model_without_slots(folder: Path) -> None:
     with pytest.raises(ValueError, match="no free cache slot"):
         engine.add(_request(spec, Path(), "torch"))
     assert len(engine.rows) == 1
-
-
 
 
 def test_interleaved_streams_on_one_target_raise_instead_of_corrupting() -> None:

@@ -112,7 +112,7 @@ def test_sampling_distribution_negative_control(small_vocab, monkeypatch):
     target, drafter = small_vocab
     params = SamplingParams()
     plain = sequence_counts(target, None, params, 1000, 2, seed=1)
-    monkeypatch.setattr("speculative.engine.loop.verify", broken.always_accept)
+    monkeypatch.setattr("speculative.engine.round.verify", broken.always_accept)
     wrong = sequence_counts(target, drafter, params, 1000, 2, seed=2)
     assert p_value(plain, wrong) < 1e-3
 

@@ -180,8 +180,9 @@ def test_sampling_matches_plain_and_catches_a_misreported_q(trained):
     assert p_value(plain, wrong) < 1e-3
 
 
-def test_sampled_q_is_the_distribution_tokens_come_from(trained):
-    target = target_on("native-torch", trained["model"])
+@pytest.mark.parametrize("runtime", ["native-torch", "native-kernels"])
+def test_sampled_q_is_the_distribution_tokens_come_from(trained, runtime):
+    target = target_on(runtime, trained["model"])
     params = SamplingParams(temperature=0.8, top_p=0.95)
     for name in ("eagle", "medusa"):
         drafter = build_drafter(f"{name}:{trained[name]}", target)
@@ -359,3 +360,60 @@ def test_eagle_drafting_runs_the_head_as_it_was_trained():
             step_input = (embeds[0, t + s : t + s + 1], pred[None], torch.tensor([t + s]))
             pred = head.step(cache, *step_input)[-1]
             assert torch.allclose(pred, trained[s][0, t], atol=1e-5)
+
+
+# ---- heads on the target's C kernels ----------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_kernel_runners_compute_the_heads(trained, precision):
+    """The C runners compute what the PyTorch heads compute: at the head's own bf16 values
+    (fp32 target) to bf16 rounding of the rows, at int4 (int4 target) to quantization; the
+    EAGLE runner's cache carries over calls and takes a [k, k] mask among new pairs."""
+    from speculative.heads.runners import (
+        KernelEagleRunner,
+        KernelMedusaRunner,
+        TorchEagleRunner,
+        TorchMedusaRunner,
+    )
+
+    target = target_on("native-kernels", trained["model"])
+    library = target.lm.kernel_library()
+    tolerance = 5e-3 if precision == "fp32" else 0.15  # bf16 rows: 3 digits; int4: 4 bits
+    eagle = load_head(trained["eagle"], target.lm)
+    fast, slow = KernelEagleRunner(eagle, library, precision, 64), TorchEagleRunner(eagle)
+    torch.manual_seed(0)
+    embeds = eagle.embedding[torch.randint(0, target.lm.vocab_size, (7,))]
+    features = torch.randn(7, embeds.shape[1])
+    tree = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)  # two siblings
+    calls = [(slice(0, 5), torch.arange(5), None), (slice(5, 7), torch.tensor([5, 5]), tree)]
+    for rows, positions, mask in calls:
+        got = fast.step(embeds[rows], features[rows], positions, mask)
+        want = slow.step(embeds[rows], features[rows], positions, mask)
+        for a, b in zip(got, want, strict=True):
+            assert (a - b).norm() <= tolerance * b.norm()
+    assert fast.length == slow.length == 7
+    medusa = load_head(trained["medusa"], target.lm)
+    feature = features[0]
+    got = KernelMedusaRunner(medusa, library, precision)(feature, 3)
+    want = TorchMedusaRunner(medusa)(feature, 3)
+    assert got.shape == want.shape == (3, medusa.config.draft_vocab)
+    assert (got - want).norm() <= tolerance * want.norm()
+
+
+def test_registry_runs_heads_on_the_kernels_of_a_kernels_target(trained):
+    from speculative.heads.runners import KernelEagleRunner, KernelMedusaRunner
+
+    target = target_on("native-kernels", trained["model"])
+    assert isinstance(build_drafter(f"eagle:{trained['eagle']}", target).chain.runner,
+                      KernelEagleRunner)  # fmt: skip
+    assert isinstance(build_drafter(f"medusa:{trained['medusa']}", target).runner,
+                      KernelMedusaRunner)  # fmt: skip
+    torch_target = target_on("native-torch", trained["model"])
+    assert target_kernels_of(torch_target) is None
+
+
+def target_kernels_of(target):
+    from speculative.drafters.head_common import target_kernels
+
+    return target_kernels(target.lm)

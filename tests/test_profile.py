@@ -76,3 +76,47 @@ def test_gamma_auto_calibrates_and_stays_exact(tmp_path, runtime):
     assert auto.verify_cost is not None and policy.verify_cost == auto.verify_cost
     assert sorted(auto.verify_cost) == list(range(1, 14))
     assert out.token_ids == plain.token_ids
+
+
+def test_profile_reports_the_round_overhead(tmp_path, capsys):
+    folder = save_tiny(tmp_path / "tiny", layers=2)
+    args = ["profile", "--target", str(folder), "--runtime", "native", "--backend", "kernels"]
+    args += ["--drafters", "ngram", "--max-k", "2", "--repeats", "1", "--no-roofline"]
+    assert main([*args, "--overhead-tokens", "12", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {(r["drafter"], r["sampling"]): r for r in data["round_overhead"]}
+    assert set(rows) == {(d, s) for d in ("none", "ngram") for s in ("greedy", "T=0.8, top-p=0.95")}
+    for row in rows.values():
+        assert row["target_ms"] > 0 and row["tokens_per_round"] >= 1
+        assert row["overhead_mean_ms"] == pytest.approx(
+            row["round_ms"] - row["target_ms"] - row["draft_ms"]
+        )
+        assert 0 < row["overhead_ms"] < row["round_ms"]
+        assert row["overhead_share_of_step"] == pytest.approx(
+            row["overhead_ms"] / data["decode_ms_per_token"]
+        )
+    assert rows[("none", "greedy")]["draft_ms"] == 0  # plain decoding drafts nothing
+    assert main([*args, "--overhead-tokens", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["round_overhead"] == []
+
+
+def test_timed_calls_time_the_outermost_call_and_restore_the_methods():
+    import time
+
+    from speculative.engine.costs import CallClock, timed_calls
+
+    class Model:
+        def forward(self, seconds):
+            time.sleep(seconds)
+            return self.inner(seconds)
+
+        def inner(self, seconds):
+            time.sleep(seconds)
+            return seconds
+
+    model, clock = Model(), CallClock()
+    with timed_calls(model, ["forward", "inner", "absent"], clock):
+        assert model.forward(0.01) == 0.01  # inner runs nested: counted once
+        assert "forward" in vars(model)
+    assert 0.02 <= clock.seconds < 0.2
+    assert "forward" not in vars(model) and model.forward(0) == 0

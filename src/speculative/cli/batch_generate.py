@@ -1,4 +1,4 @@
-"""`speculative generate --prompts FILE.jsonl --batch-size B --out results.jsonl`.
+"""`speculative generate --prompts FILE.jsonl --batch-size B --out results.jsonl [--ray]`.
 
 Decodes a file of prompts with the batched engine: one JSON object a line with
 ``prompt`` or ``messages`` and optional ``temperature``, ``top_p``, ``seed``,
@@ -6,26 +6,28 @@ Decodes a file of prompts with the batched engine: one JSON object a line with
 line per prompt to ``--out`` in input order (``index``, ``text``, ``token_ids``,
 ``finish_reason``, ``stats``); lines already there are skipped, so a crashed run resumes.
 ``--gamma auto`` chooses every row's γ for the load (:class:`LoadAwareGamma`, from a
-verify-cost curve measured at start).
+verify-cost curve measured at start). ``--ray [ADDRESS] --workers N`` spreads the rows over
+N Ray actors (:mod:`speculative.scaleout.ray_batch`), each running the same
+:class:`~speculative.batch_jobs.RowDecoder` as the local job.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-import torch
+from tqdm import tqdm
 
+from speculative.batch_jobs import BatchJob, Record, ResultLine
 from speculative.cli.common import CliError, emit_json
 
-AUTO_MAX_GAMMA = 8  # --gamma auto: a row's cap; the load-aware policy picks up to it
 
-
-def read_records(path: Path) -> list[dict[str, Any]]:
+def read_records(path: Path) -> list[Record]:
     """The prompt records of a JSONL file (blank lines skipped)."""
     try:
         lines = path.read_text().splitlines()
@@ -62,99 +64,104 @@ def done_indices(out: Path) -> set[int]:
     return done
 
 
-def run_batch(args: argparse.Namespace) -> int:
-    from speculative.engine import StopCriteria
-    from speculative.engine.batch import BatchEngine, BatchRequest
-    from speculative.models.base import SupportsBatchRows
-    from speculative.pipeline import (
-        build_drafter,
-        encode_prompt,
-        load_target,
-        make_gamma_policy,
-        parse_gamma,
-    )
-    from speculative.sampling import SamplingParams
+def job_from_args(args: argparse.Namespace) -> BatchJob:
+    from speculative.pipeline import parse_gamma
 
+    return BatchJob(
+        target=args.target,
+        runtime=args.runtime,
+        precision=args.precision,
+        draft=args.draft,
+        gamma=parse_gamma(args.gamma),
+        chat=args.chat,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        batch_size=args.batch_size,
+    )
+
+
+@dataclass
+class OrderedWriter:
+    """Writes result lines to ``out`` in input order as they arrive in any order; the
+    indices in ``done`` are already in the file and are passed over."""
+
+    out: TextIO
+    done: set[int]
+    bar: Any  # tqdm progress bar, one tick a row
+    written: int = 0  # every index below this one is in the file
+    new_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.pending: dict[int, ResultLine | None] = dict.fromkeys(self.done)
+        self._flush()
+
+    def add(self, line: ResultLine) -> None:
+        self.pending[int(line["index"])] = line
+        self.new_tokens += len(line["token_ids"])
+        self.bar.update(1)
+        self._flush()
+
+    def _flush(self) -> None:
+        while self.written in self.pending:  # the rows that are next in input order
+            line = self.pending.pop(self.written)
+            if line is not None:
+                self.out.write(json.dumps(line) + "\n")
+                self.out.flush()
+            self.written += 1
+
+
+def write_in_order(
+    out: Path, total: int, done: set[int], lines: Iterable[ResultLine]
+) -> tuple[int, float]:
+    """Append ``lines`` to ``out`` in input order with a progress bar; returns the new
+    tokens and the seconds from the first line asked for to the last one written."""
+    with (
+        out.open("a") as file,
+        tqdm(total=total, initial=len(done), desc="rows", unit="row", disable=None) as bar,
+    ):
+        writer = OrderedWriter(file, done, bar)
+        started = time.perf_counter()
+        for line in lines:
+            writer.add(line)
+        seconds = time.perf_counter() - started
+    return writer.new_tokens, seconds
+
+
+def run_batch(args: argparse.Namespace) -> int:
     if args.out is None:
         raise CliError("--prompts needs --out FILE.jsonl")
+    if args.ray is None and (args.workers != 1 or args.worker_cpus != 1):
+        raise CliError("--workers and --worker-cpus need --ray")
     records = read_records(args.prompts)
-    gamma = parse_gamma(args.gamma)
-    loaded = load_target(args.target, args.runtime, args.precision)
-    if not isinstance(loaded.lm, SupportsBatchRows):
-        raise CliError("batched generation (--prompts) needs the native runtime")
+    job = job_from_args(args)
     done = done_indices(args.out)
-
-    def request(record: dict[str, Any]) -> BatchRequest:
-        messages = record.get("messages")
-        ids = encode_prompt(loaded.tokenizer, record.get("prompt"), messages, args.chat)
-        stop = tuple(record.get("stop", args.stop))
-        params = SamplingParams(
-            temperature=float(record.get("temperature", args.temperature)),
-            top_k=args.top_k,
-            top_p=float(record.get("top_p", args.top_p)),
-        )
-        criteria = StopCriteria(
-            max_new_tokens=int(record.get("max_new_tokens", args.max_new_tokens)),
-            eos_token_ids=loaded.eos_token_ids,
-            stop_strings=stop,
-            decode=decode if stop else None,
-        )
-        generator = torch.Generator().manual_seed(int(record.get("seed", args.seed)))
-        drafter = build_drafter(args.draft, loaded)
-        row_gamma = AUTO_MAX_GAMMA if gamma == "auto" else make_gamma_policy(gamma)
-        return BatchRequest(ids, params, criteria, generator, drafter, row_gamma)
-
-    def decode(token_ids: list[int]) -> str:
-        return loaded.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    load = None
-    if gamma == "auto":  # per-row γ for the load, from the measured verify-cost curve
-        from speculative.engine.costs import verify_cost_curve
-        from speculative.engine.gamma import LoadAwareGamma
-
-        context = [(i * 7919) % loaded.lm.vocab_size for i in range(64)]
-        load = LoadAwareGamma(verify_cost_curve(loaded.lm, context, 16, 2).verify_cost)
-    engine = BatchEngine(loaded.lm, max_batch=args.batch_size, load=load)
     todo = [i for i in range(len(records)) if i not in done]
-    pending, written, ids_of = dict.fromkeys(done), 0, {}
-    started, new_tokens = time.perf_counter(), 0
-    with args.out.open("a") as out:
-        queue = list(todo)
-        while queue or engine.rows:
-            while queue and len(engine.rows) < args.batch_size:
-                index = queue.pop(0)
-                ids_of[engine.add(request(records[index]))] = index
-            engine.step()
-            for row_id in [r for r in engine.finished if r in ids_of]:
-                index, result = ids_of.pop(row_id), engine.finished.pop(row_id)
-                stop = records[index].get("stop", args.stop)
-                text = decode(result.token_ids)
-                if stop:
-                    text = StopCriteria(1, stop_strings=tuple(stop), decode=decode).final_text(text)
-                pending[index] = {
-                    "index": index,
-                    "text": text,
-                    "token_ids": result.token_ids,
-                    "finish_reason": result.finish_reason,
-                    "stats": result.stats.to_dict(),
-                }
-                new_tokens += len(result.token_ids)
-            while written in pending:  # flush the rows that are next in input order
-                line = pending.pop(written)
-                if line is not None:
-                    out.write(json.dumps(line) + "\n")
-                    out.flush()
-                written += 1
-            finished = len(records) - len(queue) - len(engine.rows) - len(done)
-            sys.stderr.write(f"\r[{finished + len(done)}/{len(records)} rows]")
-    sys.stderr.write("\n")
-    seconds = time.perf_counter() - started
+    items = [(i, records[i]) for i in todo]
+    summary: dict[str, Any] = {"rows": len(todo)}
+    if not items:  # every row is in --out already: nothing to load
+        new_tokens, seconds = 0, 0.0
+    elif args.ray is None:
+        from speculative.batch_jobs import RowDecoder
+
+        lines = RowDecoder(job).run(items)  # loads the target before the clock starts
+        new_tokens, seconds = write_in_order(args.out, len(records), done, lines)
+    else:
+        from speculative.scaleout.ray_batch import RayJobError, ray_rows
+
+        try:
+            with ray_rows(job, items, args.workers, args.ray or None, args.worker_cpus) as lines:
+                new_tokens, seconds = write_in_order(args.out, len(records), done, lines)
+        except RayJobError as exc:
+            raise CliError(str(exc)) from None
+    if args.ray is not None:
+        summary["workers"] = args.workers
     if args.json:
-        summary = {
-            "rows": len(todo),
-            "new_tokens": new_tokens,
-            "seconds": seconds,
-            "tokens_per_second": new_tokens / seconds if seconds > 0 else 0.0,
-        }
+        summary["new_tokens"] = new_tokens
+        summary["seconds"] = seconds
+        summary["tokens_per_second"] = new_tokens / seconds if seconds > 0 else 0.0
         emit_json(summary)
     return 0

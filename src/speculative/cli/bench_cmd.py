@@ -49,6 +49,15 @@ with its speedup over plain decoding. --quick: 1 prompt per category, 128 new to
 decoding, not the prefill, dominates), γ 4/auto/heuristic, 1 repeat. The full mode (80
 prompts, 128 new tokens, γ 2/4/auto/heuristic, 3 repeats) takes hours on 2 cores; trim it
 with --per-category, --repeats, --max-new-tokens and --gamma.
+
+--concurrency B [B ...] switches to batched decoding: for each batch size B, B prompts
+(categories interleaved) are decoded together by the batched engine with plain batched
+decoding, the first drafter at a fixed γ (the first integer --gamma, default 4) and
+load-aware γ (--max-gamma caps it), side by side, plus transformers' padded batched
+generate() where it can load the target. Reported: aggregate and per-request tokens/s,
+ratios to plain, the mean γ chosen, target passes, the share of time in the target pass,
+and identity with plain decoding; --out writes concurrency.json and concurrency.md.
+e.g. speculative bench --concurrency 1 2 4 8 16 --runtime native --max-new-tokens 32
 """
 
 
@@ -183,6 +192,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="write bench.json, report.md and PNG plots here" + NO_DEFAULT,
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument(
+        "--concurrency",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        metavar="B",
+        help="batched mode: batch sizes to compare (see above)" + NO_DEFAULT,
+    )
+    parser.add_argument(
+        "--max-gamma",
+        type=positive_int,
+        default=8,
+        help="batched mode: a row's γ cap under the load-aware policy",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="batched mode: wall time, or process CPU time (steadier when other jobs share "
+        "the cores; use with --threads 1)",
+    )
     add_json_flag(parser)
     parser.set_defaults(run=run)
 
@@ -211,6 +241,69 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.concurrency:
+        return run_concurrency_mode(args)
+    return run_suite_mode(args)
+
+
+def concurrency_settings(args: argparse.Namespace):
+    from speculative.bench.concurrency import ConcurrencySettings
+    from speculative.cli.common import CliError
+
+    mode = QUICK if args.quick else FULL
+    drafters = [d for d in [*args.draft, *args.drafters] if d != "none"]
+    fixed = [int(g) for g in (args.gamma or ["4"]) if g.isdigit() and int(g) > 0]
+    if args.temperature != 0:
+        raise CliError("--concurrency runs greedy decoding only (drop --temperature)")
+    return ConcurrencySettings(
+        target=args.target,
+        runtimes=tuple(dict.fromkeys(args.runtime)),
+        precision=args.precision,
+        drafter=drafters[0] if drafters else "ngram",
+        gamma=fixed[0] if fixed else 4,
+        max_gamma=args.max_gamma,
+        concurrency=tuple(dict.fromkeys(args.concurrency)),
+        max_new_tokens=args.max_new_tokens or mode.max_new_tokens,
+        repeats=args.repeats or mode.repeats,
+        peers=not args.no_peers,
+        chat=args.chat,
+        progress=not args.no_progress,
+        clock=args.clock,
+    )
+
+
+def run_concurrency_mode(args: argparse.Namespace) -> int:
+    import torch
+
+    from speculative.bench import load_prompts
+    from speculative.bench.concurrency import (
+        concurrency_payload,
+        concurrency_terminal,
+        run_concurrency,
+        write_concurrency,
+    )
+    from speculative.cli.common import CliError
+
+    settings = concurrency_settings(args)
+    prompts = load_prompts(args.prompts)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or every_core())
+    try:
+        bench = run_concurrency(settings, prompts)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        torch.set_num_threads(threads)
+    print(concurrency_terminal(bench))
+    if args.out is not None:
+        written = write_concurrency(bench, args.out)
+        print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    if args.json:
+        emit_json(concurrency_payload(bench))
+    return 0
+
+
+def run_suite_mode(args: argparse.Namespace) -> int:
     import torch
 
     from speculative.bench import (

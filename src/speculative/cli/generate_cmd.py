@@ -36,6 +36,12 @@ accepted path (siblings are tested by recursive rejection sampling, still lossle
             unsure (EAGLE-2 style ranking, calibrated online)
 --tree-budget caps the nodes per tree (auto: sized from the measured verify-cost curve).
 
+Batched jobs (--prompts FILE.jsonl --out results.jsonl): every line of FILE is a prompt,
+decoded by the batched engine (native runtime); results go to --out in input order, and rows
+already there are skipped, so a crashed job resumes. --ray [ADDRESS] --workers N splits the
+rows over N Ray actors (each loads the target once and batches its share), on a local Ray
+instance or a cluster (ray://HOST:10001, or RAY_ADDRESS).
+
 On a terminal, green text came from accepted draft tokens and cyan text from the target
 (recovered or bonus tokens). A stats line follows on stderr.
 """
@@ -129,6 +135,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--out", type=Path, help="--prompts: results JSONL (rows already there are skipped)"
     )
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="--prompts: spread the rows over Ray workers. No ADDRESS: a local instance (or "
+        "the cluster RAY_ADDRESS names); ray://HOST:10001 a remote cluster; auto the cluster "
+        "this machine belongs to. Needs the extra: pip install 'speculative[ray]'",
+    )
+    parser.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="--ray: Ray actors, each loading the target once and batching its share",
+    )
+    parser.add_argument(
+        "--worker-cpus",
+        type=positive_int,
+        default=1,
+        help="--ray: CPUs reserved (and torch threads) per worker",
+    )
     chat = parser.add_mutually_exclusive_group()
     chat.add_argument(
         "--chat",
@@ -197,6 +225,8 @@ def stats_line(stats: dict, colour: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.prompts is None and args.ray is not None:
+        raise CliError("--ray needs --prompts FILE.jsonl")
     if args.prompts is not None:
         from speculative.cli.batch_generate import run_batch
 

@@ -8,10 +8,12 @@ from collections.abc import Sequence
 from speculative import __version__
 from speculative.cli import (
     bench_cmd,
+    bench_serve_cmd,
     check_cmd,
     demo_cmd,
     generate_cmd,
     profile_cmd,
+    serve_cmd,
     simulate_cmd,
     theory_cmd,
     train_draft_cmd,
@@ -40,6 +42,8 @@ def build_parser() -> Parser:
         bench_cmd,
         check_cmd,
         train_draft_cmd,
+        serve_cmd,
+        bench_serve_cmd,
     ):
         command.add_parser(subparsers)
     return parser

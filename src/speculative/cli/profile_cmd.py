@@ -16,6 +16,10 @@ Measure the costs that decide whether speculative decoding pays on this machine:
   bandwidth floor   weight bytes read per step ÷ --bandwidth GB/s: no decode step can be
                     faster than reading the weights once
   draft cost c      one drafting step ÷ one target decode step, per drafter
+  round overhead    per round of real generations (plain and each drafter, greedy and
+                    T=0.8 top-p=0.95): the time outside the target's forwards and the
+                    drafter's calls (sampling, verification, bookkeeping, cache sync), in
+                    ms and as a share of one decode step
 
 Timings of all k (and of all runtimes, when several are given) are interleaved and the
 median of --repeats rounds is kept, so machine drift hits every configuration alike.
@@ -70,6 +74,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="also time a prefill of N prompt tokens from an empty cache (0: skip)",
     )
     parser.add_argument(
+        "--overhead-tokens",
+        type=int,
+        default=64,
+        metavar="N",
+        help="tokens per generation when measuring the round overhead (0: skip)",
+    )
+    parser.add_argument(
+        "--gamma", type=positive_int, default=3, help="drafted tokens per round (overhead)"
+    )
+    parser.add_argument(
         "--no-roofline",
         dest="roofline",
         action="store_false",
@@ -122,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         nbytes = weight_bytes_of(target.lm)
         floor = None if nbytes is None else nbytes / (args.bandwidth * 1e9) * 1e3
         costs = {}
+        drafters: dict[str, object] = {"none": None}
         for name in args.drafters:
             try:
                 drafter = build_drafter(name, target)
@@ -131,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
                 continue
             model = drafter.session.model if isinstance(drafter, DraftModelDrafter) else None
             costs[name] = drafter_cost(drafter, model, target.lm, context, step, args.repeats)
+            drafters[name] = drafter
+        overheads = measure_overheads(target, drafters, args)
         reports.append(
             {
                 "runtime": target.runtime,
@@ -144,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
                 "verify_ms": {str(k): v for k, v in ms.items()},
                 "verify_cost": {str(k): v / step for k, v in ms.items()},
                 "draft_cost": costs,
+                "round_overhead": [o.to_dict(step) for o in overheads],
             }
         )
         reports[-1].update(kernel_roofline(target.lm, ms, args, peaks))
@@ -160,6 +178,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+OVERHEAD_SETTINGS = ((0.0, 1.0), (0.8, 0.95))  # (temperature, top_p): greedy and top-p
+
+
+def measure_overheads(target: object, drafters: dict, args: argparse.Namespace) -> list:
+    """Round overheads of plain decoding and each drafter, greedy and top-p, on the
+    default prompt (empty with --overhead-tokens 0)."""
+    from speculative.engine.costs import round_overheads
+    from speculative.pipeline import DEFAULT_PROMPT, encode_prompt
+    from speculative.sampling import SamplingParams
+
+    if args.overhead_tokens <= 0:
+        return []
+    print(f"timing rounds of {args.overhead_tokens}-token generations ...", file=sys.stderr)
+    prompt = encode_prompt(target.tokenizer, DEFAULT_PROMPT)
+    settings = [SamplingParams(temperature=t, top_p=p) for t, p in OVERHEAD_SETTINGS]
+    return round_overheads(
+        target.lm, drafters, prompt, settings, args.overhead_tokens, args.gamma, args.repeats
+    )
+
+
 def kernels_of(lm: object) -> dict[str, str]:
     """Which kernels run a native model's layers (empty for other runtimes)."""
     return dict(getattr(getattr(lm, "decoder", None), "kernels", {}))
@@ -168,25 +206,32 @@ def kernels_of(lm: object) -> dict[str, str]:
 def kernel_roofline(
     lm: object, ms: dict[int, float], args: argparse.Namespace, peaks: dict
 ) -> dict:
-    """The kernels decoder's ISA and, unless --no-roofline, the machine's peaks (measured
-    once per ISA, cached in ``peaks``) and the roofline of each T(k). Empty for others."""
-    decoder = getattr(lm, "decoder", None)
-    library = getattr(decoder, "_library", None)
-    if library is None or not hasattr(decoder, "isa"):
+    """The kernel library's ISA and, unless --no-roofline, the machine's peaks (measured
+    once per ISA, cached in ``peaks``) and the roofline of each T(k). Empty for models
+    not running on the C kernels (asked through :class:`SupportsKernels`)."""
+    from speculative.models.base import SupportsKernels
+
+    if not isinstance(lm, SupportsKernels):
         return {}
-    out: dict[str, object] = {"kernel_isa": decoder.isa}
+    library, work = lm.kernel_library(), lm.kernel_work()
+    if library is None or work is None:
+        return {}
+    from speculative.models.native.ckernels import library_isa
+
+    isa = library_isa(library)
+    out: dict[str, object] = {"kernel_isa": isa}
     if not args.roofline:
         return out
     import torch
 
-    from speculative.models.native.profile import decoder_work, measure_peaks, roofline
+    from speculative.models.native.profile import measure_peaks, roofline
 
-    if decoder.isa not in peaks:
-        print(f"measuring machine peaks ({decoder.isa}) ...", file=sys.stderr)
-        peaks[decoder.isa] = measure_peaks(library, torch.get_num_threads())
-    machine = peaks[decoder.isa]
+    if isa not in peaks:
+        print(f"measuring machine peaks ({isa}) ...", file=sys.stderr)
+        peaks[isa] = measure_peaks(library, torch.get_num_threads())
+    machine = peaks[isa]
     out["machine_peaks"] = machine.to_dict()
-    out["roofline"] = roofline(decoder_work(decoder), machine, args.context, ms, args.bandwidth)
+    out["roofline"] = roofline(work, machine, args.context, ms, args.bandwidth)
     return out
 
 
@@ -227,3 +272,17 @@ def print_reports(reports: list[dict]) -> None:
             print(f"  prefill of {r['prefill_tokens']} tokens: {r['prefill_ms']:.0f} ms")
         for name, c in r["draft_cost"].items():
             print(f"  draft cost c[{name}] = " + ("n/a" if c is None else f"{c:.3f}"))
+        if r.get("round_overhead"):
+            print_overheads(r["round_overhead"])
+
+
+def print_overheads(rows: list[dict]) -> None:
+    print("  per round, ms (rest: outside the target's forwards and the drafter's calls;")
+    print("  the median round's, robust to scheduler pauses; round/target/draft: means)")
+    print(f"    {'drafter':<18} {'sampling':<18} tok/round  round  target  draft  rest  rest/T1")
+    for o in rows:
+        print(
+            f"    {o['drafter']:<18} {o['sampling']:<18} {o['tokens_per_round']:9.2f} "
+            f"{o['round_ms']:6.2f} {o['target_ms']:7.2f} {o['draft_ms']:6.2f} "
+            f"{o['overhead_ms']:5.2f} {o.get('overhead_share_of_step', float('nan')):9.1%}"
+        )

@@ -12,21 +12,22 @@ whose logits over the draft vocabulary give the distribution of x_{t+2}.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from speculative.drafters.base import Draft
 from speculative.drafters.head_common import (
+    HeadDrafter,
     draft_distribution,
-    draw,
+    draw_from_logits,
     draw_without_replacement,
-    to_full_vocab,
     true_feature_count,
 )
 from speculative.drafters.tree import DraftTree
-from speculative.heads.modules import EagleHead
+from speculative.heads.runners import EagleRunner, TorchEagleRunner
 from speculative.heads.store import TrainedHead
-from speculative.models.session import ModelSession, common_prefix_length
+from speculative.models.session import common_prefix_length
 from speculative.sampling import SamplingParams
 
 STATIC_BRANCHING = (3, 2, 2, 1, 1, 1, 1, 1)  # children per expanded node, by depth
@@ -36,77 +37,86 @@ DYNAMIC_WIDTH = 4  # EAGLE-2: nodes expanded per depth (best path probabilities)
 DYNAMIC_DEPTH = 6  # EAGLE-2: depths expanded
 
 
-class EagleDrafter:
-    """Chain and tree proposals from an EAGLE head (see module docstring)."""
+@dataclass
+class HeadCache:
+    """A runner and the tokens x_{t+1} of the true pairs t = 0, 1, ... its cache holds."""
 
-    def __init__(self, head: TrainedHead, vocab_size: int, name: str = "eagle") -> None:
-        if not isinstance(head.module, EagleHead):
-            raise ValueError(f"{name} needs an eagle head, got {head.config.method}")
-        self.name = name
-        self.head = head
-        self.module: EagleHead = head.module
-        self.vocab_size = vocab_size
-        self.cache = self.module.new_cache(512)
-        self.pairs: list[int] = []  # tokens x_{t+1} of the cached true pairs t = 0, 1, ...
-        self.target: ModelSession | None = None
-        self._calls = 0
+    runner: EagleRunner
+    pairs: list[int] = field(default_factory=list)
+
+
+class EagleDrafter(HeadDrafter):
+    """Chain and tree proposals from an EAGLE head (see module docstring).
+
+    runner: what runs chain steps (default: the head's PyTorch module; the registry
+    passes :class:`~speculative.heads.runners.KernelEagleRunner` when the target runs on
+    the C kernels). Trees always run on the PyTorch module, whose cache takes per-node
+    visibility masks."""
+
+    method = "eagle"
+
+    def __init__(
+        self,
+        head: TrainedHead,
+        vocab_size: int,
+        name: str = "eagle",
+        runner: EagleRunner | None = None,
+    ) -> None:
+        super().__init__(head, vocab_size, name)
+        self.chain = HeadCache(runner if runner is not None else TorchEagleRunner(head))
+        self._tree: HeadCache | None = None
 
     @property
-    def forward_calls(self) -> int:
-        return self._calls
+    def tree_cache(self) -> HeadCache:
+        """The PyTorch runner's cache for trees (made on first use)."""
+        if self._tree is None:
+            self._tree = HeadCache(TorchEagleRunner(self.head))
+        return self._tree
 
     def reset(self) -> None:
-        self.cache.length = 0
-        self.pairs = []
-
-    def prime(self, target: ModelSession) -> None:
-        """Read the target's features from its session from now on."""
-        self.target = target
-
-    def observe(self, context: Sequence[int], num_accepted: int) -> None:
-        """Nothing: the next proposal catches up from the target's session."""
+        for cache in (self.chain, self._tree):
+            if cache is not None:
+                cache.runner.length = 0
+                cache.pairs = []
 
     # ---- the head over the committed context ----------------------------------------
-    def _sync(self, context: Sequence[int]) -> torch.Tensor | None:
+    def _sync(
+        self, cache: HeadCache, context: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Bring the head's cache to the committed ``context``; returns the predicted
-        feature of position len(context) - 1 ([H]: its logits give the next token's
-        distribution), or None when the target gave no features."""
+        feature of position len(context) - 1 ([H]) and its draft logits ([N]: the next
+        token's), or None when the target gave no features."""
         n = len(context)
         true = min(true_feature_count(self.target, context), n - 1)  # pairs from true features
         if true < 1:
             return None
-        keep = common_prefix_length(self.pairs, context[1 : true + 1])
-        self.cache.length = keep
-        del self.pairs[keep:]
-        features = self.target.features  # type: ignore[union-attr]
+        keep = common_prefix_length(cache.pairs, context[1 : true + 1])
         if keep == true:  # nothing new: redo the last true pair to get its prediction
             keep -= 1
-            self.cache.length = keep
-            del self.pairs[keep:]
-        predicted = self._feed(context[keep + 1 : true + 1], features[keep:true], keep)
-        self.pairs.extend(context[keep + 1 : true + 1])
+        cache.runner.length = keep
+        del cache.pairs[keep:]
+        features = self.target.features  # type: ignore[union-attr]
+        predicted = self._feed(cache, context[keep + 1 : true + 1], features[keep:true], keep)
+        cache.pairs.extend(context[keep + 1 : true + 1])
         # pairs whose features the target has not given yet (none after a normal round)
         for t in range(true, n - 1):
-            predicted = self._feed([context[t + 1]], predicted.unsqueeze(0), t)
+            predicted = self._feed(cache, [context[t + 1]], predicted[0].unsqueeze(0), t)
         return predicted
 
     def _feed(
         self,
+        cache: HeadCache,
         tokens: Sequence[int],
         features: torch.Tensor,
         start: int,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Pairs (features[i], tokens[i]) at positions start + i -> the last prediction [H]."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pairs (features[i], tokens[i]) at positions start + i -> the last prediction
+        ([H] feature, [N] logits)."""
         ids = torch.tensor(list(tokens), dtype=torch.long)
         positions = torch.arange(start, start + len(ids))
-        out = self.module.step(self.cache, self.head.embedding[ids], features, positions, mask)
+        out, logits = cache.runner.step(self.head.embedding[ids], features, positions)
         self._calls += 1
-        return out[-1]
-
-    def _probs(self, feature: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """[..., H] predicted features -> [..., N] processed draft probabilities."""
-        return draft_distribution(self.head.draft_logits(feature), params)
+        return out[-1], logits[-1]
 
     # ---- chain -------------------------------------------------------------------------
     @torch.no_grad()
@@ -117,24 +127,25 @@ class EagleDrafter:
         params: SamplingParams,
         generator: torch.Generator,
     ) -> Draft:
-        feature = self._sync(context)
-        if feature is None:
+        synced = self._sync(self.chain, context)
+        if synced is None:
             return Draft(tokens=[])
+        feature, logits = synced
         position = len(context) - 1
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(gamma):
-            probs = self._probs(feature, params)  # [N]
-            index = draw(probs, params, generator)
-            token = int(self.head.draft_to_target[index])
+            index, probs = draw_from_logits(logits, params, generator)  # probs: [N] or None
+            token = self.target_token(index)
             tokens.append(token)
-            if not params.greedy:
+            if probs is not None:
                 rows.append(probs)
             if i + 1 < gamma:
-                feature = self._feed([token], feature.unsqueeze(0), position + i)
+                step = ([token], feature.unsqueeze(0), position + i)
+                feature, logits = self._feed(self.chain, *step)
         if params.greedy:
             return Draft(tokens=tokens)
-        q = to_full_vocab(torch.stack(rows), self.head.draft_to_target, self.vocab_size)
+        q = self.full_vocab(torch.stack(rows))
         return Draft(tokens=tokens, probs=q.unsqueeze(0))  # [1, gamma, vocab]
 
     # ---- tree --------------------------------------------------------------------------
@@ -149,19 +160,18 @@ class EagleDrafter:
         """A tree of at most ``budget`` nodes: EAGLE-2's dynamic expansion by path
         probability under greedy; a static shape (children drawn without replacement,
         counts fixed by depth and draw rank) under sampling."""
-        feature = self._sync(context)
-        if feature is None or budget < 1:
+        root = self._sync(self.tree_cache, context)
+        if root is None or budget < 1:
             return _empty_tree(params)
         if params.greedy:
-            return self._dynamic_tree(len(context) - 1, feature, budget)
-        return self._static_tree(len(context) - 1, feature, budget, params, generator)
+            return self._dynamic_tree(root, budget)
+        return self._static_tree(root, budget, params, generator)
 
-    def _expand(
-        self, base: int, nodes: list[int], tree: _Growing, features: list[torch.Tensor]
-    ) -> None:
+    def _expand(self, base: int, nodes: list[int], tree: _Growing, outputs: dict) -> None:
         """Run the head over ``nodes`` (one depth, each seeing its ancestors), storing
-        their predicted features."""
-        start = self.cache.length
+        their predicted features and logits in ``outputs`` (node + 1 -> (feature, logits))."""
+        runner = self.tree_cache.runner
+        start = runner.length
         slots = {node: start + i for i, node in enumerate(nodes)}
         mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)
         mask[:, :base] = True  # the true pairs
@@ -169,68 +179,66 @@ class EagleDrafter:
             for ancestor in tree.path(node):
                 mask[i, tree.slot[ancestor] if ancestor in tree.slot else slots[ancestor]] = True
         tokens = [tree.tokens[node] for node in nodes]
-        parent_features = torch.stack([features[tree.parents[node] + 1] for node in nodes])
+        parent_features = torch.stack([outputs[tree.parents[node] + 1][0] for node in nodes])
         positions = torch.tensor([base - 1 + tree.depth[node] for node in nodes])
         ids = torch.tensor(tokens, dtype=torch.long)
-        out = self.module.step(
-            self.cache, self.head.embedding[ids], parent_features, positions, mask
-        )
+        out, logits = runner.step(self.head.embedding[ids], parent_features, positions, mask)
         self._calls += 1
         tree.slot.update(slots)
         for i, node in enumerate(nodes):
-            features[node + 1] = out[i]
+            outputs[node + 1] = (out[i], logits[i])
 
-    def _dynamic_tree(self, position: int, root: torch.Tensor, budget: int) -> DraftTree:
-        base = self.cache.length
+    def _dynamic_tree(self, root: tuple[torch.Tensor, torch.Tensor], budget: int) -> DraftTree:
+        runner = self.tree_cache.runner
+        base = runner.length
         tree = _Growing()
-        features: dict[int, torch.Tensor] = {0: root}  # node + 1 -> predicted feature
+        outputs = {0: root}  # node + 1 -> (predicted feature [H], draft logits [N])
         frontier = [-1]
         for _ in range(min(budget, DYNAMIC_DEPTH)):
             candidates = []
             for parent in frontier:
-                logp = torch.log_softmax(self.head.draft_logits(features[parent + 1]), -1)
+                logp = torch.log_softmax(outputs[parent + 1][1], -1)
                 top = torch.topk(logp, DYNAMIC_TOP_K)
                 base_score = tree.score[parent] if parent >= 0 else 0.0
                 for value, index in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                    token = int(self.head.draft_to_target[index])
+                    token = self.target_token(index)
                     candidates.append(tree.add(token, parent, base_score + value))
             frontier = sorted(candidates, key=lambda n: -tree.score[n])[:DYNAMIC_WIDTH]
-            self._expand(base, frontier, tree, features)  # type: ignore[arg-type]
-        self.cache.length = base
+            self._expand(base, frontier, tree, outputs)
+        runner.length = base
         return tree.best(budget)
 
     def _static_tree(
         self,
-        position: int,
-        root: torch.Tensor,
+        root: tuple[torch.Tensor, torch.Tensor],
         budget: int,
         params: SamplingParams,
         generator: torch.Generator,
     ) -> DraftTree:
-        base = self.cache.length
+        runner = self.tree_cache.runner
+        base = runner.length
         tree = _Growing()
-        features: dict[int, torch.Tensor] = {0: root}
+        outputs = {0: root}
         rows: list[torch.Tensor] = []
         frontier = [-1]
         for depth in range(len(STATIC_BRANCHING)):
             children = []
             for parent in frontier[: STATIC_WIDTH[depth]]:
-                probs = self._probs(features[parent + 1], params)  # [N]
+                probs = draft_distribution(outputs[parent + 1][1], params)  # [N]
                 room = budget - len(tree.tokens)
                 drawn = draw_without_replacement(
                     probs, min(STATIC_BRANCHING[depth], room), params, generator
                 )
                 for index in drawn.tolist():
-                    children.append(tree.add(int(self.head.draft_to_target[index]), parent, 0.0))
+                    children.append(tree.add(self.target_token(index), parent, 0.0))
                     rows.append(probs)
             if not children or len(tree.tokens) >= budget:
                 break
             frontier = children[: STATIC_WIDTH[depth + 1]] if depth + 1 < len(STATIC_WIDTH) else []
             if frontier:
-                self._expand(base, frontier, tree, features)  # type: ignore[arg-type]
-        self.cache.length = base
-        q = to_full_vocab(torch.stack(rows), self.head.draft_to_target, self.vocab_size)
-        return tree.as_draft(q)
+                self._expand(base, frontier, tree, outputs)
+        runner.length = base
+        return tree.as_draft(self.full_vocab(torch.stack(rows)))
 
 
 class _Growing:

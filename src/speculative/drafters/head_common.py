@@ -1,5 +1,6 @@
-"""What the head drafters share: processed draft distributions over a reduced vocabulary,
-draws without replacement, and reading the target's features from its session."""
+"""What the head drafters share: a base class (a trained head bound to a target's
+session), processed draft distributions over a reduced vocabulary, draws without
+replacement, and reading the target's features from its session."""
 
 from __future__ import annotations
 
@@ -7,8 +8,53 @@ from collections.abc import Sequence
 
 import torch
 
+from speculative.heads.store import TrainedHead
+from speculative.models.base import SupportsKernels
 from speculative.models.session import ModelSession, common_prefix_length
 from speculative.sampling import SamplingParams, logits_to_probs, sample
+
+
+class HeadDrafter:
+    """A drafter reading the target's features through a trained head: the constructor,
+    priming and bookkeeping EAGLE and Medusa share."""
+
+    method = ""  # the head method this drafter runs ("eagle", "medusa")
+
+    def __init__(self, head: TrainedHead, vocab_size: int, name: str) -> None:
+        if head.config.method != self.method:
+            raise ValueError(f"{name} needs {self.method} heads, got {head.config.method}")
+        self.name = name
+        self.head = head
+        self.vocab_size = vocab_size
+        self.target: ModelSession | None = None
+        self._calls = 0
+
+    @property
+    def forward_calls(self) -> int:
+        return self._calls
+
+    def reset(self) -> None:
+        """Nothing per sequence by default."""
+
+    def prime(self, target: ModelSession) -> None:
+        """Read the target's features from its session from now on."""
+        self.target = target
+
+    def observe(self, context: Sequence[int], num_accepted: int) -> None:
+        """Nothing: the next proposal reads the target's session."""
+
+    def full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
+        """[..., N] draft-vocabulary probabilities -> [..., vocab] (q of the accept test)."""
+        return to_full_vocab(probs, self.head.draft_to_target, self.vocab_size)
+
+    def target_token(self, index: int) -> int:
+        return int(self.head.draft_to_target[index])
+
+
+def target_kernels(lm: object) -> object | None:
+    """The C kernel library running ``lm``'s layers, when it runs on them (heads then run
+    their steps on the same kernels), else None."""
+    return lm.kernel_library() if isinstance(lm, SupportsKernels) else None
 
 
 def draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -22,6 +68,18 @@ def to_full_vocab(probs: torch.Tensor, draft_to_target: torch.Tensor, vocab: int
     full = probs.new_zeros(*probs.shape[:-1], vocab)
     index = draft_to_target.expand(*probs.shape[:-1], -1)
     return full.scatter_(-1, index, probs)
+
+
+def draw_from_logits(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[int, torch.Tensor | None]:
+    """One draft-vocabulary index from [N] draft logits and the processed probs it was
+    drawn from (None when greedy: the first argmax, taken straight from the logits in
+    numpy, is what the one-hot distribution's argmax would give)."""
+    if params.greedy:
+        return int(logits.detach().numpy().argmax()), None
+    probs = draft_distribution(logits, params)  # [N]
+    return draw(probs, params, generator), probs
 
 
 def draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

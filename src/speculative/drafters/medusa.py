@@ -10,46 +10,39 @@ import torch
 
 from speculative.drafters.base import Draft
 from speculative.drafters.head_common import (
+    HeadDrafter,
     draft_distribution,
     draw,
     draw_without_replacement,
-    to_full_vocab,
     true_feature_count,
 )
 from speculative.drafters.tree import DraftTree
-from speculative.heads.modules import MedusaHeads
+from speculative.heads.runners import MedusaRunner, TorchMedusaRunner
 from speculative.heads.store import TrainedHead
-from speculative.models.session import ModelSession
 from speculative.sampling import SamplingParams
 
 TREE_TOP_K = (3, 2, 2, 1)  # children per node by depth (cartesian product of heads' top-k)
 
 
-class MedusaDrafter:
-    """Chain and tree proposals from Medusa heads."""
+class MedusaDrafter(HeadDrafter):
+    """Chain and tree proposals from Medusa heads.
 
-    def __init__(self, head: TrainedHead, vocab_size: int, name: str = "medusa") -> None:
-        if not isinstance(head.module, MedusaHeads):
-            raise ValueError(f"{name} needs medusa heads, got {head.config.method}")
-        self.name = name
-        self.head = head
-        self.module: MedusaHeads = head.module
-        self.vocab_size = vocab_size
-        self.target: ModelSession | None = None
-        self._calls = 0
+    runner: what computes the heads' draft logits (default: the PyTorch module; the
+    registry passes :class:`~speculative.heads.runners.KernelMedusaRunner` when the
+    target runs on the C kernels)."""
 
-    @property
-    def forward_calls(self) -> int:
-        return self._calls
+    method = "medusa"
 
-    def reset(self) -> None:
-        pass
-
-    def prime(self, target: ModelSession) -> None:
-        self.target = target
-
-    def observe(self, context: Sequence[int], num_accepted: int) -> None:
-        pass
+    def __init__(
+        self,
+        head: TrainedHead,
+        vocab_size: int,
+        name: str = "medusa",
+        runner: MedusaRunner | None = None,
+    ) -> None:
+        super().__init__(head, vocab_size, name)
+        self.runner = runner if runner is not None else TorchMedusaRunner(head)
+        self.heads = head.config.medusa_heads
 
     def _head_logits(self, context: Sequence[int], count: int) -> torch.Tensor | None:
         """Draft logits [count, N] of heads 1..count, or None. They exist only when the
@@ -59,11 +52,9 @@ class MedusaDrafter:
         if n < 2 or true_feature_count(self.target, context) < n - 1:
             return None
         feature = self.target.features[n - 2]  # type: ignore[union-attr]
-        count = min(count, len(self.module.blocks))
-        with torch.no_grad():
-            predicted = torch.stack(self.module(feature)[:count])  # [count, H]
+        logits = self.runner(feature, min(count, self.heads))
         self._calls += 1
-        return self.head.draft_logits(predicted)
+        return logits
 
     @torch.no_grad()
     def propose(
@@ -76,12 +67,12 @@ class MedusaDrafter:
         logits = self._head_logits(context, gamma)
         if logits is None:
             return Draft(tokens=[])
+        if params.greedy:  # the first argmax of each head's logits (numpy: no one-hot)
+            indices = logits.numpy().argmax(axis=-1).tolist()
+            return Draft(tokens=[self.target_token(i) for i in indices])
         probs = draft_distribution(logits, params)  # [gamma, N]
-        indices = [draw(row, params, generator) for row in probs]
-        tokens = [int(self.head.draft_to_target[i]) for i in indices]
-        if params.greedy:
-            return Draft(tokens=tokens)
-        q = to_full_vocab(probs, self.head.draft_to_target, self.vocab_size)
+        tokens = [self.target_token(draw(row, params, generator)) for row in probs]
+        q = self.full_vocab(probs)
         return Draft(tokens=tokens, probs=q.unsqueeze(0))  # [1, len, vocab]
 
     @torch.no_grad()
@@ -110,7 +101,7 @@ class MedusaDrafter:
                 room = budget - len(tokens)
                 count = min(TREE_TOP_K[depth], room)
                 for index in draw_without_replacement(probs[depth], count, params, generator):
-                    tokens.append(int(self.head.draft_to_target[index]))
+                    tokens.append(self.target_token(index))
                     parents.append(parent)
                     rows.append(probs[depth])
                     children.append(len(tokens) - 1)
@@ -119,7 +110,7 @@ class MedusaDrafter:
                 break
         q = None
         if not params.greedy and rows:
-            q = to_full_vocab(torch.stack(rows), self.head.draft_to_target, self.vocab_size)
+            q = self.full_vocab(torch.stack(rows))
         return DraftTree(
             tokens=torch.tensor(tokens, dtype=torch.long),
             parents=torch.tensor(parents, dtype=torch.long),

@@ -131,19 +131,29 @@ def load_trained_head(method: str, argument: str, target: LoadedModel) -> Any:
 
 def _eagle(argument: str, target: LoadedModel) -> Drafter:
     from speculative.drafters.eagle import EagleDrafter
+    from speculative.drafters.head_common import target_kernels
+    from speculative.heads.runners import KernelEagleRunner
 
     head = load_trained_head("eagle", argument, target)
-    return EagleDrafter(
-        head, target.lm.vocab_size, "eagle" if not argument else f"eagle:{argument}"
-    )
+    library = target_kernels(target.lm)
+    runner = None
+    if library is not None:  # the head's steps on the target's own C kernels
+        max_length = target.lm.max_length or 4096
+        runner = KernelEagleRunner(head, library, target.precision, max_length)
+    name = "eagle" if not argument else f"eagle:{argument}"
+    return EagleDrafter(head, target.lm.vocab_size, name, runner)
 
 
 def _medusa(argument: str, target: LoadedModel) -> Drafter:
+    from speculative.drafters.head_common import target_kernels
     from speculative.drafters.medusa import MedusaDrafter
+    from speculative.heads.runners import KernelMedusaRunner
 
     head = load_trained_head("medusa", argument, target)
+    library = target_kernels(target.lm)
+    runner = None if library is None else KernelMedusaRunner(head, library, target.precision)
     name = "medusa" if not argument else f"medusa:{argument}"
-    return MedusaDrafter(head, target.lm.vocab_size, name)
+    return MedusaDrafter(head, target.lm.vocab_size, name, runner)
 
 
 def _auto(argument: str, target: LoadedModel) -> Drafter:

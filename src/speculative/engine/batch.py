@@ -1,18 +1,21 @@
 """Batched speculative decoding: many rows share each target pass.
 
-Each round every active row proposes its own draft (its own drafter, γ, sampling
-parameters and generator); ONE ragged target forward (``SupportsBatchRows.forward_rows``)
-scores every row's last token and drafts, each row in its own cache slot; each row is then
-verified and committed alone with the same functions as the single-sequence loop
-(:func:`propose_draft`, :func:`verify_draft`, :func:`commit_tokens`). A row's logits in
-the batch equal its logits alone (bitwise), and its randomness comes only from its own
-generator, so each row's output is exactly what :class:`SpeculativeEngine` gives it alone.
+This is the engine's one loop. Each round every decoding row proposes its own draft (its
+own drafter, γ or token tree, sampling parameters and generator); ONE target pass
+(:meth:`RowPool.forward_rows`) scores every row's last token and drafts, each row in its
+own cache; each row is then verified and committed alone (:mod:`speculative.engine.round`).
+A row's logits in the batch equal its logits alone (bitwise on the native runtime), and
+its randomness comes only from its own generator, so each row's output is exactly what it
+would be alone. The single-sequence :class:`~speculative.engine.loop.SpeculativeEngine`
+is this engine with one row on the model's own cache (:class:`SinglePool`).
 
-Continuous batching: :meth:`BatchEngine.add` joins a row between rounds (its prompt is
-prefilled inside the next shared pass), a finished or cancelled row frees its slot at
-once. A drafter is per row: one instance per request (a model drafter with its own model
-and session). Priming a model drafter from the target's prefill (``share_prefill``) is
-not done here: the drafter prefills itself (lossless; only the drafts can differ).
+Continuous batching: :meth:`BatchEngine.add` joins a row between rounds; its prompt is
+prefilled inside the next shared passes, at most ``prefill_chunk`` tokens per pass
+(chunked prefill: a long prompt does not stall the other rows' decoding for long). A
+finished or cancelled row frees its slot at once. A drafter is per row: one instance per
+request (a model drafter with its own model and session). On slots, priming a drafter
+from the target (``share_prefill``, head features) is not done: the drafter prefills
+itself (lossless; only the drafts can differ).
 """
 
 from __future__ import annotations
@@ -23,21 +26,37 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speculative.drafters.base import Draft, Drafter
-from speculative.engine.gamma import FixedGamma, GammaPolicy, LoadAwareGamma, RowLoad
-from speculative.engine.loop import (
+from speculative.drafters.base import Drafter, SupportsPriming
+from speculative.engine.gamma import (
+    FixedGamma,
+    GammaPolicy,
+    LoadAwareGamma,
+    RowLoad,
+    SupportsCostFeedback,
+)
+from speculative.engine.round import (
     DecodeState,
     GenerationResult,
+    Proposal,
     Round,
     Verifier,
+    accepted,
     commit_tokens,
     propose_draft,
     verify_draft,
 )
 from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import StopCriteria
-from speculative.models.base import CausalLM, SupportsBatchRows
-from speculative.models.session import SlotSession
+from speculative.engine.tree import TreeRound
+from speculative.models.base import CausalLM, PadsBatchRows, RowInput, SupportsBatchRows
+from speculative.models.session import (
+    ModelSession,
+    RowPool,
+    RowSession,
+    SinglePool,
+    SlotPool,
+    common_prefix_length,
+)
 from speculative.sampling import SamplingParams
 
 ALPHA_PRIOR = 0.6  # running acceptance estimate: Beta prior mean ...
@@ -56,19 +75,21 @@ class BatchRequest:
     drafter: Drafter | None = None  # one instance per row (drafters keep per-row state)
     gamma: GammaPolicy | int = 4  # the row's own γ (the load-aware policy may lower it)
     draft_cost: float = 0.0  # c of the drafter (draft step ÷ target step), for the load policy
+    tree: TreeRound | None = None  # draft token trees with this strategy instead of chains
 
 
 @dataclass
 class BatchRow:
-    """An active row: its request, cache slot, committed sequence and rounds."""
+    """An active row: its request, cache session, committed sequence and rounds."""
 
     row_id: int
     request: BatchRequest
-    session: SlotSession
+    session: RowSession
     state: DecodeState
     gamma_policy: GammaPolicy
     started: float
     rounds: list[Round] = field(default_factory=list)
+    decoding: bool = False  # the prompt is prefilled (and the drafter primed)
     propose_seconds: float | None = None  # running mean of a propose call that drafted
     step_draft_seconds: float | None = None  # model drafters: running mean per draft step
 
@@ -86,37 +107,69 @@ class BatchRow:
         prior = ALPHA_PRIOR * ALPHA_PRIOR_WEIGHT
         return (sum(stats.accepted_at) + prior) / (sum(stats.reached) + ALPHA_PRIOR_WEIGHT)
 
+    def prefill_left(self) -> int:
+        """Prompt tokens (all but the last) not yet in the row's cache."""
+        prefix = self.state.sequence[: self.state.prompt_length - 1]
+        return len(prefix) - common_prefix_length(self.session.cached, prefix)
+
 
 @dataclass
 class _Planned:
     row: BatchRow
-    draft: Draft
+    proposal: Proposal
+    propose_seconds: float = 0.0  # wall time of the row's propose call
+
+
+def new_state(
+    prompt_ids: Sequence[int], max_length: int | None, stats: GenerationStats | None = None
+) -> DecodeState:
+    """A generation's state after validating its prompt against the context window."""
+    prompt = list(prompt_ids)
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    if max_length is not None and len(prompt) >= max_length:
+        raise ValueError(
+            f"the prompt has {len(prompt)} tokens but the model's context window is {max_length}"
+        )
+    return DecodeState(prompt, len(prompt), GenerationStats() if stats is None else stats)
 
 
 class BatchEngine:
-    """Decodes many rows together over a target with per-row cache slots."""
+    """Decodes many rows together, one target pass per round."""
 
     def __init__(
         self,
         target: CausalLM,
         max_batch: int = 8,
         load: LoadAwareGamma | None = None,
+        *,
+        prefill_chunk: int | None = None,
+        pool: RowPool | None = None,
         verifier: Verifier | None = None,
     ) -> None:
         """load: choose every row's γ (at most its own) for the load each round; None
-        keeps each row's own γ. verifier: as in :class:`SpeculativeEngine` (negative
-        controls only)."""
-        if not isinstance(target, SupportsBatchRows):
-            raise ValueError(f"{type(target).__name__} cannot hold several sequences (slots)")
+        keeps each row's own γ. prefill_chunk: most prompt tokens a joining row feeds per
+        pass (None: its whole prompt in one pass). pool: where rows live (default: the
+        target's cache slots; a model without slots holds one row on its own cache).
+        verifier: replaces the exact chain verification (negative controls only)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if pool is None:
+            pool = _default_pool(target, max_batch)
+        if pool.capacity is not None and max_batch > pool.capacity:
+            raise ValueError(f"max_batch {max_batch} exceeds the {pool.capacity} rows this holds")
         self.target = target
+        self.pool = pool
         self.max_batch = max_batch
         self.load = load
+        self.prefill_chunk = prefill_chunk
         self.verifier = verifier
         self.rows: dict[int, BatchRow] = {}  # active rows by id, in joining order
         self.finished: dict[int, GenerationResult] = {}
         self.target_passes = 0
+        self.forward_seconds = 0.0  # time spent inside the target passes
         self.step_seconds: float | None = None  # running estimate of T(1), in seconds
         self._next_id = 0
 
@@ -124,20 +177,14 @@ class BatchEngine:
     def max_length(self) -> int | None:
         return self.target.max_length
 
-    def add(self, request: BatchRequest) -> int:
-        """Join a row (decoded from the next round on); returns its id. ValueError when
-        the batch is full or the prompt does not fit."""
+    def add(self, request: BatchRequest, stats: GenerationStats | None = None) -> int:
+        """Join a row (prefilled and decoded from the next round on); returns its id.
+        ValueError when the batch is full or the prompt does not fit. ``stats`` (a fresh
+        one when None) is updated in place as the row goes."""
         if len(self.rows) >= self.max_batch:
             raise ValueError(f"the batch is full ({self.max_batch} rows)")
-        prompt = list(request.prompt_ids)
-        if not prompt:
-            raise ValueError("the prompt is empty: give at least one token")
-        limit = self.max_length
-        if limit is not None and len(prompt) >= limit:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens but the model's context window is {limit}"
-            )
-        session = SlotSession(self.target)  # raises when no slot is free
+        state = new_state(request.prompt_ids, self.max_length, stats)
+        session = self.pool.open()  # raises when no slot is free
         if request.drafter is not None:
             request.drafter.reset()
         gamma = request.gamma
@@ -145,7 +192,7 @@ class BatchEngine:
             row_id=self._next_id,
             request=request,
             session=session,
-            state=DecodeState(prompt, len(prompt), GenerationStats()),
+            state=state,
             gamma_policy=FixedGamma(gamma) if isinstance(gamma, int) else gamma,
             started=time.perf_counter(),
         )
@@ -163,18 +210,28 @@ class BatchEngine:
         return result
 
     def step(self) -> dict[int, Round]:
-        """One round for every active row: propose, one shared target pass, verify and
-        commit per row. Finished rows leave (slot freed) before this returns."""
+        """One round for every decoding row and one prefill chunk for every joining row,
+        all in one target pass: propose, forward, verify and commit per row. Finished
+        rows leave (slot freed) before this returns; the result holds the rounds run."""
         if not self.rows:
             return {}
-        planned = self._propose(list(self.rows.values()))
-        inputs = [p.row.session.request(p.row.state.sequence, p.draft.tokens) for p in planned]
-        started = time.perf_counter()
-        outputs = self.target.forward_rows(inputs)  # [k_row, vocab] each
-        self._measure_pass(time.perf_counter() - started, sum(r.input_ids.numel() for r in inputs))
-        self.target_passes += 1
+        rows = list(self.rows.values())
+        for row in rows:
+            if not row.decoding and row.prefill_left() == 0:
+                self._start_decoding(row)
+        chunks = [(row, self._prefill_chunk(row)) for row in rows if not row.decoding]
+        chunk_tokens = sum(chunk.input_ids.numel() for _, chunk in chunks)
+        planned = self._propose([row for row in rows if row.decoding], chunk_tokens)
+        inputs = [chunk for _, chunk in chunks] + [p.proposal.request for p in planned]
+        outputs, seconds = self._forward(inputs)
+        for (row, _), logits in zip(chunks, outputs[: len(chunks)], strict=True):
+            row.session.receive(logits)
+            row.state.stats.prefill_seconds += seconds
         rounds = {}
-        for p, logits in zip(planned, outputs, strict=True):
+        for p, logits in zip(planned, outputs[len(chunks) :], strict=True):
+            policy, drafted = p.row.gamma_policy, p.proposal.drafted
+            if isinstance(policy, SupportsCostFeedback) and p.proposal.draft and drafted:
+                policy.observe_costs(drafted, p.propose_seconds, seconds)
             rounds[p.row.row_id] = self._commit(p, p.row.session.receive(logits))
         return rounds
 
@@ -190,28 +247,70 @@ class BatchEngine:
         return [self.finished[i] for i in ids]
 
     # ---- the steps of a round ------------------------------------------------------
-    def _propose(self, rows: list[BatchRow]) -> list[_Planned]:
-        wanted = [
-            row.gamma_policy.next_gamma() if row.request.drafter is not None else 0
-            for row in rows
-        ]
-        if self.load is not None:
+    def _start_decoding(self, row: BatchRow) -> None:
+        """The prompt is in the cache: hand the target's session to a drafter that reads
+        it (features, prompt cache), where the pool allows."""
+        drafter = row.request.drafter
+        if self.pool.primes_drafters and isinstance(drafter, SupportsPriming):
+            assert isinstance(row.session, ModelSession)  # SinglePool's session
+            drafter.prime(row.session)
+        row.decoding = True
+
+    def _prefill_chunk(self, row: BatchRow) -> RowInput:
+        """The row of the pass that feeds the next at most ``prefill_chunk`` prompt tokens."""
+        prefix = row.state.sequence[: row.state.prompt_length - 1]
+        left = row.prefill_left()
+        size = left if self.prefill_chunk is None else min(left, self.prefill_chunk)
+        return row.session.request(prefix[: len(prefix) - left + size])
+
+    def _forward(self, inputs: list[RowInput]) -> tuple[list[torch.Tensor], float]:
+        """The shared target pass: every row's logits [k_row, vocab], and its seconds."""
+        started = time.perf_counter()
+        outputs = self.pool.forward_rows(inputs)
+        seconds = time.perf_counter() - started
+        self._measure_pass(seconds, sum(r.input_ids.numel() for r in inputs))
+        self.forward_seconds += seconds
+        self.target_passes += 1
+        return outputs, seconds
+
+    def _propose(self, rows: list[BatchRow], extra_tokens: int = 0) -> list[_Planned]:
+        wanted = [self._own_gamma(row) for row in rows]
+        if self.load is not None and rows:
             loads = [
                 RowLoad(row.alpha(), g, self._fed(row), *self._draft_costs(row))
                 for row, g in zip(rows, wanted, strict=True)
             ]
-            wanted = self.load.choose(loads)
+            padded = self.target.padded_tokens if isinstance(self.target, PadsBatchRows) else None
+            wanted = self.load.choose(loads, extra_tokens, padded)
         planned = []
         for row, gamma in zip(rows, wanted, strict=True):
-            request = row.request
             started, calls = time.perf_counter(), row.state.stats.draft_calls
-            draft = propose_draft(
-                request.drafter, gamma, row.state, self.max_length, request.params,
-                request.generator,
-            )  # fmt: skip
-            self._measure_propose(row, time.perf_counter() - started, calls)
-            planned.append(_Planned(row, draft))
+            proposal = self._proposal(row, gamma)
+            elapsed = time.perf_counter() - started
+            self._measure_propose(row, elapsed, calls)
+            planned.append(_Planned(row, proposal, elapsed))
         return planned
+
+    def _own_gamma(self, row: BatchRow) -> int:
+        request = row.request
+        if request.drafter is None or request.tree is not None:
+            return 0
+        return row.gamma_policy.next_gamma()
+
+    def _proposal(self, row: BatchRow, gamma: int) -> Proposal:
+        """The row's draft (chain of ``gamma`` tokens, or its tree) and the pass row."""
+        request, state, session = row.request, row.state, row.session
+        if request.tree is not None:
+            tree = request.tree.propose(
+                state.sequence, self.max_length, request.params, request.generator,
+                state.stats, request.drafter,
+            )  # fmt: skip
+            tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+            return Proposal(session.request_tree(state.sequence, tokens, parents), tree=tree)
+        draft = propose_draft(
+            request.drafter, gamma, state, self.max_length, request.params, request.generator
+        )
+        return Proposal(session.request(state.sequence, draft.tokens), draft=draft)
 
     @staticmethod
     def _measure_propose(row: BatchRow, seconds: float, calls_before: int) -> None:
@@ -240,18 +339,33 @@ class BatchEngine:
 
     @staticmethod
     def _fed(row: BatchRow) -> int:
-        """Tokens the row feeds this round besides its drafts (prefill, catch-up, last)."""
-        return max(1, len(row.state.sequence) - len(row.session.cached))
+        """Tokens the row feeds this round besides its chain drafts (catch-up, the last
+        token; a tree row's whole tree)."""
+        tree = row.request.tree
+        nodes = tree.budget if tree is not None else 0
+        return max(1, len(row.state.sequence) - len(row.session.cached)) + nodes
 
     def _commit(self, planned: _Planned, logits: torch.Tensor) -> Round:
-        row, draft = planned.row, planned.draft
+        """Verify the row's proposal against its logits [1, drafted + 1, vocab], keep the
+        accepted tokens, and retire the row when it finished."""
+        row, proposal = planned.row, planned.proposal
         request = row.request
-        result = verify_draft(draft, logits, request.params, request.generator, self.verifier)
-        num_accepted = int(result.num_accepted[0])
-        if request.drafter is not None:
-            row.gamma_policy.update(len(draft.tokens), num_accepted)
+        if proposal.tree is not None:
+            assert request.tree is not None
+            result = request.tree.verify(
+                proposal.tree, logits[0], request.params, request.generator
+            )
+            row.session.keep_path(result.path)
+        else:
+            assert proposal.draft is not None
+            result = verify_draft(
+                proposal.draft, logits, request.params, request.generator, self.verifier
+            )
+        emitted, num_accepted = accepted(result)
+        if request.drafter is not None and proposal.tree is None:
+            row.gamma_policy.update(proposal.drafted, num_accepted)
         round_ = commit_tokens(
-            row.state, request.drafter, self.max_length, len(draft.tokens), result.emitted(0),
+            row.state, request.drafter, self.max_length, proposal.drafted, emitted,
             num_accepted, request.stop,
         )  # fmt: skip
         row.rounds.append(round_)
@@ -261,6 +375,15 @@ class BatchEngine:
             row.session.release()
             self.finished[row.row_id] = row.result()
         return round_
+
+
+def _default_pool(target: CausalLM, max_batch: int) -> RowPool:
+    """The target's cache slots, or (max_batch 1) its own single-sequence cache."""
+    if isinstance(target, SupportsBatchRows):
+        return SlotPool(target)
+    if max_batch > 1:
+        raise ValueError(f"{type(target).__name__} cannot hold several sequences (slots)")
+    return SinglePool(ModelSession(target))
 
 
 def _running(previous: float | None, value: float) -> float:

@@ -6,19 +6,25 @@
   every k alike. The curve is reported as ``T(k)/T(1)`` (exactly 1 at k = 1).
 - ``c``: the draft cost, ms of one draft step ÷ ms of one target decode step, measured
   interleaved on the same context. A model-free drafter's step is its ``propose`` call.
+- Round overhead: the wall time of a generation round outside the target's forwards and
+  the drafter's calls (sampling, verification, bookkeeping, session sync), measured by
+  timing those calls inside real generations (:func:`round_overheads`).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from speculative.drafters.base import Drafter, SupportsPriming
-from speculative.models.base import CausalLM
+from speculative.engine.loop import SpeculativeEngine
+from speculative.engine.stopping import StopCriteria
+from speculative.models.base import CausalLM, RowInput, SupportsBatchRows
 from speculative.models.session import ModelSession
 from speculative.sampling import SamplingParams
 
@@ -119,15 +125,23 @@ def model_draft_cost(
     return draft_ms[1] / target_ms[1]
 
 
-def propose_ms(drafter: Drafter, context: Sequence[int], repeats: int = 5) -> float:
-    """Median ms of one ``propose`` of a single token after ``context`` (greedy)."""
+def propose_ms(
+    drafter: Drafter,
+    context: Sequence[int],
+    repeats: int = 5,
+    between: Callable[[], object] | None = None,
+) -> float:
+    """Median ms of one ``propose`` of a single token after ``context`` (greedy);
+    ``between`` (untimed) runs before each timed call."""
     params = SamplingParams(temperature=0.0)
     generator = torch.Generator().manual_seed(0)
     drafter.reset()
     drafter.propose(context, 1, params, generator)  # warm-up (and catch-up for models)
-    times = [
-        _timed_ms(lambda: drafter.propose(context, 1, params, generator)) for _ in range(repeats)
-    ]
+    times = []
+    for _ in range(repeats):
+        if between is not None:
+            between()
+        times.append(_timed_ms(lambda: drafter.propose(context, 1, params, generator)))
     drafter.reset()
     return statistics.median(times)
 
@@ -145,11 +159,21 @@ def drafter_cost(
         cost = model_draft_cost(draft_model, target, context, repeats)
         drafter.reset()  # the drafter's session must not trust the model's cache any more
         return cost
+    between = None
     if isinstance(drafter, SupportsPriming):  # heads read the target's features
         session = ModelSession(target)
         session.sync(list(context)[:-1])
         drafter.prime(session)
-    cost = propose_ms(drafter, context, repeats) / target_step_ms
+        probe = _ids(_probe_tokens(context, 1))
+
+        def between() -> None:
+            """A target step (rolled back) before each draft step, as in decoding: the
+            target's weights stream through the caches and evict the head's."""
+            with torch.inference_mode():
+                target.forward(probe)
+            target.rollback(1)
+
+    cost = propose_ms(drafter, context, repeats, between) / target_step_ms
     target.reset()
     return cost
 
@@ -173,3 +197,209 @@ def interleaved_prefill_ms(
     for model in models:
         model.reset()
     return [statistics.median(times) for times in samples]
+
+
+def rows_verify_cost(
+    model: SupportsBatchRows,
+    context: Sequence[int],
+    points: Sequence[int],
+    repeats: int = 5,
+    rows: int = 8,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[int, float]:
+    """T(n)/T(1) of one batched pass (``forward_rows``) of n tokens spread over ``rows``
+    sequences (1..⌈n/rows⌉ tokens each, as in a batched round), each after ``context``;
+    the n values are interleaved and every slot is rolled back after each pass.
+    ``clock``: e.g. ``time.process_time`` on one thread when other jobs share the cores."""
+    if repeats < 1 or not points or min(points) < 1 or not context:
+        raise ValueError("need repeats >= 1, token counts n >= 1 and a context")
+    probe = _probe_tokens(context, max(points))
+    slots = [model.acquire_slot() for _ in range(rows)]
+    try:
+        model.forward_rows([RowInput(s, torch.tensor(list(context))) for s in slots])
+        times: dict[int, list[float]] = {n: [] for n in points}
+        for repeat in range(repeats + 1):  # the first round warms up
+            for n in points:
+                sizes = [n // rows + (i < n % rows) for i in range(rows)]
+                batch = [
+                    RowInput(s, torch.tensor(probe[:k]))
+                    for s, k in zip(slots, sizes, strict=True)
+                    if k
+                ]
+                started = clock()
+                model.forward_rows(batch)
+                elapsed = clock() - started
+                for row in batch:
+                    model.rollback_slot(row.slot, row.input_ids.numel())
+                if repeat:
+                    times[n].append(elapsed)
+    finally:
+        for s in slots:
+            model.release_slot(s)
+    base = statistics.median(times[min(points)])
+    return {n: statistics.median(t) / base for n, t in times.items()}
+# ---- time per round outside the forwards ----------------------------------------------
+
+TARGET_CALLS = ("forward", "forward_with_hidden", "forward_tree")
+DRAFTER_CALLS = ("propose", "propose_tree", "observe")
+
+
+@dataclass
+class CallClock:
+    """Seconds spent inside the timed calls of one object (nested calls counted once)."""
+
+    seconds: float = 0.0
+    depth: int = 0
+
+
+@contextmanager
+def timed_calls(obj: object, names: Sequence[str], clock: CallClock) -> Iterator[None]:
+    """Time ``obj``'s methods ``names`` (those it has) into ``clock`` while inside; the
+    wrappers are instance attributes, removed on exit (the class methods then show
+    again). Costs two perf_counter calls per timed call."""
+    wrapped = [name for name in names if callable(getattr(obj, name, None))]
+    for name in wrapped:
+        setattr(obj, name, _timed(getattr(obj, name), clock))
+    try:
+        yield
+    finally:
+        for name in wrapped:
+            delattr(obj, name)
+
+
+def _timed(method: Callable, clock: CallClock) -> Callable:
+    def call(*args: object, **kwargs: object) -> object:
+        clock.depth += 1
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            clock.depth -= 1
+            if clock.depth == 0:
+                clock.seconds += time.perf_counter() - started
+
+    return call
+
+
+@dataclass(frozen=True)
+class RoundOverhead:
+    """Per-round times of real generations, in milliseconds: means over all rounds of all
+    repeats, and the median round's overhead (robust to the scheduler's pauses on a
+    shared machine, which land in whatever code runs)."""
+
+    drafter: str  # "none" for plain decoding
+    sampling: str  # "greedy" or e.g. "T=0.8, top-p=0.95"
+    rounds: float  # rounds per generation
+    tokens_per_round: float
+    round_ms: float  # wall time of a round
+    target_ms: float  # inside the target's forwards
+    draft_ms: float  # inside the drafter's propose / observe
+    overhead_mean_ms: float  # round - target - draft: sampling, verification, bookkeeping
+    overhead_ms: float  # the median round's overhead
+
+    def to_dict(self, step_ms: float | None = None) -> dict[str, object]:
+        out: dict[str, object] = dict(self.__dict__)
+        if step_ms:
+            out["overhead_share_of_step"] = self.overhead_ms / step_ms
+        return out
+
+
+def sampling_label(params: SamplingParams) -> str:
+    if params.greedy:
+        return "greedy"
+    label = f"T={params.temperature:g}"
+    if params.top_k:
+        label += f", top-k={params.top_k}"
+    if params.top_p < 1:
+        label += f", top-p={params.top_p:g}"
+    return label
+
+
+@dataclass(frozen=True)
+class RoundTimes:
+    """One round: wall, target and drafter seconds, and the tokens it emitted."""
+
+    wall: float
+    target: float
+    draft: float
+    tokens: int
+
+    @property
+    def overhead(self) -> float:
+        return self.wall - self.target - self.draft
+
+
+def round_overheads(
+    target: CausalLM,
+    drafters: dict[str, Drafter | None],
+    prompt: Sequence[int],
+    settings: Sequence[SamplingParams],
+    tokens: int = 64,
+    gamma: int = 3,
+    repeats: int = 3,
+) -> list[RoundOverhead]:
+    """For each drafter (None: plain decoding) and sampling setting, generate ``tokens``
+    tokens after ``prompt`` ``repeats`` times (all configurations interleaved, seeds
+    0..repeats-1) and split each round's wall time into target forwards, drafter calls and
+    the overhead around them."""
+    samples: dict[tuple[str, int], list[RoundTimes]] = {}
+    for repeat in range(repeats):
+        for name, drafter in drafters.items():
+            for index, params in enumerate(settings):
+                samples.setdefault((name, index), []).extend(
+                    _timed_rounds(target, drafter, prompt, params, tokens, gamma, repeat)
+                )
+    out = []
+    for (name, index), rounds in samples.items():
+        if not rounds:
+            raise ValueError("the generations ended after one round: ask for more tokens")
+        n = len(rounds)
+        wall, target_s, draft_s = (sum(getattr(r, f) for r in rounds) / n for f in TIMES)
+        out.append(
+            RoundOverhead(
+                drafter=name,
+                sampling=sampling_label(settings[index]),
+                rounds=n / repeats,
+                tokens_per_round=sum(r.tokens for r in rounds) / n,
+                round_ms=wall * 1e3,
+                target_ms=target_s * 1e3,
+                draft_ms=draft_s * 1e3,
+                overhead_mean_ms=(wall - target_s - draft_s) * 1e3,
+                overhead_ms=statistics.median(r.overhead for r in rounds) * 1e3,
+            )
+        )
+    return out
+
+
+TIMES = ("wall", "target", "draft")
+
+
+def _timed_rounds(
+    target: CausalLM,
+    drafter: Drafter | None,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    tokens: int,
+    gamma: int,
+    seed: int,
+) -> list[RoundTimes]:
+    """The rounds of one generation after its first (the prefill's) round."""
+    engine = SpeculativeEngine(target, drafter, gamma)
+    target_clock, draft_clock = CallClock(), CallClock()
+    stop = StopCriteria(max_new_tokens=tokens)
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    with torch.inference_mode(), timed_calls(target, TARGET_CALLS, target_clock):
+        stream = engine.stream(prompt, params, stop, generator)
+        next(stream)  # the prefill and the first round: not timed
+        with timed_calls(drafter, DRAFTER_CALLS, draft_clock):
+            while True:
+                before = (time.perf_counter(), target_clock.seconds, draft_clock.seconds)
+                round_ = next(stream, None)
+                if round_ is None:
+                    break
+                after = (time.perf_counter(), target_clock.seconds, draft_clock.seconds)
+                spent = [b - a for a, b in zip(before, after, strict=True)]
+                out.append(RoundTimes(*spent, tokens=len(round_.tokens)))
+    target.reset()
+    return out

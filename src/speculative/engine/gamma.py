@@ -4,6 +4,7 @@ output distribution, only the speed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -169,16 +170,32 @@ class LoadAwareGamma:
     the best allocation seen along that path wins. While the kernels are flat in n, every
     row speculates; as the batch fills the flat region, γ shrinks continuously, down to
     0 (plain batched decoding) when a draft no longer pays for its share of the pass.
+
+    Never a loss: speculation must be predicted to beat plain batched decoding by
+    ``margin`` (a fraction of its rate), because its inputs are noisy estimates (a
+    measured curve, running α and costs) and a wrong "small gain" is a real loss; and the
+    curve is made non-decreasing in n (a noisy point where more tokens look cheaper than
+    fewer must not make drafts look free).
     """
 
     verify_cost: VerifyCost
+    margin: float = 0.05
     _costs: dict[int, float] = field(default_factory=dict, repr=False)  # n -> T(n)/T(1)
 
+    def __post_init__(self) -> None:
+        if self.margin < 0:
+            raise ValueError(f"margin must be >= 0, got {self.margin}")
+
     def cost(self, n: int) -> float:
-        """T(n)/T(1), looked up once per n; past the last measured point of a mapping,
-        extended along the line through its last two points (not flat)."""
+        """T(n)/T(1), non-decreasing in n (the running maximum of the curve from 1 to n),
+        cached; past the last measured point of a mapping, extended along the line
+        through its last two points (not flat)."""
         if n not in self._costs:
-            self._costs[n] = self._lookup(n)
+            known = max((m for m in self._costs if m < n), default=0)
+            running = self._costs.get(known, 0.0)
+            for m in range(known + 1, n + 1):  # filled from 1 up: every m < n is cached
+                running = max(running, self._lookup(m))
+                self._costs[m] = running
         return self._costs[n]
 
     def _lookup(self, n: int) -> float:
@@ -189,21 +206,37 @@ class LoadAwareGamma:
         slope = (curve[b] - curve[a]) / (b - a)
         return curve[b] + slope * (n - b)
 
-    def choose(self, rows: list[RowLoad]) -> list[int]:
+    def choose(
+        self,
+        rows: list[RowLoad],
+        extra_tokens: int = 0,
+        padded: Callable[[Sequence[int]], int] | None = None,
+    ) -> list[int]:
+        """Every row's γ; ``extra_tokens``: other tokens in the same pass (prefill chunks
+        of joining rows), which make the pass dearer but emit nothing. ``padded``: the
+        pass computes ``padded(row lengths)`` positions (a runtime that pads every row to
+        the longest); None: the total tokens."""
         gammas = [0] * len(rows)
         tokens = float(len(rows))  # Σ E_i(0): each row emits one token without drafts
-        n = sum(r.fed for r in rows)
+        lengths = [r.fed for r in rows]
+
+        def pass_cost() -> float:
+            if padded is None:
+                return self.cost(sum(lengths) + extra_tokens)
+            return self.cost(padded([*lengths, extra_tokens] if extra_tokens else lengths))
+
         drafting = 0.0  # Σ c_i γ_i
-        best, best_rate = list(gammas), tokens / self.cost(n)
+        best, best_rate = list(gammas), tokens / pass_cost() * (1 + self.margin)
         gains = [(r.alpha if r.max_gamma > 0 else -1.0) for r in rows]  # α_i^(γ_i + 1)
         for _ in range(sum(r.max_gamma for r in rows)):
             i = max(range(len(rows)), key=gains.__getitem__)
-            tokens, n, drafting = tokens + gains[i], n + 1, drafting + rows[i].cost
+            tokens, drafting = tokens + gains[i], drafting + rows[i].cost
+            lengths[i] += 1
             if gammas[i] == 0:
                 drafting += rows[i].call_cost
             gammas[i] += 1
             gains[i] = gains[i] * rows[i].alpha if gammas[i] < rows[i].max_gamma else -1.0
-            rate = tokens / (self.cost(n) + drafting)
+            rate = tokens / (pass_cost() + drafting)
             if rate > best_rate:
                 best, best_rate = list(gammas), rate
         return best

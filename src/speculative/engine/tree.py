@@ -1,28 +1,26 @@
 """Tree rounds: draft a token tree, verify every node in one target pass, keep one path.
 
-:class:`TreeRound` is the strategy :class:`~speculative.engine.loop.SpeculativeEngine`
-delegates a round to when it drafts trees: propose a tree (at most ``budget`` nodes),
-score root + nodes with one tree-masked forward, verify (greedy walk, or recursive
-rejection sampling over siblings), keep only the accepted path in the target's cache,
-then commit through the engine like a chain round (stop cut, stats, drafter feedback).
-Stats count drafted = tree nodes and accepted = path length.
+:class:`TreeRound` is a row's round strategy when it drafts trees (per row, in
+:class:`~speculative.engine.batch.BatchEngine` and so in the single-sequence engine):
+propose a tree (at most ``budget`` nodes), score root + nodes inside the shared target
+pass with the row's own tree mask, verify (greedy walk, or recursive rejection sampling
+over siblings), keep only the accepted path in the row's cache, then commit like a chain
+round (stop cut, stats, drafter feedback). Stats count drafted = tree nodes and
+accepted = path length.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from speculative.drafters.base import Drafter
 from speculative.drafters.tree import DraftTree, TreeDrafter
+from speculative.engine.stats import GenerationStats
 from speculative.sampling import SamplingParams, logits_to_probs, one_hot_argmax
 from speculative.sampling.tree import TreeVerifyResult, verify_tree, verify_tree_greedy
-
-if TYPE_CHECKING:
-    from speculative.engine.loop import DecodeState, Round, SpeculativeEngine
-    from speculative.engine.stopping import StopCriteria
 
 TreeVerifier = Callable[..., TreeVerifyResult]  # the signature of verify_tree
 DEFAULT_TREE_BUDGET = 6  # nodes per tree: the fp32 kernels verify ~5-7 tokens near flat
@@ -40,7 +38,7 @@ def budget_from_verify_cost(verify_cost: dict[int, float], flat: float = FLAT_VE
 
 @dataclass
 class TreeRound:
-    """One tree round per call; ``verifier`` is replaceable (negative controls in tests)."""
+    """A row's tree strategy; ``verifier`` is replaceable (negative controls in tests)."""
 
     drafter: TreeDrafter
     budget: int = DEFAULT_TREE_BUDGET
@@ -50,50 +48,37 @@ class TreeRound:
         if self.budget < 1:
             raise ValueError(f"tree budget must be >= 1 node, got {self.budget}")
 
-    def run(
-        self,
-        engine: SpeculativeEngine,
-        state: DecodeState,
-        params: SamplingParams,
-        generator: torch.Generator,
-        stop: StopCriteria,
-    ) -> Round:
-        tree = self.propose(engine, state, params, generator)
-        result = self.verify(engine, state, tree, params, generator)
-        engine.target.keep_path(result.path)
-        return engine.commit_tokens(state, tree.size, result.tokens, result.num_accepted, stop)
-
     def propose(
         self,
-        engine: SpeculativeEngine,
-        state: DecodeState,
+        sequence: Sequence[int],
+        max_length: int | None,
         params: SamplingParams,
         generator: torch.Generator,
+        stats: GenerationStats,
+        counted: Drafter | None = None,
     ) -> DraftTree:
+        """A tree of at most ``budget`` nodes after ``sequence`` (fewer near the context
+        limit); ``counted``: the drafter whose forward calls go to ``stats``."""
         budget = self.budget
-        limit = engine.target.model.max_length
-        if limit is not None:  # root + nodes must fit the context window
-            budget = max(0, min(budget, limit - len(state.sequence) - 1))
+        if max_length is not None:  # root + nodes must fit the context window
+            budget = max(0, min(budget, max_length - len(sequence) - 1))
         if budget == 0:
             return DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
-        calls_before = engine.drafter.forward_calls if engine.drafter is not None else 0
-        tree = self.drafter.propose_tree(state.sequence, budget, params, generator)
-        if engine.drafter is not None:
-            state.stats.draft_calls += engine.drafter.forward_calls - calls_before
+        calls_before = counted.forward_calls if counted is not None else 0
+        tree = self.drafter.propose_tree(sequence, budget, params, generator)
+        if counted is not None:
+            stats.draft_calls += counted.forward_calls - calls_before
         if tree.size > budget:
             raise ValueError(f"the drafter proposed {tree.size} nodes for a budget of {budget}")
         return tree
 
     def verify(
         self,
-        engine: SpeculativeEngine,
-        state: DecodeState,
         tree: DraftTree,
+        logits: torch.Tensor,  # [n + 1, vocab]: after the root, after each node
         params: SamplingParams,
         generator: torch.Generator,
     ) -> TreeVerifyResult:
-        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-        logits = engine.target.logits_for_tree(state.sequence, tokens, parents)[0]  # [n+1, V]
         if params.greedy and self.verifier is verify_tree:
             return verify_tree_greedy(tree.tokens, tree.parents, logits)
         # a replaced verifier (a negative control) sees one-hot argmax rows when greedy

@@ -159,6 +159,17 @@ class SupportsBatchRows(Protocol):
         ...
 
 
+@runtime_checkable
+class PadsBatchRows(Protocol):
+    """A :class:`SupportsBatchRows` model whose pass pads every row to the longest one (the
+    transformers runtime): its cost grows with rows × the longest row's tokens, not with
+    the total tokens of the pass."""
+
+    def padded_tokens(self, row_lengths: Sequence[int]) -> int:
+        """Token positions one pass computes for rows of these lengths."""
+        ...
+
+
 def check_keep_slots(first: int, slots: Sequence[int], length: int) -> list[int]:
     """Validate a keep_slots request against a cache of ``length`` slots."""
     kept = [int(s) for s in slots]
@@ -200,4 +211,22 @@ class SupportsHiddenStates(Protocol):
 
     def output_embedding(self) -> torch.Tensor:
         """The output head's weight, [vocab, hidden] float32 (read-only)."""
+        ...
+
+
+@runtime_checkable
+class SupportsKernels(Protocol):
+    """A model whose layers may run on the native C kernels (:mod:`..native.ckernels`).
+
+    Drafting heads ask it for the library to run their own small layers with the target's
+    kernels; ``speculative profile`` asks it for the roofline's work counts."""
+
+    def kernel_library(self) -> object | None:
+        """The loaded kernel library (a ctypes CDLL) running this model's layers, or None
+        when this instance runs on another decoder (the PyTorch fallback)."""
+        ...
+
+    def kernel_work(self) -> dict[str, int] | None:
+        """Per-token work of the kernels decoder (multiply-adds on the fp32 and int8 dot
+        paths, weight bytes, KV bytes per slot: ``profile.decoder_work``), or None."""
         ...

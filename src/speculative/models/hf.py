@@ -1,22 +1,29 @@
 """Hugging Face transformers causal LMs behind the ``CausalLM`` protocol (models/base.py).
 
 :class:`HFCausalLM` wraps an ``AutoModelForCausalLM`` together with its own
-``DynamicCache``. Cheap self-drafters are built from a loaded model without touching the
-disk: :meth:`HFCausalLM.early_exit` keeps only the first N decoder layers (sharing the
-weights), :meth:`HFCausalLM.to_dtype` makes a lower-precision copy (e.g. bfloat16).
+``DynamicCache``. It also holds several sequences in cache slots
+(:class:`~speculative.models.base.SupportsBatchRows`): each slot keeps its own keys and
+values, and :meth:`HFCausalLM.forward_rows` runs all rows in one padded batch (right
+padding, a per-row 4D mask and positions), then keeps each row's new keys and values in
+its slot (per-row cropping is then a slice). Cheap self-drafters are built from a loaded
+model without touching the disk: :meth:`HFCausalLM.early_exit` keeps only the first N
+decoder layers (sharing the weights), :meth:`HFCausalLM.to_dtype` makes a lower-precision
+copy (e.g. bfloat16).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from speculative.models.base import check_keep_slots
+from speculative.models.base import RowInput, check_keep_slots
 from speculative.models.loading import (
     ResolvedModel,
     clear_quantizer,
@@ -25,18 +32,38 @@ from speculative.models.loading import (
 )
 
 
+@dataclass
+class _SlotCache:
+    """One sequence's keys and values per layer, [1, kv_heads, length, head_dim] each."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    length: int = 0
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's cached keys and values, cut to ``length`` (rollback is a slice)."""
+        return self.keys[index][:, :, : self.length], self.values[index][:, :, : self.length]
+
+
 class HFCausalLM:
     """A transformers causal LM with a rollback-able KV cache (batch-first)."""
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: Any = None, name: str | None = None
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any = None,
+        name: str | None = None,
+        max_slots: int = 64,
     ) -> None:
+        """max_slots: most sequences the slot caches may hold at once (batched decoding)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name if name is not None else str(getattr(model.config, "name_or_path", "hf"))
         self._cache = self._new_cache()
         self._length = 0
         self._batch: int | None = None
+        self._max_slots = max_slots
+        self._slots: dict[int, _SlotCache] = {}  # acquired slots (``forward_rows``)
 
     # ----------------------------------------------------------------- properties
 
@@ -196,6 +223,174 @@ class HFCausalLM:
         tied = head is not None and head.weight.data_ptr() == embedding.data_ptr()
         total = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return total if tied else total - embedding.numel() * embedding.element_size()
+
+    # ----------------------------------------------------------------- batch rows
+
+    def acquire_slot(self) -> int:
+        """The lowest free cache slot, now owned by the caller."""
+        for slot in range(self._max_slots):
+            if slot not in self._slots:
+                self._slots[slot] = _SlotCache()
+                return slot
+        raise ValueError(f"no free cache slot: all {self._max_slots} are in use")
+
+    def release_slot(self, slot: int) -> None:
+        self._slot(slot)
+        del self._slots[slot]
+
+    def slot_length(self, slot: int) -> int:
+        return self._slot(slot).length
+
+    def rollback_slot(self, slot: int, n: int) -> None:
+        cache = self._slot(slot)
+        if not 0 <= n <= cache.length:
+            raise ValueError(f"cannot roll back {n} of {cache.length} positions of slot {slot}")
+        cache.length -= n
+
+    def keep_slot_positions(self, slot: int, first: int, positions: Sequence[int]) -> None:
+        """Keep positions [0, first) of ``slot`` and move ``positions`` right after them."""
+        cache = self._slot(slot)
+        kept = check_keep_slots(first, positions, cache.length)
+        index = torch.tensor(list(range(first)) + kept, dtype=torch.long, device=self.device)
+        cache.keys = [k.index_select(-2, index) for k in cache.keys]
+        cache.values = [v.index_select(-2, index) for v in cache.values]
+        cache.length = first + len(kept)
+
+    def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
+        """Every row's new tokens through one padded forward; [k_row, vocab] float32 logits
+        per row. Rows are right-padded to the longest cache and the longest input; the
+        mask hides each row's padding, so a row's logits are its logits alone up to
+        floating-point rounding (the batched matmuls may sum in another order)."""
+        if not rows:
+            return []
+        if len({row.slot for row in rows}) != len(rows):
+            raise ValueError("a slot appears twice in one forward_rows call")
+        caches = [self._slot(row.slot) for row in rows]
+        lengths = [cache.length for cache in caches]
+        ks = [self._row_length(row, n) for row, n in zip(rows, lengths, strict=True)]
+        cached, width = max(lengths), max(ks)
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)  # [B, K], pad id 0
+        position_ids = torch.zeros(len(rows), width, dtype=torch.long)  # [B, K]
+        for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
+            input_ids[b, :k] = row.input_ids
+            position_ids[b, :k] = self._row_positions(row, lengths[b], k)
+        mask = self._rows_mask(rows, lengths, ks, cached, width)  # [B, 1, K, L + K]
+        cache = self._batch_cache(caches, cached)
+        with torch.inference_mode():
+            output = self.model(
+                input_ids=input_ids.to(self.device),
+                position_ids=position_ids.to(self.device),
+                attention_mask=mask,
+                cache=cache,
+                use_cache=True,
+            )
+            logits = output.logits.float()  # [B, K, vocab]
+            for b, (slot_cache, k) in enumerate(zip(caches, ks, strict=True)):
+                self._keep_new(slot_cache, cache, b, cached, k)
+        return [logits[b, :k] for b, k in enumerate(ks)]
+
+    @staticmethod
+    def padded_tokens(row_lengths: Sequence[int]) -> int:
+        """Positions one :meth:`forward_rows` computes: every row padded to the longest."""
+        return len(row_lengths) * max(row_lengths, default=0)
+
+    def _slot(self, slot: int) -> _SlotCache:
+        if slot not in self._slots:
+            raise ValueError(f"cache slot {slot} is not acquired")
+        return self._slots[slot]
+
+    def _row_length(self, row: RowInput, start: int) -> int:
+        k = row.input_ids.numel()
+        if row.input_ids.dim() != 1 or k == 0:
+            shape = tuple(row.input_ids.shape)
+            raise ValueError(f"row input_ids must be [k] with k >= 1, got {shape}")
+        limit = self.max_length
+        if limit is not None and start + k > limit:
+            raise ValueError(
+                f"cache overflow in slot {row.slot}: {start} cached + {k} new > max_length {limit}"
+            )
+        if row.attention_mask is not None and row.attention_mask.shape != (k, k):
+            shape = tuple(row.attention_mask.shape)
+            raise ValueError(f"attention_mask must be [{k}, {k}], got {shape}")
+        return k
+
+    @staticmethod
+    def _row_positions(row: RowInput, start: int, k: int) -> torch.Tensor:
+        if row.position_ids is None:
+            return torch.arange(start, start + k)  # [k]
+        return row.position_ids.reshape(k)
+
+    def _rows_mask(
+        self, rows: Sequence[RowInput], lengths: list[int], ks: list[int], cached: int, width: int
+    ) -> torch.Tensor:
+        """[B, 1, K, L + K] additive mask: row b's token i sees its own cached positions
+        [0, L_b) and its new tokens j (j <= i, or its tree mask); a padding query sees
+        only itself (its output is dropped)."""
+        visible = torch.zeros(len(rows), width, cached + width, dtype=torch.bool)
+        for b, (row, length, k) in enumerate(zip(rows, lengths, ks, strict=True)):
+            visible[b, :k, :length] = True
+            among = row.attention_mask
+            if among is None:
+                among = torch.tril(torch.ones(k, k, dtype=torch.bool))
+            visible[b, :k, cached : cached + k] = among.bool()
+            padding = torch.arange(k, width)
+            visible[b, padding, cached + padding] = True
+        mask = torch.zeros(visible.shape, dtype=self.dtype)
+        mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)
+        return mask.unsqueeze(1).to(self.device)
+
+    def _batch_cache(self, caches: list[_SlotCache], cached: int) -> DynamicCache:
+        """One DynamicCache holding every row's cache, right-padded to ``cached``."""
+        batch_cache = self._new_cache()
+        if cached == 0:
+            return batch_cache
+        layers = max(len(c.keys) for c in caches)
+        with torch.inference_mode():
+            for index in range(layers):
+                keys, values = [], []
+                for cache in caches:
+                    key, value = self._padded_layer(cache, index, cached)
+                    keys.append(key)
+                    values.append(value)
+                batch_cache.update(torch.cat(keys), torch.cat(values), index)
+        return batch_cache
+
+    def _padded_layer(
+        self, cache: _SlotCache, index: int, cached: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's layer keys and values, [1, heads, cached, head_dim], zero-padded."""
+        if cache.length == 0:
+            shape = self._kv_shape(cached)
+            zeros = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return zeros, zeros
+        key, value = cache.layer(index)
+        pad = cached - cache.length
+        return F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
+
+    def _kv_shape(self, length: int) -> tuple[int, int, int, int]:
+        text = self.model.config.get_text_config()
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return (1, int(heads), length, int(head_dim))
+
+    @staticmethod
+    def _keep_new(slot: _SlotCache, cache: DynamicCache, b: int, cached: int, k: int) -> None:
+        """Append row b's k new keys and values (after the padded cache) to its slot."""
+        for index, layer in enumerate(cache.layers):
+            new_keys = layer.keys[b : b + 1, :, cached : cached + k]  # [1, heads, k, head_dim]
+            new_values = layer.values[b : b + 1, :, cached : cached + k]
+            if slot.length == 0:
+                keys, values = new_keys, new_values
+            else:
+                old_keys, old_values = slot.layer(index)
+                keys = torch.cat([old_keys, new_keys], dim=-2)
+                values = torch.cat([old_values, new_values], dim=-2)
+            if index < len(slot.keys):
+                slot.keys[index], slot.values[index] = keys, values
+            else:
+                slot.keys.append(keys)
+                slot.values.append(values)
+        slot.length += k
 
     # ----------------------------------------------------------------- derived models
 

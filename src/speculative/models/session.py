@@ -14,6 +14,8 @@ call returns ``1 + len(new)`` next-token distributions.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -68,6 +70,18 @@ def tree_attention(parents: Sequence[int], catch_up: int) -> tuple[torch.Tensor,
     return mask, torch.tensor(offsets, dtype=torch.long)
 
 
+@dataclass
+class _Pending:
+    """A planned row between request and receive: the tokens fed, how many of them are
+    the chain (the rest is a tree), and the first position whose logits were asked for."""
+
+    tokens: list[int]
+    chain: int
+    skip: int
+    tree: bool = False  # tokens[chain:] are a token tree (possibly empty)
+    features: torch.Tensor | None = None  # [k, hidden] when the model gives features
+
+
 class ModelSession:
     """A model plus the token ids its cache currently holds (batch of one)."""
 
@@ -80,6 +94,7 @@ class ModelSession:
         self._features = torch.empty(0)  # [capacity, hidden] features of the cached slots
         self._feature_length = 0  # slots [0, _feature_length) hold valid features
         self._hidden_model = model if isinstance(model, SupportsHiddenStates) else None
+        self._pending: _Pending | None = None  # the planned row between request and receive
         model.reset()
 
     @property
@@ -95,6 +110,7 @@ class ModelSession:
         self.model.reset()
         self.cached = []
         self._tree = None
+        self._pending = None
         self._feature_length = 0
 
     def sync(self, prefix: Sequence[int]) -> None:
@@ -125,14 +141,7 @@ class ModelSession:
         returns: [1, 1 + len(new), vocab]; row 0 is the distribution following ``context``,
         row j the one following ``context + new[:j]``.
         """
-        if len(context) == 0:
-            raise ValueError("context must hold at least one token")
-        self._drop_tree()
-        keep = common_prefix_length(self.cached, context[:-1])
-        self._truncate(keep)
-        fed = list(context[keep:]) + list(new)
-        logits = self._feed(fed)  # [1, len(fed), vocab]
-        return logits[:, len(fed) - 1 - len(new) :]
+        return self.receive(self.run(self.request(context, new)))
 
     def logits_for_tree(
         self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
@@ -144,28 +153,75 @@ class ModelSession:
         node i. The tree stays in the cache until :meth:`keep_path` keeps the accepted
         path; any other call first drops it.
         """
+        return self.receive(self.run(self.request_tree(context, tokens, parents)))
+
+    # ---- a batch of one: request -> run -> receive (see RowSession) -------------------
+    def request(self, context: Sequence[int], new: Sequence[int] = ()) -> RowInput:
+        """Plan the pass that scores ``context[-1]`` and each of ``new``: roll the cache back
+        to the longest common prefix with ``context[:-1]``; the row feeds the rest."""
+        chain = self._rewind(context)
+        fed = chain + list(new)
+        self._pending = _Pending(fed, chain=len(fed), skip=len(chain) - 1)
+        return RowInput(0, torch.tensor(fed, dtype=torch.long))  # [k]
+
+    def request_tree(
+        self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
+    ) -> RowInput:
+        """Plan the tree pass of :meth:`logits_for_tree` (catch-up chain, then the tree)."""
         if not isinstance(self.model, SupportsTreeAttention):
             raise ValueError(f"{type(self.model).__name__} cannot score a token tree in one pass")
+        chain = self._rewind(context)  # catch-up tokens, the root last
+        mask, offsets = tree_attention(parents, len(chain))  # [k, k], [k]
+        fed = chain + list(tokens)
+        self._pending = _Pending(fed, chain=len(chain), skip=len(chain) - 1, tree=True)
+        ids = torch.tensor(fed, dtype=torch.long)  # [k]
+        return RowInput(0, ids, mask, len(self.cached) + offsets)
+
+    def run(self, row: RowInput) -> torch.Tensor:
+        """The model's forward over the planned row: [k, vocab] logits."""
+        if self._pending is None:
+            raise ValueError("run without a request")
+        input_ids = row.input_ids.reshape(1, -1)  # [1, k]
+        if self._hidden_model is not None:
+            logits, features = self._hidden_model.forward_with_hidden(
+                input_ids, row.attention_mask, row.position_ids
+            )  # [1, k, vocab], [1, k, hidden]
+            self._pending.features = features[0]
+        elif row.attention_mask is not None:
+            assert isinstance(self.model, SupportsTreeAttention)  # request_tree checked
+            logits = self.model.forward_tree(input_ids, row.attention_mask, row.position_ids)
+        else:
+            logits = self.model.forward(input_ids)  # [1, k, vocab]
+        self.forward_calls += 1
+        return logits[0]
+
+    def receive(self, logits: torch.Tensor) -> torch.Tensor:
+        """Commit the planned row to the bookkeeping; its logits [k, vocab] ->
+        [1, 1 + len(new), vocab] (the positions asked for)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise ValueError("receive without a request")
+        features = pending.features  # [k, hidden] or None
+        if features is not None:
+            self._store_features(features[: pending.chain])
+        self.cached.extend(pending.tokens[: pending.chain])
+        if pending.tree:  # kept apart until keep_path
+            self._tree = pending.tokens[pending.chain :]
+            self._tree_features = None if features is None else features[pending.chain :]
+        return logits[pending.skip :].unsqueeze(0)
+
+    def release(self) -> None:
+        """Nothing to free: the session keeps its cache for the next generation."""
+
+    def _rewind(self, context: Sequence[int]) -> list[int]:
+        """Drop any scored tree, keep the common prefix with ``context[:-1]``; returns the
+        tokens of ``context`` still to feed (the last one included)."""
         if len(context) == 0:
             raise ValueError("context must hold at least one token")
         self._drop_tree()
         keep = common_prefix_length(self.cached, context[:-1])
         self._truncate(keep)
-        chain = list(context[keep:])  # catch-up tokens, the root last
-        mask, offsets = tree_attention(parents, len(chain))  # [k, k], [k]
-        input_ids = torch.tensor([chain + list(tokens)], dtype=torch.long)  # [1, k]
-        if self._hidden_model is not None:
-            logits, features = self._hidden_model.forward_with_hidden(
-                input_ids, mask, keep + offsets
-            )  # [1, k, vocab], [1, k, hidden]
-            self._store_features(features[0, : len(chain)])
-            self._tree_features = features[0, len(chain) :]  # [n, hidden]
-        else:
-            logits = self.model.forward_tree(input_ids, mask, keep + offsets)  # [1, k, vocab]
-        self.forward_calls += 1
-        self.cached.extend(chain)
-        self._tree = list(tokens)
-        return logits[:, len(chain) - 1 :]
+        return list(context[keep:])
 
     def keep_path(self, nodes: Sequence[int]) -> None:
         """Commit the accepted path (node indices, root to leaf) of the last scored tree:
@@ -221,45 +277,159 @@ class ModelSession:
         self._features[start : start + k] = features
         self._feature_length = start + k
 
+
 class SlotSession:
     """One cache slot of a :class:`SupportsBatchRows` model plus the token ids it holds:
     :class:`ModelSession`'s bookkeeping for one row of a batched forward.
 
-    :meth:`request` plans the row (rollback to the common prefix, catch-up + new tokens);
-    the caller runs every row's request in one ``forward_rows`` call and hands this row's
-    logits back to :meth:`receive`.
+    :meth:`request` (or :meth:`request_tree`) plans the row (rollback to the common
+    prefix, catch-up + new tokens); the caller runs every row's request in one
+    ``forward_rows`` call and hands this row's logits back to :meth:`receive`.
     """
 
     def __init__(self, model: SupportsBatchRows) -> None:
         self.model = model
         self.slot = model.acquire_slot()
         self.cached: list[int] = []
-        self._pending: list[int] | None = None
-        self._skip = 0
+        self._pending: _Pending | None = None
+        self._tree: list[int] | None = None  # tree tokens fed after ``cached``, not committed
 
     def request(self, context: Sequence[int], new: Sequence[int] = ()) -> RowInput:
         """The row that scores ``context[-1]`` and each of ``new`` (the logits of
         :meth:`ModelSession.logits_after`)."""
-        if len(context) == 0:
-            raise ValueError("context must hold at least one token")
-        keep = common_prefix_length(self.cached, context[:-1])
-        drop = len(self.cached) - keep
-        if drop:
-            self.model.rollback_slot(self.slot, drop)
-            del self.cached[keep:]
-        fed = list(context[keep:]) + list(new)
-        self._pending, self._skip = fed, len(fed) - 1 - len(new)
+        chain = self._rewind(context)
+        fed = chain + list(new)
+        self._pending = _Pending(fed, chain=len(fed), skip=len(chain) - 1)
         return RowInput(self.slot, torch.tensor(fed, dtype=torch.long))  # [k]
+
+    def request_tree(
+        self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
+    ) -> RowInput:
+        """The row that scores a token tree after ``context`` (the logits of
+        :meth:`ModelSession.logits_for_tree`), with its tree mask and depth positions."""
+        chain = self._rewind(context)
+        mask, offsets = tree_attention(parents, len(chain))  # [k, k], [k]
+        fed = chain + list(tokens)
+        self._pending = _Pending(fed, chain=len(chain), skip=len(chain) - 1, tree=True)
+        ids = torch.tensor(fed, dtype=torch.long)  # [k]
+        return RowInput(self.slot, ids, mask, len(self.cached) + offsets)
 
     def receive(self, logits: torch.Tensor) -> torch.Tensor:
         """This row's logits [k, vocab] from forward_rows -> [1, 1 + len(new), vocab]."""
-        if self._pending is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             raise ValueError("receive without a request")
-        self.cached.extend(self._pending)
-        self._pending = None
-        return logits[self._skip :].unsqueeze(0)
+        self.cached.extend(pending.tokens[: pending.chain])
+        if pending.tree:  # kept apart until keep_path
+            self._tree = pending.tokens[pending.chain :]
+        return logits[pending.skip :].unsqueeze(0)
+
+    def keep_path(self, nodes: Sequence[int]) -> None:
+        """Commit the accepted path (node indices, root to leaf) of the last scored tree
+        by compacting the slot's cache to it."""
+        if self._tree is None:
+            raise ValueError("keep_path without a scored tree")
+        tree, first, self._tree = self._tree, len(self.cached), None
+        self.model.keep_slot_positions(self.slot, first, [first + i for i in nodes])
+        self.cached.extend(tree[i] for i in nodes)
 
     def release(self) -> None:
         """Free the slot at once (the session cannot be used afterwards)."""
         self.model.release_slot(self.slot)
         self.cached = []
+        self._tree = None
+
+    def _rewind(self, context: Sequence[int]) -> list[int]:
+        if len(context) == 0:
+            raise ValueError("context must hold at least one token")
+        if self._tree is not None:
+            self.model.rollback_slot(self.slot, len(self._tree))
+            self._tree = None
+        keep = common_prefix_length(self.cached, context[:-1])
+        drop = len(self.cached) - keep
+        if drop:
+            self.model.rollback_slot(self.slot, drop)
+            del self.cached[keep:]
+        return list(context[keep:])
+
+
+# ---- where rows live: one model's slots, or a single-sequence model (batch of one) ------
+
+
+@runtime_checkable
+class RowSession(Protocol):
+    """One row's view of the target's cache (:class:`ModelSession` or
+    :class:`SlotSession`): plan a row, get its logits back from the shared pass."""
+
+    cached: list[int]
+
+    def request(self, context: Sequence[int], new: Sequence[int] = ()) -> RowInput: ...
+
+    def request_tree(
+        self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
+    ) -> RowInput: ...
+
+    def receive(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def keep_path(self, nodes: Sequence[int]) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class RowPool(Protocol):
+    """Opens row sessions on a target and runs all their planned rows in one pass."""
+
+    @property
+    def capacity(self) -> int | None:
+        """Most rows open at once (None: as many as the model has slots)."""
+        ...
+
+    @property
+    def primes_drafters(self) -> bool:
+        """Whether a row's session may be handed to a drafter's ``prime`` (features, cache
+        import from the model's single-sequence cache)."""
+        ...
+
+    def open(self) -> RowSession:
+        """A new row's session; ValueError when no room is left."""
+        ...
+
+    def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
+        """Every planned row through one target pass; [k_row, vocab] logits each."""
+        ...
+
+
+class SlotPool:
+    """Rows in the cache slots of a :class:`SupportsBatchRows` model: one weight pass for
+    every row's tokens."""
+
+    capacity: int | None = None
+    primes_drafters = False  # the drafters' priming reads the single-sequence cache
+
+    def __init__(self, model: SupportsBatchRows) -> None:
+        self.model = model
+
+    def open(self) -> SlotSession:
+        return SlotSession(self.model)  # raises when no slot is free
+
+    def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
+        return self.model.forward_rows(rows)
+
+
+class SinglePool:
+    """One row on any :class:`CausalLM`'s own cache, through a :class:`ModelSession`:
+    the single-sequence engine is a batch of one over the same round code."""
+
+    capacity: int | None = 1
+    primes_drafters = True
+
+    def __init__(self, session: ModelSession) -> None:
+        self.session = session
+
+    def open(self) -> ModelSession:
+        return self.session
+
+    def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
+        if len(rows) != 1:
+            raise ValueError(f"a single-sequence model runs one row per pass, got {len(rows)}")
+        return [self.session.run(rows[0])]

@@ -13,6 +13,7 @@ from speculative.sampling.probs import (
     one_hot_argmax,
     sample,
     sample_from,
+    sample_row,
 )
 from speculative.sampling.tree import (
     TreeVerifyResult,
@@ -27,6 +28,7 @@ from speculative.sampling.verify import (
     verify,
     verify_from_uniforms,
     verify_greedy,
+    verify_logits,
 )
 
 __all__ = [
@@ -41,10 +43,12 @@ __all__ = [
     "residual",
     "sample",
     "sample_from",
+    "sample_row",
     "speculative_step",
     "verify",
     "verify_from_uniforms",
     "verify_greedy",
+    "verify_logits",
     "verify_tree",
     "verify_tree_from_uniforms",
     "verify_tree_greedy",

@@ -6,6 +6,7 @@ and the processed distributions are the ones that enter the accept test.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from speculative.sampling.params import SamplingParams
@@ -53,7 +54,21 @@ def mask_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     all kept, so the set depends on the values only, never on a sort order).
     """
     probs = torch.softmax(logits, dim=-1)  # [..., vocab]
-    return logits.masked_fill(probs < nucleus_threshold(probs, top_p), float("-inf"))
+    threshold = nucleus_threshold(probs, top_p)  # [..., 1]
+    # the bits of masked_fill(probs < threshold, -inf), built in numpy from the (usually
+    # few) kept entries: a few times faster
+    values = _as_numpy(logits).reshape(-1, logits.shape[-1])  # [rows, vocab]
+    probs_rows = _as_numpy(probs).reshape(values.shape)
+    masked = np.full(values.shape, -np.inf, dtype=values.dtype)
+    for row, (p, cut) in enumerate(zip(probs_rows, threshold.numpy().reshape(-1), strict=True)):
+        kept = np.flatnonzero(p >= cut)
+        masked[row, kept] = values[row, kept]
+    return torch.from_numpy(masked).reshape(logits.shape)
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a numpy array (shared memory, no copy)."""
+    return t.detach().cpu().numpy()
 
 
 def nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -64,25 +79,33 @@ def nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     of the full descending order, ties included), lowering the cutoff until that prefix
     holds the top_p mass. Prefix masses are sums of the same descending values, in the
     same order, as after a full sort, so the result is the full sort's
-    (``reference.nucleus_threshold_reference``).
+    (``reference.nucleus_threshold_reference``). Rows run in numpy, whose compares and
+    small sorts cost microseconds where torch's cost tens.
     """
-    rows = probs.reshape(-1, probs.shape[-1])  # [rows, vocab]
-    threshold = torch.stack([_row_nucleus_threshold(row, top_p) for row in rows])
-    return threshold.reshape(*probs.shape[:-1], 1)
+    rows = _as_numpy(probs).reshape(-1, probs.shape[-1])  # [rows, vocab]
+    threshold = np.array([_row_nucleus_threshold(row, top_p) for row in rows], dtype=np.float32)
+    return torch.from_numpy(threshold).reshape(*probs.shape[:-1], 1)
 
 
-def _row_nucleus_threshold(row: torch.Tensor, top_p: float) -> torch.Tensor:
-    """row: [vocab] probabilities -> [] the least probable nucleus member's probability."""
+def _row_nucleus_threshold(row: np.ndarray, top_p: float) -> np.float32:
+    """row: [vocab] float32 probabilities -> the least probable nucleus member's probability."""
     cutoff = float(row.max())
     while True:
         cutoff /= NUCLEUS_CUTOFF_STEP
-        ordered = torch.sort(row[row >= cutoff], descending=True).values  # a sorted prefix
-        mass_before = exclusive_cumsum(ordered)  # [n] float64
-        complete = ordered.numel() == row.numel() or cutoff == 0.0
+        ordered = np.sort(row[row >= cutoff])[::-1]  # a sorted prefix, descending
+        mass_before = exclusive_cumsum_np(ordered)  # [n] float64
+        complete = ordered.size == row.size or cutoff == 0.0
         if complete or mass_before[-1] + float(ordered[-1]) >= top_p:
             # the tokens below the cutoff all come after this prefix's mass: outside
             kept = int((mass_before < top_p).sum())  # the first token is always kept
             return ordered[kept - 1]
+
+
+def exclusive_cumsum_np(values: np.ndarray) -> np.ndarray:
+    """[n] -> [n] float64: entry i is the sum of entries before i, added in order (the
+    bits of :func:`exclusive_cumsum`: both add float64 values one after another)."""
+    total = np.cumsum(values.astype(np.float64))
+    return np.concatenate([np.zeros(1), total[:-1]])
 
 
 def exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
@@ -102,10 +125,33 @@ def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]  # [batch, 1]
     target = uniform.double().unsqueeze(-1) * total  # [batch, 1]
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [batch]
-    # u * total can round up to total: fall back to the last token with positive weight.
     vocab = probs.shape[-1]
+    if not bool((tokens >= vocab).any()):
+        return tokens
+    # u * total can round up to total: fall back to the last token with positive weight.
     last_positive = vocab - 1 - torch.argmax((probs.flip(-1) > 0).int(), dim=-1)  # [batch]
     return torch.minimum(tokens, last_positive)
+
+
+SPARSE_SAMPLE_LIMIT = 4096  # support sizes up to which sample_row sums only the support
+
+
+def sample_row(weights: torch.Tensor, uniform: float) -> int:
+    """:func:`sample_from` for one row, summing only its positive weights when they are
+    few (a top-p nucleus). weights: [vocab] float32 >= 0 with a positive sum.
+
+    The same token bit for bit: a running float64 sum is unchanged by adding 0.0, so the
+    partial sums over the support are the full cumsum's at those indices, and the first
+    index whose partial sum exceeds u * total is a support index either way."""
+    values = _as_numpy(weights)
+    support = np.flatnonzero(values > 0)  # [n] increasing indices
+    if support.size > SPARSE_SAMPLE_LIMIT:
+        uniforms = torch.tensor([uniform], dtype=torch.float64)
+        return int(sample_from(weights.reshape(1, -1), uniforms)[0])
+    cdf = np.cumsum(values[support].astype(np.float64))  # [n]
+    target = float(np.float64(uniform) * cdf[-1])
+    position = int(np.searchsorted(cdf, target, side="right"))
+    return int(support[min(position, support.size - 1)])
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

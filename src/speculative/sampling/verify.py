@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from speculative.sampling.probs import check_probs, sample_from
+from speculative.sampling.params import SamplingParams
+from speculative.sampling.probs import check_probs, logits_to_probs, sample_from, sample_row
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,10 @@ def verify_greedy(
     draft_tokens: torch.Tensor,  # [batch, gamma]
     target_logits: torch.Tensor,  # [batch, gamma + 1, vocab] (logits or probabilities)
 ) -> VerifyResult:
-    """Temperature-0 verification: keep drafted tokens while they equal the argmax."""
+    """Temperature-0 verification: keep drafted tokens while they equal the argmax.
+
+    The argmax runs in numpy (the first maximal index, as torch's; several times faster
+    over a 49k vocabulary), the prefix logic on the few resulting ids."""
     if draft_tokens.dim() != 2 or target_logits.shape[:2] != (
         draft_tokens.shape[0],
         draft_tokens.shape[1] + 1,
@@ -147,12 +151,64 @@ def verify_greedy(
             f"{tuple(draft_tokens.shape)}, got {tuple(target_logits.shape)}"
         )
     gamma = draft_tokens.shape[1]
-    best = target_logits.argmax(dim=-1)  # [batch, gamma + 1]
-    matches = draft_tokens == best[:, :gamma]  # [batch, gamma]
-    num_accepted = matches.int().cumprod(dim=-1).sum(dim=-1)  # [batch]
-    positions = torch.arange(gamma + 1).unsqueeze(0)
-    tokens = torch.where(positions <= num_accepted.unsqueeze(-1), best, -1)
-    return VerifyResult(num_accepted=num_accepted, tokens=tokens)
+    best = target_logits.detach().cpu().numpy().argmax(axis=-1)  # [batch, gamma + 1]
+    matches = draft_tokens.numpy() == best[:, :gamma]  # [batch, gamma]
+    num_accepted = np.cumprod(matches, axis=-1).sum(axis=-1)  # [batch]
+    positions = np.arange(gamma + 1)[None, :]
+    tokens = np.where(positions <= num_accepted[:, None], best, -1)
+    return VerifyResult(
+        num_accepted=torch.from_numpy(num_accepted.astype(np.int64)),
+        tokens=torch.from_numpy(tokens.astype(np.int64)),
+    )
+
+
+def verify_logits(
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor | None,  # [1, gamma, vocab] or None (point mass)
+    logits: torch.Tensor,  # [1, gamma + 1, vocab] target logits
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> VerifyResult:
+    """``verify(tokens, draft_probs, logits_to_probs(logits, params), generator)`` for one
+    sequence, bit for bit, doing less: it draws the same uniforms, processes the target's
+    rows only up to the first rejection (the rows after it are never read), takes p(x)
+    and the residual from one row at a time, and samples the recovered or bonus token
+    from the residual's support (:func:`sample_row`)."""
+    gamma = len(draft_tokens)
+    if logits.dim() != 3 or logits.shape[:2] != (1, gamma + 1):
+        raise ValueError(f"logits must be [1, {gamma + 1}, vocab], got {tuple(logits.shape)}")
+    if draft_probs is not None and tuple(draft_probs.shape) != (1, gamma, logits.shape[-1]):
+        raise ValueError(f"draft_probs must be [1, {gamma}, vocab], got {tuple(draft_probs.shape)}")
+    accept_uniforms = torch.rand(1, gamma, generator=generator, dtype=torch.float32)
+    sample_uniform = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
+    accepts = accept_uniforms[0].numpy()
+    for j, token in enumerate(draft_tokens):
+        p = logits_to_probs(logits[0, j], params)  # [vocab]: row j of the block's
+        q = None if draft_probs is None else draft_probs[0, j]  # [vocab]
+        q_token = np.float32(1.0) if q is None else q.numpy()[token]
+        if accepts[j] * q_token < p.numpy()[token]:  # float32, as the batched test
+            continue
+        if q is None:  # max(0, p - onehot): p without the drafted token
+            weights = p.clone()
+            weights[token] = 0.0
+        else:
+            weights = residual(p, q)
+        return _emit(draft_tokens[:j], _recovered_weights(weights, p), sample_uniform, gamma)
+    p = logits_to_probs(logits[0, gamma], params)  # the bonus token's distribution
+    return _emit(list(draft_tokens), p, sample_uniform, gamma)
+
+
+def _recovered_weights(weights: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The residual, or p where it has no mass (p == q up to rounding), as verify does."""
+    return p if float(weights.sum()) <= 1e-12 else weights
+
+
+def _emit(accepted: list[int], weights: torch.Tensor, uniform: float, gamma: int) -> VerifyResult:
+    """The accepted tokens plus one drawn from ``weights`` [vocab], as a VerifyResult."""
+    emitted = [*accepted, sample_row(weights, uniform)]
+    tokens = torch.full((1, gamma + 1), -1, dtype=torch.long)
+    tokens[0, : len(emitted)] = torch.tensor(emitted, dtype=torch.long)
+    return VerifyResult(num_accepted=torch.tensor([len(accepted)]), tokens=tokens)
 
 
 def check_distribution(p: np.ndarray, name: str) -> np.ndarray:

@@ -81,7 +81,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 5
+ABI_VERSION = 6
 # "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
@@ -400,9 +400,57 @@ class KernelLayer:
         return layer_weight_bytes(self)
 
 
-def kernel_shape_problem(
-    hidden: int, intermediate: int, q_size: int, head_dim: int
-) -> str | None:
+@dataclass
+class KernelModel:
+    """kernels.c's ``Model`` for packed layers; holds the layer array it points to (the
+    caller keeps the layers' and tables' tensors alive)."""
+
+    struct: _Model
+    layer_array: ctypes.Array
+
+    @property
+    def pointer(self) -> object:
+        """What spec_forward / spec_work_floats take."""
+        return ctypes.byref(self.struct)
+
+
+def kernel_model(
+    *,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    eps: float,
+    layers: Sequence[KernelLayer],
+    final_norm: torch.Tensor | None,  # [hidden], or None: the head reads the residual stream
+    lm_head: KernelLinear,
+    cos: torch.Tensor,  # [max_length, head_dim / 2] float32
+    sin: torch.Tensor,  # [max_length, head_dim / 2] float32
+) -> KernelModel:
+    """The ``Model`` struct of a stack of packed decoder layers and an output head."""
+    layer_array = (_Layer * len(layers))(*(layer.struct() for layer in layers))
+    struct = _Model(
+        num_layers=len(layers),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=intermediate,
+        vocab=lm_head.out_features,
+        max_length=cos.shape[0],
+        eps=eps,
+        pad_=0,
+        layers=ctypes.addressof(layer_array),
+        final_norm=_address(final_norm),
+        lm_head=lm_head.struct(),
+        cos=cos.data_ptr(),
+        sin=sin.data_ptr(),
+    )
+    return KernelModel(struct, layer_array)
+
+
+def kernel_shape_problem(hidden: int, intermediate: int, q_size: int, head_dim: int) -> str | None:
     """Why kernels.c cannot run these shapes (None when it can)."""
     for name, width in (("hidden", hidden), ("intermediate", intermediate), ("q_size", q_size)):
         if width % GROUP_SIZE:
@@ -453,25 +501,22 @@ class KernelDecoder(DecoderBase):
         self._sin = rotations.imag.contiguous()
         self._library = library
         self.isa = library_isa(library)  # "avx2" or "avx512"
+        self.library = library
         self.kernels = {"layers": f"C {self.isa} ({precision})", "lm_head": f"C {head_format}"}
-        self._layer_array = (_Layer * len(self.layers))(*(x.struct() for x in self.layers))
-        self._model = _Model(
-            num_layers=config.num_layers,
+        model = kernel_model(
             hidden=config.hidden_size,
             heads=config.num_heads,
             kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
             intermediate=config.intermediate_size,
-            vocab=self.lm_head.out_features,
-            max_length=rotations.shape[0],
             eps=config.rms_norm_eps,
-            pad_=0,
-            layers=ctypes.addressof(self._layer_array),
-            final_norm=self.final_norm.data_ptr(),
-            lm_head=self.lm_head.struct(),
-            cos=self._cos.data_ptr(),
-            sin=self._sin.data_ptr(),
+            layers=self.layers,
+            final_norm=self.final_norm,
+            lm_head=self.lm_head,
+            cos=self._cos,
+            sin=self._sin,
         )
+        self._layer_array, self._model = model.layer_array, model.struct
 
     def cache_shape(self, batch: int) -> tuple[int, ...]:
         """[batch, layers, kv_heads, max_length, head_dim]."""

@@ -43,6 +43,7 @@ class DecoderBase:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     kernels: dict[str, str]  # what runs the layers, for reports (e.g. weight shape -> kernel)
+    library: object | None = None  # the C kernel library running the layers, if any
 
     def __init__(self) -> None:
         self.kernels = {}

@@ -57,13 +57,13 @@ typedef struct {
     float eps;
     int32_t pad_;
     const Layer *layers;
-    const float *final_norm;  /* [hidden] */
+    const float *final_norm;  /* [hidden], or NULL: the head reads the residual stream */
     Linear lm_head;
     const float *cos;  /* [max_length, head_dim / 2] */
     const float *sin;  /* [max_length, head_dim / 2] */
 } Model;
 
-int spec_abi_version(void) { return 5; }
+int spec_abi_version(void) { return 6; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 const char *spec_isa(void) { return "avx512"; }
@@ -784,8 +784,14 @@ void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *
             silu_mul(gate_up, rows, inter, act);
             linear(&L->down, act, rows, hidden, H, 1, &qx);
         }
-        rms_norm(hidden, m->final_norm, rows, H, m->eps, normed);
-        linear(&m->lm_head, normed, rows, logits, m->vocab, 0, &qx);
+        /* final_norm NULL: the head reads the residual stream itself (a drafting head's
+         * layer, whose output feature goes straight to its output rows) */
+        const float *head_input = hidden;
+        if (m->final_norm) {
+            rms_norm(hidden, m->final_norm, rows, H, m->eps, normed);
+            head_input = normed;
+        }
+        linear(&m->lm_head, head_input, rows, logits, m->vocab, 0, &qx);
     }
 }
 

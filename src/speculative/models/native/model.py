@@ -293,6 +293,18 @@ class NativeLlama:
     def input_embedding(self) -> torch.Tensor:
         return self.embed  # [vocab, hidden]
 
+    # ---- kernels (SupportsKernels) --------------------------------------------------
+    def kernel_library(self) -> object | None:
+        """The C kernel library running the layers (None on the PyTorch decoder)."""
+        return self.decoder.library
+
+    def kernel_work(self) -> dict[str, int] | None:
+        if self.kernel_library() is None:
+            return None
+        from speculative.models.native.profile import decoder_work
+
+        return decoder_work(self.decoder)
+
     def output_embedding(self) -> torch.Tensor:
         return self.embed if self._head_weight is None else self._head_weight
 

@@ -1,0 +1,131 @@
+"""Offline batched jobs: prompt records in, one result line per record out.
+
+A record is a dict with ``prompt`` or ``messages`` and optional ``temperature``, ``top_p``,
+``seed``, ``max_new_tokens`` and ``stop``; what it leaves out comes from the job's
+:class:`BatchJob` settings. :class:`RowDecoder` loads the target once and decodes records
+with the batched engine, yielding each result line as its row finishes. The local
+``speculative generate --prompts`` job and every Ray worker (:mod:`speculative.scaleout`)
+run this same code, so a row's output does not depend on where it ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from speculative.engine.loop import GenerationResult
+
+AUTO_MAX_GAMMA = 8  # --gamma auto: a row's cap; the load-aware policy picks up to it
+Record = dict[str, Any]
+ResultLine = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    """A batched job's settings: the model, the drafter and every row's defaults."""
+
+    target: str = "default"
+    runtime: str = "auto"
+    precision: str = "auto"
+    draft: str | None = "ngram"
+    gamma: int | str = 4
+    chat: bool | None = None
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    batch_size: int = 8
+
+
+class RowDecoder:
+    """A loaded target and its batched engine, decoding prompt records into result lines."""
+
+    def __init__(self, job: BatchJob) -> None:
+        from speculative.engine.batch import BatchEngine
+        from speculative.models.base import SupportsBatchRows
+        from speculative.pipeline import load_target, parse_gamma
+
+        self.job = job
+        self.gamma = parse_gamma(job.gamma)
+        self.loaded = load_target(job.target, job.runtime, job.precision)
+        if not isinstance(self.loaded.lm, SupportsBatchRows):
+            raise ValueError("batched generation (--prompts) needs the native runtime")
+        self.engine = BatchEngine(self.loaded.lm, max_batch=job.batch_size, load=self._load())
+
+    def _load(self) -> Any:
+        """--gamma auto: per-row γ for the load, from the measured verify-cost curve."""
+        if self.gamma != "auto":
+            return None
+        from speculative.engine.costs import verify_cost_curve
+        from speculative.engine.gamma import LoadAwareGamma
+
+        lm = self.loaded.lm
+        context = [(i * 7919) % lm.vocab_size for i in range(64)]
+        return LoadAwareGamma(verify_cost_curve(lm, context, 16, 2).verify_cost)
+
+    def decode(self, token_ids: Iterable[int]) -> str:
+        return self.loaded.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def request(self, record: Record) -> Any:
+        """The engine's :class:`BatchRequest` for one record (record values over the job's)."""
+        from speculative.engine import StopCriteria
+        from speculative.engine.batch import BatchRequest
+        from speculative.pipeline import build_drafter, encode_prompt, make_gamma_policy
+        from speculative.sampling import SamplingParams
+
+        job, loaded = self.job, self.loaded
+        ids = encode_prompt(
+            loaded.tokenizer, record.get("prompt"), record.get("messages"), job.chat
+        )
+        stop = tuple(record.get("stop", job.stop))
+        params = SamplingParams(
+            temperature=float(record.get("temperature", job.temperature)),
+            top_k=job.top_k,
+            top_p=float(record.get("top_p", job.top_p)),
+        )
+        criteria = StopCriteria(
+            max_new_tokens=int(record.get("max_new_tokens", job.max_new_tokens)),
+            eos_token_ids=loaded.eos_token_ids,
+            stop_strings=stop,
+            decode=self.decode if stop else None,
+        )
+        generator = torch.Generator().manual_seed(int(record.get("seed", job.seed)))
+        drafter = build_drafter(job.draft, loaded)
+        row_gamma = AUTO_MAX_GAMMA if self.gamma == "auto" else make_gamma_policy(self.gamma)
+        return BatchRequest(ids, params, criteria, generator, drafter, row_gamma)
+
+    def result_line(self, index: int, record: Record, result: GenerationResult) -> ResultLine:
+        """The output line of a finished row (text cut at its stop string)."""
+        from speculative.engine import StopCriteria
+
+        stop = tuple(record.get("stop", self.job.stop))
+        text = self.decode(result.token_ids)
+        if stop:
+            text = StopCriteria(1, stop_strings=stop, decode=self.decode).final_text(text)
+        return {
+            "index": index,
+            "text": text,
+            "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "stats": result.stats.to_dict(),
+        }
+
+    def run(self, items: Iterable[tuple[int, Record]]) -> Iterator[ResultLine]:
+        """Decode ``(index, record)`` pairs, at most ``batch_size`` at once (rows join as
+        others finish); yields each row's line as soon as it finishes."""
+        engine, queue = self.engine, list(items)
+        queue.reverse()  # pop() from the end takes the rows in their given order
+        record_of: dict[int, tuple[int, Record]] = {}
+        while queue or engine.rows:
+            while queue and len(engine.rows) < engine.max_batch:
+                index, record = queue.pop()
+                record_of[engine.add(self.request(record))] = (index, record)
+            engine.step()
+            for row_id in [r for r in engine.finished if r in record_of]:
+                index, record = record_of.pop(row_id)
+                yield self.result_line(index, record, engine.finished.pop(row_id))

@@ -1,0 +1,431 @@
+"""`speculative bench --concurrency 1 2 4 8 16`: batched decoding at several batch sizes.
+
+For every batch size B, B prompts of the suite (categories interleaved) are decoded
+together by :class:`~speculative.engine.batch.BatchEngine` (a closed batch: every row
+starts together and emits the same token budget, greedy, no EOS), with three setups side
+by side on the same prompts:
+
+- ``plain``: plain batched decoding (every row γ = 0);
+- ``γ=G``: speculation with the drafter at a fixed γ;
+- ``load-aware``: :class:`~speculative.engine.gamma.LoadAwareGamma` picks every row's γ
+  (at most ``max_gamma``) each round from the measured batched verify-cost curve
+  T(n)/T(1), each row's running α and the drafter's measured cost;
+
+and, where transformers can load the target, its padded batched ``generate()`` as a peer.
+Setups are interleaved per repeat (drift on a shared machine hits all alike); each cell is
+the median of its repeats. The pass that prefills every prompt is excluded (tokens and
+time); the peer's prefill is taken out as ``t(N tokens) − t(1 token)``. Reported per cell:
+aggregate tokens/s, per-request tokens/s (each row's tokens ÷ the time until it finished),
+the mean γ chosen per round, target passes, the share of decode time spent inside the
+target pass (the rest is drafting and Python overhead), and whether the outputs equal
+plain decoding's token for token.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from speculative.bench.prompts import BenchPrompt
+from speculative.engine import BatchEngine, BatchRequest, LoadAwareGamma, StopCriteria
+from speculative.engine.costs import rows_verify_cost
+from speculative.models.base import PadsBatchRows, SupportsBatchRows
+from speculative.pipeline import LoadedModel, build_drafter, encode_prompt, load_target
+from speculative.sampling import SamplingParams
+
+Loader = Callable[[str, str, str], LoadedModel]
+GREEDY = SamplingParams(temperature=0.0)
+PLAIN, PEER = "plain", "transformers/generate"
+CURVE_POINTS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+@dataclass(frozen=True)
+class ConcurrencySettings:
+    """What the concurrency bench runs."""
+
+    target: str = "default"
+    runtimes: tuple[str, ...] = ("native",)
+    precision: str = "auto"
+    drafter: str = "ngram"
+    gamma: int = 4
+    max_gamma: int = 8  # load-aware: a row's own cap
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
+    max_new_tokens: int = 32
+    repeats: int = 1
+    peers: bool = True
+    chat: bool | None = None
+    progress: bool = True
+    curve_repeats: int = 3
+    clock: str = "wall"  # "cpu": process CPU time (steadier on a shared machine, 1 thread)
+
+
+@dataclass
+class Cell:
+    """One setup at one batch size (medians over the repeats)."""
+
+    runtime: str
+    setup: str
+    batch: int
+    new_tokens: int
+    seconds: float
+    tokens_per_second: float
+    per_request_tokens_per_second: float
+    mean_gamma: float | None
+    passes: int | None
+    forward_share: float | None  # decode time inside the target pass
+    identical: bool | None  # outputs equal plain decoding's (None: not compared)
+    vs_plain: float | None = None
+    vs_plain_b1: float | None = None
+
+
+@dataclass
+class ConcurrencyRun:
+    settings: ConcurrencySettings
+    cells: list[Cell]
+    verify_cost: dict[str, dict[int, float]]  # runtime -> T(n)/T(1) of a batched pass
+    prompt_tokens: list[int]
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Record:
+    tokens: list[list[int]]
+    new_tokens: int
+    seconds: float
+    per_request: float
+    mean_gamma: float | None = None
+    passes: int | None = None
+    forward_share: float | None = None  # wall time inside the target pass ÷ wall time
+
+
+# --------------------------------------------------------------------------- our engine
+
+
+def run_engine_batch(
+    target: LoadedModel,
+    prompts: Sequence[list[int]],
+    drafter: str | None,
+    gamma: int,
+    load: LoadAwareGamma | None,
+    max_new_tokens: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> _Record:
+    """One closed batch to completion; the prefill pass is excluded from tokens and time.
+    ``clock`` times the batch (the share in the target pass is always wall time)."""
+    engine = BatchEngine(target.lm, max_batch=len(prompts), load=load)
+    stop = StopCriteria(max_new_tokens=max_new_tokens)  # no EOS: every row emits the budget
+    for ids in prompts:
+        row_drafter = build_drafter(drafter, target) if gamma and drafter else None
+        engine.add(BatchRequest(ids, GREEDY, stop, torch.Generator(), row_drafter, gamma))
+    engine.step()  # the prefill pass (prompts of one token already decode in it)
+    before = sum(len(row.state.generated) for row in engine.rows.values())
+    before += sum(len(result.token_ids) for result in engine.finished.values())
+    forward_before, passes_before = engine.forward_seconds, engine.target_passes
+    started, wall, finished_at = clock(), time.perf_counter(), {}
+    while engine.rows:
+        for row_id, round_ in engine.step().items():
+            if round_.finished:
+                finished_at[row_id] = clock() - started
+    seconds, wall = clock() - started, time.perf_counter() - wall
+    results = [engine.finished[i] for i in sorted(engine.finished)]
+    per_request = [
+        len(r.token_ids) / finished_at[i] for i, r in enumerate(results) if finished_at.get(i)
+    ]
+    gammas = [g for r in results for g in r.stats.gammas]
+    return _Record(
+        tokens=[r.token_ids for r in results],
+        new_tokens=sum(len(r.token_ids) for r in results) - before,
+        seconds=seconds,
+        per_request=statistics.mean(per_request) if per_request else 0.0,
+        mean_gamma=statistics.mean(gammas) if gammas else 0.0,
+        passes=engine.target_passes - passes_before,
+        forward_share=(engine.forward_seconds - forward_before) / wall if wall > 0 else None,
+    )
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def transformers_batch(
+    model: Any,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    pad_id: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> _Record:
+    """transformers' padded batched ``generate()`` (left padding, greedy, exactly
+    ``max_new_tokens`` each): decode time = t(N tokens) − t(1 token)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, n]
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, n]
+    for b, ids in enumerate(prompts):
+        input_ids[b, width - len(ids) :] = torch.tensor(ids)
+        mask[b, width - len(ids) :] = 1
+
+    def generate(tokens: int) -> tuple[torch.Tensor, float]:
+        started = clock()
+        with torch.inference_mode():
+            output = model.generate(
+                input_ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                do_sample=False, pad_token_id=pad_id,
+            )  # fmt: skip
+        return output[:, width:], clock() - started
+
+    _, first = generate(1)
+    output, total = generate(max_new_tokens)
+    seconds = max(total - first, 1e-9)
+    new = len(prompts) * (max_new_tokens - 1)
+    return _Record(
+        tokens=output.tolist(),
+        new_tokens=new,
+        seconds=seconds,
+        per_request=new / len(prompts) / seconds,
+    )
+
+
+def _peer_model(settings: ConcurrencySettings, setups: dict[str, LoadedModel], loader: Loader):
+    """The transformers model of the target (an hf runtime's, else loaded for the peer)."""
+    from speculative.bench.methods import transformers_model
+
+    for target in setups.values():
+        model = transformers_model(target.lm)
+        if model is not None:
+            return model
+    try:
+        return transformers_model(loader(settings.target, "hf", "auto").lm)
+    except (ValueError, OSError, ImportError) as exc:
+        print(f"bench: no transformers peer: {exc}", file=sys.stderr)
+        return None
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def batch_prompts(
+    target: LoadedModel, prompts: Sequence[BenchPrompt], chat: bool | None, size: int
+) -> list[list[int]]:
+    """``size`` prompts, categories interleaved (the suite cycled if it is shorter)."""
+    by_category: dict[str, list[BenchPrompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    mixed = [p for group in zip(*by_category.values(), strict=False) for p in group]
+    mixed += [p for p in prompts if p not in mixed]
+    chosen = [mixed[i % len(mixed)] for i in range(size)]
+    return [encode_prompt(target.tokenizer, p.prompt, p.messages, chat) for p in chosen]
+
+
+def run_concurrency(
+    settings: ConcurrencySettings, prompts: Sequence[BenchPrompt], loader: Loader = load_target
+) -> ConcurrencyRun:
+    if not prompts:
+        raise ValueError("no prompts to run")
+    if min(settings.concurrency) < 1:
+        raise ValueError("concurrency levels must be >= 1")
+    loaded = [loader(settings.target, rt, settings.precision) for rt in settings.runtimes]
+    setups = {target.runtime: target for target in loaded}  # "auto" named as resolved
+    for runtime, target in setups.items():
+        if not isinstance(target.lm, SupportsBatchRows):
+            raise ValueError(f"the {runtime} runtime cannot hold several sequences")
+    if settings.clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {settings.clock!r}")
+    clock = CLOCKS[settings.clock]
+    largest = max(settings.concurrency)
+    ids = {rt: batch_prompts(t, prompts, settings.chat, largest) for rt, t in setups.items()}
+    curves = {}
+    for runtime, target in setups.items():
+        context = ids[runtime][0][:64]
+        model: Any = target.lm  # SupportsBatchRows, checked above
+        rows = 1 if isinstance(model, PadsBatchRows) else 8  # n = the positions computed
+        curves[runtime] = rows_verify_cost(
+            model, context, CURVE_POINTS, settings.curve_repeats, rows, clock
+        )
+    peer = _peer_model(settings, setups, loader) if settings.peers else None
+    pad = min(next(iter(setups.values())).eos_token_ids, default=0)
+    labels = [PLAIN, f"{settings.drafter} γ={settings.gamma}", f"{settings.drafter} load-aware"]
+    total = len(settings.concurrency) * settings.repeats * len(setups) * (len(labels) + bool(peer))
+    bar = tqdm(
+        total=total, desc="bench --concurrency", disable=not settings.progress, file=sys.stderr
+    )
+    cells: list[Cell] = []
+    for batch in settings.concurrency:
+        records: dict[tuple[str, str], list[_Record]] = {}
+        for _ in range(settings.repeats):  # setups interleaved: drift hits all alike
+            for runtime, target in setups.items():
+                prompts_b = ids[runtime][:batch]
+                configs = [
+                    (PLAIN, 0, None),
+                    (labels[1], settings.gamma, None),
+                    (labels[2], settings.max_gamma, LoadAwareGamma(curves[runtime])),
+                ]
+                for label, gamma, load in configs:
+                    record = run_engine_batch(
+                        target, prompts_b, settings.drafter, gamma, load,
+                        settings.max_new_tokens, clock,
+                    )  # fmt: skip
+                    records.setdefault((runtime, label), []).append(record)
+                    bar.update()
+            if peer is not None:
+                runtime = next(iter(setups))
+                record = transformers_batch(
+                    peer, ids[runtime][:batch], settings.max_new_tokens, pad
+                )
+                records.setdefault(("hf", PEER), []).append(record)
+                bar.update()
+        cells.extend(_cells(batch, records))
+    bar.close()
+    _add_ratios(cells)
+    prompt_tokens = [len(p) for p in next(iter(ids.values()))]
+    notes = [
+        "closed batches: all rows start together, greedy, exactly max_new_tokens each (no "
+        "EOS); the prefill pass is excluded",
+        f"clock: {settings.clock} ({'process CPU time' if settings.clock == 'cpu' else 'wall'}"
+        f"); torch threads: {torch.get_num_threads()}; 'in forward': wall time inside the "
+        "target pass ÷ wall time of the decode steps (the rest: drafting and Python)",
+    ]
+    return ConcurrencyRun(settings, cells, curves, prompt_tokens, notes)
+
+
+def _cells(batch: int, records: dict[tuple[str, str], list[_Record]]) -> list[Cell]:
+    cells = []
+    for (runtime, label), runs in records.items():
+        plain = records.get((runtime, PLAIN))
+        mid = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+        seconds = statistics.median(r.seconds for r in runs)
+        identical = None
+        if label != PEER and plain is not None:
+            identical = all(r.tokens == plain[0].tokens for r in runs)
+        forward = mid.forward_share
+        cells.append(
+            Cell(
+                runtime=runtime,
+                setup=label,
+                batch=batch,
+                new_tokens=mid.new_tokens,
+                seconds=seconds,
+                tokens_per_second=mid.new_tokens / seconds if seconds > 0 else 0.0,
+                per_request_tokens_per_second=_per_request(label, batch, runs, seconds),
+                mean_gamma=mid.mean_gamma,
+                passes=mid.passes,
+                forward_share=forward,
+                identical=identical,
+            )
+        )
+    return cells
+
+
+def _per_request(label: str, batch: int, runs: list[_Record], seconds: float) -> float:
+    """Median per-request tokens/s; the peer's rows all finish together: its aggregate ÷ B."""
+    if label == PEER:
+        return runs[0].new_tokens / batch / seconds if seconds > 0 else 0.0
+    return statistics.median(r.per_request for r in runs)
+
+
+def _add_ratios(cells: list[Cell]) -> None:
+    """×plain at the same B (same runtime; the peer against the first runtime's plain)
+    and ×plain at the smallest B."""
+    plain = {(c.runtime, c.batch): c.tokens_per_second for c in cells if c.setup == PLAIN}
+    runtimes = [c.runtime for c in cells if c.setup == PLAIN]
+    smallest = min((c.batch for c in cells), default=1)
+    for cell in cells:
+        runtime = cell.runtime if (cell.runtime, cell.batch) in plain else runtimes[0]
+        base, first = plain.get((runtime, cell.batch)), plain.get((runtime, smallest))
+        cell.vs_plain = cell.tokens_per_second / base if base else None
+        cell.vs_plain_b1 = cell.tokens_per_second / first if first else None
+
+
+# --------------------------------------------------------------------------- reports
+
+HEADER = (
+    "runtime", "setup", "B", "tok/s", "×plain", "×plain B=1", "per-request tok/s",
+    "mean γ", "passes", "in forward", "identical",
+)  # fmt: skip
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table_rows(run: ConcurrencyRun) -> list[list[str]]:
+    order = sorted(run.cells, key=lambda c: (c.batch, c.setup == PEER))
+    return [_cell_text(c) for c in order]
+
+
+def _cell_text(c: Cell) -> list[str]:
+    return [
+        c.runtime,
+        c.setup,
+        str(c.batch),
+        _fmt(c.tokens_per_second, ".1f"),
+        _fmt(c.vs_plain),
+        _fmt(c.vs_plain_b1),
+        _fmt(c.per_request_tokens_per_second, ".1f"),
+        _fmt(c.mean_gamma),
+        "-" if c.passes is None else str(c.passes),
+        _fmt(c.forward_share, ".0%"),
+        {None: "-", True: "yes", False: "NO"}[c.identical],
+    ]
+
+
+def concurrency_terminal(run: ConcurrencyRun) -> str:
+    from speculative.bench.report import text_table
+
+    lines = [text_table(HEADER, table_rows(run))]
+    for runtime, curve in run.verify_cost.items():
+        points = ", ".join(f"{n}: {v:.2f}" for n, v in curve.items())
+        lines.append(f"{runtime}: T(n)/T(1) of one batched pass: {points}")
+    return "\n".join(lines)
+
+
+def concurrency_markdown(run: ConcurrencyRun) -> str:
+    from speculative.bench.report import markdown_table
+
+    s = run.settings
+    lines = [
+        "# Batched decoding by concurrency",
+        "",
+        f"Target `{s.target}` ({s.precision}), runtimes {', '.join(s.runtimes)}, drafter "
+        f"`{s.drafter}`, fixed γ = {s.gamma}, load-aware γ ≤ {s.max_gamma}, "
+        f"{s.max_new_tokens} new tokens per row, {s.repeats} repeat(s), greedy.",
+        "",
+        markdown_table(HEADER, table_rows(run)),
+        "",
+        "T(n)/T(1) of one batched pass of n tokens (the load-aware policy's input):",
+        "",
+    ]
+    for runtime, curve in run.verify_cost.items():
+        header = ["runtime", *map(str, curve)]
+        lines.append(markdown_table(header, [[runtime, *(f"{v:.2f}" for v in curve.values())]]))
+        lines.append("")
+    lines += [f"- {note}" for note in run.notes]
+    return "\n".join(lines) + "\n"
+
+
+def concurrency_payload(run: ConcurrencyRun) -> dict[str, Any]:
+    return {
+        "mode": "concurrency",
+        "settings": asdict(run.settings),
+        "cells": [asdict(c) for c in run.cells],
+        "verify_cost": {rt: {str(n): v for n, v in c.items()} for rt, c in run.verify_cost.items()},
+        "prompt_tokens": run.prompt_tokens,
+        "notes": run.notes,
+    }
+
+
+def write_concurrency(run: ConcurrencyRun, folder: Path) -> list[Path]:
+    """concurrency.json and concurrency.md in ``folder``."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = folder / "concurrency.json", folder / "concurrency.md"
+    json_path.write_text(json.dumps(concurrency_payload(run), indent=2) + "\n")
+    md_path.write_text(concurrency_markdown(run))
+    return [json_path, md_path]

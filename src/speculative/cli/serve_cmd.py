@@ -1,0 +1,165 @@
+"""`speculative serve`: an OpenAI-compatible server over the batched engine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from speculative.cli.common import CliError, Formatter, positive_int
+from speculative.cli.serve_ray import add_replica_arguments, serve_replicas, uses_ray
+
+DESCRIPTION = """\
+Serve a model over HTTP with an OpenAI-compatible API, decoding every request with
+lossless speculative decoding in one continuous batch.
+
+Endpoints:
+  POST /v1/completions, /v1/chat/completions   (stream or not; SSE ending with [DONE])
+  GET  /v1/models, /health
+  GET  /metrics                                 Prometheus metrics
+  GET  /                                        the playground (open it in a browser)
+
+Per request, the extension object {"speculative": {"draft": NAME, "gamma": G}} picks one
+of the drafters loaded here (--draft, comma-separated; the first is the default) or
+"none" (plain decoding), and fixes γ. Each response has a "speculative" object with the
+request's statistics (drafted, accepted, α, τ).
+
+Security: binds 127.0.0.1 unless --host says otherwise (a warning when binding elsewhere
+without --api-key); the key (or $SPECULATIVE_API_KEY) is compared in constant time;
+bodies and prompts are size-limited; a request can never name a model or a file to load;
+remote code from model repositories is never run. Idle connections close after
+--timeout-keep-alive seconds.
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server with metrics and a playground",
+        description=DESCRIPTION,
+        formatter_class=Formatter,
+    )
+    parser.add_argument(
+        "--target",
+        default="default",
+        help="target model: 'default' (SmolLM2-135M-Instruct), a folder or a .gguf",
+    )
+    parser.add_argument(
+        "--draft",
+        default="ngram",
+        help="drafters to load, comma-separated (the first is the default): none, ngram, "
+        "self-int4 / self-int8 / self-bf16, a draft model path",
+    )
+    parser.add_argument(
+        "--gamma",
+        type=gamma_setting,
+        default=4,
+        help="drafted tokens per round (a request's default), or 'auto': each round, every "
+        "row's γ (up to 8, or the request's) is chosen for the load from the verify-cost "
+        "curve measured at start, down to 0 when a draft no longer pays for its share",
+    )
+    parser.add_argument(
+        "--precision", default="auto", help="target precision (auto, fp32, bf16, int8, int4)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (default: $SPECULATIVE_API_KEY, else none)",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="model id (default: the target's)"
+    )
+    parser.add_argument("--max-batch", type=positive_int, default=8, help="rows decoded together")
+    parser.add_argument(
+        "--max-waiting", type=positive_int, default=256, help="queued requests before 503s"
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body"
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=positive_int,
+        default=None,
+        help="longest prompt in tokens (default: the context window - 1)",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=positive_int,
+        default=256,
+        help="max_tokens when a request gives none",
+    )
+    parser.add_argument(
+        "--timeout-keep-alive", type=positive_int, default=5, help="idle connection timeout (s)"
+    )
+    parser.add_argument("--log-level", default="info", help="uvicorn log level")
+    add_replica_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def gamma_setting(text: str) -> int | str:
+    return "auto" if text == "auto" else positive_int(text)
+
+
+def build_config(args: argparse.Namespace):
+    from speculative.server.state import ServerConfig
+
+    drafts = tuple(d.strip() for d in args.draft.split(",") if d.strip())
+    return ServerConfig(
+        target=args.target,
+        drafts=drafts,
+        gamma=args.gamma,
+        precision=args.precision,
+        max_batch=args.max_batch,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get("SPECULATIVE_API_KEY") or None,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        default_max_tokens=args.default_max_tokens,
+        max_waiting=args.max_waiting,
+    )
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from speculative.server import create_app, load_state
+
+    config = build_config(args)
+    try:
+        config.check()
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if not is_loopback(args.host) and not config.api_key:
+        print(
+            f"speculative: warning: binding {args.host} without an API key: anyone who can "
+            "reach this port can use the model (give --api-key)",
+            file=sys.stderr,
+        )
+    if uses_ray(args):
+        return serve_replicas(args, config)
+    print(
+        f"speculative: loading {config.target} with drafters {', '.join(config.drafts)}",
+        file=sys.stderr,
+    )
+    state = load_state(config)
+    app = create_app(state)
+    print(
+        f"speculative: serving '{state.model_id}' on http://{args.host}:{args.port} "
+        "(playground at /, metrics at /metrics)",
+        file=sys.stderr,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_keep_alive=args.timeout_keep_alive,
+        access_log=False,
+    )
+    return 0

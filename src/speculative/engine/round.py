@@ -1,0 +1,163 @@
+"""One row's round: propose → verify → commit.
+
+The drafter proposes γ tokens (or a token tree); the target scores the row's last emitted
+token and the drafted ones in one pass (shared with the other rows of a batch), giving
+γ + 1 distributions; verification keeps a prefix of the draft and adds one recovered or
+bonus token; the stop criteria cut the emitted tokens exactly. With no drafter (or γ = 0)
+the same round is plain autoregressive decoding on the same runtime.
+
+These functions are the only round code: :class:`~speculative.engine.batch.BatchEngine`
+runs them for every row of a pass, and the single-sequence
+:class:`~speculative.engine.loop.SpeculativeEngine` is a batch of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from speculative.drafters.base import Draft, Drafter
+from speculative.drafters.tree import DraftTree
+from speculative.engine.stats import GenerationStats
+from speculative.engine.stopping import StopCriteria
+from speculative.models.base import RowInput
+from speculative.sampling import (
+    SamplingParams,
+    VerifyResult,
+    logits_to_probs,
+    one_hot_argmax,
+    verify_greedy,
+    verify_logits,
+)
+from speculative.sampling.tree import TreeVerifyResult
+
+Verifier = Callable[..., VerifyResult]  # the signature of sampling.verify
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one round emitted: ``tokens``, of which the first ``num_accepted`` were drafted
+    tokens the target accepted; the rest (at most one) was recovered or bonus."""
+
+    tokens: list[int]
+    num_accepted: int
+    drafted: int
+    finished: bool
+    reason: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    stats: GenerationStats
+    finish_reason: str | None = None
+    rounds: list[Round] = field(default_factory=list)
+
+
+@dataclass
+class DecodeState:
+    """Per-generation state: the committed sequence and its bookkeeping."""
+
+    sequence: list[int]
+    prompt_length: int
+    stats: GenerationStats
+    finished: bool = False
+    reason: str | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.sequence[self.prompt_length :]
+
+
+@dataclass
+class Proposal:
+    """A row's proposal for one round (a chain ``draft`` or a ``tree``) and the row of
+    the shared target pass that verifies it."""
+
+    request: RowInput
+    draft: Draft | None = None
+    tree: DraftTree | None = None
+
+    @property
+    def drafted(self) -> int:
+        if self.tree is not None:
+            return self.tree.size
+        return len(self.draft.tokens) if self.draft is not None else 0
+
+
+def propose_draft(
+    drafter: Drafter | None,
+    gamma: int,
+    state: DecodeState,
+    max_length: int | None,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> Draft:
+    """Ask ``drafter`` for up to ``gamma`` tokens after ``state.sequence`` (fewer where the
+    verification pass would overflow the context window); counts its forward calls."""
+    if max_length is not None:  # the verification pass must fit the context window
+        gamma = max(0, min(gamma, max_length - len(state.sequence) - 1))
+    if gamma == 0 or drafter is None:
+        return Draft(tokens=[])
+    calls_before = drafter.forward_calls
+    draft = drafter.propose(state.sequence, gamma, params, generator)
+    state.stats.draft_calls += drafter.forward_calls - calls_before
+    return draft
+
+
+def verify_draft(
+    draft: Draft,
+    logits: torch.Tensor,  # [1, γ+1, vocab] target logits after the context and each draft
+    params: SamplingParams,
+    generator: torch.Generator,
+    verifier: Verifier | None = None,
+) -> VerifyResult:
+    """Greedy check (temperature 0) or modified rejection sampling of one row's draft
+    (``verify_logits``: verify's result from the logits, processing only the rows read).
+    ``verifier`` replaces the exact rule (negative controls only: ``speculative check``);
+    it is given one-hot argmax target rows when greedy."""
+    if verifier is not None:
+        drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
+        probs = one_hot_argmax(logits) if params.greedy else logits_to_probs(logits, params)
+        return verifier(drafted, draft.probs, probs, generator, validate=False)
+    if params.greedy:
+        drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
+        return verify_greedy(drafted, logits)
+    return verify_logits(draft.tokens, draft.probs, logits, params, generator)
+
+
+def accepted(result: VerifyResult | TreeVerifyResult) -> tuple[list[int], int]:
+    """(emitted tokens, number of them that were accepted drafts) of a verified round."""
+    if isinstance(result, TreeVerifyResult):
+        return result.tokens, result.num_accepted
+    return result.emitted(0), int(result.num_accepted[0])
+
+
+def commit_tokens(
+    state: DecodeState,
+    drafter: Drafter | None,
+    max_length: int | None,
+    drafted: int,
+    emitted: list[int],
+    num_accepted: int,
+    stop: StopCriteria,
+) -> Round:
+    """Append a round's emitted tokens (cut by ``stop``), record it, tell the drafter."""
+    cut = stop.cut(state.generated, emitted)
+    kept = emitted[: cut.keep]
+    state.sequence.extend(kept)
+    state.stats.record_round(drafted, num_accepted, len(kept))
+    if drafter is not None:
+        drafter.observe(state.sequence, num_accepted)
+    state.finished, state.reason = cut.finished, cut.reason
+    if not state.finished and max_length is not None and len(state.sequence) >= max_length:
+        state.finished, state.reason = True, "context"
+    return Round(
+        tokens=kept,
+        num_accepted=min(num_accepted, len(kept)),
+        drafted=drafted,
+        finished=state.finished,
+        reason=state.reason,
+    )

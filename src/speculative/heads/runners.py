@@ -1,0 +1,272 @@
+"""What runs a drafting head's step: PyTorch (the head's own module, any runtime) or the
+target's C kernels (the EAGLE head's decoder layer and both heads' output rows run by
+kernels.c instead of PyTorch ops).
+
+A draft step of a head is tiny (one decoder layer of the target's width and an output
+over the reduced draft vocabulary), so in PyTorch it costs op dispatch on small tensors
+more than arithmetic. Here one step is two C calls: the fusion layer ``fc`` and one
+kernels.c forward of a one-layer model whose output head is the draft vocabulary's rows
+(no final norm: the head's output feature goes to its rows as is).
+
+Weights are packed at most at the target's precision (:func:`head_formats`), so a draft
+step never reads more bytes per weight than a target step. The head's numbers then differ
+from the PyTorch head's by rounding; drafting stays lossless because the probabilities
+the drafter samples from are the ones it reports as q.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from speculative.heads.modules import EagleHead, KVCache, MedusaHeads
+from speculative.heads.store import TrainedHead
+from speculative.models.native.ckernels import (
+    KernelLayer,
+    KernelLinear,
+    kernel_model,
+    kernel_shape_problem,
+)
+from speculative.models.native.loading import rope_interleave_index
+
+# target precision -> (the head layer's weight format, the output rows' format)
+HEAD_FORMATS = {
+    "int4": ("int4", "int4"),  # measured: the same drafts as int8 for 0.6 of the bytes
+    "int8": ("int8", "int8"),
+    "bf16": ("bf16", "bf16"),
+    "fp32": ("bf16", "bf16"),  # the shipped heads' own values (stored as bf16)
+}
+
+
+def head_formats(target_precision: str) -> tuple[str, str]:
+    """(layer format, output-rows format) for a head drafting for a target at
+    ``target_precision``: never more bytes per weight than the target reads."""
+    return HEAD_FORMATS.get(target_precision, ("bf16", "bf16"))
+
+
+class EagleRunner(Protocol):
+    """An EAGLE head's incremental step over its own KV cache (batch of one).
+
+    ``length`` is the number of cached pairs; setting it lower rolls back."""
+
+    length: int
+
+    def step(
+        self,
+        embeds: torch.Tensor,  # [k, H] embeddings of the tokens x_{t+1}
+        features: torch.Tensor,  # [k, H] features f_t (true or predicted)
+        positions: torch.Tensor,  # [k] int64 pair positions t
+        mask: torch.Tensor | None = None,  # [k, k] bool among the new pairs, None = causal
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [k, H] predicted features, [k, N] logits
+        """Append k pairs; their predicted next features and draft logits."""
+        ...
+
+
+class TorchEagleRunner:
+    """The head's PyTorch module over a :class:`KVCache` (also takes [k, start + k] masks
+    that choose visible cached pairs: tree drafting)."""
+
+    def __init__(self, head: TrainedHead, capacity: int = 512) -> None:
+        if not isinstance(head.module, EagleHead):
+            raise ValueError("the EAGLE runner runs EAGLE heads only")
+        self.head = head
+        self.module: EagleHead = head.module
+        self.cache: KVCache = self.module.new_cache(capacity)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.cache.length = value
+
+    @torch.no_grad()
+    def step(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.module.step(self.cache, embeds, features, positions, mask)  # [k, H]
+        return out, self.head.draft_logits(out)
+
+
+class KernelEagleRunner:
+    """An EAGLE head's step on kernels.c, with its own KV cache (batch of one).
+
+    ``length`` is the number of cached pairs (set it lower to roll back)."""
+
+    def __init__(
+        self, head: TrainedHead, library: object, target_precision: str, max_length: int
+    ) -> None:
+        module = head.module
+        if not isinstance(module, EagleHead):
+            raise ValueError("the kernel runner runs EAGLE heads only")
+        cfg = module.config
+        problem = kernel_shape_problem(
+            cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.head_dim
+        )
+        if problem is not None:
+            raise ValueError(f"the head's shapes do not fit the C kernels: {problem}")
+        layer_format, row_format = head_formats(target_precision)
+        self.head = head
+        self.library = library
+        self.config = cfg
+        self.embed_norm = module.embed_norm.weight.detach().float().contiguous()
+        self.feature_norm = module.feature_norm.weight.detach().float().contiguous()
+        self.fc = KernelLinear.pack(module.fc.weight.detach().float(), None, layer_format)
+        self.layer = KernelLayer(
+            input_norm=module.input_norm.weight.detach().float().contiguous(),
+            post_attention_norm=module.post_norm.weight.detach().float().contiguous(),
+            qkv=KernelLinear.pack(_fused_qkv(module), None, layer_format),
+            o=KernelLinear.pack(module.o.weight.detach().float(), None, layer_format),
+            gate_up=KernelLinear.pack(
+                torch.cat([module.gate.weight, module.up.weight]).detach().float(),
+                None,
+                layer_format,
+            ),
+            down=KernelLinear.pack(module.down.weight.detach().float(), None, layer_format),
+        )
+        self.rows = KernelLinear.pack(head.head_rows, None, row_format)
+        self.formats = (layer_format, row_format)
+        d = cfg.head_dim
+        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        angles = torch.outer(torch.arange(max_length, dtype=torch.float32), inv)
+        self._cos, self._sin = angles.cos().contiguous(), angles.sin().contiguous()
+        self._model = kernel_model(
+            hidden=cfg.hidden_size,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=d,
+            intermediate=cfg.intermediate_size,
+            eps=cfg.rms_norm_eps,
+            layers=[self.layer],
+            final_norm=None,  # the output feature goes to the rows as it is
+            lm_head=self.rows,
+            cos=self._cos,
+            sin=self._sin,
+        )
+        shape = (1, cfg.num_kv_heads, max_length, d)  # [layers, kv_heads, slots, head_dim]
+        self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)
+        self.max_length = max_length
+        self.length = 0
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one step reads (fusion layer, decoder layer, output rows)."""
+        return self.fc.weight_bytes() + self.layer.weight_bytes() + self.rows.weight_bytes()
+
+    @torch.no_grad()
+    def step(
+        self,
+        embeds: torch.Tensor,  # [k, H] embeddings of the tokens x_{t+1}
+        features: torch.Tensor,  # [k, H] features f_t (true or predicted)
+        positions: torch.Tensor,  # [k] int64 pair positions t
+        mask: torch.Tensor | None = None,  # [k, k] bool among the new pairs, None = causal
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [k, H] predicted features, [k, N] logits
+        """Append k pairs to the cache; their predicted next features and draft logits."""
+        k = embeds.shape[0]
+        start = self.length
+        if start + k > self.max_length:
+            raise ValueError(f"head cache overflow: {start} + {k} > {self.max_length}")
+        if mask is not None and mask.shape != (k, k):
+            raise ValueError(f"the kernel head takes a [k, k] mask, got {tuple(mask.shape)}")
+        eps = self.config.rms_norm_eps
+        width = self.config.hidden_size
+        fused = torch.cat(
+            [
+                F.rms_norm(embeds, (width,), self.embed_norm, eps),
+                F.rms_norm(features, (width,), self.feature_norm, eps),
+            ],
+            dim=-1,
+        )  # [k, 2H]
+        threads = torch.get_num_threads()
+        hidden = self.fc(self.library, fused, threads)  # [k, H], updated in place below
+        lib = self.library
+        model = self._model.pointer
+        work = torch.empty(lib.spec_work_floats(model, k, threads))
+        logits = torch.empty(k, self.rows.out_features)
+        pos = positions.to(torch.int64).contiguous()
+        mask_bytes = None if mask is None else mask.to(torch.uint8).contiguous()
+        lib.spec_forward(
+            model,
+            hidden.data_ptr(),
+            k,
+            start,
+            pos.data_ptr(),
+            None if mask_bytes is None else mask_bytes.data_ptr(),
+            self.k_cache.data_ptr(),
+            self.v_cache.data_ptr(),
+            logits.data_ptr(),
+            work.data_ptr(),
+            threads,
+        )
+        self.length = start + k
+        return hidden, logits
+
+
+def _fused_qkv(module: EagleHead) -> torch.Tensor:
+    """[q_size + 2 kv_size, H]: q and k rows in RoPE-interleaved order (kernels.c rotates
+    adjacent pairs; the head was trained with rotate-half, and permuting q and k alike
+    leaves q.k unchanged), q scaled by 1/sqrt(head_dim) (kernels.c does not scale)."""
+    cfg = module.config
+    q = module.q.weight.detach().float()
+    k = module.k.weight.detach().float()
+    v = module.v.weight.detach().float()
+    q = q[rope_interleave_index(q.shape[0], cfg.num_heads)] * cfg.head_dim**-0.5
+    k = k[rope_interleave_index(k.shape[0], cfg.num_kv_heads)]
+    return torch.cat([q, k, v])
+
+
+class MedusaRunner(Protocol):
+    def __call__(self, feature: torch.Tensor, count: int) -> torch.Tensor:
+        """feature [H] -> draft logits [count, N] of heads 1..count."""
+        ...
+
+
+class TorchMedusaRunner:
+    """The Medusa heads' PyTorch module and the head rows in float32."""
+
+    def __init__(self, head: TrainedHead) -> None:
+        if not isinstance(head.module, MedusaHeads):
+            raise ValueError("the Medusa runner runs Medusa heads only")
+        self.head = head
+        self.module: MedusaHeads = head.module
+
+    @torch.no_grad()
+    def __call__(self, feature: torch.Tensor, count: int) -> torch.Tensor:
+        predicted = torch.stack(self.module(feature)[:count])  # [count, H]
+        return self.head.draft_logits(predicted)
+
+
+class KernelMedusaRunner:
+    """The Medusa heads on kernels.c: the K residual blocks fused into one linear layer
+    (with their biases) and the draft vocabulary's rows, at most at the target's
+    precision (:func:`head_formats`)."""
+
+    def __init__(self, head: TrainedHead, library: object, target_precision: str) -> None:
+        module = head.module
+        if not isinstance(module, MedusaHeads):
+            raise ValueError("the Medusa runner runs Medusa heads only")
+        layer_format, row_format = head_formats(target_precision)
+        weight = torch.cat([block.weight for block in module.blocks]).detach().float()
+        bias = torch.cat([block.bias for block in module.blocks]).detach().float()
+        self.blocks = KernelLinear.pack(weight, bias, layer_format)  # [K * H, H]
+        self.rows = KernelLinear.pack(head.head_rows, None, row_format)
+        self.library = library
+        self.count = len(module.blocks)
+        self.formats = (layer_format, row_format)
+
+    def weight_bytes(self) -> int:
+        return self.blocks.weight_bytes() + self.rows.weight_bytes()
+
+    @torch.no_grad()
+    def __call__(self, feature: torch.Tensor, count: int) -> torch.Tensor:
+        threads = torch.get_num_threads()
+        x = feature.reshape(1, -1).float()  # [1, H]
+        residual = self.blocks(self.library, x, threads).view(self.count, -1)  # [K, H]
+        predicted = (x + F.silu(residual[:count])).contiguous()  # [count, H]
+        return self.rows(self.library, predicted, threads)  # [count, N]

@@ -1,0 +1,530 @@
+"""The FastAPI app: OpenAI-compatible endpoints, metrics, the playground.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as SSE in
+OpenAI's chunk format, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus), ``GET /`` (the playground page).
+
+Every response carries a ``speculative`` object with that request's statistics (drafted,
+accepted, α, τ, ...); streamed chunks carry ``speculative.pieces``: the chunk's text as
+``[text, kind]`` per token, kind one of accepted / recovered / bonus / target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from speculative.engine.batch import BatchEngine, BatchRequest
+from speculative.engine.gamma import LoadAwareGamma
+from speculative.engine.loop import GenerationResult, Round
+from speculative.engine.stopping import StopCriteria
+from speculative.sampling import SamplingParams
+from speculative.server.metrics import CONTENT_TYPE, ServerMetrics
+from speculative.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    validation_error,
+)
+from speculative.server.scheduler import DoneEvent, ErrorEvent, Job, RoundEvent, Scheduler
+from speculative.server.state import NONE, ServerState
+from speculative.server.text import TextAssembler, token_kinds
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the scheduler."""
+
+    endpoint: str  # "completions" or "chat"
+    body: CompletionRequest | ChatCompletionRequest
+    prompt_ids: list[int]
+    batch_request: BatchRequest
+    draft: str
+    gamma: int
+    release: Callable[[Any], None] | None
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The app over an already loaded :class:`ServerState` (one batched engine, one
+    scheduler thread, one metrics registry per app)."""
+    metrics = ServerMetrics()
+    load = None if state.verify_cost is None else LoadAwareGamma(state.verify_cost)
+    engine = BatchEngine(state.loaded.lm, max_batch=state.config.max_batch, load=load)
+    scheduler = Scheduler(engine, metrics, state.config.max_waiting)
+    metrics.attach(scheduler)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="speculative", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.server = state
+    app.state.scheduler = scheduler
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground() -> HTMLResponse:
+        page = resources.files("speculative.server").joinpath("static/playground.html")
+        return HTMLResponse(page.read_text(encoding="utf-8"))
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        _authorize(request, state)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        _authorize(request, state)
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(request, "completions", state, scheduler, metrics)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _serve(request, "chat", state, scheduler, metrics)
+
+    return app
+
+
+# ---- errors and security ----------------------------------------------------------
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code))
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        error = ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+
+def _authorize(request: Request, state: ServerState) -> None:
+    """401 unless the request carries the API key (compared in constant time)."""
+    key = state.config.api_key
+    if not key:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise ApiError(401, "missing or wrong API key", param=None, code="invalid_api_key")
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The body as JSON; 413 past ``limit`` bytes (checked while reading), 400 if not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(
+                413, f"the request body is larger than {limit} bytes", code="body_too_large"
+            )
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
+
+
+# ---- requests -----------------------------------------------------------------------
+async def _serve(
+    request: Request,
+    endpoint: str,
+    state: ServerState,
+    scheduler: Scheduler,
+    metrics: ServerMetrics,
+) -> Response:
+    try:
+        _authorize(request, state)
+        prepared = await _prepare(request, endpoint, state)
+    except ApiError as exc:
+        metrics.count_request(endpoint, str(exc.status))
+        raise
+    loop = asyncio.get_running_loop()
+    job = Job(prepared.batch_request, loop, on_release=prepared.release)
+    try:
+        scheduler.start()
+        scheduler.submit(job)
+    except ValueError as exc:
+        if prepared.release is not None:
+            prepared.release(prepared.batch_request.drafter)
+        metrics.count_request(endpoint, "503")
+        raise ApiError(503, str(exc), "server_error", code="overloaded") from None
+    if prepared.body.stream:
+        return _CancellingStream(
+            _stream(prepared, job, state, metrics),
+            on_close=lambda: _cancel_unfinished(job, prepared.endpoint, scheduler, metrics),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    return await _complete(request, prepared, job, state, scheduler, metrics)
+
+
+async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepared:
+    from speculative.pipeline import encode_prompt
+
+    payload = await _read_json(request, state.config.max_body_bytes)
+    model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
+    if not isinstance(payload, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        body = model.model_validate(payload)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+    if body.model != state.model_id:
+        raise ApiError(
+            404,
+            f"the model '{body.model}' does not exist; this server serves '{state.model_id}'",
+            param="model",
+            code="model_not_found",
+        )
+    tokenizer = state.loaded.tokenizer
+    try:
+        if isinstance(body, ChatCompletionRequest):
+            prompt_ids = encode_prompt(tokenizer, None, body.chat_messages(), chat=True)
+        else:
+            prompt_ids = encode_prompt(tokenizer, body.prompt, None, chat=False)
+    except ValueError as exc:
+        raise ApiError(
+            400, str(exc), param="messages" if endpoint == "chat" else "prompt"
+        ) from None
+    max_tokens = _max_tokens(body, len(prompt_ids), state)
+    draft, gamma = _speculation(body, state)
+    params = SamplingParams(temperature=body.temperature, top_p=body.top_p)
+    stops = body.stop_strings()
+    criteria = StopCriteria(
+        max_new_tokens=max_tokens,
+        eos_token_ids=frozenset() if body.ignore_eos else state.loaded.eos_token_ids,
+        stop_strings=stops,
+        decode=state.decode if stops else None,
+    )
+    seed = body.seed if body.seed is not None else secrets.randbits(63)
+    generator = torch.Generator().manual_seed(seed)
+    pool = state.pools.get(draft)
+    drafter = None
+    if pool is not None:  # building a draft model's instance may take a while: off the loop
+        drafter = await asyncio.get_running_loop().run_in_executor(None, pool.acquire)
+    batch_request = BatchRequest(prompt_ids, params, criteria, generator, drafter, gamma)
+    release = pool.release if pool is not None else None
+    return Prepared(endpoint, body, prompt_ids, batch_request, draft, gamma, release)
+
+
+def _max_tokens(
+    body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int, state: ServerState
+) -> int:
+    limit = state.max_prompt_tokens
+    if prompt_tokens > limit:
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_tokens} tokens; this server takes at most {limit}",
+            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    window = state.context_window
+    room = None if window is None else window - prompt_tokens
+    wanted = body.wanted_tokens()
+    if wanted is None:
+        default = state.config.default_max_tokens
+        return default if room is None else max(1, min(default, room))
+    if room is not None and wanted > room:
+        raise ApiError(
+            400,
+            f"max_tokens {wanted} plus the prompt's {prompt_tokens} tokens exceed the "
+            f"context window of {window} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return wanted
+
+
+def _speculation(
+    body: CompletionRequest | ChatCompletionRequest, state: ServerState
+) -> tuple[str, int]:
+    """The request's drafter (one loaded at startup, or none) and γ."""
+    options = body.speculative
+    draft = state.default_draft
+    gamma = state.row_gamma
+    if options is not None:
+        draft = options.draft if options.draft is not None else draft
+        gamma = options.gamma if options.gamma is not None else gamma
+    if draft not in state.drafter_names():
+        raise ApiError(
+            400,
+            f"speculative.draft '{draft}' is not loaded; choose one of "
+            f"{', '.join(state.drafter_names())} (drafters are chosen when the server starts)",
+            param="speculative.draft",
+        )
+    return draft, gamma
+
+
+# ---- responses ------------------------------------------------------------------------
+def _speculative_stats(prepared: Prepared, result: GenerationResult, ttft: float | None) -> dict:
+    kinds = [k for r in result.rounds for k in token_kinds(r)]
+    stats = result.stats.to_dict()
+    return {
+        "draft": prepared.draft,
+        "gamma": prepared.gamma if prepared.draft != NONE else 0,
+        "drafted": stats["drafted_tokens"],
+        "accepted": stats["accepted_tokens"],
+        "recovered": kinds.count("recovered"),
+        "bonus": kinds.count("bonus"),
+        "alpha": stats["acceptance_rate"],
+        "tau": stats["mean_accepted_length"],
+        "per_position_acceptance": stats["per_position_acceptance"],
+        "target_passes": stats["target_calls"],
+        "completion_tokens": stats["new_tokens"],
+        "seconds": stats["seconds"],
+        "tokens_per_second": stats["tokens_per_second"],
+        "time_to_first_token": ttft,
+    }
+
+
+def _usage(prepared: Prepared, result: GenerationResult) -> dict[str, int]:
+    completion = len(result.token_ids)
+    prompt = len(prepared.prompt_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _finish_reason(result: GenerationResult) -> str:
+    return FINISH_REASONS.get(result.finish_reason or "", "stop")
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
+        "id": state.model_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "speculative",
+        "max_model_len": state.context_window,
+        "speculative": {
+            "drafters": state.drafter_names(),
+            "default_draft": state.default_draft,
+            "gamma": state.row_gamma,
+            "gamma_policy": "load-aware" if state.verify_cost is not None else "fixed",
+            "max_batch": state.config.max_batch,
+        },
+    }
+
+
+class _Envelope:
+    """id / object / created / model of one response (shared by all its chunks)."""
+
+    def __init__(self, prepared: Prepared, state: ServerState) -> None:
+        chat = prepared.endpoint == "chat"
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = state.model_id
+
+    def wrap(self, choices: list[dict], stream: bool, **extra: Any) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if stream and self.chat else ""
+        )
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+    def delta(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+async def _complete(
+    request: Request,
+    prepared: Prepared,
+    job: Job,
+    state: ServerState,
+    scheduler: Scheduler,
+    metrics: ServerMetrics,
+) -> Response:
+    """A whole (non-streamed) response; a client that goes away cancels its row."""
+    ttft = None
+    next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
+    while True:
+        try:
+            event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
+        except TimeoutError:
+            event = None
+        if time.monotonic() >= next_check:  # rounds may arrive faster than any timeout
+            next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
+            if await request.is_disconnected():
+                _cancel_unfinished(job, prepared.endpoint, scheduler, metrics)
+                return Response(status_code=499)
+        if event is None or isinstance(event, RoundEvent):
+            if event is not None and ttft is None and event.round.tokens:
+                ttft = time.perf_counter() - job.submitted
+            continue
+        if isinstance(event, ErrorEvent):
+            metrics.count_request(prepared.endpoint, "500")
+            raise ApiError(500, event.message, "server_error")
+        break
+    assert isinstance(event, DoneEvent)
+    result = event.result
+    text = TextAssembler(state.decode, prepared.body.stop_strings())
+    text.push(result.token_ids, ["target"] * len(result.token_ids))
+    envelope = _Envelope(prepared, state)
+    reason = _finish_reason(result)
+    if envelope.chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text.final_text()},
+            "logprobs": None,
+            "finish_reason": reason,
+        }
+    else:
+        choice = {"index": 0, "text": text.final_text(), "logprobs": None, "finish_reason": reason}
+    metrics.count_request(prepared.endpoint, "200")
+    body = envelope.wrap(
+        [choice],
+        stream=False,
+        usage=_usage(prepared, result),
+        speculative=_speculative_stats(prepared, result, ttft),
+    )
+    return JSONResponse(body)
+
+
+@dataclass
+class _RunningStats:
+    """α and τ so far, sent with every streamed chunk (the playground shows them live)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+    passes: int = 0
+
+    def add(self, round_: Round) -> None:
+        self.drafted += round_.drafted
+        self.accepted += round_.num_accepted
+        self.tokens += len(round_.tokens)
+        self.passes += 1
+
+    def to_dict(self) -> dict[str, float]:
+        alpha = self.accepted / self.drafted if self.drafted else 0.0
+        return {"alpha": alpha, "tau": self.tokens / self.passes if self.passes else 0.0}
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+async def _stream(
+    prepared: Prepared, job: Job, state: ServerState, metrics: ServerMetrics
+) -> AsyncIterator[bytes]:
+    """SSE chunks: the text as it becomes final, then the finish chunk (with the request's
+    ``speculative`` stats), the usage chunk when asked, and ``[DONE]``."""
+    envelope = _Envelope(prepared, state)
+    text = TextAssembler(state.decode, prepared.body.stop_strings())
+    options = prepared.body.stream_options
+    include_usage = options is not None and options.include_usage
+    ttft = None
+    running = _RunningStats()
+    if envelope.chat:
+        yield _sse(envelope.wrap([envelope.delta("", None, role=True)], stream=True))
+    while True:
+        event = await job.events.get()
+        if isinstance(event, ErrorEvent):
+            metrics.count_request(prepared.endpoint, "500")
+            yield _sse(ApiError(500, event.message, "server_error").body())
+            yield _sse("[DONE]")
+            return
+        if isinstance(event, RoundEvent):
+            running.add(event.round)
+            pieces = text.push(event.round.tokens, token_kinds(event.round))
+        else:
+            pieces = text.finish()
+        if pieces:
+            if ttft is None:
+                ttft = time.perf_counter() - job.submitted
+            chunk = envelope.wrap(
+                [envelope.delta("".join(p for p, _ in pieces), None)],
+                stream=True,
+                speculative={"pieces": [list(p) for p in pieces], **running.to_dict()},
+            )
+            yield _sse(chunk)
+        if isinstance(event, DoneEvent):
+            break
+    result = event.result
+    stats = _speculative_stats(prepared, result, ttft)
+    final = envelope.wrap(
+        [envelope.delta(None if envelope.chat else "", _finish_reason(result))],
+        stream=True,
+        speculative=stats,
+    )
+    yield _sse(final)
+    if include_usage:
+        yield _sse(envelope.wrap([], stream=True, usage=_usage(prepared, result)))
+    metrics.count_request(prepared.endpoint, "200")
+    yield _sse("[DONE]")
+
+
+def _cancel_unfinished(
+    job: Job, endpoint: str, scheduler: Scheduler, metrics: ServerMetrics
+) -> None:
+    if not job.done and not job.cancelled:
+        metrics.count_request(endpoint, "cancelled")
+    scheduler.cancel(job)
+
+
+class _CancellingStream(StreamingResponse):
+    """A streamed response that cancels its job however the response ends (finished,
+    client gone, error): the row leaves the batch before the next round."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kw: Any):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

@@ -1,0 +1,198 @@
+"""Request bodies of the OpenAI-compatible endpoints and OpenAI-shaped errors.
+
+Validation that needs no model (types, ranges, unsupported options) lives in the pydantic
+models; what needs the loaded model (the model id, the context window, the drafters)
+is checked in :mod:`speculative.server.app`. Every failure becomes an :class:`ApiError`,
+returned as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_GAMMA = 16
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's JSON error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class SpeculativeOptions(BaseModel):
+    """The ``speculative`` extension object: which loaded drafter (or "none") and γ."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft: str | None = None  # a drafter loaded at startup, or "none" (plain decoding)
+    gamma: int | None = Field(default=None, ge=1, le=MAX_GAMMA)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by completions and chat completions (unknown fields are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False  # as vLLM: decode through end-of-sequence (benchmarks)
+    speculative: SpeculativeOptions | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive_max_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {value}")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _single_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(
+                f"n must be 1: this server returns one choice per request, got {value}"
+            )
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else list(value)
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())  # the validator made it a list
+
+    def wanted_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: one prompt string (raw, no chat template)."""
+
+    prompt: str | list[str]
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str]) -> str:
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise ValueError(f"give one prompt (a string), got a list of {len(value)}")
+            value = value[0]
+        if not value:
+            raise ValueError("the prompt is empty")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise ValueError("messages is empty")
+        return value
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _positive_max_completion(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"max_completion_tokens must be at least 1, got {value}")
+        return value
+
+    def wanted_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        role = {"developer": "system"}
+        return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
+
+
+def validation_error(errors: list[dict[str, Any]]) -> ApiError:
+    """The first pydantic error as an OpenAI error (``param``: the field's path)."""
+    if not errors:
+        return ApiError(400, "invalid request")
+    first = errors[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    message = str(first.get("msg", "invalid value"))
+    message = message.removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        message = f"'{param}' is required"
+    elif first.get("type") == "json_invalid":
+        return ApiError(400, "the request body is not valid JSON", code="invalid_json")
+    elif param:
+        message = f"{param}: {message}"
+    return ApiError(400, message, param=param)

@@ -1,0 +1,211 @@
+"""One thread owns the batched engine; requests join and leave between rounds.
+
+HTTP handlers (on the event loop) :meth:`Scheduler.submit` a :class:`Job` and read its
+events from an asyncio queue. The scheduler thread admits queued jobs while the batch has
+room (the others wait: the ``waiting`` gauge), runs one round for every active row, and
+hands each row its round through ``loop.call_soon_threadsafe``. A cancelled job (its
+client went away) leaves the batch before the next round, freeing its slot at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from speculative.drafters.base import Drafter
+from speculative.engine.batch import BatchEngine, BatchRequest
+from speculative.engine.loop import GenerationResult, Round
+
+
+@dataclass(frozen=True)
+class RoundEvent:
+    round: Round
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    result: GenerationResult
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    message: str
+
+
+Event = RoundEvent | DoneEvent | ErrorEvent
+
+
+@dataclass
+class Job:
+    """One request in the scheduler: its engine request and where its events go."""
+
+    request: BatchRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    on_release: Callable[[Drafter | None], None] | None = None  # gives the drafter back
+    submitted: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None
+    row_id: int | None = None
+    cancelled: bool = False
+    done: bool = False
+
+    def send(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class SchedulerObserver:
+    """Hooks the metrics listen to (all called on the scheduler thread)."""
+
+    def on_admit(self, job: Job) -> None: ...
+
+    def on_round(self, job: Job, round_: Round) -> None: ...
+
+    def on_step(self, batch: int, waiting: int, running: int) -> None: ...
+
+    def on_finish(self, job: Job, status: str, result: GenerationResult | None) -> None:
+        """status: "ok", "cancelled" or "error"."""
+
+
+class Scheduler:
+    """Runs the engine's rounds on a background thread while rows are active."""
+
+    def __init__(
+        self, engine: BatchEngine, observer: SchedulerObserver | None = None, max_waiting: int = 256
+    ) -> None:
+        self.engine = engine
+        self.observer = observer or SchedulerObserver()
+        self.max_waiting = max_waiting
+        self._queue: deque[Job] = deque()
+        self._jobs: dict[int, Job] = {}  # active rows
+        self._cancels: list[Job] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None
+
+    # ---- called from any thread ---------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="speculative-scheduler")
+            self._thread.daemon = True
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; ValueError when too many are already waiting."""
+        with self._wake:
+            if len(self._queue) >= self.max_waiting:
+                raise ValueError(f"the server is busy: {len(self._queue)} requests are waiting")
+            self._queue.append(job)
+            self._wake.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Stop a job (before or during decoding); its slot is freed before the next round."""
+        with self._wake:
+            if job.done or job.cancelled:
+                return
+            job.cancelled = True
+            self._cancels.append(job)
+            self._wake.notify()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def free_slots(self) -> int:
+        return self.engine.max_batch - len(self._jobs)
+
+    # ---- the scheduler thread -----------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stopping or self._queue or self._jobs or self._cancels):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                cancels, self._cancels = self._cancels, []
+            for job in cancels:
+                self._drop(job)
+            self._admit()
+            if self._jobs:
+                self._step()
+        for job in [*self._jobs.values(), *self._queue]:
+            self._fail(job, "the server is shutting down")
+
+    def _drop(self, job: Job) -> None:
+        """A cancelled job leaves the queue or the batch (its slot is freed now)."""
+        with self._wake:
+            if job in self._queue:
+                self._queue.remove(job)
+                self._end(job, "cancelled", None, ErrorEvent("cancelled"))
+                return
+        if job.row_id is not None and job.row_id in self._jobs:
+            del self._jobs[job.row_id]
+            result = self.engine.cancel(job.row_id)
+            self.engine.finished.pop(job.row_id, None)
+            self._end(job, "cancelled", result, DoneEvent(result))
+
+    def _admit(self) -> None:
+        while len(self._jobs) < self.engine.max_batch:
+            with self._wake:
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+            try:
+                job.row_id = self.engine.add(job.request)
+            except ValueError as exc:
+                self._fail(job, str(exc))
+                continue
+            job.admitted = time.perf_counter()
+            self._jobs[job.row_id] = job
+            self.observer.on_admit(job)
+
+    def _step(self) -> None:
+        batch = len(self._jobs)
+        try:
+            rounds = self.engine.step()
+        except Exception as exc:  # a failing pass fails its rows, not the server
+            message = f"decoding failed: {type(exc).__name__}: {exc}"
+            self.error = message
+            for row_id, job in list(self._jobs.items()):
+                del self._jobs[row_id]
+                if row_id in self.engine.rows:
+                    self.engine.cancel(row_id)
+                self.engine.finished.pop(row_id, None)
+                self._fail(job, message)
+            return
+        for row_id, round_ in rounds.items():
+            job = self._jobs[row_id]
+            self.observer.on_round(job, round_)
+            job.send(RoundEvent(round_))
+            if round_.finished:
+                del self._jobs[row_id]
+                result = self.engine.finished.pop(row_id)
+                self._end(job, "ok", result, DoneEvent(result))
+        self.observer.on_step(batch, self.waiting, len(self._jobs))
+
+    def _end(self, job: Job, status: str, result: GenerationResult | None, event: Event) -> None:
+        job.done = True
+        if job.on_release is not None:
+            job.on_release(job.request.drafter)
+        self.observer.on_finish(job, status, result)
+        job.send(event)
+
+    def _fail(self, job: Job, message: str) -> None:
+        self._end(job, "error", None, ErrorEvent(message))

@@ -1,0 +1,183 @@
+"""What a server holds: the loaded target, the drafters named at startup, the limits.
+
+:class:`ServerState` is built once (:func:`load_state`) and handed to
+:func:`~speculative.server.app.create_app`; nothing in a request can make it load a model
+or read a path. Drafters keep per-row state, so every row gets its own instance from a
+:class:`DrafterPool`: instances are built through the drafter registry on first need and
+reused by later requests (a draft model is loaded at most once per concurrent row, never
+per request).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from speculative.drafters.base import Drafter
+from speculative.models.base import SupportsBatchRows
+from speculative.pipeline import LoadedModel
+
+NONE = "none"
+# Drafters that read the target's hidden features during the target's own pass: the
+# batched engine does not hand features to per-row drafters, so they would draft nothing.
+NEEDS_TARGET_FEATURES = ("eagle", "medusa", "auto")
+AUTO_MAX_GAMMA = 8  # γ "auto": a row's cap; the load-aware policy picks up to it
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything a server needs besides the loaded models."""
+
+    target: str = "default"
+    drafts: tuple[str, ...] = ("ngram",)  # the first is the default drafter
+    gamma: int | str = 4  # or "auto": per-row γ chosen for the load (LoadAwareGamma)
+    runtime: str = "native"
+    precision: str = "auto"
+    max_batch: int = 8
+    served_model_name: str | None = None  # default: the target's name
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None  # default: the context window - 1
+    default_max_tokens: int = 256
+    max_waiting: int = 256  # requests queued beyond the batch before 503s
+
+    def check(self) -> None:
+        if self.gamma != "auto" and (not isinstance(self.gamma, int) or self.gamma < 1):
+            raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {self.gamma!r}")
+        if self.max_batch < 1:
+            raise ValueError(f"max batch must be >= 1, got {self.max_batch}")
+        if not self.drafts:
+            raise ValueError("give at least one drafter (or 'none')")
+        for name in self.drafts:
+            servable(name)
+
+
+def servable(name: str) -> None:
+    """Refuse, with the reason, a drafter kind the server cannot run per row."""
+    kind = name.split(":", 1)[0]
+    if kind in NEEDS_TARGET_FEATURES:
+        raise ValueError(
+            f"the '{name}' drafter reads the target's hidden features, which the batched "
+            "engine does not pass to per-row drafters; serve with ngram, self-int4 (or "
+            "another self-<precision>) or a draft model path"
+        )
+
+
+class DrafterPool:
+    """Instances of one drafter, each used by one row at a time."""
+
+    def __init__(self, name: str, build: Callable[[], Drafter | None]) -> None:
+        self.name = name
+        self._build = build
+        self._free: list[Drafter] = []
+        self._lock = threading.Lock()
+        self.built = 0
+
+    def acquire(self) -> Drafter | None:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        drafter = self._build()
+        with self._lock:
+            self.built += 1
+        return drafter
+
+    def release(self, drafter: Drafter | None) -> None:
+        if drafter is not None:
+            with self._lock:
+                self._free.append(drafter)
+
+
+@dataclass
+class ServerState:
+    """The loaded target, its drafter pools, and the server's settings."""
+
+    config: ServerConfig
+    loaded: LoadedModel
+    pools: dict[str, DrafterPool] = field(default_factory=dict)
+    verify_cost: dict[int, float] | None = None  # T(k)/T(1), measured for γ "auto"
+
+    @property
+    def row_gamma(self) -> int:
+        """A request's γ when it gives none (with "auto": the cap the policy works under)."""
+        gamma = self.config.gamma
+        return AUTO_MAX_GAMMA if gamma == "auto" else int(gamma)
+
+    @property
+    def model_id(self) -> str:
+        return self.config.served_model_name or self.loaded.name
+
+    @property
+    def default_draft(self) -> str:
+        return self.config.drafts[0]
+
+    @property
+    def context_window(self) -> int | None:
+        return self.loaded.lm.max_length
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        window = self.context_window
+        limit = self.config.max_prompt_tokens
+        if window is not None:
+            limit = window - 1 if limit is None else min(limit, window - 1)
+        return limit if limit is not None else 1 << 30
+
+    def decode(self, token_ids: Any) -> str:
+        return self.loaded.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def drafter_names(self) -> list[str]:
+        names = list(self.config.drafts)
+        return names if NONE in names else [*names, NONE]
+
+
+def reserve_slots(lm: SupportsBatchRows, count: int) -> None:
+    """Grow the target's cache to ``count`` rows now (once, at startup: not while serving,
+    where each new slot would reallocate the cache), and fail early if it cannot."""
+    slots = []
+    try:
+        for _ in range(count):
+            slots.append(lm.acquire_slot())
+    except ValueError as exc:
+        raise ValueError(f"--max-batch {count} does not fit the target's cache: {exc}") from None
+    finally:
+        for slot in slots:
+            lm.release_slot(slot)
+
+
+def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
+    """A state over an already loaded target: checks it can batch, warms one instance of
+    each drafter (so a bad drafter name fails at startup, not in a request)."""
+    from speculative.drafters.registry import build_drafter
+
+    config.check()
+    if not isinstance(loaded.lm, SupportsBatchRows):
+        raise ValueError(
+            f"serving needs a target that holds several sequences (the native runtime); "
+            f"'{loaded.name}' on the {loaded.runtime} runtime cannot"
+        )
+    reserve_slots(loaded.lm, config.max_batch)
+    state = ServerState(config, loaded)
+    if config.gamma == "auto":  # the verify-cost curve the load-aware policy needs
+        from speculative.engine.costs import verify_cost_curve
+
+        context = [(i * 7919) % loaded.lm.vocab_size for i in range(64)]
+        state.verify_cost = verify_cost_curve(loaded.lm, context, 16, 2).verify_cost
+    for name in config.drafts:
+        if name == NONE:
+            continue
+        pool = DrafterPool(name, lambda name=name: build_drafter(name, loaded))
+        pool.release(pool.acquire())
+        state.pools[name] = pool
+    return state
+
+
+def load_state(config: ServerConfig) -> ServerState:
+    """Load the target named in ``config`` and build the state."""
+    from speculative.pipeline import load_target
+
+    config.check()  # before loading anything
+    loaded = load_target(config.target, config.runtime, config.precision)
+    return build_state(config, loaded)

@@ -1,0 +1,114 @@
+"""Incremental detokenization with exact stop strings, token by token.
+
+:class:`TextAssembler` receives each round's tokens (with how each was made) and returns
+the text that is now final, as pieces ``(text, kind)``: one per token that produced it.
+It decodes the generated prefix after each token and emits only the delta that can no
+longer change:
+  - a decoded prefix ending in U+FFFD (an incomplete UTF-8 sequence, or a piece the
+    tokenizer merges with the next) is held back until later tokens complete it;
+  - text that could be the start of a stop string is held back until it either is not
+    (then emitted) or is (then cut: the stop string and what follows are never sent).
+The concatenated pieces equal ``StopCriteria.final_text(decode(all tokens))``, the text
+``speculative generate`` prints, whatever the chunk boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from speculative.engine.loop import Round
+
+REPLACEMENT = "\ufffd"
+
+# how a token was made
+ACCEPTED = "accepted"  # a drafted token the target accepted
+RECOVERED = "recovered"  # the target's replacement for the first rejected draft
+BONUS = "bonus"  # the target's extra token after a fully accepted draft
+TARGET = "target"  # plain decoding: nothing was drafted this round
+
+
+def token_kinds(round_: Round) -> list[str]:
+    """How each of a round's emitted tokens was made."""
+    kinds = []
+    for i in range(len(round_.tokens)):
+        if i < round_.num_accepted:
+            kinds.append(ACCEPTED)
+        elif round_.drafted == 0:
+            kinds.append(TARGET)
+        elif round_.num_accepted < round_.drafted:
+            kinds.append(RECOVERED)
+        else:
+            kinds.append(BONUS)
+    return kinds
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Index where the earliest stop string starts in ``text``, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def partial_stop_length(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
+@dataclass
+class TextAssembler:
+    """The final text of a generation, released piece by piece (see module docstring)."""
+
+    decode: Callable[[Sequence[int]], str]
+    stops: tuple[str, ...] = ()
+    tokens: list[int] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)  # stable text length after token i
+    text: str = ""  # decoded text of all tokens so far
+    sent: int = 0  # characters of ``text`` already released
+
+    def push(self, tokens: Sequence[int], kinds: Sequence[str]) -> list[tuple[str, str]]:
+        """Add tokens; returns the newly final pieces (text, kind)."""
+        for token, kind in zip(tokens, kinds, strict=True):
+            self.tokens.append(token)
+            self.kinds.append(kind)
+            self.text = self.decode(self.tokens)
+            stable = len(self.text.rstrip(REPLACEMENT))
+            self.ends.append(max(stable, self.ends[-1] if self.ends else 0))
+        limit = self.ends[-1] if self.ends else 0
+        stop = first_stop(self.text[:limit], self.stops)
+        if stop is not None:
+            limit = stop
+        else:
+            limit -= partial_stop_length(self.text[:limit], self.stops)
+        return self._release(limit)
+
+    def finish(self) -> list[tuple[str, str]]:
+        """The rest of the text, cut before the first stop string."""
+        stop = first_stop(self.text, self.stops)
+        limit = len(self.text) if stop is None else stop
+        if self.ends:
+            self.ends[-1] = max(self.ends[-1], len(self.text))
+        return self._release(limit)
+
+    def final_text(self) -> str:
+        stop = first_stop(self.text, self.stops)
+        return self.text if stop is None else self.text[:stop]
+
+    def _release(self, limit: int) -> list[tuple[str, str]]:
+        pieces: list[tuple[str, str]] = []
+        start = 0
+        for end, kind in zip(self.ends, self.kinds, strict=True):
+            lo, hi = max(start, self.sent), min(end, limit)
+            if hi > lo:
+                pieces.append((self.text[lo:hi], kind))
+            start = end
+            if start >= limit:
+                break
+        self.sent = max(self.sent, limit)
+        return pieces

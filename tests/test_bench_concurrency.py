@@ -1,0 +1,87 @@
+"""`speculative bench --concurrency`: batched decoding by batch size on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from speculative.bench.concurrency import (
+    PEER,
+    PLAIN,
+    ConcurrencySettings,
+    concurrency_markdown,
+    run_concurrency,
+)
+from speculative.bench.prompts import parse_prompts
+from speculative.cli.main import main
+from tiny import save_tiny
+
+PROMPTS = [
+    {"category": "story", "prompt": "the cat sat on the mat and then the cat sat on the"},
+    {"category": "story", "prompt": "a dog ran and a dog ran on the rug"},
+    {"category": "chat", "prompt": "the red cat and the blue dog sat on the mat"},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "target", seed=3, layers=2)
+
+
+@pytest.fixture(scope="module")
+def prompts_text() -> str:
+    return "".join(json.dumps(r) + "\n" for r in PROMPTS)
+
+
+def test_every_setup_at_every_batch_size_with_outputs_equal_to_plain(
+    tiny_target, prompts_text, single_thread
+) -> None:
+    settings = ConcurrencySettings(
+        target=str(tiny_target), runtimes=("native", "hf"), concurrency=(1, 2, 4),
+        max_new_tokens=6, chat=False, progress=False, curve_repeats=1,
+    )  # fmt: skip
+    run = run_concurrency(settings, parse_prompts(prompts_text))
+    setups = {(c.runtime, c.setup, c.batch) for c in run.cells}
+    ours = [PLAIN, "ngram γ=4", "ngram load-aware"]
+    expected = {(rt, s, b) for rt in ("native", "hf") for s in ours for b in (1, 2, 4)}
+    assert expected | {("hf", PEER, b) for b in (1, 2, 4)} == setups
+    for cell in run.cells:
+        assert cell.tokens_per_second > 0 and cell.vs_plain is not None
+        if cell.setup != PEER:
+            assert cell.identical, cell  # every row of every setup equals plain decoding
+            assert cell.new_tokens == 6 * cell.batch
+            assert 0 < cell.forward_share <= 1
+        if cell.setup == PLAIN:
+            assert cell.mean_gamma == 0 and cell.vs_plain == 1.0
+    fixed = [c for c in run.cells if c.setup == "ngram γ=4"]
+    assert all(0 < c.mean_gamma <= 4 for c in fixed)  # the repetitive prompts drafted
+    assert sorted(run.verify_cost["native"])[0] == 1 and run.verify_cost["native"][1] == 1.0
+    report = concurrency_markdown(run)
+    assert "| native | ngram load-aware | 4 |" in report
+
+
+def test_cli_concurrency_json_and_out_folder(tiny_target, prompts_text, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(prompts_text)
+    argv = [
+        "bench", "--target", str(tiny_target), "--runtime", "native", "--concurrency", "1", "2",
+        "--max-new-tokens", "4", "--repeats", "1", "--prompts", str(prompts), "--no-chat",
+        "--no-peers", "--no-progress", "--out", str(tmp_path / "out"), "--json",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    payload = json.loads(out.strip().splitlines()[-1])
+    assert payload["mode"] == "concurrency"
+    assert {(c["setup"], c["batch"]) for c in payload["cells"]} == {
+        (s, b) for s in (PLAIN, "ngram γ=4", "ngram load-aware") for b in (1, 2)
+    }
+    written = json.loads((tmp_path / "out" / "concurrency.json").read_text())
+    assert written["cells"] == payload["cells"]
+    assert (tmp_path / "out" / "concurrency.md").read_text().startswith("# Batched decoding")
+
+
+def test_cli_concurrency_refuses_sampling(capsys) -> None:
+    code = main(["bench", "--concurrency", "2", "--temperature", "0.8"])
+    assert code == 2
+    assert "greedy" in capsys.readouterr().err

@@ -1,0 +1,145 @@
+"""The fast sampling paths equal their references bit for bit (torch.equal): the numpy
+nucleus and mask, support-only inverse-CDF sampling, the numpy greedy check, and the
+row-at-a-time verification from logits that the engine runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculative.sampling import (
+    SamplingParams,
+    logits_to_probs,
+    sample_from,
+    sample_row,
+    verify,
+    verify_greedy,
+    verify_logits,
+)
+from speculative.sampling.probs import mask_top_p, nucleus_threshold
+
+
+def logits_like_a_model(rows: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """[rows, vocab] logits from peaked (a few likely tokens) to flat, plus exact ties."""
+    scales = torch.tensor([8.0, 4.0, 1.0, 0.2])[torch.arange(rows) % 4]
+    logits = torch.randn(rows, vocab, generator=generator) * scales[:, None]
+    logits[:, 7] = logits[:, 3]  # a tie (the argmax's first index, the nucleus cut)
+    return logits
+
+
+def test_mask_top_p_equals_masked_fill():
+    generator = torch.Generator().manual_seed(0)
+    logits = logits_like_a_model(8, 3000, generator)
+    for top_p in (0.1, 0.9, 0.95, 1 - 1e-7):
+        probs = torch.softmax(logits, -1)
+        want = logits.masked_fill(probs < nucleus_threshold(probs, top_p), float("-inf"))
+        assert torch.equal(mask_top_p(logits, top_p), want)
+
+
+def test_sample_row_equals_sample_from():
+    """Sparse (a nucleus) and dense weights, uniforms up to the largest below 1 (where
+    u * total rounds up to the total and the last positive weight is drawn)."""
+    generator = torch.Generator().manual_seed(1)
+    uniforms = [0.0, 0.25, 0.5, 0.999999, 1 - 2**-53]
+    uniforms += torch.rand(40, generator=generator, dtype=torch.float64).tolist()
+    logits = logits_like_a_model(8, 5000, generator)
+    for params in (SamplingParams(0.8, top_p=0.95), SamplingParams(1.0), SamplingParams(0.7)):
+        for weights in logits_to_probs(logits, params):
+            weights = weights.clone()
+            weights[-3:] = 0.0  # zero weight at the end of the vocabulary
+            for u in uniforms:
+                want = sample_from(weights[None], torch.tensor([u], dtype=torch.float64))
+                assert sample_row(weights, u) == int(want[0]), (params, u)
+
+
+def torch_verify_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple:
+    """The previous torch implementation of verify_greedy (the reference)."""
+    gamma = drafts.shape[1]
+    best = logits.argmax(dim=-1)
+    num_accepted = (drafts == best[:, :gamma]).int().cumprod(dim=-1).sum(dim=-1)
+    positions = torch.arange(gamma + 1).unsqueeze(0)
+    return num_accepted, torch.where(positions <= num_accepted.unsqueeze(-1), best, -1)
+
+
+def test_verify_greedy_equals_the_torch_argmax_prefix():
+    generator = torch.Generator().manual_seed(2)
+    for gamma in (0, 1, 4):
+        logits = logits_like_a_model(3 * (gamma + 1), 1000, generator).view(3, gamma + 1, -1)
+        logits[0, :, 3] = logits[0].max(-1).values  # ties with index 7: the first wins
+        logits[0, :, 7] = logits[0, :, 3]
+        best = logits.argmax(-1)
+        drafts = best[:, :gamma].clone()
+        drafts[1, gamma // 2 :] = 5  # row 1 rejects halfway (or accepts all when γ <= 1)
+        result = verify_greedy(drafts, logits)
+        num_accepted, tokens = torch_verify_greedy(drafts, logits)
+        assert torch.equal(result.num_accepted, num_accepted)
+        assert torch.equal(result.tokens, tokens)
+
+
+PARAMS = [
+    SamplingParams(temperature=0.8, top_p=0.95),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=20),
+    SamplingParams(temperature=1.3, top_k=50, top_p=0.9),
+]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+@pytest.mark.parametrize("drafter", ["point-mass", "model"])
+def test_verify_logits_equals_verify_of_the_processed_block(params, drafter):
+    """Same accepted count, same tokens, and the generator left in the same state (the
+    same uniforms were drawn), for drafts the target likes, dislikes and half likes."""
+    generator = torch.Generator().manual_seed(3)
+    vocab = 2000
+    for trial in range(24):
+        gamma = trial % 5
+        logits = logits_like_a_model(gamma + 1, vocab, generator)[None]  # [1, γ+1, V]
+        probs = logits_to_probs(logits, params)
+        draft_probs = None
+        if drafter == "model":  # q: the target's distribution, perturbed
+            noisy = logits[:, :gamma] + torch.randn(1, gamma, vocab, generator=generator)
+            draft_probs = logits_to_probs(noisy, params)
+            tokens = [int(torch.multinomial(q, 1, generator=generator)) for q in draft_probs[0]]
+        elif trial % 3 == 0:  # the target's likeliest tokens: mostly accepted
+            tokens = probs[0, :gamma].argmax(-1).tolist()
+        else:  # arbitrary tokens: mostly rejected (p = 0 outside the nucleus)
+            tokens = torch.randint(0, vocab, (gamma,), generator=generator).tolist()
+        seed = 100 + trial
+        fast_generator = torch.Generator().manual_seed(seed)
+        slow_generator = torch.Generator().manual_seed(seed)
+        fast = verify_logits(tokens, draft_probs, logits, params, fast_generator)
+        drafted = torch.tensor([tokens], dtype=torch.long).reshape(1, -1)
+        slow = verify(drafted, draft_probs, probs, slow_generator, validate=False)
+        assert torch.equal(fast.num_accepted, slow.num_accepted), trial
+        assert torch.equal(fast.tokens, slow.tokens), trial
+        assert torch.equal(
+            torch.rand(3, generator=fast_generator), torch.rand(3, generator=slow_generator)
+        )
+
+
+def test_verify_logits_on_the_full_vocabulary_size():
+    """A 49,152-entry vocabulary (the default model's): the sparse sampler over a nucleus
+    and the dense fallback without top-p."""
+    generator = torch.Generator().manual_seed(4)
+    for params in (SamplingParams(0.8, top_p=0.95), SamplingParams(1.0)):
+        for seed in range(6):
+            logits = logits_like_a_model(4, 49152, generator)[None]
+            tokens = torch.randint(0, 49152, (3,), generator=generator).tolist()
+            tokens[0] = int(logits[0, 0].argmax())
+            fast = verify_logits(tokens, None, logits, params, torch.Generator().manual_seed(seed))
+            slow = verify(
+                torch.tensor([tokens]),
+                None,
+                logits_to_probs(logits, params),
+                torch.Generator().manual_seed(seed),
+                validate=False,
+            )
+            assert torch.equal(fast.tokens, slow.tokens)
+
+
+def test_verify_logits_rejects_mismatched_shapes():
+    logits = torch.zeros(1, 3, 10)
+    with pytest.raises(ValueError, match="logits must be"):
+        verify_logits([1], None, logits, SamplingParams(1.0), torch.Generator())
+    with pytest.raises(ValueError, match="draft_probs must be"):
+        verify_logits([1, 2], torch.zeros(1, 2, 9), logits, SamplingParams(1.0), torch.Generator())

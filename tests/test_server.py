@@ -1,0 +1,432 @@
+"""`speculative serve` on loopback, called with the real `openai` client.
+
+A tiny native model (word-level tokenizer, a chat template) behind a live uvicorn server
+on a free port. Greedy and seeded outputs must equal `speculative generate` for the same
+settings (a single-sequence engine run: the batched server must not change a token);
+stop strings are cut exactly however the text is chunked; a client that disconnects frees
+its batch slot (seen in /metrics); bad input gets OpenAI-shaped 4xx errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from server_helpers import API_KEY, http, metric, start_server, tiny_chat_folder  # noqa: E402
+from speculative.cli.main import main  # noqa: E402
+
+PROMPT = "the cat sat on the mat"
+PROMPTS = [PROMPT, "red blue red blue red"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_chat_folder(tmp_path_factory.mktemp("tiny_server"))
+
+
+@pytest.fixture(scope="module")
+def server(folder: Path):
+    with start_server(folder, api_key=API_KEY, max_prompt_tokens=64, max_body_bytes=16384) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def generate(folder: Path, *args: str) -> dict:
+    """`speculative generate --json` for the tiny model (stdout's last line)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["generate", "--target", str(folder), "--runtime", "native", "--json", *args])
+    assert code == 0
+    return json.loads(out.getvalue().splitlines()[-1])
+
+
+def stream_text(stream) -> tuple[str, list, dict | None, str | None]:
+    """(text, chunk texts, final speculative stats, finish_reason) of a streamed response."""
+    parts, stats, reason = [], None, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        text = choice.text if hasattr(choice, "text") else choice.delta.content
+        if text:
+            parts.append(text)
+        if choice.finish_reason is not None:
+            reason = choice.finish_reason
+            stats = chunk.model_extra["speculative"]
+    return "".join(parts), parts, stats, reason
+
+
+def test_models_health_and_key(server, client: openai.OpenAI, model: str) -> None:
+    assert http(server.url + "/health", key=None) == (200, {"status": "ok"})
+    card = client.models.list().data[0]
+    assert card.model_extra["speculative"]["drafters"] == ["ngram", "none"]
+    for key in (None, "sk-wrong"):
+        status, body = http(server.url + "/v1/models", key=key)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=model, prompt=PROMPT, max_tokens=4)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "none"])
+def test_greedy_completions_equal_generate(
+    folder: Path, client: openai.OpenAI, model: str, draft: str
+) -> None:
+    for prompt in PROMPTS:
+        expected = generate(folder, "--prompt", prompt, "--no-chat", "--max-new-tokens", "40")
+        assert len(expected["token_ids"]) >= 15
+        extra = {"speculative": {"draft": draft, "gamma": 3}}
+        whole = client.completions.create(
+            model=model, prompt=prompt, max_tokens=40, temperature=0, extra_body=extra
+        )
+        assert whole.choices[0].text == expected["text"]
+        reason = {"eos": "stop", "length": "length"}[expected["finish_reason"]]
+        assert whole.choices[0].finish_reason == reason
+        assert whole.usage.completion_tokens == len(expected["token_ids"])
+        stats = whole.model_extra["speculative"]
+        count = len(expected["token_ids"])
+        assert stats["draft"] == draft and stats["completion_tokens"] == count
+        if draft == "none":
+            assert stats["drafted"] == 0 and stats["target_passes"] == count
+        streamed = client.completions.create(
+            model=model, prompt=prompt, max_tokens=40, temperature=0, stream=True,
+            extra_body=extra,
+        )  # fmt: skip
+        text, parts, stats, streamed_reason = stream_text(streamed)
+        assert text == expected["text"] and streamed_reason == reason and len(parts) > 1
+        assert stats["completion_tokens"] == count
+
+
+def test_greedy_chat_equals_generate(folder: Path, client: openai.OpenAI, model: str) -> None:
+    for prompt in PROMPTS:
+        expected = generate(folder, "--prompt", prompt, "--chat", "--max-new-tokens", "30")
+        assert len(expected["token_ids"]) >= 15
+        messages = [{"role": "user", "content": prompt}]
+        whole = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=30, temperature=0
+        )
+        assert whole.choices[0].message.content == expected["text"]
+        assert whole.choices[0].message.role == "assistant"
+        streamed = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=30, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = list(streamed)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        texts = [c for c in chunks if c.choices and c.choices[0].delta.content]
+        assert all({"pieces", "alpha", "tau"} <= set(c.model_extra["speculative"]) for c in texts)
+        count = len(expected["token_ids"])
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == count
+        text, _, stats, reason = stream_text(chunks)
+        assert text == expected["text"]
+        assert reason == {"eos": "stop", "length": "length"}[expected["finish_reason"]]
+        assert 0 <= stats["alpha"] <= 1 and stats["tau"] >= 1
+
+
+def test_load_aware_gamma_is_lossless(folder: Path) -> None:
+    """--gamma auto: each round's γ is chosen for the load; the text does not change."""
+    expected = generate(folder, "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "40")
+    with start_server(folder, gamma="auto") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        card = client.models.list().data[0]
+        assert card.model_extra["speculative"]["gamma_policy"] == "load-aware"
+        whole = client.completions.create(
+            model=card.id, prompt=PROMPT, max_tokens=40, temperature=0
+        )
+        assert whole.choices[0].text == expected["text"]
+
+
+def test_draft_model_instances_are_reused_not_reloaded(folder: Path) -> None:
+    """A model drafter (the target at int4) is built once per concurrent row and reused by
+    later requests; its output is still the target's greedy text."""
+    expected = generate(folder, "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "30")
+    with start_server(folder, drafts=("self-int4", "ngram")) as server:
+        pool = server.server.config.app.state.server.pools["self-int4"]
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        for _ in range(3):
+            whole = client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=30, temperature=0
+            )
+            assert whole.choices[0].text == expected["text"]
+            assert whole.model_extra["speculative"]["draft"] == "self-int4"
+            assert whole.model_extra["speculative"]["drafted"] > 0
+        assert pool.built == 1  # warmed at startup, then reused by all three requests
+
+
+def test_seeded_sampling_is_reproducible(folder: Path, client: openai.OpenAI, model: str) -> None:
+    settings = ["--no-chat", "--max-new-tokens", "30", "--temperature", "0.9", "--top-p", "0.95"]
+    texts = {}
+    for seed in (5, 6):
+        expected = generate(folder, "--prompt", PROMPT, *settings, "--seed", str(seed))
+        runs = [
+            client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=30, temperature=0.9, top_p=0.95, seed=seed,
+                extra_body={"speculative": {"draft": draft}},
+            ).choices[0].text
+            for draft in ("ngram", "ngram", "none")
+        ]  # fmt: skip
+        # the same seed: the same sample, and the very sample of the single-sequence engine
+        assert runs[0] == runs[1] == expected["text"]
+        texts[seed] = runs[0]
+    assert texts[5] != texts[6]  # control: the seed matters
+
+
+def test_stop_strings_cut_exactly_across_chunks(
+    folder: Path, client: openai.OpenAI, model: str
+) -> None:
+    full = generate(folder, "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "40")["text"]
+    words = full.split(" ")
+    stop = f"{words[5][1:]} {words[6]} {words[7][:2]}"  # spans three tokens, mid-word
+    expected = full[: full.find(stop)]
+    assert len(expected) > 10 and stop not in expected
+    reference = generate(
+        folder, "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "40", "--stop", stop
+    )
+    assert reference["text"] == expected
+    for draft in ("none", "ngram"):
+        extra = {"speculative": {"draft": draft}}
+        whole = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop, "zzz"],
+            extra_body=extra,
+        )  # fmt: skip
+        assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "stop"
+        streamed = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop, stream=True,
+            extra_body=extra,
+        )  # fmt: skip
+        text, parts, _, reason = stream_text(streamed)
+        assert text == expected and reason == "stop"
+        assert len(parts) >= 5  # many chunks: the cut lands inside the streamed text
+
+
+def test_disconnect_frees_the_slot(server, client: openai.OpenAI, model: str) -> None:
+    def scrape() -> str:
+        return http(server.url + "/metrics")[1]
+
+    before = metric(scrape(), "speculative_requests_total", 'endpoint="chat",status="cancelled"')
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=2000,
+        temperature=0, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].delta.content)
+        if received == 3:
+            break
+    busy = scrape()
+    assert metric(busy, "speculative_requests_running") == 1
+    assert metric(busy, "speculative_free_cache_slots") == 3
+    stream.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        text = scrape()
+        if metric(text, "speculative_requests_running") == 0:
+            break
+        time.sleep(0.05)
+    assert metric(text, "speculative_requests_running") == 0
+    assert metric(text, "speculative_free_cache_slots") == 4
+    cancelled = metric(text, "speculative_requests_total", 'endpoint="chat",status="cancelled"')
+    assert cancelled == before + 1  # it left as cancelled, not by finishing its 2000 tokens
+
+
+def test_disconnect_without_streaming_frees_the_slot(server, model: str) -> None:
+    import socket
+    from urllib.parse import urlsplit
+
+    def scrape() -> str:
+        return http(server.url + "/metrics")[1]
+
+    label = 'endpoint="completions",status="cancelled"'
+    before = metric(scrape(), "speculative_requests_total", label)
+    body = json.dumps(
+        {"model": model, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}
+    ).encode()
+    parts = urlsplit(server.url)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((parts.hostname, parts.port)) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 10
+        while metric(scrape(), "speculative_requests_running") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while metric(text := scrape(), "speculative_requests_running") != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert metric(text, "speculative_requests_total", label) == before + 1
+    assert metric(text, "speculative_free_cache_slots") == 4
+
+
+BAD_INPUTS = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", {"model": "MODEL"}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": "MODEL"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "MODEL", "messages": []}, 400, "messages"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": PROMPT}, 404, "model"),
+    ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "max_tokens": -5}, 400, "max_tokens"),
+    (
+        "/v1/completions",
+        {"model": "MODEL", "prompt": PROMPT, "max_tokens": 5000},
+        400,
+        "max_tokens",
+    ),
+    (
+        "/v1/completions",
+        {"model": "MODEL", "prompt": PROMPT, "temperature": -0.1},
+        400,
+        "temperature",
+    ),
+    (
+        "/v1/completions",
+        {"model": "MODEL", "prompt": PROMPT, "temperature": 2.5},
+        400,
+        "temperature",
+    ),
+    ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "MODEL", "prompt": "the " * 100}, 400, "prompt"),
+    ("/v1/completions", {"model": "MODEL", "prompt": "x" * 20000}, 413, None),
+    ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "stop": ["a"] * 5}, 400, "stop"),
+    ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "stop": [""]}, 400, "stop"),
+    (
+        "/v1/completions",
+        {"model": "MODEL", "prompt": PROMPT, "speculative": {"draft": "/etc/passwd"}},
+        400,
+        "speculative.draft",
+    ),
+    (
+        "/v1/completions",
+        {"model": "MODEL", "prompt": PROMPT, "speculative": {"gamma": 0}},
+        400,
+        "speculative.gamma",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": [{"role": "x"}]},
+        400,
+        "messages.0.role",
+    ),
+]
+
+
+def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(
+    server, client: openai.OpenAI, model: str
+) -> None:
+    for path, body, status, param in BAD_INPUTS:
+        if isinstance(body, dict):
+            body = json.loads(json.dumps(body).replace("MODEL", model))
+        got, answer = http(server.url + path, "POST", body)
+        assert got == status, (path, body, answer)
+        error = answer["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        assert error["param"] == param, (body, error)
+        # the server still serves after each
+        ok = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0)
+        assert ok.usage.completion_tokens == 2
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=2, n=2)
+
+
+def test_metrics_cover_the_issue_list(server, client: openai.OpenAI, model: str) -> None:
+    client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0)
+    status, text = http(server.url + "/metrics")
+    assert status == 200
+    for name in (
+        "speculative_requests_total", "speculative_prompt_tokens_total",
+        "speculative_completion_tokens_total", "speculative_drafted_tokens_total",
+        "speculative_accepted_tokens_total", "speculative_recovered_tokens_total",
+        "speculative_bonus_tokens_total", "speculative_requests_running",
+        "speculative_requests_waiting", "speculative_batch_size",
+        "speculative_free_cache_slots", "speculative_time_to_first_token_seconds_bucket",
+        "speculative_time_per_output_token_seconds_bucket",
+        "speculative_e2e_request_latency_seconds_bucket",
+        "speculative_tokens_per_target_pass_bucket", "speculative_acceptance_rate",
+        'speculative_position_acceptance_rate{position="1"}',
+    ):  # fmt: skip
+        assert f"\n{name}" in text, name
+    drafted = metric(text, "speculative_drafted_tokens_total")
+    accepted = metric(text, "speculative_accepted_tokens_total")
+    assert drafted > 0 and metric(text, "speculative_acceptance_rate") == pytest.approx(
+        accepted / drafted
+    )
+    assert http(server.url + "/metrics", key=None)[0] == 401
+
+
+def test_serve_command_refuses_bad_setups(capsys: pytest.CaptureFixture) -> None:
+    from speculative.cli.serve_cmd import is_loopback
+
+    assert main(["serve", "--draft", "ngram,eagle"]) == 2  # refused before loading anything
+    assert "hidden features" in capsys.readouterr().err
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_default_model_greedy_equals_generate() -> None:
+    """The default model: chat and completion, streamed and whole, equal what `generate`
+    prints (its Speculator, on the same loaded model: loaded once); the streamed text
+    (byte-level BPE, non-ASCII) arrives without broken characters."""
+    from speculative.drafters.registry import build_drafter
+    from speculative.models.loading import resolve_model
+    from speculative.pipeline import Speculator, load_target
+    from speculative.server import ServerConfig, create_app
+    from speculative.server.background import serve_in_background
+    from speculative.server.state import build_state
+
+    try:
+        resolve_model("default")
+    except Exception as exc:
+        pytest.skip(f"the default model is not available: {exc}")
+    prompt = "Write three short sentences in French about café, crème brûlée and naïveté."
+    loaded = load_target("default")
+    speculator = Speculator(loaded, build_drafter("ngram", loaded), gamma=4)
+    chat = speculator.generate(prompt, chat=True, max_new_tokens=40)
+    raw_prompt = "A list of French desserts: crème brûlée, tarte Tatin,"
+    raw = speculator.generate(raw_prompt, chat=False, max_new_tokens=40)
+    assert len(chat.token_ids) >= 20 and len(raw.token_ids) >= 20
+    state = build_state(ServerConfig(drafts=("ngram", "none"), max_batch=4), loaded)
+    with serve_in_background(create_app(state)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = state.model_id
+        messages = [{"role": "user", "content": prompt}]
+        whole = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=40, temperature=0
+        )
+        assert whole.choices[0].message.content == chat.text
+        streamed = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=40, temperature=0, stream=True
+        )
+        text, parts, stats, _ = stream_text(streamed)
+        assert text == chat.text and all("\ufffd" not in p for p in parts)
+        assert stats["tau"] >= 1
+        plain = client.completions.create(
+            model=model, prompt=raw_prompt, max_tokens=40, temperature=0, stream=True,
+            extra_body={"speculative": {"draft": "none"}},
+        )  # fmt: skip
+        assert stream_text(plain)[0] == raw.text
+    assert any(ord(c) > 127 for c in chat.text + raw.text)  # the check saw non-ASCII
