@@ -10,6 +10,9 @@ Writes into --out:
   prompts.jsonl      the self-distillation prompts (never the benchmark's prompts)
   selfdistill-I.jsonl the target's own answers to them (appended as they come: a partial
                      run is usable; rerun with --skip to continue)
+  eval.jsonl         with --eval N: the target's answers to N open-ended prompts on topics
+                     no training prompt names (train-draft --eval-data: the acceptance
+                     chat-like text gets, not a split of the easier templated records)
 The corpus is never committed; train-draft reads these files (--data).
 """
 
@@ -77,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="prompts the target answers (slow: ~50 tokens/s)",
     )
+    parser.add_argument(
+        "--eval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="answers to N prompts on held-out topics, written to eval.jsonl",
+    )
     parser.add_argument("--skip", type=int, default=0, help="skip the first N prompts")
     parser.add_argument(
         "--shard",
@@ -116,18 +126,28 @@ def main(argv: list[str] | None = None) -> int:
         for record in records:
             handle.write(json.dumps(record) + "\n")
     print(f"docs.jsonl: {len(records)} records")
-    if args.self_distill <= 0:
+    if args.self_distill <= 0 and args.eval <= 0:
         return 0
     prompts = build_prompts(args.self_distill, args.seed, passages(docs), code)
     with (args.out / "prompts.jsonl").open("w", encoding="utf-8") as handle:
         for messages in prompts:
             handle.write(json.dumps({"messages": messages}) + "\n")
     from speculative.pipeline import Speculator, build_drafter, load_target
+    from speculative.training.prompts import eval_prompts
     from speculative.training.selfdistill import answer_prompts, write_transcripts
 
     target = load_target(args.target, runtime="native", precision="fp32")
     speculator = Speculator(target, build_drafter("ngram", target), gamma=4)
     index, count = (int(x) for x in args.shard.split("/"))
+    if args.eval > 0 and index == 0:  # one shard writes it
+        path = args.out / "eval.jsonl"
+        path.unlink(missing_ok=True)
+        tokens = write_transcripts(
+            path, answer_prompts(speculator, eval_prompts(args.eval), args.max_new_tokens)
+        )
+        print(f"eval.jsonl: {args.eval} answers, {tokens} tokens")
+    if args.self_distill <= 0:
+        return 0
     todo = prompts[args.skip :][index::count]
     tokens = write_transcripts(
         args.out / f"selfdistill-{index}.jsonl",

@@ -70,8 +70,8 @@ def test_drafters_actually_accept(target):
             assert result.stats.acceptance_rate > 0.5, name
 
 
-def sequence_counts(target, drafter, params, n, length, seed, vocab=8):
-    engine = SpeculativeEngine(target.lm, drafter, 3)
+def sequence_counts(target, drafter, params, n, length, seed, vocab=8, verifier=None):
+    engine = SpeculativeEngine(target.lm, drafter, 3, verifier=verifier)
     g = torch.Generator().manual_seed(seed)
     counts = np.zeros(vocab**length)
     for _ in range(n):
@@ -107,13 +107,12 @@ def test_sampling_distribution_matches_plain(small_vocab, params):
     assert p_value(plain, spec) > 1e-3
 
 
-def test_sampling_distribution_negative_control(small_vocab, monkeypatch):
+def test_sampling_distribution_negative_control(small_vocab):
     """The same test catches an engine whose verifier always accepts the draft."""
     target, drafter = small_vocab
     params = SamplingParams()
     plain = sequence_counts(target, None, params, 1000, 2, seed=1)
-    monkeypatch.setattr("speculative.engine.round.verify", broken.always_accept)
-    wrong = sequence_counts(target, drafter, params, 1000, 2, seed=2)
+    wrong = sequence_counts(target, drafter, params, 1000, 2, seed=2, verifier=broken.always_accept)
     assert p_value(plain, wrong) < 1e-3
 
 

@@ -332,11 +332,20 @@ def test_train_draft_cli_json_resume_and_errors(trained, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["steps"] == 5 and report["train_tokens"] > 0
     assert len(report["heldout_top1"]) == 5 and 0 <= report["heldout_accepted"] <= 5
+    assert report["heldout_acceptance_rate"] == pytest.approx(report["heldout_accepted"] / 5, 1e-3)
+    assert report["heldout_source"] == "split of the training data"
     assert main([*args, "--steps", "8", "--resume"]) == 0
     resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert resumed["steps"] == 8
     assert main([*args[:-3], "--out", str(tmp_path / "x"), "--data", "/nonexistent.jsonl"]) == 2
     assert "cannot read training data" in capsys.readouterr().err
+    held = write_corpus(tmp_path / "eval.jsonl", trained["model"], records=3, seed=1)
+    separate = [*args[:-3], "--out", str(tmp_path / "e"), "--eval-data", str(held), "--json"]
+    assert main([*separate, "--steps", "2"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["heldout_source"] == "eval data"
+    assert report["heldout_tokens"] == 3 * 44  # all of it (4 prompt + 40 answer tokens each)
+    assert report["train_tokens"] == 60 * 44  # every --data record trains
 
 
 def test_eagle_drafting_runs_the_head_as_it_was_trained():
@@ -417,3 +426,93 @@ def target_kernels_of(target):
     from speculative.drafters.head_common import target_kernels
 
     return target_kernels(target.lm)
+
+
+# ---- drafting sees what the training metric scores ---------------------------------------
+
+
+class ShiftedFeatures:
+    """Negative control: the target's session with every feature one position late
+    (position t reads f_{t-1}), as a head fed features off by one would see them."""
+
+    def __init__(self, session: ModelSession) -> None:
+        self.session = session
+
+    @property
+    def cached(self) -> list[int]:
+        return self.session.cached
+
+    @property
+    def features(self) -> torch.Tensor:
+        f = self.session.features  # [n, hidden]
+        return torch.cat([f[:1], f[:-1]])
+
+
+def guesses_of(head, tokens, features, greedy):
+    """The held-out metric's step-0 guesses on ``tokens`` (trainer.predictions over the
+    teacher-forced features, as trainer.evaluate): row t's guess for token t + 2 (target
+    ids), and the target's greedy token there."""
+    from speculative.training.features import Sequence_
+    from speculative.training.trainer import collate, predictions
+
+    item = Sequence_(torch.tensor(tokens), features.float(), greedy)
+    with torch.no_grad():
+        pred, offset = predictions(head.module, collate([item]), head.embedding, 1)[0]
+    assert offset == 1
+    return head.draft_to_target[(pred[0] @ head.head_rows.T).argmax(-1)], greedy[1:]
+
+
+def drafted_first_tokens(drafter, lm, tokens: list[int], start: int, shifted=False) -> list[int]:
+    """The drafter's first greedy draft after each context tokens[:n], n >= start, from
+    the target's session after it scored that context (as the engine's verification)."""
+    session = ModelSession(lm)
+    drafter.reset()
+    drafter.prime(ShiftedFeatures(session) if shifted else session)
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for n in range(start, len(tokens)):
+        session.logits_after(tokens[:n])
+        out.append(drafter.propose(tokens[:n], 1, GREEDY, generator).tokens[0])
+    return out
+
+
+@pytest.mark.parametrize("runtime", ["native-torch", "native-kernels"])
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_drafting_agrees_with_the_target_as_the_training_metric_says(trained, method, runtime):
+    """On the target's own greedy text, the drafter's first draft token after every
+    context is the token the training's held-out metric scores for that position (row
+    n - 2 of the teacher-forced pass guesses token n), so its agreement with the target is
+    the metric's; a drafter reading features one position off (negative control) is not."""
+    from speculative.training.features import teacher_forced
+
+    target = target_on(runtime, trained["model"])
+    head = load_head(trained[method], target.lm)
+    drafter = build_drafter(f"{method}:{trained[method]}", target)
+    prompt = [5, 9, 4, 12]
+    tokens = prompt + generate(target, None, GREEDY, n=30, prompt=prompt).token_ids
+    features, greedy = teacher_forced(target.lm, tokens)
+    assert greedy[len(prompt) - 1 : -1].tolist() == tokens[len(prompt) :]  # greedy text
+    metric, want = guesses_of(head, tokens, features, greedy)  # rows 0 .. L - 2
+    rows = slice(len(prompt) - 2, len(tokens) - 2)  # row n - 2 guesses token n
+    drafted = drafted_first_tokens(drafter, target.lm, tokens, len(prompt))
+    assert drafted == metric[rows].tolist()
+    answer = torch.tensor(tokens[len(prompt) :])
+    assert torch.equal(want[rows], answer)
+    agreement = float((metric[rows] == answer).float().mean())
+    assert agreement > 0.1  # chance: ~1/16
+    off = torch.tensor(drafted_first_tokens(drafter, target.lm, tokens, len(prompt), True))
+    assert float((off != metric[rows]).float().mean()) > 0.2  # the metric would not match
+    assert float((off == answer).float().mean()) < agreement
+
+
+def test_eval_prompts_name_no_training_topic():
+    """Held-out prompts (--eval-data text) are on topics the training prompts never name,
+    so their answers are never near-copies of training answers."""
+    from speculative.training.prompts import EVAL_TOPICS, TOPICS, build_prompts, eval_prompts
+
+    held = eval_prompts(40)
+    assert len({repr(m) for m in held}) == 40
+    assert all(any(topic in m[0]["content"] for topic in EVAL_TOPICS) for m in held)
+    training = " ".join(m["content"] for p in build_prompts(3000, seed=0) for m in p).lower()
+    assert not [topic for topic in EVAL_TOPICS if topic.lower() in training]
+    assert not set(EVAL_TOPICS) & set(TOPICS)

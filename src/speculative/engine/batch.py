@@ -117,7 +117,7 @@ class BatchRow:
 class _Planned:
     row: BatchRow
     proposal: Proposal
-    propose_seconds: float = 0.0  # wall time of the row's propose call
+    propose_seconds: float = 0.0  # this round's drafting time
 
 
 def new_state(
@@ -229,9 +229,7 @@ class BatchEngine:
             row.state.stats.prefill_seconds += seconds
         rounds = {}
         for p, logits in zip(planned, outputs[len(chunks) :], strict=True):
-            policy, drafted = p.row.gamma_policy, p.proposal.drafted
-            if isinstance(policy, SupportsCostFeedback) and p.proposal.draft and drafted:
-                policy.observe_costs(drafted, p.propose_seconds, seconds)
+            _feed_back_costs(p, seconds)
             rounds[p.row.row_id] = self._commit(p, p.row.session.receive(logits))
         return rounds
 
@@ -286,9 +284,9 @@ class BatchEngine:
         for row, gamma in zip(rows, wanted, strict=True):
             started, calls = time.perf_counter(), row.state.stats.draft_calls
             proposal = self._proposal(row, gamma)
-            elapsed = time.perf_counter() - started
-            self._measure_propose(row, elapsed, calls)
-            planned.append(_Planned(row, proposal, elapsed))
+            seconds = time.perf_counter() - started
+            self._measure_propose(row, seconds, calls)
+            planned.append(_Planned(row, proposal, seconds))
         return planned
 
     def _own_gamma(self, row: BatchRow) -> int:
@@ -375,6 +373,14 @@ class BatchEngine:
             row.session.release()
             self.finished[row.row_id] = row.result()
         return round_
+
+
+def _feed_back_costs(planned: _Planned, pass_seconds: float) -> None:
+    """Tell a γ policy that learns from timings what this round's drafting and its
+    verification pass really cost (catch-up forwards and overheads included)."""
+    policy, drafted = planned.row.gamma_policy, planned.proposal.drafted
+    if drafted and planned.proposal.tree is None and isinstance(policy, SupportsCostFeedback):
+        policy.observe_costs(drafted, planned.propose_seconds, pass_seconds)
 
 
 def _default_pool(target: CausalLM, max_batch: int) -> RowPool:

@@ -65,9 +65,8 @@ class SpeculativeEngine:
     ) -> None:
         """tree: draft token trees with this strategy instead of chains of γ tokens.
         prefill_chunk: most prompt tokens per prefill pass (None: the prompt in one).
-        verifier: replaces the exact chain verification (None: :func:`verify`, or
-        :func:`verify_greedy` at temperature 0); only deliberately broken rules go here,
-        the negative controls of ``speculative check``."""
+        verifier: replaces the exact block verification; only deliberately broken rules go
+        here, the negative controls of ``speculative check`` and the tests."""
         self.target = ModelSession(target)
         self.drafter = drafter
         self.gamma_policy = FixedGamma(gamma) if isinstance(gamma, int) else gamma

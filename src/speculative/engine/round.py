@@ -116,8 +116,8 @@ def verify_draft(
 ) -> VerifyResult:
     """Greedy check (temperature 0) or modified rejection sampling of one row's draft
     (``verify_logits``: verify's result from the logits, processing only the rows read).
-    ``verifier`` replaces the exact rule (negative controls only: ``speculative check``);
-    it is given one-hot argmax target rows when greedy."""
+    ``verifier`` replaces the exact rule: only the deliberately broken rules of negative
+    controls go there; it is given one-hot argmax target rows when greedy."""
     if verifier is not None:
         drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
         probs = one_hot_argmax(logits) if params.greedy else logits_to_probs(logits, params)

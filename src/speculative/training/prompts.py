@@ -137,6 +137,30 @@ TOPICS = (
     "video game design",
 )
 
+# Topics no training prompt uses: the target's answers about them are held-out open-ended
+# prose (--eval-data), the text chat and QA decoding meets. A split of the training records
+# instead averages in text a head finds much easier (documentation answers that restate
+# the question, templated code and arithmetic tasks close to training ones) and overstates
+# what chat gets (docs/heads-diagnosis.md).
+EVAL_TOPICS = (
+    "origami",
+    "the French Revolution",
+    "owls",
+    "knitting",
+    "magnets",
+    "public libraries",
+    "bicycles",
+    "the Byzantine Empire",
+    "hedgehogs",
+    "wind chimes",
+    "lighthouses",
+    "penguins",
+    "tea ceremonies",
+    "submarines",
+    "the Olympic Games",
+    "snowflakes",
+)
+
 TEMPLATES = (
     "Explain {t} in simple terms.",
     "Can you give me a short introduction to {t}?",
@@ -244,6 +268,15 @@ def build_prompts(
             seen.add(key)
             prompts.append(messages)
     return prompts
+
+
+def eval_prompts(count: int, topics: Sequence[str] = EVAL_TOPICS) -> list[list[dict[str, str]]]:
+    """``count`` topic prompts over ``topics`` (default EVAL_TOPICS: held-out chat prompts
+    on topics the training prompts never name)."""
+    pairs = [(t, topic) for t in TEMPLATES for topic in topics]
+    rng = random.Random(0)
+    rng.shuffle(pairs)
+    return [_user(template.format(t=topic)) for template, topic in pairs[:count]]
 
 
 def _user(text: str) -> list[dict[str, str]]:

@@ -28,6 +28,7 @@ class TrainDraftOptions:
     runtime: str = "native"
     precision: str = "fp32"
     data: list[Path] = field(default_factory=list)
+    eval_data: list[Path] = field(default_factory=list)  # held-out text (else a split of data)
     self_distill: int = 0
     draft_vocab: int = 8192
     steps: int = 0
@@ -106,13 +107,18 @@ def prepare_features(options: TrainDraftOptions, target: Any) -> dict[str, Any]:
     if options.resume and meta_path.is_file():
         return json.loads(meta_path.read_text())
     records = collect_records(options, target)
+    separate = list(read_records(options.eval_data))
     sequences = []
     for index, record in enumerate(records):
-        tokens = encode_record(target.tokenizer, record, options.max_tokens)
-        if len(tokens) >= MIN_TOKENS:
-            sequences.append((tokens, is_held_out(index, options.held_out)))
+        held = not separate and is_held_out(index, options.held_out)
+        sequences.append((encode_record(target.tokenizer, record, options.max_tokens), held))
+    for record in separate:
+        sequences.append((encode_record(target.tokenizer, record, options.max_tokens), True))
+    sequences = [(tokens, held) for tokens, held in sequences if len(tokens) >= MIN_TOKENS]
     if not any(not held for _, held in sequences):
         raise ValueError(f"no training sequence has {MIN_TOKENS} tokens or more")
+    if separate and not any(held for _, held in sequences):
+        raise ValueError(f"no --eval-data sequence has {MIN_TOKENS} tokens or more")
     started = time.perf_counter()
     counts, train_tokens, held_tokens = feats.extract(
         target.lm, sequences, folder, options.progress
@@ -120,6 +126,7 @@ def prepare_features(options: TrainDraftOptions, target: Any) -> dict[str, Any]:
     vocab = feats.draft_vocabulary(counts, options.draft_vocab, target.lm.vocab_size)
     meta = {
         "records": len(records),
+        "heldout_source": "eval data" if separate else "split of the training data",
         "train_tokens": train_tokens,
         "heldout_tokens": held_tokens,
         "extract_seconds": time.perf_counter() - started,
@@ -193,8 +200,11 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
         "train_top1": round(metrics.top1, 4),
         "heldout_top1": [round(x, 4) for x in held.top1],
         "heldout_scope": "answers" if marker is not None else "all tokens",
+        "heldout_source": meta.get("heldout_source", "split of the training data"),
         "heldout_accepted": round(held.accepted, 3),
         "heldout_drafted": steps,
+        # accepted ÷ drafted of that greedy chain: the bench's acceptance rate α at γ = steps
+        "heldout_acceptance_rate": round(held.accepted / steps, 4),
     }
     save_head(options.out, config, module, draft_to_target, lm, target.name, {"training": report})
     (options.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
