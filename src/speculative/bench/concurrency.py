@@ -230,7 +230,8 @@ def run_concurrency(
         raise ValueError("no prompts to run")
     if min(settings.concurrency) < 1:
         raise ValueError("concurrency levels must be >= 1")
-    setups = {rt: loader(settings.target, rt, settings.precision) for rt in settings.runtimes}
+    loaded = [loader(settings.target, rt, settings.precision) for rt in settings.runtimes]
+    setups = {target.runtime: target for target in loaded}  # "auto" named as resolved
     for runtime, target in setups.items():
         if not isinstance(target.lm, SupportsBatchRows):
             raise ValueError(f"the {runtime} runtime cannot hold several sequences")

@@ -31,10 +31,10 @@ with its own seeded generator: the target's own sampling (plain decoding, no dra
 speculative sampling with --draft / --gamma / the mode, and a NEGATIVE CONTROL: the same
 engine with a deliberately broken rule (every drafted token accepted, the bonus token
 drawn from the wrong row of target distributions: visible with poor and near-perfect
-drafters alike, since L defaults to γ + 1). For each prompt it
-compares the joint distribution of the first 1, 2 and 3 tokens, the marginal of each later
-position, and position 2 given the most frequent first tokens: rare outcomes binned into
-"other", a chi-square (or G) test each, Holm-corrected over the run. For the joints it
+drafters alike, since L defaults to γ + 1). For each prompt it compares the joint
+distribution of the first 1, 2 and 3 tokens, the marginal of each later position, and
+position 2 given the most frequent first tokens: rare outcomes binned into "other", a
+chi-square (or G) test each, Holm-corrected over the run. For the joints it
 gives a 99.9% upper confidence bound on the total-variation distance of the binned
 distributions at that N: TV̂ + sqrt((K ln 2 + ln(M/δ)) · 2/N) (K bins, M joints, δ = 0.001;
 a two-sample Bretagnolle–Huber–Carol bound). Greedy (--temperature 0): token-for-token

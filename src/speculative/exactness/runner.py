@@ -154,7 +154,9 @@ def _draw_single(target, config, way, prompts, indices, length, tick, drafted):
     tree_verifier = accept_all_tree if way == "control" else config.tree_verifier
     if tree is not None and tree_verifier is not None:
         tree.verifier = tree_verifier
-    engine = SpeculativeEngine(target.lm, drafter, _gamma(config.gamma), tree, verifier=chain_verifier)
+    engine = SpeculativeEngine(
+        target.lm, drafter, _gamma(config.gamma), tree, verifier=chain_verifier
+    )
     params, stop = config.sampling(), _stop(target, length)
     out: list[list[tuple[int, ...]]] = []
     for p, prompt in enumerate(prompts):
