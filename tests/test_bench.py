@@ -137,9 +137,7 @@ def test_cost_curve_is_the_measured_times_over_one_step(monkeypatch):
 def test_draft_cost_is_the_draft_time_over_the_target_time(monkeypatch):
     """c divides the draft model's measured forward by the target's (faked: known)."""
     fake = [{1: 0.6}, {1: 2.4}]  # draft, target
-    monkeypatch.setattr(
-        "speculative.engine.costs.interleaved_forward_ms", lambda *args, **kw: fake
-    )
+    monkeypatch.setattr("speculative.engine.costs.interleaved_forward_ms", lambda *args, **kw: fake)
     assert model_draft_cost(None, None, CONTEXT, repeats=1) == pytest.approx(0.25)
 
 

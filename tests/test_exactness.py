@@ -160,9 +160,7 @@ def test_check_passes_exact_sampling_and_detects_its_control(native) -> None:
 @pytest.mark.parametrize("mode", ["chain", "batch"])
 def test_check_reports_a_broken_rule_not_exact(native, mode: str) -> None:
     """Negative control of the check itself: the rule under test is broken."""
-    config = CheckConfig(
-        "ngram", samples=400, length=2, mode=mode, verifier=broken.always_accept
-    )
+    config = CheckConfig("ngram", samples=400, length=2, mode=mode, verifier=broken.always_accept)
     report = run_check(native, config, PROMPTS)
     assert not report.exact
     assert report.verdict.startswith("NOT EXACT (position ")

@@ -107,7 +107,7 @@ def test_common_prefix_length_matches_a_linear_scan(seed: int):
 
 
 def test_one_gamma_parser_for_generate_speculator_and_bench():
-    """"heuristic" is accepted (or anything else refused) alike everywhere."""
+    """ "heuristic" is accepted (or anything else refused) alike everywhere."""
     from speculative.bench import parse_gamma_choices
     from speculative.cli.main import build_parser
     from speculative.pipeline import Speculator, make_gamma_policy, parse_gamma

@@ -238,6 +238,8 @@ def rows_verify_cost(
             model.release_slot(s)
     base = statistics.median(times[min(points)])
     return {n: statistics.median(t) / base for n, t in times.items()}
+
+
 # ---- time per round outside the forwards ----------------------------------------------
 
 TARGET_CALLS = ("forward", "forward_with_hidden", "forward_tree")
