@@ -99,7 +99,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def gamma_setting(text: str) -> int | str:
-    return "auto" if text == "auto" else positive_int(text)
+    """The project's one γ parser; serving takes an integer or "auto" (load-aware per row)."""
+    from speculative.pipeline import parse_gamma
+
+    try:
+        gamma = parse_gamma(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if gamma == "heuristic":
+        raise argparse.ArgumentTypeError(
+            "serve takes an integer γ or 'auto' (chosen per row for the load); 'heuristic' "
+            "is a single-stream schedule"
+        )
+    return gamma
 
 
 def build_config(args: argparse.Namespace):
