@@ -91,12 +91,14 @@ def test_ray_job_equals_the_local_job_and_resumes(local_ray, job, capsys) -> Non
 
 @pytest.mark.slow
 def test_a_worker_failure_is_one_line(local_ray, job, capsys) -> None:
-    """The hf runtime has no cache slots: the worker's own error comes back, no traceback."""
+    """A worker that cannot load its target: its own error comes back, no traceback."""
     folder, argv = job
-    argv = [a if a != "native" else "hf" for a in argv]
+    missing = str(folder / "missing-model")
+    at = argv.index("--target") + 1
+    argv = [*argv[:at], missing, *argv[at + 1 :]]
     code, _, err = run_cli(capsys, *argv, "--out", str(folder / "x.jsonl"), "--ray")
     assert code == 2
-    assert "needs the native runtime" in err and "Traceback" not in err
+    assert missing in err and "does not exist" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
 
 

@@ -54,7 +54,9 @@ class RowDecoder:
         self.gamma = parse_gamma(job.gamma)
         self.loaded = load_target(job.target, job.runtime, job.precision)
         if not isinstance(self.loaded.lm, SupportsBatchRows):
-            raise ValueError("batched generation (--prompts) needs the native runtime")
+            raise ValueError(
+                "batched generation (--prompts) needs a runtime with cache slots (native or hf)"
+            )
         self.engine = BatchEngine(self.loaded.lm, max_batch=job.batch_size, load=self._load())
 
     def _load(self) -> Any:
