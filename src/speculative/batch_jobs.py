@@ -63,19 +63,16 @@ class RowDecoder:
         """--gamma auto: per-row γ for the load, from the measured verify-cost curve."""
         if self.gamma != "auto":
             return None
-        from speculative.engine.costs import verify_cost_curve
+        from speculative.engine.costs import probe_context, verify_cost_curve
         from speculative.engine.gamma import LoadAwareGamma
 
         lm = self.loaded.lm
-        context = [(i * 7919) % lm.vocab_size for i in range(64)]
-        return LoadAwareGamma(verify_cost_curve(lm, context, 16, 2).verify_cost)
-
-    def decode(self, token_ids: Iterable[int]) -> str:
-        return self.loaded.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return LoadAwareGamma(
+            verify_cost_curve(lm, probe_context(lm.vocab_size), 16, 2).verify_cost
+        )
 
     def request(self, record: Record) -> Any:
         """The engine's :class:`BatchRequest` for one record (record values over the job's)."""
-        from speculative.engine import StopCriteria
         from speculative.engine.batch import BatchRequest
         from speculative.pipeline import build_drafter, encode_prompt, make_gamma_policy
         from speculative.sampling import SamplingParams
@@ -90,12 +87,7 @@ class RowDecoder:
             top_k=job.top_k,
             top_p=float(record.get("top_p", job.top_p)),
         )
-        criteria = StopCriteria(
-            max_new_tokens=int(record.get("max_new_tokens", job.max_new_tokens)),
-            eos_token_ids=loaded.eos_token_ids,
-            stop_strings=stop,
-            decode=self.decode if stop else None,
-        )
+        criteria = loaded.stop_criteria(int(record.get("max_new_tokens", job.max_new_tokens)), stop)
         generator = torch.Generator().manual_seed(int(record.get("seed", job.seed)))
         drafter = build_drafter(job.draft, loaded)
         row_gamma = AUTO_MAX_GAMMA if self.gamma == "auto" else make_gamma_policy(self.gamma)
@@ -103,12 +95,8 @@ class RowDecoder:
 
     def result_line(self, index: int, record: Record, result: GenerationResult) -> ResultLine:
         """The output line of a finished row (text cut at its stop string)."""
-        from speculative.engine import StopCriteria
-
         stop = tuple(record.get("stop", self.job.stop))
-        text = self.decode(result.token_ids)
-        if stop:
-            text = StopCriteria(1, stop_strings=stop, decode=self.decode).final_text(text)
+        text = self.loaded.stop_criteria(1, stop).final_text(self.loaded.decode(result.token_ids))
         return {
             "index": index,
             "text": text,

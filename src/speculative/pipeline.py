@@ -69,6 +69,22 @@ class LoadedModel:
     # the stream whose state the model's cache now holds (see GenerationStream.__iter__)
     cache_owner: object | None = field(default=None, repr=False, compare=False)
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` (special tokens left out)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def stop_criteria(
+        self, max_new_tokens: int, stop: Sequence[str] = (), ignore_eos: bool = False
+    ) -> StopCriteria:
+        """Stop after ``max_new_tokens``, at the model's end-of-sequence tokens (unless
+        ``ignore_eos``) and at the first of the ``stop`` strings."""
+        return StopCriteria(
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=frozenset() if ignore_eos else self.eos_token_ids,
+            stop_strings=tuple(stop),
+            decode=self.decode if stop else None,
+        )
+
 
 @dataclass
 class GenerationOutput:
@@ -362,10 +378,9 @@ class Speculator:
 
     def calibrate(self, max_k: int = 13, repeats: int = 3) -> None:
         """Measure the draft cost c and the verify-cost curve T(k)/T(1) on this machine."""
-        from speculative.engine.costs import drafter_cost, verify_cost_curve
+        from speculative.engine.costs import drafter_cost, probe_context, verify_cost_curve
 
-        vocab = self.target.lm.vocab_size
-        context = [(i * 7919) % vocab for i in range(64)]
+        context = probe_context(self.target.lm.vocab_size)
         costs = verify_cost_curve(self.target.lm, context, max_k, repeats)
         self.verify_cost = costs.verify_cost
         if self.drafter is None:
@@ -394,7 +409,7 @@ class Speculator:
         return budget_from_verify_cost(self.verify_cost or {})
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.target.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return self.target.decode(token_ids)
 
     def stream(
         self,
@@ -412,12 +427,7 @@ class Speculator:
         """Start a generation; iterate the result for each round's emitted tokens."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_ids = encode_prompt(self.target.tokenizer, prompt, messages, chat)
-        criteria = StopCriteria(
-            max_new_tokens=max_new_tokens,
-            eos_token_ids=self.target.eos_token_ids,
-            stop_strings=tuple(stop),
-            decode=self.decode if stop else None,
-        )
+        criteria = self.target.stop_criteria(max_new_tokens, stop)
         generator = torch.Generator().manual_seed(seed)
         stream = GenerationStream(self, self.engine(), prompt_ids, params, criteria, generator)
         self.target.cache_owner = stream

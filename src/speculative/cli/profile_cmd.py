@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         drafter_cost,
         interleaved_forward_ms,
         interleaved_prefill_ms,
+        probe_context,
     )
     from speculative.hardware import cpu_info
     from speculative.pipeline import build_drafter, load_target
@@ -120,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
             label = runtime if runtime == "hf" else f"{runtime}, {backend}"
             print(f"loading {args.target} ({label}, {args.precision}) ...", file=sys.stderr)
             targets.append(load_target(args.target, runtime, args.precision, backend))
-    vocab = targets[0].lm.vocab_size
-    context = [(i * 7919) % vocab for i in range(args.context)]
+    context = probe_context(targets[0].lm.vocab_size, args.context)
     ks = list(range(1, args.max_k + 1))
     print(f"timing k = 1..{args.max_k} ({args.repeats} interleaved rounds) ...", file=sys.stderr)
     times = interleaved_forward_ms([t.lm for t in targets], context, ks, args.repeats)

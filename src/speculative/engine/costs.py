@@ -53,6 +53,12 @@ def _timed_ms(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - started) * 1000.0
 
 
+def probe_context(vocab_size: int, length: int = 64) -> list[int]:
+    """A fixed context of ``length`` token ids spread over the vocabulary, for timing
+    passes after it (the same on every call, so measurements compare)."""
+    return [(i * 7919) % vocab_size for i in range(length)]
+
+
 def _probe_tokens(context: Sequence[int], count: int) -> list[int]:
     """``count`` real token ids to feed after the context (the context's own, cycled)."""
     if not context:
@@ -189,7 +195,7 @@ def interleaved_prefill_ms(
     with torch.inference_mode():
         for repeat in range(warmup + repeats):
             for model, times in zip(models, samples, strict=True):
-                prompt = _ids([(i * 7919) % model.vocab_size for i in range(length)])
+                prompt = _ids(probe_context(model.vocab_size, length))
                 model.reset()
                 elapsed = _timed_ms(lambda m=model, p=prompt: m.forward(p))
                 if repeat >= warmup:

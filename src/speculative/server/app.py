@@ -32,7 +32,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from speculative.engine.batch import BatchEngine, BatchRequest
 from speculative.engine.gamma import LoadAwareGamma
 from speculative.engine.loop import GenerationResult, Round
-from speculative.engine.stopping import StopCriteria
 from speculative.sampling import SamplingParams
 from speculative.server.metrics import CONTENT_TYPE, ServerMetrics
 from speculative.server.protocol import (
@@ -225,13 +224,7 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
     max_tokens = _max_tokens(body, len(prompt_ids), state)
     draft, gamma = _speculation(body, state)
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p)
-    stops = body.stop_strings()
-    criteria = StopCriteria(
-        max_new_tokens=max_tokens,
-        eos_token_ids=frozenset() if body.ignore_eos else state.loaded.eos_token_ids,
-        stop_strings=stops,
-        decode=state.decode if stops else None,
-    )
+    criteria = state.loaded.stop_criteria(max_tokens, body.stop_strings(), body.ignore_eos)
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     generator = torch.Generator().manual_seed(seed)
     pool = state.pools.get(draft)
@@ -409,7 +402,7 @@ async def _complete(
         break
     assert isinstance(event, DoneEvent)
     result = event.result
-    text = TextAssembler(state.decode, prepared.body.stop_strings())
+    text = TextAssembler(state.loaded.decode, prepared.body.stop_strings())
     text.push(result.token_ids, ["target"] * len(result.token_ids))
     envelope = _Envelope(prepared, state)
     reason = _finish_reason(result)
@@ -463,7 +456,7 @@ async def _stream(
     """SSE chunks: the text as it becomes final, then the finish chunk (with the request's
     ``speculative`` stats), the usage chunk when asked, and ``[DONE]``."""
     envelope = _Envelope(prepared, state)
-    text = TextAssembler(state.decode, prepared.body.stop_strings())
+    text = TextAssembler(state.loaded.decode, prepared.body.stop_strings())
     options = prepared.body.stream_options
     include_usage = options is not None and options.include_usage
     ttft = None

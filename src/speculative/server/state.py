@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from speculative.drafters.base import Drafter
 from speculative.models.base import SupportsBatchRows
@@ -125,9 +124,6 @@ class ServerState:
             limit = window - 1 if limit is None else min(limit, window - 1)
         return limit if limit is not None else 1 << 30
 
-    def decode(self, token_ids: Any) -> str:
-        return self.loaded.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
     def drafter_names(self) -> list[str]:
         names = list(self.config.drafts)
         return names if NONE in names else [*names, NONE]
@@ -161,9 +157,9 @@ def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
     reserve_slots(loaded.lm, config.max_batch)
     state = ServerState(config, loaded)
     if config.gamma == "auto":  # the verify-cost curve the load-aware policy needs
-        from speculative.engine.costs import verify_cost_curve
+        from speculative.engine.costs import probe_context, verify_cost_curve
 
-        context = [(i * 7919) % loaded.lm.vocab_size for i in range(64)]
+        context = probe_context(loaded.lm.vocab_size)
         state.verify_cost = verify_cost_curve(loaded.lm, context, 16, 2).verify_cost
     for name in config.drafts:
         if name == NONE:
