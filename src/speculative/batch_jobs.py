@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
 from speculative.engine.loop import GenerationResult
 
-AUTO_MAX_GAMMA = 8  # --gamma auto: a row's cap; the load-aware policy picks up to it
 Record = dict[str, Any]
 ResultLine = dict[str, Any]
 
@@ -90,7 +90,7 @@ class RowDecoder:
         criteria = loaded.stop_criteria(int(record.get("max_new_tokens", job.max_new_tokens)), stop)
         generator = torch.Generator().manual_seed(int(record.get("seed", job.seed)))
         drafter = build_drafter(job.draft, loaded)
-        row_gamma = AUTO_MAX_GAMMA if self.gamma == "auto" else make_gamma_policy(self.gamma)
+        row_gamma = LOAD_AWARE_MAX_GAMMA if self.gamma == "auto" else make_gamma_policy(self.gamma)
         return BatchRequest(ids, params, criteria, generator, drafter, row_gamma)
 
     def result_line(self, index: int, record: Record, result: GenerationResult) -> ResultLine:

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from speculative.bench.prompts import BenchPrompt
 from speculative.engine import BatchEngine, BatchRequest, LoadAwareGamma, StopCriteria
 from speculative.engine.costs import rows_verify_cost
+from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
 from speculative.models.base import PadsBatchRows, SupportsBatchRows
 from speculative.pipeline import LoadedModel, build_drafter, encode_prompt, load_target
 from speculative.sampling import SamplingParams
@@ -57,7 +58,7 @@ class ConcurrencySettings:
     precision: str = "auto"
     drafter: str = "ngram"
     gamma: int = 4
-    max_gamma: int = 8  # load-aware: a row's own cap
+    max_gamma: int = LOAD_AWARE_MAX_GAMMA  # load-aware: a row's own cap
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
     max_new_tokens: int = 32
     repeats: int = 1

@@ -158,6 +158,9 @@ def expected_emitted(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+LOAD_AWARE_MAX_GAMMA = 8  # a row's own γ cap under the load-aware policy (it picks up to it)
+
+
 @dataclass
 class LoadAwareGamma:
     """Per-row γ for one batched round, chosen for the load.

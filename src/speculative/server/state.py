@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from speculative.drafters.base import Drafter
+from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
 from speculative.models.base import SupportsBatchRows
 from speculative.pipeline import LoadedModel
 
@@ -22,7 +23,6 @@ NONE = "none"
 # Drafters that read the target's hidden features during the target's own pass: the
 # batched engine does not hand features to per-row drafters, so they would draft nothing.
 NEEDS_TARGET_FEATURES = ("eagle", "medusa", "auto")
-AUTO_MAX_GAMMA = 8  # γ "auto": a row's cap; the load-aware policy picks up to it
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class ServerState:
     def row_gamma(self) -> int:
         """A request's γ when it gives none (with "auto": the cap the policy works under)."""
         gamma = self.config.gamma
-        return AUTO_MAX_GAMMA if gamma == "auto" else int(gamma)
+        return LOAD_AWARE_MAX_GAMMA if gamma == "auto" else int(gamma)
 
     @property
     def model_id(self) -> str:
