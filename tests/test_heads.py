@@ -17,11 +17,11 @@ from speculative.drafters.auto import AutoDrafter
 from speculative.drafters.eagle import EagleDrafter
 from speculative.drafters.registry import REGISTRY, build_drafter
 from speculative.drafters.tree import TreeDrafter
-from speculative.engine import SpeculativeEngine, StopCriteria
+from speculative.engine import BatchEngine, BatchRequest, SpeculativeEngine, StopCriteria
 from speculative.heads.store import HeadMismatch, load_head
 from speculative.models.base import SupportsHiddenStates
 from speculative.models.markov import MarkovLM
-from speculative.models.session import ModelSession
+from speculative.models.session import ModelSession, SlotPool
 from speculative.pipeline import load_target
 from speculative.sampling import SamplingParams
 from speculative.training.train_draft import TrainDraftOptions, train_draft
@@ -130,6 +130,83 @@ def test_greedy_equals_plain_greedy(trained, runtime, name):
         out = generate(target, drafter, GREEDY, gamma)
         assert out.token_ids == plain
     assert out.stats.accepted_tokens > 0  # the head is really drafting
+
+
+ROW_PROMPTS = ([3, 4, 5, 6, 3, 4], [7, 8, 9, 3, 4, 5, 6, 7], [5, 5, 6, 9, 10])
+ROW_PARAMS = (GREEDY, SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9))
+
+
+class ShiftedFeaturesPool(SlotPool):
+    """Negative control: a pool that hands every row its features one position off (the
+    feature of the previous token at each position), so a head drafts from misaligned
+    features."""
+
+    def forward_rows(self, rows):
+        outputs = self.model.forward_rows_with_hidden(rows)
+        for row, (_, features) in zip(rows, outputs, strict=True):
+            self._sessions[row.slot].take_features(features.roll(1, dims=0))
+        return [logits for logits, _ in outputs]
+
+
+def batch_rows(target, name, folder, pool=None, n=30):
+    """The three ROW_PROMPTS decoded together (each with its own head instance, sampling
+    settings and seed); returns their results."""
+    engine = BatchEngine(target.lm, max_batch=3, pool=pool)
+    requests = [
+        BatchRequest(prompt, params, StopCriteria(max_new_tokens=n),
+                     torch.Generator().manual_seed(10 + i),
+                     build_drafter(f"{name}:{folder}", target), 3)
+        for i, (prompt, params) in enumerate(zip(ROW_PROMPTS, ROW_PARAMS, strict=True))
+    ]  # fmt: skip
+    return engine.run(requests)
+
+
+@pytest.mark.parametrize("runtime", ["native-kernels", "native-torch", "hf"])
+@pytest.mark.parametrize("name", ["eagle", "medusa"])
+def test_batched_rows_draft_from_their_own_features(trained, runtime, name):
+    """In a batch each row's head reads its own row's features from its cache slot: every
+    row's tokens, drafts and acceptances are those of the row decoded alone (greedy and
+    seeded sampling rows side by side). Control: a pool that hands each row its features
+    one position off changes the drafts."""
+    target = target_on(runtime, trained["model"])
+    folder = trained[name]
+    alone = []
+    for i, (prompt, params) in enumerate(zip(ROW_PROMPTS, ROW_PARAMS, strict=True)):
+        drafter = build_drafter(f"{name}:{folder}", target)
+        alone.append(generate(target, drafter, params, 3, n=30, seed=10 + i, prompt=prompt))
+    together = batch_rows(target, name, folder)
+    drafts = lambda r: (r.stats.drafted_tokens, r.stats.accepted_tokens, r.stats.accepted_at)  # noqa: E731
+    assert sum(r.stats.accepted_tokens for r in together) > 0  # the heads really draft
+    for one, row in zip(alone, together, strict=True):
+        assert row.token_ids == one.token_ids
+        if runtime != "hf":  # native rows are bitwise their runs alone; hf pads (rounding)
+            assert drafts(row) == drafts(one)
+    if runtime != "hf":
+        swapped = batch_rows(target, name, folder, ShiftedFeaturesPool(target.lm))
+        assert [drafts(r) for r in swapped] != [drafts(r) for r in together]
+        assert swapped[0].token_ids == together[0].token_ids  # still lossless (greedy row)
+
+
+def test_slot_features_equal_the_single_sequence_features(trained):
+    """A slot session's features after a batched pass, a rollback and a catch-up are
+    bitwise those of a single-sequence session on the same tokens."""
+    target = target_on("native-kernels", trained["model"])
+    lm = target.lm
+    single = ModelSession(lm)
+    single.logits_after([*PROMPT[:-1], 11])
+    expected = single.features.clone()
+    pool = SlotPool(lm)
+    a, b = pool.open(), pool.open()
+    rows = [a.request(PROMPT, [9, 10]), b.request(PROMPT[:5])]
+    for session, logits in zip((a, b), pool.forward_rows(rows), strict=True):
+        session.receive(logits)
+    row = a.request([*PROMPT[:-1], 11])  # rollback by common prefix, then catch up
+    a.receive(pool.forward_rows([row])[0])
+    assert len(a.cached) == len(PROMPT) and a.features.shape[0] == len(PROMPT)
+    assert torch.equal(a.features, expected)
+    assert b.features.shape[0] == 5
+    assert torch.equal(b.features, expected[:5])
+    a.release(), b.release()
 
 
 def test_trained_heads_agree_with_the_target(trained):

@@ -377,11 +377,50 @@ def test_metrics_cover_the_issue_list(server, client: openai.OpenAI, model: str)
     assert http(server.url + "/metrics", key=None)[0] == 401
 
 
+def test_heads_draft_per_row_and_stay_exact(folder: Path) -> None:
+    """An EAGLE head served (each row reading its own features from the shared pass):
+    greedy text and the drafts themselves equal `generate --draft eagle:DIR` alone, with
+    two requests in flight together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from speculative.exactness.tiny import save_random_heads
+
+    if not (folder / "eagle" / "config.json").is_file():  # heads next to the model
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        save_random_heads(folder, seed=0, vocab=vocab)
+    draft = f"eagle:{folder / 'eagle'}"
+    expected = [
+        generate(folder, "--prompt", p, "--no-chat", "--max-new-tokens", "30", "--draft", draft)
+        for p in PROMPTS
+    ]
+    with start_server(folder, drafts=(draft,)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+
+        def complete(prompt: str):
+            return client.completions.create(
+                model=model, prompt=prompt, max_tokens=30, temperature=0
+            )
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(complete, PROMPTS))
+    for answer, alone in zip(answers, expected, strict=True):
+        assert answer.choices[0].text == alone["text"]
+        stats = answer.model_extra["speculative"]
+        assert stats["drafted"] == alone["stats"]["drafted_tokens"] > 0
+        assert stats["accepted"] == alone["stats"]["accepted_tokens"]
+
+
 def test_serve_command_refuses_bad_setups(capsys: pytest.CaptureFixture) -> None:
     from speculative.cli.serve_cmd import is_loopback
 
-    assert main(["serve", "--draft", "ngram,eagle"]) == 2  # refused before loading anything
-    assert "hidden features" in capsys.readouterr().err
+    for args, reason in (
+        (["--gamma", "heuristic"], "single-stream schedule"),
+        (["--max-batch", "0"], "must be >= 1"),
+    ):  # refused before loading anything, with the reason
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", *args])
+        assert exit_info.value.code == 2 and reason in capsys.readouterr().err
     assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
 
 

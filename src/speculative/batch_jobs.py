@@ -45,14 +45,16 @@ class BatchJob:
 class RowDecoder:
     """A loaded target and its batched engine, decoding prompt records into result lines."""
 
-    def __init__(self, job: BatchJob) -> None:
+    def __init__(self, job: BatchJob, loaded: Any = None) -> None:
+        """``loaded``: an already loaded target (a :class:`LoadedModel`) instead of the
+        job's target, runtime and precision."""
         from speculative.engine.batch import BatchEngine
         from speculative.models.base import SupportsBatchRows
         from speculative.pipeline import load_target, parse_gamma
 
         self.job = job
         self.gamma = parse_gamma(job.gamma)
-        self.loaded = load_target(job.target, job.runtime, job.precision)
+        self.loaded = loaded or load_target(job.target, job.runtime, job.precision)
         if not isinstance(self.loaded.lm, SupportsBatchRows):
             raise ValueError(
                 "batched generation (--prompts) needs a runtime with cache slots (native or hf)"

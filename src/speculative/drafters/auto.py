@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from speculative.drafters.base import Draft, Drafter, SupportsPriming
+from speculative.drafters.base import Draft, Drafter, ReadsTargetFeatures, SupportsPriming
 from speculative.drafters.ngram import find_continuation
-from speculative.models.session import ModelSession
+from speculative.models.session import FeatureSource, ModelSession
 from speculative.sampling import SamplingParams
 
 DECAY = 0.9  # weight of the past in the running estimates
@@ -92,6 +92,10 @@ class AutoDrafter:
     def prime(self, target: ModelSession) -> None:
         if isinstance(self.head, SupportsPriming):
             self.head.prime(target)
+
+    def read_features(self, source: FeatureSource) -> None:
+        if isinstance(self.head, ReadsTargetFeatures):
+            self.head.read_features(source)
 
     def propose(
         self,

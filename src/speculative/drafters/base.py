@@ -11,7 +11,7 @@ import torch
 from speculative.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from speculative.models.session import ModelSession
+    from speculative.models.session import FeatureSource, ModelSession
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,18 @@ class Drafter(Protocol):
 
     def reset(self) -> None:
         """Forget any per-sequence state before a new generation."""
+        ...
+
+
+@runtime_checkable
+class ReadsTargetFeatures(Protocol):
+    """A drafter that drafts from the target's features (EAGLE, Medusa heads): it reads
+    them from the row's session, whether the row is the model's single sequence or one
+    cache slot of a batch."""
+
+    def read_features(self, source: FeatureSource) -> None:
+        """Read the target's features from ``source`` from now on (once per generation,
+        right after the target prefilled the prompt)."""
         ...
 
 

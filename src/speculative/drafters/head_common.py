@@ -10,7 +10,7 @@ import torch
 
 from speculative.heads.store import TrainedHead
 from speculative.models.base import SupportsKernels
-from speculative.models.session import ModelSession, common_prefix_length
+from speculative.models.session import FeatureSource, ModelSession, common_prefix_length
 from speculative.sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -26,7 +26,7 @@ class HeadDrafter:
         self.name = name
         self.head = head
         self.vocab_size = vocab_size
-        self.target: ModelSession | None = None
+        self.target: FeatureSource | None = None
         self._calls = 0
 
     @property
@@ -38,7 +38,11 @@ class HeadDrafter:
 
     def prime(self, target: ModelSession) -> None:
         """Read the target's features from its session from now on."""
-        self.target = target
+        self.read_features(target)
+
+    def read_features(self, source: FeatureSource) -> None:
+        """Read the target's features from ``source`` (a row's session) from now on."""
+        self.target = source
 
     def observe(self, context: Sequence[int], num_accepted: int) -> None:
         """Nothing: the next proposal reads the target's session."""
@@ -107,7 +111,7 @@ def draw_without_replacement(
     return torch.topk(keys, count).indices
 
 
-def true_feature_count(target: ModelSession | None, context: Sequence[int]) -> int:
+def true_feature_count(target: FeatureSource | None, context: Sequence[int]) -> int:
     """How many leading positions of ``context`` have the target's features at hand."""
     if target is None:
         return 0

@@ -13,9 +13,10 @@ Continuous batching: :meth:`BatchEngine.add` joins a row between rounds; its pro
 prefilled inside the next shared passes, at most ``prefill_chunk`` tokens per pass
 (chunked prefill: a long prompt does not stall the other rows' decoding for long). A
 finished or cancelled row frees its slot at once. A drafter is per row: one instance per
-request (a model drafter with its own model and session). On slots, priming a drafter
-from the target (``share_prefill``, head features) is not done: the drafter prefills
-itself (lossless; only the drafts can differ).
+request (a model drafter with its own model and session). On slots, a model drafter is not
+primed from the target (``share_prefill``): it prefills itself (lossless; only the drafts
+can differ). Drafting heads read each row's features from its slot session when the model
+gives per-row features (:class:`~speculative.models.base.SupportsBatchRowFeatures`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speculative.drafters.base import Drafter, SupportsPriming
+from speculative.drafters.base import Drafter, ReadsTargetFeatures, SupportsPriming
 from speculative.engine.gamma import (
     FixedGamma,
     GammaPolicy,
@@ -247,11 +248,14 @@ class BatchEngine:
     # ---- the steps of a round ------------------------------------------------------
     def _start_decoding(self, row: BatchRow) -> None:
         """The prompt is in the cache: hand the target's session to a drafter that reads
-        it (features, prompt cache), where the pool allows."""
+        it: any priming (features, prompt cache) on the model's single sequence, the
+        features alone on a cache slot whose passes give them."""
         drafter = row.request.drafter
         if self.pool.primes_drafters and isinstance(drafter, SupportsPriming):
             assert isinstance(row.session, ModelSession)  # SinglePool's session
             drafter.prime(row.session)
+        elif isinstance(drafter, ReadsTargetFeatures) and row.session.features is not None:
+            drafter.read_features(row.session)
         row.decoding = True
 
     def _prefill_chunk(self, row: BatchRow) -> RowInput:

@@ -400,8 +400,8 @@ def require_drafts(drafted: Counter, config: CheckConfig, way: str = "speculativ
     if drafted[way] == 0:
         raise ValueError(
             f"the '{config.drafter}' drafter proposed no token in {config.mode} mode on these "
-            "prompts, so nothing speculative was checked (e.g. heads need the target's "
-            "features, which the batched engine's shared pass does not give)"
+            "prompts, so nothing speculative was checked (heads need a target that gives "
+            "its features)"
         )
 
 

@@ -61,11 +61,13 @@ def save_tiny_target(folder: Path, seed: int = 0, layers: int = 2) -> Path:
         model.lm_head.weight[config.eos_token_id] *= EOS_SCALE
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    _save_random_heads(folder, seed, len(vocab))
+    save_random_heads(folder, seed, len(vocab))
     return folder
 
 
-def _save_random_heads(folder: Path, seed: int, vocab: int) -> None:
+def save_random_heads(folder: Path, seed: int, vocab: int) -> None:
+    """Random (seeded) EAGLE and Medusa heads for the tiny Llama in ``folder`` (hidden
+    size HIDDEN, 4 heads, 2 KV heads), into ``folder/eagle`` and ``folder/medusa``."""
     from speculative.heads.modules import HeadConfig, build_head
     from speculative.heads.store import save_head
     from speculative.models.native import load_native

@@ -215,6 +215,20 @@ class SupportsHiddenStates(Protocol):
 
 
 @runtime_checkable
+class SupportsBatchRowFeatures(Protocol):
+    """A :class:`SupportsBatchRows` model that also returns every row's features (as
+    :class:`SupportsHiddenStates` does for one sequence): drafting heads then draft for
+    every row of a batch."""
+
+    def forward_rows_with_hidden(
+        self, rows: Sequence[RowInput]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """As ``forward_rows``; per row (logits [k_row, vocab], features [k_row, hidden]),
+        both float32, each the row's own alone."""
+        ...
+
+
+@runtime_checkable
 class SupportsKernels(Protocol):
     """A model whose layers may run on the native C kernels (:mod:`..native.ckernels`).
 

@@ -261,6 +261,17 @@ class HFCausalLM:
         per row. Rows are right-padded to the longest cache and the longest input; the
         mask hides each row's padding, so a row's logits are its logits alone up to
         floating-point rounding (the batched matmuls may sum in another order)."""
+        return [logits for logits, _ in self._forward_rows(rows, hidden=False)]
+
+    def forward_rows_with_hidden(
+        self, rows: Sequence[RowInput]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """As :meth:`forward_rows`, with every row's final hidden states [k_row, hidden]."""
+        return [(logits, features) for logits, features in self._forward_rows(rows, True)]
+
+    def _forward_rows(
+        self, rows: Sequence[RowInput], hidden: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         if not rows:
             return []
         if len({row.slot for row in rows}) != len(rows):
@@ -283,11 +294,15 @@ class HFCausalLM:
                 attention_mask=mask,
                 cache=cache,
                 use_cache=True,
+                output_hidden_states=hidden,
             )
             logits = output.logits.float()  # [B, K, vocab]
+            features = output.hidden_states[-1].float() if hidden else None  # [B, K, hidden]
             for b, (slot_cache, k) in enumerate(zip(caches, ks, strict=True)):
                 self._keep_new(slot_cache, cache, b, cached, k)
-        return [logits[b, :k] for b, k in enumerate(ks)]
+        return [
+            (logits[b, :k], None if features is None else features[b, :k]) for b, k in enumerate(ks)
+        ]
 
     @staticmethod
     def padded_tokens(row_lengths: Sequence[int]) -> int:

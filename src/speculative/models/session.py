@@ -22,6 +22,7 @@ import torch
 from speculative.models.base import (
     CausalLM,
     RowInput,
+    SupportsBatchRowFeatures,
     SupportsBatchRows,
     SupportsCacheCompaction,
     SupportsCacheImport,
@@ -82,6 +83,60 @@ class _Pending:
     features: torch.Tensor | None = None  # [k, hidden] when the model gives features
 
 
+class FeatureStore:
+    """The model's features of a cache's first positions, kept in step with its tokens
+    (what drafting heads read), plus those of a scored tree's nodes until its path is
+    kept."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0)  # [capacity, hidden]
+        self.length = 0  # positions [0, length) hold valid features
+        self.tree: torch.Tensor | None = None  # [n, hidden] features of a scored tree's nodes
+
+    def view(self, cached: int) -> torch.Tensor:
+        """[n, hidden] the features of the first n <= ``cached`` positions."""
+        return self._buffer[: min(self.length, cached)]
+
+    def truncate(self, keep: int) -> None:
+        self.length = min(self.length, keep)
+
+    def forget(self) -> None:
+        """Nothing is valid any more (a reset, or a cache taken over without features)."""
+        self.length = 0
+        self.tree = None
+
+    def append(self, start: int, features: torch.Tensor) -> None:
+        """features: [k, hidden] of the positions appended at ``start`` (the cache's length
+        before them)."""
+        k = features.shape[0]
+        if self.length < start:  # a gap (adopted cache): nothing before is valid
+            self.length = 0
+            return
+        if start + k > self._buffer.shape[0]:
+            capacity = max(2 * self._buffer.shape[0], start + k, 256)
+            grown = torch.empty(capacity, features.shape[1])
+            if start:
+                grown[:start] = self._buffer[:start]
+            self._buffer = grown
+        self._buffer[start : start + k] = features
+        self.length = start + k
+
+    def received(self, start: int, features: torch.Tensor | None, pending: _Pending) -> None:
+        """A row's pass fed ``pending.tokens`` at ``start`` with these features [k, hidden]
+        (None: the pass gave none): keep the chain's, hold the tree's apart."""
+        if features is None:
+            self.tree = None
+            return
+        self.append(start, features[: pending.chain])
+        self.tree = features[pending.chain :] if pending.tree else None
+
+    def keep_path(self, start: int, nodes: Sequence[int]) -> None:
+        """The kept tree nodes' features follow them to ``start`` onwards."""
+        tree, self.tree = self.tree, None
+        if tree is not None:
+            self.append(start, tree[list(nodes)])
+
+
 class ModelSession:
     """A model plus the token ids its cache currently holds (batch of one)."""
 
@@ -90,9 +145,7 @@ class ModelSession:
         self.cached: list[int] = []
         self.forward_calls = 0
         self._tree: list[int] | None = None  # tree tokens fed after ``cached``, not committed
-        self._tree_features: torch.Tensor | None = None  # [n, hidden] features of its nodes
-        self._features = torch.empty(0)  # [capacity, hidden] features of the cached slots
-        self._feature_length = 0  # slots [0, _feature_length) hold valid features
+        self._features = FeatureStore()
         self._hidden_model = model if isinstance(model, SupportsHiddenStates) else None
         self._pending: _Pending | None = None  # the planned row between request and receive
         model.reset()
@@ -104,14 +157,14 @@ class ModelSession:
         has no :class:`SupportsHiddenStates`."""
         if self._hidden_model is None:
             return None
-        return self._features[: min(self._feature_length, len(self.cached))]
+        return self._features.view(len(self.cached))
 
     def reset(self) -> None:
         self.model.reset()
         self.cached = []
         self._tree = None
         self._pending = None
-        self._feature_length = 0
+        self._features.forget()
 
     def sync(self, prefix: Sequence[int]) -> None:
         """Make the cache hold exactly ``prefix`` (rolling back and feeding as needed)."""
@@ -132,7 +185,7 @@ class ModelSession:
         if not model.import_cache(other.model, len(other.cached)):
             return False
         self.cached = list(other.cached)
-        self._feature_length = 0
+        self._features.forget()
         return True
 
     def logits_after(self, context: Sequence[int], new: Sequence[int] = ()) -> torch.Tensor:
@@ -201,13 +254,10 @@ class ModelSession:
         pending, self._pending = self._pending, None
         if pending is None:
             raise ValueError("receive without a request")
-        features = pending.features  # [k, hidden] or None
-        if features is not None:
-            self._store_features(features[: pending.chain])
+        self._features.received(len(self.cached), pending.features, pending)
         self.cached.extend(pending.tokens[: pending.chain])
         if pending.tree:  # kept apart until keep_path
             self._tree = pending.tokens[pending.chain :]
-            self._tree_features = None if features is None else features[pending.chain :]
         return logits[pending.skip :].unsqueeze(0)
 
     def release(self) -> None:
@@ -229,53 +279,38 @@ class ModelSession:
         path is then re-fed as catch-up on the next call)."""
         if self._tree is None:
             raise ValueError("keep_path without a scored tree")
-        tree, features, first = self._tree, self._tree_features, len(self.cached)
-        self._tree, self._tree_features = None, None
+        tree, first = self._tree, len(self.cached)
+        self._tree = None
         if isinstance(self.model, SupportsCacheCompaction):
             self.model.keep_slots(first, [first + i for i in nodes])
-            if features is not None:  # the kept nodes' features follow them
-                self._store_features(features[list(nodes)])
+            self._features.keep_path(first, nodes)
             self.cached.extend(tree[i] for i in nodes)
         else:
+            self._features.tree = None
             self.model.rollback(len(tree))
 
     def _drop_tree(self) -> None:
         if self._tree is not None:
             self.model.rollback(len(self._tree))
-            self._tree, self._tree_features = None, None
+            self._tree, self._features.tree = None, None
 
     def _truncate(self, keep: int) -> None:
         drop = len(self.cached) - keep
         if drop:
             self.model.rollback(drop)
             del self.cached[keep:]
-            self._feature_length = min(self._feature_length, keep)
+            self._features.truncate(keep)
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         input_ids = torch.tensor([tokens], dtype=torch.long)  # [1, k]
         if self._hidden_model is not None:
             logits, features = self._hidden_model.forward_with_hidden(input_ids)
-            self._store_features(features[0])  # features: [1, k, hidden]
+            self._features.append(len(self.cached), features[0])  # features: [1, k, hidden]
         else:
             logits = self.model.forward(input_ids)  # [1, k, vocab]
         self.cached.extend(tokens)
         self.forward_calls += 1
         return logits
-
-    def _store_features(self, features: torch.Tensor) -> None:
-        """features: [k, hidden] of the positions being appended after ``cached``."""
-        start, k = len(self.cached), features.shape[0]
-        if self._feature_length < start:  # a gap (adopted cache): nothing before is valid
-            self._feature_length = 0
-            return
-        if start + k > self._features.shape[0]:
-            capacity = max(2 * self._features.shape[0], start + k, 256)
-            grown = torch.empty(capacity, features.shape[1])
-            if start:
-                grown[:start] = self._features[:start]
-            self._features = grown
-        self._features[start : start + k] = features
-        self._feature_length = start + k
 
 
 class SlotSession:
@@ -287,12 +322,28 @@ class SlotSession:
     ``forward_rows`` call and hands this row's logits back to :meth:`receive`.
     """
 
-    def __init__(self, model: SupportsBatchRows) -> None:
+    def __init__(self, model: SupportsBatchRows, features: bool = False) -> None:
         self.model = model
         self.slot = model.acquire_slot()
         self.cached: list[int] = []
         self._pending: _Pending | None = None
         self._tree: list[int] | None = None  # tree tokens fed after ``cached``, not committed
+        self._features = FeatureStore() if features else None
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        """[n, hidden] the model's features of the first n cached positions, or None when
+        the pool's passes give no features (see :meth:`ModelSession.features`)."""
+        if self._features is None:
+            return None
+        return self._features.view(len(self.cached))
+
+    def take_features(self, features: torch.Tensor) -> None:
+        """The features [k, hidden] of the planned row, from the pool's pass (before
+        :meth:`receive` gets its logits)."""
+        if self._pending is None:
+            raise ValueError("features without a request")
+        self._pending.features = features
 
     def request(self, context: Sequence[int], new: Sequence[int] = ()) -> RowInput:
         """The row that scores ``context[-1]`` and each of ``new`` (the logits of
@@ -319,6 +370,8 @@ class SlotSession:
         pending, self._pending = self._pending, None
         if pending is None:
             raise ValueError("receive without a request")
+        if self._features is not None:
+            self._features.received(len(self.cached), pending.features, pending)
         self.cached.extend(pending.tokens[: pending.chain])
         if pending.tree:  # kept apart until keep_path
             self._tree = pending.tokens[pending.chain :]
@@ -331,6 +384,8 @@ class SlotSession:
             raise ValueError("keep_path without a scored tree")
         tree, first, self._tree = self._tree, len(self.cached), None
         self.model.keep_slot_positions(self.slot, first, [first + i for i in nodes])
+        if self._features is not None:
+            self._features.keep_path(first, nodes)
         self.cached.extend(tree[i] for i in nodes)
 
     def release(self) -> None:
@@ -338,6 +393,8 @@ class SlotSession:
         self.model.release_slot(self.slot)
         self.cached = []
         self._tree = None
+        if self._features is not None:
+            self._features.forget()
 
     def _rewind(self, context: Sequence[int]) -> list[int]:
         if len(context) == 0:
@@ -350,6 +407,9 @@ class SlotSession:
         if drop:
             self.model.rollback_slot(self.slot, drop)
             del self.cached[keep:]
+        if self._features is not None:
+            self._features.truncate(keep)
+            self._features.tree = None
         return list(context[keep:])
 
 
@@ -357,11 +417,20 @@ class SlotSession:
 
 
 @runtime_checkable
-class RowSession(Protocol):
-    """One row's view of the target's cache (:class:`ModelSession` or
-    :class:`SlotSession`): plan a row, get its logits back from the shared pass."""
+class FeatureSource(Protocol):
+    """What a drafting head reads from the target's side: the token ids its cache holds
+    and the features of the first of them (None when the passes give no features)."""
 
     cached: list[int]
+
+    @property
+    def features(self) -> torch.Tensor | None: ...
+
+
+@runtime_checkable
+class RowSession(FeatureSource, Protocol):
+    """One row's view of the target's cache (:class:`ModelSession` or
+    :class:`SlotSession`): plan a row, get its logits back from the shared pass."""
 
     def request(self, context: Sequence[int], new: Sequence[int] = ()) -> RowInput: ...
 
@@ -401,19 +470,30 @@ class RowPool(Protocol):
 
 class SlotPool:
     """Rows in the cache slots of a :class:`SupportsBatchRows` model: one weight pass for
-    every row's tokens."""
+    every row's tokens. When the model gives every row's features
+    (:class:`SupportsBatchRowFeatures`), each row's session keeps them for drafting heads."""
 
     capacity: int | None = None
     primes_drafters = False  # the drafters' priming reads the single-sequence cache
 
     def __init__(self, model: SupportsBatchRows) -> None:
         self.model = model
+        self.gives_features = isinstance(model, SupportsBatchRowFeatures)
+        self._sessions: dict[int, SlotSession] = {}  # by slot: the row that owns it now
 
     def open(self) -> SlotSession:
-        return SlotSession(self.model)  # raises when no slot is free
+        session = SlotSession(self.model, self.gives_features)  # raises when no slot is free
+        self._sessions[session.slot] = session
+        return session
 
     def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
-        return self.model.forward_rows(rows)
+        if not self.gives_features:
+            return self.model.forward_rows(rows)
+        assert isinstance(self.model, SupportsBatchRowFeatures)
+        outputs = self.model.forward_rows_with_hidden(rows)
+        for row, (_, features) in zip(rows, outputs, strict=True):
+            self._sessions[row.slot].take_features(features)
+        return [logits for logits, _ in outputs]
 
 
 class SinglePool:

@@ -20,9 +20,6 @@ from speculative.models.base import SupportsBatchRows
 from speculative.pipeline import LoadedModel
 
 NONE = "none"
-# Drafters that read the target's hidden features during the target's own pass: the
-# batched engine does not hand features to per-row drafters, so they would draft nothing.
-NEEDS_TARGET_FEATURES = ("eagle", "medusa", "auto")
 
 
 @dataclass(frozen=True)
@@ -49,18 +46,19 @@ class ServerConfig:
             raise ValueError(f"max batch must be >= 1, got {self.max_batch}")
         if not self.drafts:
             raise ValueError("give at least one drafter (or 'none')")
-        for name in self.drafts:
-            servable(name)
 
 
-def servable(name: str) -> None:
-    """Refuse, with the reason, a drafter kind the server cannot run per row."""
-    kind = name.split(":", 1)[0]
-    if kind in NEEDS_TARGET_FEATURES:
+def servable(name: str, drafter: Drafter | None, lm: object) -> None:
+    """Refuse, with the reason, a drafter the server cannot run per row: one that reads
+    the target's features, on a target whose batched pass gives none."""
+    from speculative.drafters.base import ReadsTargetFeatures
+    from speculative.models.base import SupportsBatchRowFeatures
+
+    if isinstance(drafter, ReadsTargetFeatures) and not isinstance(lm, SupportsBatchRowFeatures):
         raise ValueError(
-            f"the '{name}' drafter reads the target's hidden features, which the batched "
-            "engine does not pass to per-row drafters; serve with ngram, self-int4 (or "
-            "another self-<precision>) or a draft model path"
+            f"the '{name}' drafter reads the target's hidden features, which this target's "
+            "batched pass does not give; serve with ngram, self-int4 (or another "
+            "self-<precision>) or a draft model path"
         )
 
 
@@ -165,7 +163,9 @@ def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
         if name == NONE:
             continue
         pool = DrafterPool(name, lambda name=name: build_drafter(name, loaded))
-        pool.release(pool.acquire())
+        drafter = pool.acquire()
+        servable(name, drafter, loaded.lm)
+        pool.release(drafter)
         state.pools[name] = pool
     return state
 

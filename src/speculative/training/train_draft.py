@@ -18,6 +18,7 @@ from speculative.training.data import MIN_TOKENS, encode_record, is_held_out, re
 from speculative.training.trainer import Trainer, TrainSettings, evaluate
 
 METHODS = ("eagle", "medusa")
+SELF_DISTILL_BATCH = 16  # --self-distill: prompts answered together (batched engine)
 
 
 @dataclass
@@ -86,16 +87,22 @@ def collect_records(options: TrainDraftOptions, target: Any) -> list[dict[str, A
 def self_distill_records(options: TrainDraftOptions, target: Any) -> list[dict[str, Any]]:
     """The target answers N generated chat prompts (kept in OUT/selfdistill.jsonl, reused
     on --resume)."""
-    from speculative.pipeline import Speculator, build_drafter
+    from speculative.batch_jobs import BatchJob, RowDecoder
     from speculative.training.prompts import build_prompts
-    from speculative.training.selfdistill import answer_prompts, write_transcripts
+    from speculative.training.selfdistill import (
+        answer_prompts,
+        answered,
+        prompt_key,
+        write_transcripts,
+    )
 
     path = options.out / "selfdistill.jsonl"
-    done = list(read_records([path])) if path.is_file() else []
-    prompts = build_prompts(options.self_distill, options.seed)[len(done) :]
-    if prompts:
-        speculator = Speculator(target, build_drafter("ngram", target), gamma=4)
-        answers = answer_prompts(speculator, prompts, seed=options.seed, progress=options.progress)
+    done = answered(path)
+    prompts = build_prompts(options.self_distill, options.seed)
+    prompts = [messages for messages in prompts if prompt_key(messages) not in done]
+    if prompts:  # batched plain decoding: many answers share each target pass
+        decoder = RowDecoder(BatchJob(draft=None, batch_size=SELF_DISTILL_BATCH), target)
+        answers = answer_prompts(decoder, prompts, seed=options.seed, progress=options.progress)
         write_transcripts(path, answers)
     return list(read_records([path]))
 

@@ -186,17 +186,34 @@ class NativeLlama:
     def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
         """Every row's new tokens through one forward (one weight pass on the kernels);
         returns [k_row, vocab] float32 logits per row, bitwise those of the row alone."""
+        logits, _ = self._forward_rows(rows)
+        return logits
+
+    def forward_rows_with_hidden(
+        self, rows: Sequence[RowInput]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """As :meth:`forward_rows`, with every row's features [k_row, hidden] (the final
+        residual stream after the final norm, as :meth:`forward_with_hidden`)."""
+        logits, hidden = self._forward_rows(rows)
         if not rows:
             return []
+        features = self._features(hidden)  # [total, hidden]
+        sizes = [row.input_ids.numel() for row in rows]
+        return list(zip(logits, features.split(sizes), strict=True))
+
+    def _forward_rows(self, rows: Sequence[RowInput]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Per-row logits and the final residual stream [total, hidden] of the pass."""
+        if not rows:
+            return [], torch.empty(0, self.config.hidden_size)
         segments = [self._segment(row) for row in rows]
         if len({row.slot for row in rows}) != len(rows):
             raise ValueError("a slot appears twice in one forward_rows call")
         ids = torch.cat([row.input_ids.reshape(-1) for row in rows])  # [total]
-        hidden = self.embed[ids]  # [total, hidden], a copy the decoder owns
+        hidden = self.embed[ids]  # [total, hidden], a copy the decoder updates in place
         logits = self.decoder.forward_segments(hidden, segments)  # [total, vocab]
         for segment in segments:
             self._slot_lengths[segment.slot] = segment.start + segment.rows
-        return list(logits.split([segment.rows for segment in segments]))
+        return list(logits.split([segment.rows for segment in segments])), hidden
 
     def _segment(self, row: RowInput) -> Segment:
         start = self.slot_length(row.slot)
@@ -286,9 +303,12 @@ class NativeLlama:
         hidden = self.embed[input_ids]  # [batch, k, hidden], updated in place by the decoder
         logits = self.decoder.forward(hidden, start, positions, attention_mask)
         self._length = start + k
+        return logits, self._features(hidden)
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final residual stream [..., hidden] -> features (after the final norm)."""
         final_norm = self.decoder.final_norm
-        features = F.rms_norm(hidden, hidden.shape[-1:], final_norm, self.config.rms_norm_eps)
-        return logits, features
+        return F.rms_norm(hidden, hidden.shape[-1:], final_norm, self.config.rms_norm_eps)
 
     def input_embedding(self) -> torch.Tensor:
         return self.embed  # [vocab, hidden]
