@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from speculative.drafters import Drafter, DraftModelDrafter
+from speculative.drafters import Drafter
+from speculative.drafters.base import draft_model_of
 from speculative.drafters.tree import TREE_MODES, SupportsTreeShape, TreeDrafter, TreeShape
 from speculative.engine import (
     DEFAULT_TREE_BUDGET,
@@ -386,9 +387,13 @@ class Speculator:
         if self.drafter is None:
             self.draft_cost = 0.0
             return
-        model = self.drafter.session.model if isinstance(self.drafter, DraftModelDrafter) else None
         self.draft_cost = drafter_cost(
-            self.drafter, model, self.target.lm, context, costs.step_ms, repeats
+            self.drafter,
+            draft_model_of(self.drafter),
+            self.target.lm,
+            context,
+            costs.step_ms,
+            repeats,
         )
 
     def engine(self) -> SpeculativeEngine:

@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
-from speculative.drafters import Drafter, DraftModelDrafter, PromptLookupDrafter
+from speculative.drafters import Drafter, PromptLookupDrafter
+from speculative.drafters.base import RunsDraftModel
 from speculative.engine import (
     FixedGamma,
     GammaPolicy,
@@ -195,16 +196,11 @@ def peer_for(
         }
         name = f"transformers/prompt-lookup:{lookup_tokens}"
         return GeneratePeer(name, family, str(lookup_tokens), model, eos, kwargs, runtime)
-    if isinstance(drafter, DraftModelDrafter):
-        assistant = transformers_model(drafter.session.model)
+    if isinstance(drafter, RunsDraftModel):
+        assistant = transformers_model(drafter.draft_model)
         if assistant is None:
             return None
         kwargs = {"assistant_model": assistant}
         name = f"transformers/assisted:{family}"
         return GeneratePeer(name, family, "hf", model, eos, kwargs, runtime)
     return None
-
-
-def draft_model_of(drafter: Drafter | None) -> CausalLM | None:
-    """The CausalLM a model-based drafter runs, else None."""
-    return drafter.session.model if isinstance(drafter, DraftModelDrafter) else None

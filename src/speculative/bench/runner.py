@@ -24,12 +24,12 @@ from speculative.bench.methods import (
     GammaChoice,
     Method,
     RunRecord,
-    draft_model_of,
     max_fixed_gamma,
     peer_for,
 )
 from speculative.bench.prompts import BenchPrompt
 from speculative.drafters import Drafter
+from speculative.drafters.base import draft_model_of
 from speculative.engine import GenerationStats
 from speculative.engine.costs import TargetCosts, drafter_cost, verify_cost_curve
 from speculative.pipeline import LoadedModel, build_drafter, encode_prompt, load_target

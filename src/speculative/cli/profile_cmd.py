@@ -102,7 +102,7 @@ def weight_bytes_of(lm: object) -> int | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from speculative.drafters import DraftModelDrafter
+    from speculative.drafters.base import draft_model_of
     from speculative.engine.costs import (
         drafter_cost,
         interleaved_forward_ms,
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  ({target.runtime}: skipping drafter {name}: {exc})", file=sys.stderr)
                 costs[name] = None
                 continue
-            model = drafter.session.model if isinstance(drafter, DraftModelDrafter) else None
+            model = draft_model_of(drafter)
             costs[name] = drafter_cost(drafter, model, target.lm, context, step, args.repeats)
             drafters[name] = drafter
         overheads = measure_overheads(target, drafters, args)

@@ -11,6 +11,7 @@ import torch
 from speculative.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from speculative.models.base import CausalLM
     from speculative.models.session import FeatureSource, ModelSession
 
 
@@ -64,6 +65,20 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Forget any per-sequence state before a new generation."""
         ...
+
+
+@runtime_checkable
+class RunsDraftModel(Protocol):
+    """A drafter that runs a causal LM of its own (a smaller model, the target at a cheaper
+    precision, the target's first layers): cost measurements time that model's steps."""
+
+    @property
+    def draft_model(self) -> CausalLM: ...
+
+
+def draft_model_of(drafter: object) -> CausalLM | None:
+    """The causal LM a drafter runs, or None for a model-free drafter (or none)."""
+    return drafter.draft_model if isinstance(drafter, RunsDraftModel) else None
 
 
 @runtime_checkable

@@ -55,6 +55,10 @@ class DraftModelDrafter:
         self.tree_shape = shape
 
     @property
+    def draft_model(self) -> CausalLM:
+        return self.session.model
+
+    @property
     def forward_calls(self) -> int:
         return self.session.forward_calls
 
