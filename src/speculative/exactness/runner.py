@@ -11,7 +11,8 @@ with its own seeded generator (independent seeds across ways):
 Modes: ``chain`` and ``tree-static`` / ``tree-dynamic`` run the single-sequence
 :class:`~speculative.engine.SpeculativeEngine`; ``batch`` runs the batched
 :class:`~speculative.engine.BatchEngine` (one row per continuation, each with its own
-generator and drafter instance), which needs a target with per-row cache slots (native).
+generator and drafter instance), which needs a target with per-row cache slots (native or
+transformers).
 
 Compared per prompt (sampling): the joint distribution of the first k tokens (k = 1..3),
 the marginal of each later position, and position 2 given the most frequent first tokens,
