@@ -162,6 +162,7 @@ def tiny_bench(tiny_target):
         runtimes=("hf",),
         drafters=("ngram", "self-bf16"),
         gammas=tuple(parse_gamma_choices(["2", "auto", "heuristic"])),
+        trees=("static",),
         max_new_tokens=12,
         repeats=2,
         warmup_tokens=4,
@@ -186,9 +187,11 @@ def test_bench_covers_every_config_and_category_with_identical_outputs(tiny_benc
         "hf/ngram/γ=2",
         "hf/ngram/γ=auto",
         "hf/ngram/γ=heuristic",
+        "hf/ngram/tree=static",
         "hf/self-bf16/γ=2",
         "hf/self-bf16/γ=auto",
         "hf/self-bf16/γ=heuristic",
+        "hf/self-bf16/tree=static",
         "transformers/generate",
         "transformers/prompt-lookup:2",
         "transformers/assisted:self-bf16",
@@ -217,6 +220,9 @@ def test_bench_covers_every_config_and_category_with_identical_outputs(tiny_benc
         bf16.speedup_vs_plain / bf16.predicted_speedup
     )
     assert bf16.speedup_vs_transformers > 0
+    tree = next(r for r in rows if r.config == "hf/self-bf16/tree=static" and r.category == "all")
+    assert tree.predicted_speedup is None  # the chain formulas do not describe trees
+    assert tree.mean_accepted_length > 1  # the tree row really drafts
 
 
 def test_json_schema_and_out_folder(tiny_bench, tmp_path):

@@ -24,6 +24,7 @@ from speculative.engine import (
     SpeculativeEngine,
     StopCriteria,
 )
+from speculative.engine.tree import TreeRound
 from speculative.models.base import CausalLM
 from speculative.pipeline import LoadedModel, make_gamma_policy, parse_gamma
 from speculative.sampling import SamplingParams
@@ -112,11 +113,14 @@ class EngineMethod:
     make_policy: Callable[[], GammaPolicy | int]
     engine: str = OURS
     params: SamplingParams = GREEDY
+    make_tree: Callable[[], TreeRound | None] = lambda: None  # token trees instead of chains
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunRecord:
         # A fresh engine per run: its target session starts from a reset cache, so runs of
         # different methods sharing one model never see each other's cache.
-        engine = SpeculativeEngine(self.target.lm, self.drafter, self.make_policy())
+        engine = SpeculativeEngine(
+            self.target.lm, self.drafter, self.make_policy(), self.make_tree()
+        )
         criteria = StopCriteria(max_new_tokens, eos_token_ids=self.target.eos_token_ids)
         generator = torch.Generator().manual_seed(0)
         started = time.perf_counter()

@@ -179,6 +179,7 @@ def _add_engine_stats(
     row.per_position_acceptance = totals.per_position_acceptance
     if method.family != PLAIN:
         row.draft_cost = costs.draft_cost.get(method.family)
+    if method.family != PLAIN and not method.gamma.startswith("tree-"):  # chain formulas
         row.predicted_speedup, row.predicted_speedup_generalized = _predictions(
             totals, row.draft_cost, costs.target.verify_cost
         )

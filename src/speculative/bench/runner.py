@@ -63,6 +63,7 @@ class BenchSettings:
     progress: bool = True
     temperature: float = 0.0  # > 0: sampled outputs, not compared with plain decoding
     top_p: float = 1.0
+    trees: tuple[str, ...] = ()  # token-tree shapes run besides the chains ("static", ...)
 
 
 @dataclass
@@ -212,6 +213,7 @@ def build_methods(
                     params=sampling_params(settings),
                 )
             )
+        methods += tree_methods(setup, family, drafter, curve, settings)
     if with_peers and settings.temperature == 0:  # the peers run greedy only
         lookup = max_fixed_gamma(settings.gammas)
         for family, drafter in setup.drafters.items():
@@ -219,6 +221,38 @@ def build_methods(
             if peer is not None:
                 methods.append(peer)
     return methods
+
+
+def tree_methods(
+    setup: RuntimeSetup,
+    family: str,
+    drafter: Drafter,
+    curve: dict[int, float],
+    settings: BenchSettings,
+) -> list[Method]:
+    """The drafter with token trees of each shape in ``settings.trees`` (none for a drafter
+    that drafts chains only); the budget comes from the measured verify-cost curve."""
+    from speculative.drafters.tree import TreeDrafter
+    from speculative.engine.tree import budget_from_verify_cost
+    from speculative.pipeline import make_tree_round
+
+    if not isinstance(drafter, TreeDrafter):
+        return []
+    budget = budget_from_verify_cost(curve)
+    return [
+        EngineMethod(
+            name=f"{setup.runtime}/{family}/tree={shape}",
+            runtime=setup.runtime,
+            family=family,
+            gamma=f"tree-{shape}",
+            target=setup.target,
+            drafter=drafter,
+            make_policy=lambda: budget,  # unused: a tree round drafts up to its budget
+            params=sampling_params(settings),
+            make_tree=lambda shape=shape: make_tree_round(shape, drafter, budget),
+        )
+        for shape in settings.trees
+    ]
 
 
 def sampling_params(settings: BenchSettings) -> SamplingParams:

@@ -135,6 +135,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "quick: 4 auto heuristic)" + NO_DEFAULT,
     )
     parser.add_argument(
+        "--tree",
+        nargs="+",
+        default=["off"],
+        choices=["off", "static", "dynamic"],
+        help="token-tree rows besides the chains: each drafter that drafts trees also runs "
+        "with these shapes (budget sized from the measured verify-cost curve)",
+    )
+    parser.add_argument(
         "--max-new-tokens",
         type=positive_int,
         default=None,
@@ -228,6 +236,7 @@ def settings_from_args(args: argparse.Namespace):
         precision=args.precision,
         drafters=drafters,
         gammas=tuple(parse_gamma_choices(args.gamma or mode.gammas)),
+        trees=tuple(t for t in dict.fromkeys(args.tree) if t != "off"),
         peers=not args.no_peers,
         max_new_tokens=args.max_new_tokens or mode.max_new_tokens,
         repeats=args.repeats or mode.repeats,
