@@ -29,7 +29,7 @@ def tiny_chat_folder(folder: Path) -> Path:
 
 
 def start_server(folder: Path, **config: Any) -> BackgroundServer:
-    loaded = load_target(str(folder), "native")
+    loaded = load_target(str(folder), config.get("runtime", "native"))
     settings = {"target": str(folder), "drafts": ("ngram", "none"), "max_batch": 4, **config}
     state = build_state(ServerConfig(**settings), loaded)
     return serve_in_background(create_app(state))

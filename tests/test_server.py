@@ -377,6 +377,32 @@ def test_metrics_cover_the_issue_list(server, client: openai.OpenAI, model: str)
     assert http(server.url + "/metrics", key=None)[0] == 401
 
 
+def test_transformers_runtime_serves_batched_rows(folder: Path) -> None:
+    """`serve --runtime hf`: rows padded into one transformers pass; greedy text equals
+    `generate --runtime hf` alone, with requests in flight together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    expected = []
+    for prompt in PROMPTS:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            args = ["generate", "--target", str(folder), "--runtime", "hf", "--json"]
+            assert main([*args, "--prompt", prompt, "--no-chat", "--max-new-tokens", "24"]) == 0
+        expected.append(json.loads(out.getvalue().splitlines()[-1])["text"])
+    with start_server(folder, runtime="hf") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+
+        def complete(prompt: str) -> str:
+            answer = client.completions.create(
+                model=model, prompt=prompt, max_tokens=24, temperature=0
+            )
+            return answer.choices[0].text
+
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(complete, PROMPTS)) == expected
+
+
 def test_heads_draft_per_row_and_stay_exact(folder: Path) -> None:
     """An EAGLE head served (each row reading its own features from the shared pass):
     greedy text and the drafts themselves equal `generate --draft eagle:DIR` alone, with

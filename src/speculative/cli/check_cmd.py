@@ -47,7 +47,7 @@ not have failed means nothing.
 
 Verdict: "exact (TV ≤ ε at 99.9%)" (exit 0) or "NOT EXACT" with the failing position
 (exit 1). Modes: chains (default), --tree static|dynamic, --batch (the batched engine: one
-row per continuation; native runtime). --matrix runs the grid drafters × modes ×
+row per continuation; native or transformers runtime). --matrix runs the grid drafters × modes ×
 sampling settings on a tiny in-process test model, then on the default model at a
 smaller N, and writes docs/exactness.md-style markdown (--out).
 """
@@ -86,9 +86,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     mode.add_argument(
         "--batch",
         action="store_true",
-        help="use the batched engine (one row per continuation, 32 at a time; native "
-        "runtime). The default single-sequence engine is faster here: it keeps the shared "
-        "prompt in its cache, where every batch row prefills it again",
+        help="use the batched engine (one row per continuation, 32 at a time; native or "
+        "transformers runtime). The default single-sequence engine is faster here: it keeps "
+        "the shared prompt in its cache, where every batch row prefills it again",
     )
     parser.add_argument(
         "--temperature", type=non_negative_float, default=1.0, help="0: greedy identity check"

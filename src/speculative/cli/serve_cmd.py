@@ -61,6 +61,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--precision", default="auto", help="target precision (auto, fp32, bf16, int8, int4)"
     )
+    parser.add_argument(
+        "--runtime",
+        choices=["native", "hf"],
+        default="native",
+        help="native: one weight pass for every row's tokens (Llama family); hf: "
+        "transformers, rows padded to the longest (any causal LM it loads)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
     parser.add_argument(
@@ -123,6 +130,7 @@ def build_config(args: argparse.Namespace):
         drafts=drafts,
         gamma=args.gamma,
         precision=args.precision,
+        runtime=args.runtime,
         max_batch=args.max_batch,
         served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("SPECULATIVE_API_KEY") or None,

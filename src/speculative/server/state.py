@@ -149,7 +149,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
     config.check()
     if not isinstance(loaded.lm, SupportsBatchRows):
         raise ValueError(
-            f"serving needs a target that holds several sequences (the native runtime); "
+            f"serving needs a target that holds several sequences (native or hf runtime); "
             f"'{loaded.name}' on the {loaded.runtime} runtime cannot"
         )
     reserve_slots(loaded.lm, config.max_batch)
