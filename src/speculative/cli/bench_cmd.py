@@ -15,6 +15,7 @@ from speculative.cli.common import (
     positive_int,
     probability,
 )
+from speculative.drafters.tree import TREE_MODES
 
 DESCRIPTION = """\
 Benchmark lossless speculative decoding on a prompt suite (greedy decoding).
@@ -138,7 +139,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--tree",
         nargs="+",
         default=["off"],
-        choices=["off", "static", "dynamic"],
+        choices=TREE_MODES,
         help="token-tree rows besides the chains: each drafter that drafts trees also runs "
         "with these shapes (budget sized from the measured verify-cost curve)",
     )

@@ -18,6 +18,7 @@ from speculative.cli.common import (
     positive_int,
     probability,
 )
+from speculative.drafters.tree import TREE_MODES
 from speculative.exactness.controls import CONTROL_NAME
 
 EXIT_NOT_EXACT = 1
@@ -80,9 +81,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--precision", default="auto", help="target precision (see generate)")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--tree", choices=["off", "static", "dynamic"], default="off", help="draft token trees"
-    )
+    mode.add_argument("--tree", choices=TREE_MODES, default="off", help="draft token trees")
     mode.add_argument(
         "--batch",
         action="store_true",

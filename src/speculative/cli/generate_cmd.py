@@ -15,6 +15,7 @@ from speculative.cli.common import (
     positive_int,
 )
 from speculative.cli.streaming import DIM, RESET, TextStreamer, legend, use_colour
+from speculative.drafters.tree import TREE_MODES
 
 DESCRIPTION = """\
 Generate text with lossless speculative decoding.
@@ -72,7 +73,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def add_tree_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tree",
-        choices=["off", "static", "dynamic"],
+        choices=TREE_MODES,
         default="off",
         help="draft token trees instead of chains (see above)",
     )
