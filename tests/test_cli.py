@@ -127,3 +127,19 @@ def test_help_lists_registry_drafters_and_no_flag_defaults(capsys, command):
         for entry in REGISTRY:  # every registry drafter, self-int4 included
             assert f"\n  {entry.prefix}" in out, entry.prefix
         assert "self-int4" in out
+
+
+def test_demo_drafts_with_the_shipped_head_where_one_ships(capsys, tmp_path):
+    """`demo` with no --draft: `auto` (n-gram or the shipped EAGLE head) for the default
+    model, which ships a head; `ngram` for a target without one (no error), and the run's
+    outputs are identical to plain decoding."""
+    from server_helpers import tiny_chat_folder
+    from speculative.cli.demo_cmd import default_drafter
+
+    assert default_drafter("smollm2-135m-instruct") == "auto"
+    folder = tiny_chat_folder(tmp_path / "tiny")
+    assert default_drafter(folder.name) == "ngram"
+    args = ["demo", "--target", str(folder), "--max-new-tokens", "12", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert report["draft"] == "ngram" and report["outputs_identical"] is True

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speculative.cli.common import (
+    NO_DEFAULT,
     Formatter,
     add_json_flag,
     emit_json,
@@ -73,9 +74,6 @@ class ModeDefaults:
     cost_repeats: int
     warmup_tokens: int
 
-
-# Renders as nothing, and stops the Formatter appending "(default: None)" to the help line.
-NO_DEFAULT = "%(default).0s"
 
 FULL = ModeDefaults(None, 128, ("2", "4", "auto", "heuristic"), 3, 7, 16)
 QUICK = ModeDefaults(1, 128, ("4", "auto", "heuristic"), 1, 3, 8)

@@ -10,6 +10,10 @@ from typing import Any, NoReturn
 EXIT_USAGE = 2
 
 
+# Renders as nothing, and stops the Formatter appending "(default: None)" to the help line.
+NO_DEFAULT = "%(default).0s"
+
+
 class CliError(Exception):
     """A user-facing error: printed as one line on stderr, exit code 2."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from speculative.cli.common import Formatter, add_json_flag, emit_json, positive_int
+from speculative.cli.common import NO_DEFAULT, Formatter, add_json_flag, emit_json, positive_int
 from speculative.cli.generate_cmd import add_model_arguments, add_tree_argument, stats_line
 from speculative.cli.streaming import TextStreamer, legend, use_colour
 
@@ -42,9 +42,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=DEMO_PROMPT,
         help="prompt (chat template applied; default: summarize a short news text)",
     )
-    add_model_arguments(parser)
+    add_model_arguments(
+        parser,
+        draft_default=None,
+        draft_help="drafter (default: 'auto', n-gram lookup or the shipped EAGLE head per "
+        "round, where a head ships for the target; else 'ngram')" + NO_DEFAULT,
+    )
     add_tree_argument(parser)
-    parser.set_defaults(draft="ngram")
     parser.add_argument("--gamma", default="3", help="drafted tokens per round, or 'auto'")
     parser.add_argument("--max-new-tokens", type=positive_int, default=96, help="token budget")
     add_json_flag(parser)
@@ -52,13 +56,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from speculative.pipeline import Speculator, parse_gamma
+    from speculative.drafters.tree import TREE_MODES
+    from speculative.pipeline import Speculator, build_drafter, load_target, parse_gamma
 
     gamma = parse_gamma(args.gamma)
-    print(f"loading target '{args.target}' and drafter '{args.draft}' ...", file=sys.stderr)
-    speculator = Speculator.load(
-        args.target, args.draft, gamma, args.runtime, args.precision, args.tree, args.tree_budget
-    )
+    if args.tree not in TREE_MODES:  # before loading anything
+        raise ValueError(f"tree must be one of {', '.join(TREE_MODES)}, got {args.tree!r}")
+    print(f"loading target '{args.target}' ...", file=sys.stderr)
+    target = load_target(args.target, args.runtime, args.precision)
+    args.draft = args.draft or default_drafter(target.name)
+    print(f"drafter '{args.draft}' ...", file=sys.stderr)
+    drafter = build_drafter(args.draft, target)
+    speculator = Speculator(target, drafter, gamma, tree=args.tree, tree_budget=args.tree_budget)
     plain = Speculator(speculator.target, None)
     kwargs = {"max_new_tokens": args.max_new_tokens}
     speculator.generate(args.prompt, max_new_tokens=8)  # warm-up (allocations, caches)
@@ -96,3 +105,11 @@ def run(args: argparse.Namespace) -> int:
             }
         )
     return 0 if identical else 1
+
+
+def default_drafter(target_name: str) -> str:
+    """``auto`` (n-gram lookup or the shipped EAGLE head, per round) where a head ships for
+    the target, else ``ngram`` (prompt lookup needs nothing trained)."""
+    from speculative.heads.store import shipped_head_dir
+
+    return "auto" if shipped_head_dir("eagle", target_name) is not None else "ngram"

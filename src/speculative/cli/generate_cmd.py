@@ -48,13 +48,17 @@ On a terminal, green text came from accepted draft tokens and cyan text from the
 """
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(
+    parser: argparse.ArgumentParser,
+    draft_default: str | None = "ngram",
+    draft_help: str = "drafter (see above)",
+) -> None:
     parser.add_argument(
         "--target",
         default="default",
         help="target model: 'default' (SmolLM2-135M-Instruct), a folder, a .gguf or a hub id",
     )
-    parser.add_argument("--draft", default="ngram", help="drafter (see above)")
+    parser.add_argument("--draft", default=draft_default, help=draft_help)
     parser.add_argument(
         "--runtime",
         choices=["auto", "hf", "native"],
