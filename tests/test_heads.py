@@ -189,24 +189,26 @@ def test_batched_rows_draft_from_their_own_features(trained, runtime, name):
 
 def test_slot_features_equal_the_single_sequence_features(trained):
     """A slot session's features after a batched pass, a rollback and a catch-up are
-    bitwise those of a single-sequence session on the same tokens."""
+    bitwise those of a single-sequence session on the same tokens. A row whose drafter
+    reads no features keeps none, even in a pass that computes them for others."""
     target = target_on("native-kernels", trained["model"])
     lm = target.lm
     single = ModelSession(lm)
     single.logits_after([*PROMPT[:-1], 11])
     expected = single.features.clone()
     pool = SlotPool(lm)
-    a, b = pool.open(), pool.open()
-    rows = [a.request(PROMPT, [9, 10]), b.request(PROMPT[:5])]
-    for session, logits in zip((a, b), pool.forward_rows(rows), strict=True):
+    a, b, plain = pool.open(features=True), pool.open(features=True), pool.open()
+    rows = [a.request(PROMPT, [9, 10]), b.request(PROMPT[:5]), plain.request(PROMPT)]
+    for session, logits in zip((a, b, plain), pool.forward_rows(rows), strict=True):
         session.receive(logits)
+    assert plain.features is None and len(plain.cached) == len(PROMPT)
     row = a.request([*PROMPT[:-1], 11])  # rollback by common prefix, then catch up
     a.receive(pool.forward_rows([row])[0])
     assert len(a.cached) == len(PROMPT) and a.features.shape[0] == len(PROMPT)
     assert torch.equal(a.features, expected)
     assert b.features.shape[0] == 5
     assert torch.equal(b.features, expected[:5])
-    a.release(), b.release()
+    a.release(), b.release(), plain.release()
 
 
 def test_trained_heads_agree_with_the_target(trained):

@@ -185,7 +185,8 @@ class BatchEngine:
         if len(self.rows) >= self.max_batch:
             raise ValueError(f"the batch is full ({self.max_batch} rows)")
         state = new_state(request.prompt_ids, self.max_length, stats)
-        session = self.pool.open()  # raises when no slot is free
+        reads = isinstance(request.drafter, ReadsTargetFeatures)
+        session = self.pool.open(features=reads)  # raises when no slot is free
         if request.drafter is not None:
             request.drafter.reset()
         gamma = request.gamma

@@ -331,6 +331,10 @@ class SlotSession:
         self._features = FeatureStore() if features else None
 
     @property
+    def keeps_features(self) -> bool:
+        return self._features is not None
+
+    @property
     def features(self) -> torch.Tensor | None:
         """[n, hidden] the model's features of the first n cached positions, or None when
         the pool's passes give no features (see :meth:`ModelSession.features`)."""
@@ -459,8 +463,9 @@ class RowPool(Protocol):
         import from the model's single-sequence cache)."""
         ...
 
-    def open(self) -> RowSession:
-        """A new row's session; ValueError when no room is left."""
+    def open(self, features: bool = False) -> RowSession:
+        """A new row's session; ValueError when no room is left. ``features``: the row's
+        drafter reads the target's features (a pool may compute them only for such rows)."""
         ...
 
     def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
@@ -481,18 +486,22 @@ class SlotPool:
         self.gives_features = isinstance(model, SupportsBatchRowFeatures)
         self._sessions: dict[int, SlotSession] = {}  # by slot: the row that owns it now
 
-    def open(self) -> SlotSession:
-        session = SlotSession(self.model, self.gives_features)  # raises when no slot is free
+    def open(self, features: bool = False) -> SlotSession:
+        wanted = features and self.gives_features
+        session = SlotSession(self.model, wanted)  # raises when no slot is free
         self._sessions[session.slot] = session
         return session
 
     def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
-        if not self.gives_features:
+        """One pass for every row; features only when some row of it keeps them."""
+        sessions = [self._sessions[row.slot] for row in rows]
+        if not any(session.keeps_features for session in sessions):
             return self.model.forward_rows(rows)
         assert isinstance(self.model, SupportsBatchRowFeatures)
         outputs = self.model.forward_rows_with_hidden(rows)
-        for row, (_, features) in zip(rows, outputs, strict=True):
-            self._sessions[row.slot].take_features(features)
+        for session, (_, features) in zip(sessions, outputs, strict=True):
+            if session.keeps_features:
+                session.take_features(features)
         return [logits for logits, _ in outputs]
 
 
@@ -506,8 +515,8 @@ class SinglePool:
     def __init__(self, session: ModelSession) -> None:
         self.session = session
 
-    def open(self) -> ModelSession:
-        return self.session
+    def open(self, features: bool = False) -> ModelSession:
+        return self.session  # it keeps features whenever its model gives them
 
     def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
         if len(rows) != 1:
