@@ -56,12 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from speculative.drafters.tree import TREE_MODES
     from speculative.pipeline import Speculator, build_drafter, load_target, parse_gamma
 
     gamma = parse_gamma(args.gamma)
-    if args.tree not in TREE_MODES:  # before loading anything
-        raise ValueError(f"tree must be one of {', '.join(TREE_MODES)}, got {args.tree!r}")
     print(f"loading target '{args.target}' ...", file=sys.stderr)
     target = load_target(args.target, args.runtime, args.precision)
     args.draft = args.draft or default_drafter(target.name)
