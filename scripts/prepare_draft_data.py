@@ -171,15 +171,9 @@ def answer_into(
 ) -> int:
     """Answer the prompts ``path`` does not answer yet, appending transcripts as rows
     finish (an interrupted run continues where it stopped)."""
-    from speculative.training.selfdistill import (
-        answer_prompts,
-        answered,
-        prompt_key,
-        write_transcripts,
-    )
+    from speculative.training.selfdistill import answer_prompts, unanswered, write_transcripts
 
-    done = answered(path)
-    todo = [messages for messages in prompts if prompt_key(messages) not in done]
+    todo = unanswered(path, prompts)
     seed = args.seed + 1_000_000 * offset
     return write_transcripts(path, answer_prompts(decoder, todo, args.max_new_tokens, seed))
 

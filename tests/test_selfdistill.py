@@ -18,6 +18,7 @@ from speculative.training.selfdistill import (
     answer_records,
     answered,
     prompt_key,
+    unanswered,
     write_transcripts,
 )
 
@@ -48,6 +49,7 @@ def test_batched_answers_are_the_targets_own(loaded, tmp_path: Path) -> None:
         )  # fmt: skip
         assert messages[-1] == {"role": "assistant", "content": alone.text}
     assert answered(path) == set(records)
-    # a rerun answers nothing more
-    todo = [m for m in PROMPTS if prompt_key(m) not in answered(path)]
-    assert todo == [] and write_transcripts(path, answer_prompts(decoder, todo)) == 0
+    # a rerun answers nothing more; a new prompt is the one left to answer
+    assert unanswered(path, PROMPTS) == []
+    extra = [{"role": "user", "content": "a cat"}]
+    assert unanswered(path, [*PROMPTS, extra]) == [extra]

@@ -77,6 +77,12 @@ def answered(path: Path) -> set[str]:
     return done
 
 
+def unanswered(path: Path, prompts: Sequence[Messages]) -> list[Messages]:
+    """The prompts the transcript file at ``path`` does not answer yet, in order."""
+    done = answered(path)
+    return [messages for messages in prompts if prompt_key(messages) not in done]
+
+
 def prompt_key(messages: Messages) -> str:
     return json.dumps(messages, sort_keys=True)
 

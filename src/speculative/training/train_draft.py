@@ -89,17 +89,10 @@ def self_distill_records(options: TrainDraftOptions, target: Any) -> list[dict[s
     on --resume)."""
     from speculative.batch_jobs import BatchJob, RowDecoder
     from speculative.training.prompts import build_prompts
-    from speculative.training.selfdistill import (
-        answer_prompts,
-        answered,
-        prompt_key,
-        write_transcripts,
-    )
+    from speculative.training.selfdistill import answer_prompts, unanswered, write_transcripts
 
     path = options.out / "selfdistill.jsonl"
-    done = answered(path)
-    prompts = build_prompts(options.self_distill, options.seed)
-    prompts = [messages for messages in prompts if prompt_key(messages) not in done]
+    prompts = unanswered(path, build_prompts(options.self_distill, options.seed))
     if prompts:  # batched plain decoding: many answers share each target pass
         decoder = RowDecoder(BatchJob(draft=None, batch_size=SELF_DISTILL_BATCH), target)
         answers = answer_prompts(decoder, prompts, seed=options.seed, progress=options.progress)
