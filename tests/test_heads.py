@@ -109,6 +109,23 @@ def test_features_give_the_logits_and_follow_the_cache(trained, runtime):
     assert torch.allclose(session.features, fresh[0], atol=1e-5)
 
 
+def test_a_session_computes_features_only_when_asked(trained):
+    """Plain decoding does not pay for features: a session told not to keep them gives the
+    same logits and none; asked again over cached positions that have none, it starts
+    afresh and its features equal a fresh session's."""
+    lm = target_on("native-kernels", trained["model"]).lm
+    kept = ModelSession(lm)
+    want = kept.logits_after(PROMPT, [9, 10])
+    want_features = kept.features.clone()
+    session = ModelSession(lm)
+    session.keep_features(False)
+    assert torch.equal(session.logits_after(PROMPT, [9, 10]), want)
+    assert session.features is None
+    session.keep_features(True)
+    assert torch.equal(session.logits_after(PROMPT, [9, 10]), want)
+    assert torch.equal(session.features, want_features)
+
+
 def test_a_model_without_features_is_a_clear_error(trained):
     from speculative.heads.store import require_features
 

@@ -16,7 +16,7 @@ from speculative.sampling import (
     verify_greedy,
     verify_logits,
 )
-from speculative.sampling.probs import mask_top_p, nucleus_threshold
+from speculative.sampling.probs import mask_top_p, nucleus_probs, nucleus_threshold
 
 
 def logits_like_a_model(rows: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -34,6 +34,23 @@ def test_mask_top_p_equals_masked_fill():
         probs = torch.softmax(logits, -1)
         want = logits.masked_fill(probs < nucleus_threshold(probs, top_p), float("-inf"))
         assert torch.equal(mask_top_p(logits, top_p), want)
+
+
+def test_nucleus_probs_is_the_masked_softmax_renormalized_on_the_nucleus():
+    """nucleus_probs gives softmax(mask_top_p(logits)) (the definition) to float rounding,
+    with exactly its support; a row's bits do not depend on the other rows of the call.
+    A renormalization over the whole vocabulary (the nucleus not cut) is caught."""
+    generator = torch.Generator().manual_seed(3)
+    logits = logits_like_a_model(8, 3000, generator)
+    for top_p in (0.1, 0.9, 0.95, 1 - 1e-7):
+        want = torch.softmax(mask_top_p(logits, top_p), -1)
+        got = nucleus_probs(logits, top_p)
+        assert torch.equal(got > 0, want > 0), top_p
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        for row in range(logits.shape[0]):
+            assert torch.equal(nucleus_probs(logits[row], top_p), got[row])
+    uncut = torch.softmax(logits, -1)  # a sampler that forgot the nucleus
+    assert not torch.allclose(nucleus_probs(logits, 0.9), uncut, atol=1e-3)
 
 
 def test_sample_row_equals_sample_from():

@@ -154,10 +154,22 @@ class ModelSession:
     def features(self) -> torch.Tensor | None:
         """[n, hidden] the model's features of the first n cached positions (n <=
         len(cached); all of them unless the cache was adopted), or None when the model
-        has no :class:`SupportsHiddenStates`."""
+        has no :class:`SupportsHiddenStates` or the session does not keep them
+        (:meth:`keep_features`)."""
         if self._hidden_model is None:
             return None
         return self._features.view(len(self.cached))
+
+    def keep_features(self, keep: bool) -> None:
+        """Whether this session's passes compute the model's features (drafting heads read
+        them; each pass pays a final norm for them). On by default where the model gives
+        them. Turning them back on over cached positions that have none starts afresh."""
+        hidden = self.model if keep and isinstance(self.model, SupportsHiddenStates) else None
+        if hidden is None:
+            self._features.forget()
+        elif self._hidden_model is None and self._features.length < len(self.cached):
+            self.reset()  # the cached positions have no features: recompute them
+        self._hidden_model = hidden
 
     def reset(self) -> None:
         self.model.reset()
@@ -516,7 +528,8 @@ class SinglePool:
         self.session = session
 
     def open(self, features: bool = False) -> ModelSession:
-        return self.session  # it keeps features whenever its model gives them
+        self.session.keep_features(features)
+        return self.session
 
     def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
         if len(rows) != 1:
