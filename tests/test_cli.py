@@ -91,6 +91,8 @@ def test_simulate_other_experiments(capsys, experiment):
         ["theory", "--alpha", "0.5", "--c", "0.1", "--max-gamma", "0"],
         ["simulate", "--gamma", "0"],
         ["simulate", "--vocab", "1"],
+        ["bench-serve", "--serve-gamma", "heuristic"],
+        ["bench-serve", "--url", "http://127.0.0.1:9", "--serve-gamma", "auto"],
         ["nonsense"],
     ],
 )
@@ -98,6 +100,19 @@ def test_bad_input_is_one_line_exit_2(capsys, argv):
     code, _out, err = run_cli(capsys, *argv)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bench_serve_starts_its_server_with_the_serve_gamma():
+    """bench-serve's own server gets --serve-gamma (the load-aware "auto" included), and
+    serve's default when it is not given."""
+    from speculative.cli.bench_serve_cmd import serve_command
+    from speculative.cli.main import build_parser
+
+    args = build_parser().parse_args(["bench-serve", "--serve-gamma", "auto"])
+    command = serve_command(args, 8123)
+    assert command[command.index("--gamma") + 1] == "auto"
+    default = serve_command(build_parser().parse_args(["bench-serve"]), 8123)
+    assert "--gamma" not in default and default[default.index("--port") + 1] == "8123"
 
 
 def test_help_explains_terms(capsys):

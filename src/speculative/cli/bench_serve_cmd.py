@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from speculative.cli.common import CliError, Formatter, add_json_flag, emit_json, positive_int
+from speculative.cli.serve_cmd import gamma_setting
 
 DESCRIPTION = """\
 Load-test an OpenAI-compatible server with streamed chat requests: at each concurrency C,
@@ -37,6 +38,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--target", default="default", help="without --url: the model to serve")
     parser.add_argument("--serve-draft", default="ngram", help="without --url: --draft of serve")
     parser.add_argument("--max-batch", type=positive_int, default=32, help="without --url")
+    parser.add_argument(
+        "--serve-gamma",
+        type=gamma_setting,
+        default=None,
+        help="without --url: --gamma of serve (an integer, or 'auto': every row's γ chosen "
+        "for the load); the speculative runs then use it unless --gamma is given "
+        "(default: serve's own default)",
+    )
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
     parser.add_argument("--requests", type=positive_int, default=64, help="requests per level")
     parser.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per request")
@@ -79,14 +88,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def serve_command(args: argparse.Namespace, port: int) -> list[str]:
+    """The `speculative serve` command line bench-serve starts without --url."""
     command = [
         sys.executable, "-m", "speculative.cli.main", "serve", "--target", args.target,
         "--draft", args.serve_draft, "--max-batch", str(args.max_batch), "--port", str(port),
         "--log-level", "warning",
     ]  # fmt: skip
-    process = subprocess.Popen(command)
+    if args.serve_gamma is not None:
+        command += ["--gamma", str(args.serve_gamma)]
+    return command
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen(serve_command(args, port))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -122,6 +138,11 @@ def run(args: argparse.Namespace) -> int:
         prompts = [p.to_dict() for p in load_prompts(args.prompts)]
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    if args.url and args.serve_gamma is not None:
+        raise CliError(
+            "--serve-gamma sets γ on the server bench-serve starts; with --url, start that "
+            "server with `speculative serve --gamma ...` (or send --gamma per request)"
+        )
     process, url = (None, args.url) if args.url else start_server(args)
     results, speedups = [], []
     try:
