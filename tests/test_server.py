@@ -152,6 +152,51 @@ def test_load_aware_gamma_is_lossless(folder: Path) -> None:
         assert whole.choices[0].text == expected["text"]
 
 
+def _record_model_threads(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """The threads every native model forward (targets and draft models alike) runs on."""
+    import threading
+
+    from speculative.models.native.model import NativeLlama
+
+    seen: set[int] = set()
+    for name in ("forward", "forward_rows"):
+        original = getattr(NativeLlama, name)
+
+        def recorded(self, *args, _original=original, **kwargs):
+            seen.add(threading.get_ident())
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(NativeLlama, name, recorded)
+    return seen
+
+
+def test_a_loaded_server_does_all_model_work_on_one_thread(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load_state loads, calibrates (γ auto), builds drafters and decodes on one compute
+    thread: torch and the kernels share libgomp, which keeps a worker pool per thread that
+    starts parallel work, and two pools on 2 cores made decoding 3.5x slower. Control: a
+    state built on this thread (the scheduler then decodes on its own) is caught."""
+    from speculative.pipeline import load_target
+    from speculative.server import ServerConfig, create_app, load_state
+    from speculative.server.background import serve_in_background
+    from speculative.server.state import build_state
+
+    config = ServerConfig(target=str(folder), drafts=("self-int4", "none"), gamma="auto")
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    seen = _record_model_threads(monkeypatch)
+    state = load_state(config)
+    with serve_in_background(create_app(state)) as server:
+        body["model"] = state.model_id
+        assert http(server.url + "/v1/completions", "POST", body, key=None)[0] == 200
+    assert seen == {state.compute.ident}
+    seen.clear()
+    control = build_state(config, load_target(str(folder), "native"))
+    with serve_in_background(create_app(control)) as server:
+        assert http(server.url + "/v1/completions", "POST", body, key=None)[0] == 200
+    assert len(seen) == 2
+
+
 def test_draft_model_instances_are_reused_not_reloaded(folder: Path) -> None:
     """A model drafter (the target at int4) is built once per concurrent row and reused by
     later requests; its output is still the target's greedy text."""

@@ -58,6 +58,7 @@ class Prepared:
     batch_request: BatchRequest
     draft: str
     gamma: int
+    acquire: Callable[[], Any] | None  # the row's drafter instance, taken at admission
     release: Callable[[Any], None] | None
 
 
@@ -67,7 +68,7 @@ def create_app(state: ServerState) -> FastAPI:
     metrics = ServerMetrics()
     load = None if state.verify_cost is None else LoadAwareGamma(state.verify_cost)
     engine = BatchEngine(state.loaded.lm, max_batch=state.config.max_batch, load=load)
-    scheduler = Scheduler(engine, metrics, state.config.max_waiting)
+    scheduler = Scheduler(engine, metrics, state.config.max_waiting, compute=state.compute)
     metrics.attach(scheduler)
 
     @asynccontextmanager
@@ -174,13 +175,11 @@ async def _serve(
         metrics.count_request(endpoint, str(exc.status))
         raise
     loop = asyncio.get_running_loop()
-    job = Job(prepared.batch_request, loop, on_release=prepared.release)
+    job = Job(prepared.batch_request, loop, on_release=prepared.release, acquire=prepared.acquire)
     try:
         scheduler.start()
         scheduler.submit(job)
-    except ValueError as exc:
-        if prepared.release is not None:
-            prepared.release(prepared.batch_request.drafter)
+    except ValueError as exc:  # no drafter was taken yet: the scheduler takes it on admission
         metrics.count_request(endpoint, "503")
         raise ApiError(503, str(exc), "server_error", code="overloaded") from None
     if prepared.body.stream:
@@ -228,12 +227,12 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     generator = torch.Generator().manual_seed(seed)
     pool = state.pools.get(draft)
-    drafter = None
-    if pool is not None:  # building a draft model's instance may take a while: off the loop
-        drafter = await asyncio.get_running_loop().run_in_executor(None, pool.acquire)
-    batch_request = BatchRequest(prompt_ids, params, criteria, generator, drafter, gamma)
+    batch_request = BatchRequest(prompt_ids, params, criteria, generator, None, gamma)
+    # the scheduler takes the row's drafter when it admits the row, on its own thread
+    # (building one may start OpenMP work: see speculative.server.compute)
+    acquire = pool.acquire if pool is not None else None
     release = pool.release if pool is not None else None
-    return Prepared(endpoint, body, prompt_ids, batch_request, draft, gamma, release)
+    return Prepared(endpoint, body, prompt_ids, batch_request, draft, gamma, acquire, release)
 
 
 def _max_tokens(

@@ -1,8 +1,9 @@
 """One thread owns the batched engine; requests join and leave between rounds.
 
 HTTP handlers (on the event loop) :meth:`Scheduler.submit` a :class:`Job` and read its
-events from an asyncio queue. The scheduler thread admits queued jobs while the batch has
-room (the others wait: the ``waiting`` gauge), runs one round for every active row, and
+events from an asyncio queue. The scheduler thread (the server's compute thread, where it
+has one) admits queued jobs while the batch has room (the others wait: the ``waiting``
+gauge), taking each row's drafter as it admits it, runs one round for every active row, and
 hands each row its round through ``loop.call_soon_threadsafe``. A cancelled job (its
 client went away) leaves the batch before the next round, freeing its slot at once.
 """
@@ -14,11 +15,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 
 from speculative.drafters.base import Drafter
 from speculative.engine.batch import BatchEngine, BatchRequest
 from speculative.engine.loop import GenerationResult, Round
+from speculative.server.compute import ComputeThread
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     on_release: Callable[[Drafter | None], None] | None = None  # gives the drafter back
+    # the row's drafter, taken when the job is admitted (on the scheduler's thread, which
+    # may build one); None: request.drafter as given
+    acquire: Callable[[], Drafter | None] | None = None
     submitted: float = field(default_factory=time.perf_counter)
     admitted: float | None = None
     row_id: int | None = None
@@ -74,9 +80,16 @@ class Scheduler:
     """Runs the engine's rounds on a background thread while rows are active."""
 
     def __init__(
-        self, engine: BatchEngine, observer: SchedulerObserver | None = None, max_waiting: int = 256
+        self,
+        engine: BatchEngine,
+        observer: SchedulerObserver | None = None,
+        max_waiting: int = 256,
+        compute: ComputeThread | None = None,
     ) -> None:
+        """compute: run the rounds there (the thread that loaded the model, see
+        :mod:`speculative.server.compute`); None: on a thread of the scheduler's own."""
         self.engine = engine
+        self.compute = compute
         self.observer = observer or SchedulerObserver()
         self.max_waiting = max_waiting
         self._queue: deque[Job] = deque()
@@ -84,23 +97,37 @@ class Scheduler:
         self._cancels: list[Job] = []
         self._wake = threading.Condition()
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._running: Future | None = None  # the loop, on its thread
         self.error: str | None = None
 
     # ---- called from any thread ---------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="speculative-scheduler")
-            self._thread.daemon = True
-            self._thread.start()
+        with self._wake:
+            if self._running is not None:
+                return
+            if self.compute is not None:
+                self._running = self.compute.submit(self._run)
+            else:
+                self._running = Future()
+                thread = threading.Thread(
+                    target=self._run_into, args=(self._running,), name="speculative-scheduler"
+                )
+                thread.daemon = True
+                thread.start()
 
     def stop(self) -> None:
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
+            running, self._running = self._running, None
+        if running is not None:
+            running.result(timeout=30)
+
+    def _run_into(self, future: Future) -> None:
+        try:
+            future.set_result(self._run())
+        except BaseException as exc:
+            future.set_exception(exc)
 
     def submit(self, job: Job) -> None:
         """Queue a job; ValueError when too many are already waiting."""
@@ -167,6 +194,12 @@ class Scheduler:
                 if not self._queue:
                     return
                 job = self._queue.popleft()
+            if job.acquire is not None:
+                try:
+                    job.request = replace(job.request, drafter=job.acquire())
+                except Exception as exc:  # a drafter that cannot be built fails its job
+                    self._fail(job, f"building the drafter failed: {type(exc).__name__}: {exc}")
+                    continue
             try:
                 job.row_id = self.engine.add(job.request)
             except ValueError as exc:

@@ -18,6 +18,7 @@ from speculative.drafters.base import Drafter
 from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
 from speculative.models.base import SupportsBatchRows
 from speculative.pipeline import LoadedModel
+from speculative.server.compute import ComputeThread
 
 NONE = "none"
 
@@ -95,6 +96,8 @@ class ServerState:
     loaded: LoadedModel
     pools: dict[str, DrafterPool] = field(default_factory=dict)
     verify_cost: dict[int, float] | None = None  # T(k)/T(1), measured for γ "auto"
+    # the thread that loaded the target and runs its rounds (None: the scheduler's own)
+    compute: ComputeThread | None = None
 
     @property
     def row_gamma(self) -> int:
@@ -170,10 +173,17 @@ def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
     return state
 
 
-def load_state(config: ServerConfig) -> ServerState:
-    """Load the target named in ``config`` and build the state."""
+def load_state(config: ServerConfig, compute: ComputeThread | None = None) -> ServerState:
+    """Load the target named in ``config`` and build the state, on ``compute`` (a new
+    :class:`ComputeThread` when None), the thread that will also run its rounds."""
     from speculative.pipeline import load_target
 
     config.check()  # before loading anything
-    loaded = load_target(config.target, config.runtime, config.precision)
-    return build_state(config, loaded)
+    compute = compute or ComputeThread()
+
+    def load() -> ServerState:
+        return build_state(config, load_target(config.target, config.runtime, config.precision))
+
+    state = compute.call(load)
+    state.compute = compute
+    return state
