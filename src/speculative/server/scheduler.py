@@ -87,7 +87,8 @@ class Scheduler:
         compute: ComputeThread | None = None,
     ) -> None:
         """compute: run the rounds there (the thread that loaded the model, see
-        :mod:`speculative.server.compute`); None: on a thread of the scheduler's own."""
+        :mod:`speculative.server.compute`); None: on a thread of the scheduler's own,
+        started with it."""
         self.engine = engine
         self.compute = compute
         self.observer = observer or SchedulerObserver()
@@ -105,15 +106,9 @@ class Scheduler:
         with self._wake:
             if self._running is not None:
                 return
-            if self.compute is not None:
-                self._running = self.compute.submit(self._run)
-            else:
-                self._running = Future()
-                thread = threading.Thread(
-                    target=self._run_into, args=(self._running,), name="speculative-scheduler"
-                )
-                thread.daemon = True
-                thread.start()
+            if self.compute is None:
+                self.compute = ComputeThread("speculative-scheduler")
+            self._running = self.compute.submit(self._run)
 
     def stop(self) -> None:
         with self._wake:
@@ -122,12 +117,6 @@ class Scheduler:
             running, self._running = self._running, None
         if running is not None:
             running.result(timeout=30)
-
-    def _run_into(self, future: Future) -> None:
-        try:
-            future.set_result(self._run())
-        except BaseException as exc:
-            future.set_exception(exc)
 
     def submit(self, job: Job) -> None:
         """Queue a job; ValueError when too many are already waiting."""
