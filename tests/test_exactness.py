@@ -111,6 +111,88 @@ def test_sample_size_for_detection_is_enough_and_a_quarter_is_not() -> None:
     assert stats.tv_upper_bound(table, alpha) <= 0.0501
 
 
+# ---- one sample against the exact law ----------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["chi2", "g"])
+def test_goodness_of_fit_matches_scipy(method: str) -> None:
+    law = {"a": 0.5, "b": 0.3, "c": 0.15, "d": 0.05}
+    table = stats.bin_against_law(Counter(a=230, b=160, c=80, d=30), law)
+    ours = stats.goodness_of_fit(table, method)
+    lambda_ = "pearson" if method == "chi2" else "log-likelihood"
+    expected = 500 * np.array(table.probs)
+    ref = scipy_stats.power_divergence(table.observed, expected, lambda_=lambda_)
+    assert ours.df == 3
+    assert ours.statistic == pytest.approx(ref.statistic, rel=1e-10)
+    assert ours.p_value == pytest.approx(ref.pvalue, rel=1e-8)
+
+
+def test_bin_against_law_keeps_every_count_and_an_impossible_outcome_fails() -> None:
+    law = {k: 0.5**k for k in range(1, 30)}  # 29 outcomes, a geometric tail
+    law[30] = 1 - sum(law.values())
+    outcomes = list(law)
+    draws = np.random.default_rng(6).choice(len(outcomes), 884, p=list(law.values()))
+    observed = Counter(outcomes[i] for i in draws)
+    table = stats.bin_against_law(observed, law, max_bins=6)
+    assert table.n == 884 and table.bins == 6 and table.labels[-1] == stats.OTHER
+    assert sum(table.probs) == pytest.approx(1.0, abs=1e-12)
+    assert all(table.n * p >= stats.MIN_EXPECTED for p in table.probs)
+    assert stats.goodness_of_fit(table).p_value > 1e-3
+    # an outcome the law calls impossible lands in "other" (probability 0 when the law's
+    # support is all kept): an infinite statistic, p = 0
+    small = {"x": 0.6, "y": 0.4}
+    impossible = stats.bin_against_law(Counter(x=60, y=39, z=1), small)
+    assert impossible.labels == ("x", "y", stats.OTHER) and impossible.probs[-1] == 0
+    assert stats.goodness_of_fit(impossible).p_value == 0.0
+    assert stats.goodness_of_fit(stats.bin_against_law(Counter(x=61, y=39), small)).p_value > 0.5
+
+
+def _fit_tables(law: np.ndarray, q: np.ndarray, n: int, trials: int, seed: int):
+    rng = np.random.default_rng(seed)
+    labels = tuple(range(len(law)))
+    probs = tuple(float(x) for x in law)
+    return [stats.FitTable(labels, tuple(rng.multinomial(n, q)), probs) for _ in range(trials)]
+
+
+def test_fit_tv_bound_covers_the_true_tv_and_the_margin_is_needed() -> None:
+    tables = _fit_tables(P4, Q4, 1000, 300, seed=5)  # a sample of Q4 against the law P4
+    bounds = [stats.fit_tv_upper_bound(t, delta=0.05) for t in tables]
+    assert min(bounds) >= 0.1  # coverage (conservative: no miss expected)
+    # negative control: the bare estimate falls below the true TV far more often than δ
+    assert sum(stats.fit_tv_distance(t) < 0.1 for t in tables) > 2 * 0.05 * len(tables)
+    # one sample against the law needs half the N per sample of two samples
+    two = stats.samples_for_tv_bound(0.05, bins=4, delta=1e-3)
+    one = stats.samples_for_fit_tv_bound(0.05, bins=4, delta=1e-3)
+    assert one == pytest.approx(two / 2, abs=1)
+    exact_sample = stats.FitTable((0, 1, 2, 3), (one // 4,) * 4, (0.25,) * 4)
+    assert stats.fit_tv_upper_bound(exact_sample, 1e-3) <= 0.0501
+
+
+def test_target_law_is_the_product_of_the_processed_rows() -> None:
+    from speculative.exactness.exact import END, marginal, target_law
+    from speculative.models.markov import MarkovLM, seed_matrices
+    from speculative.sampling import SamplingParams, logits_to_probs
+
+    matrix, _ = seed_matrices()
+    lm = MarkovLM(matrix)
+    params = SamplingParams(0.7, top_k=3)
+    law = target_law(lm, [0], params, 3, eos_token_ids={4})
+    rows = logits_to_probs(torch.log(torch.tensor(matrix)).float(), params).double()
+    assert sum(law.values()) == pytest.approx(1.0, abs=1e-6)
+    for seq, p in law.items():
+        expected, last = 1.0, 0
+        for token in seq:
+            if token == END:
+                break
+            expected, last = expected * float(rows[last, token]), token
+        assert p == pytest.approx(expected, rel=1e-6), seq
+    # EOS (token 4) ends a continuation: what follows it is END; top-k 3 bounds the support
+    assert all(seq[seq.index(4) + 1 :] == (END,) * (2 - seq.index(4)) for seq in law if 4 in seq)
+    assert len(law) <= 3 + 9 + 27
+    first = marginal(law, lambda seq: seq[0])
+    assert first == pytest.approx({t: float(rows[0, t]) for t in first}, rel=1e-6)
+
+
 # ---- the engine seam and the controls -----------------------------------------------------
 
 
@@ -157,13 +239,43 @@ def test_check_passes_exact_sampling_and_detects_its_control(native) -> None:
     assert report.verdict.startswith("exact (TV ≤ ")
 
 
-@pytest.mark.parametrize("mode", ["chain", "batch"])
-def test_check_reports_a_broken_rule_not_exact(native, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "reference"), [("chain", "exact"), ("chain", "sampled"),
+                                                  ("batch", "auto")])  # fmt: skip
+def test_check_reports_a_broken_rule_not_exact(native, mode: str, reference: str) -> None:
     """Negative control of the check itself: the rule under test is broken."""
-    config = CheckConfig("ngram", samples=400, length=2, mode=mode, verifier=broken.always_accept)
+    config = CheckConfig("ngram", samples=400, length=2, mode=mode, reference=reference,
+                         verifier=broken.always_accept)  # fmt: skip
     report = run_check(native, config, PROMPTS)
+    assert report.reference == ("sampled" if reference == "sampled" else "exact law")
     assert not report.exact
     assert report.verdict.startswith("NOT EXACT (position ")
+
+
+def test_plain_sampling_fits_the_enumerated_law_and_a_wrong_law_does_not(native) -> None:
+    """The exact law is the reference only if the target's own sampling follows it: 2,000
+    plain continuations fit it; the law at T = 0.8 (a near miss) is rejected."""
+    from speculative.exactness.runner import comparisons, draw, exact_laws
+
+    config = CheckConfig("ngram", samples=2000, length=3, reference="exact")
+    rows = draw(native, config, "reference", PROMPTS, range(2000), 3)
+    found = comparisons(exact_laws(native, config, PROMPTS), rows, 3, config)
+    assert min(c.p_adjusted for c in found) > 1e-3
+    assert all(c.exact_reference for c in found)
+    wrong = exact_laws(native, CheckConfig(temperature=0.8, length=3), PROMPTS)
+    assert min(c.p_adjusted for c in comparisons(wrong, rows, 3, config)) < 1e-6
+
+
+def test_exact_reference_refuses_a_law_too_large_to_enumerate(native) -> None:
+    from speculative.exactness import uses_exact_law
+
+    assert uses_exact_law(native, CheckConfig(length=3))  # 1 + 20 + 400 forwards
+    assert not uses_exact_law(native, CheckConfig(length=5))  # auto: a reference sample
+    assert not uses_exact_law(native, CheckConfig(length=3, reference="sampled"))
+    assert uses_exact_law(native, CheckConfig(length=5, top_k=5))  # top-k narrows it
+    with pytest.raises(ValueError, match="too large to enumerate"):
+        uses_exact_law(native, CheckConfig(length=5, reference="exact"))
+    with pytest.raises(ValueError, match="reference must be one of"):
+        CheckConfig(reference="law")
 
 
 @pytest.mark.slow
@@ -201,8 +313,12 @@ def test_cli_check_json_and_report(tiny: Path, tmp_path: Path, monkeypatch, caps
     assert payload["exact"] and payload["control_detected"]
     assert payload["verdict"].startswith("exact (TV ≤")
     assert (tmp_path / "check.md").read_text().startswith("# speculative check")
+    assert payload["reference"] == "exact law" and payload["control_samples"] == 200
     assert main(["check", "--target", "tiny", "--samples", "3", "--no-progress"]) == 2
     assert "negative control was not detected" in capsys.readouterr().err
+    too_long = ["check", "--target", "tiny", "--length", "6", "--reference", "exact"]
+    assert main([*too_long, "--no-progress"]) == 2
+    assert "too large to enumerate" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -219,5 +335,17 @@ def test_matrix_on_the_tiny_model(native, tiny: Path) -> None:
         where = (cell.drafter.label, cell.mode, cell.sampling, cell.problem)
         assert cell.report is not None and cell.report.exact, where
         assert cell.report.control_detected, where
-        if not cell.report.config.greedy:
-            assert cell.report.tv_bound < 0.35, where
+        if not cell.report.config.greedy:  # one sample of 500 against the exact law
+            assert cell.report.reference == "exact law", where
+            assert cell.report.tv_bound < 0.25, where
+
+
+@pytest.mark.slow
+def test_check_bounds_tv_within_0_02_against_the_exact_law(native) -> None:
+    """The TV ≤ 0.02 (99.9%) goal on one cell, n-gram in batch mode at T = 1 (~35 s): one
+    sample of 40,000 against the enumerated law, where two samples would need 4× the
+    continuations."""
+    config = CheckConfig("ngram", gamma=2, samples=40_000, mode="batch")
+    report = run_check(native, config, PROMPTS)
+    assert report.reference == "exact law" and report.exact and report.control_detected
+    assert report.tv_bound <= 0.02

@@ -41,6 +41,13 @@ distributions at that N: TV̂ + sqrt((K ln 2 + ln(M/δ)) · 2/N) (K bins, M join
 a two-sample Bretagnolle–Huber–Carol bound). Greedy (--temperature 0): token-for-token
 identity with plain decoding on every prompt.
 
+Exact law. Where the target's law of the first L tokens can be enumerated (a small
+vocabulary, such as --target tiny: at most 20,000 forwards), no reference sample is drawn
+(--reference auto; exact or sampled insist): the speculative sample is tested against the
+law itself (chi-square or G goodness of fit), and the TV bound is the one-sample
+TV̂ + sqrt((K ln 2 + ln(M/δ)) / (2N)), which needs about a quarter of the continuations
+of the two-sample check for the same bound.
+
 Power. A pilot of 200 continuations per prompt measures the control's effect first; if N
 cannot detect it, the check stops with an error instead of passing on too few samples.
 The control must be detected at the end, or the check fails (exit 2): a pass that could
@@ -111,6 +118,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--prompt", action="append", default=None, metavar="TEXT",
         help="a prompt (repeat for several; default: two built-in prompts)",
     )  # fmt: skip
+    parser.add_argument(
+        "--reference",
+        choices=["auto", "exact", "sampled"],
+        default="auto",
+        help="what the speculative sample is compared with: the target's exact law "
+        "(enumerated; small vocabularies only), a sample of its own sampling, or auto "
+        "(the exact law where it can be enumerated)",
+    )
     parser.add_argument("--test", choices=["chi2", "g"], default="chi2", help="the test")
     parser.add_argument("--seed", type=int, default=0, help="base of the generators' seeds")
     parser.add_argument(
@@ -182,6 +197,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         length=args.length,
         method=args.test,
         seed=args.seed,
+        reference=args.reference,
     )
 
 
@@ -220,12 +236,13 @@ def run(args: argparse.Namespace) -> int:
 def check_with_progress(target: Any, config: Any, prompts: list[list[int]], progress: bool):
     from tqdm import tqdm
 
-    from speculative.exactness import ControlTooWeak, run_check, total_draws
+    from speculative.exactness import ControlTooWeak, run_check, total_draws, uses_exact_law
 
-    bar = tqdm(
-        total=total_draws(config, len(prompts)), desc="check", unit="seq", file=sys.stderr,
-        disable=not progress,
-    )  # fmt: skip
+    try:
+        total = total_draws(config, len(prompts), uses_exact_law(target, config))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    bar = tqdm(total=total, desc="check", unit="seq", file=sys.stderr, disable=not progress)
     with bar:
         try:
             return run_check(target, config, prompts, bar.update)
@@ -248,7 +265,7 @@ def print_report(report: Any) -> None:
                 f"{'identical' if same else 'DIFFER'} (control: {'same' if ctl else 'differs'})"
             )
     else:
-        print(f"  N = {c.samples} per prompt per way · {report.prompts} prompts · L = {c.horizon}")
+        print(f"  {sample_sizes(report)} · {report.prompts} prompts · L = {c.horizon}")
         print("  prompt statistic         bins  p (Holm)   TV̂      TV bound")
         for x in report.comparisons:
             bound = f"{x.tv_bound:.3f}" if x.joint else "  –"
@@ -263,6 +280,17 @@ def print_report(report: Any) -> None:
     detected = "detected" if report.control_detected else "NOT detected"
     print(f"negative control: {detected} · {report.seconds:.1f} s")
     print(f"verdict: {report.verdict}")
+
+
+def sample_sizes(report: Any) -> str:
+    """What the continuations were compared with, and how many there were."""
+    n = report.config.samples
+    if report.reference == "exact law":
+        return (
+            f"N = {n} speculative continuations per prompt against the target's exact law "
+            f"(control: {report.control_samples})"
+        )
+    return f"N = {n} per prompt per way (reference: a sample of the target's own sampling)"
 
 
 def write_report(out: Path, report: Any) -> None:
@@ -288,7 +316,7 @@ def report_markdown(report: Any) -> str:
     ]
     if not c.greedy:
         lines += [
-            f"- N = {c.samples} continuations per prompt per way, {report.prompts} prompts, "
+            f"- {sample_sizes(report)}, {report.prompts} prompts, "
             f"L = {c.horizon}; {c.method} tests, Holm-corrected; TV bound at "
             f"{100 * (1 - c.alpha):g}% (simultaneous over the joint statistics)",
             "",
@@ -367,7 +395,9 @@ def run_matrix_command(args: argparse.Namespace) -> int:
             cells = run_matrix(get, drafters, prompts, config, GRID_MODES, samplings, advance)
         torch.set_num_threads(threads)
         all_cells.append((name, cells))
-        sections.append(section_markdown(_section_title(name), cells, _section_note(name, config)))
+        exact_law = any(c.report is not None and c.report.reference == "exact law" for c in cells)
+        note = _section_note(name, config, exact_law)
+        sections.append(section_markdown(_section_title(name), cells, note))
         if args.out is not None:  # each section as soon as it is done
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "exactness.partial.md").write_text("\n".join(sections))
@@ -395,42 +425,61 @@ def _section_title(name: str) -> str:
     return "Default model (SmolLM2-135M-Instruct, its own int4 precision)"
 
 
-def _section_note(name: str, config: Any) -> str:
+def _section_note(name: str, config: Any, exact_law: bool) -> str:
     what = (
         "Built from a seed by `speculative check --target tiny` (a test fixture). "
         if name == "tiny"
         else "One built-in prompt, chat template; greedy and T = 1 only. "
     )
+    if exact_law:
+        sizes = (
+            "N speculative continuations per prompt, tested against the target's exact law "
+            "(enumerated: no reference sample), the control on its pilot of "
+            f"{config.pilot} (more only if the pilot missed it)"
+        )
+        reference = "the target's exact law"
+    else:
+        sizes = "N per prompt per way as given (reference: the target's own sampling)"
+        reference = "plain sampling"
     return (
         f"{what}γ = {config.gamma}, L = {config.horizon} tokens per continuation (greedy: "
-        f"{config.greedy_length}), N per prompt per way as given, control = every drafted "
-        "token accepted and the bonus token drawn from the wrong row. 'min p' is the "
-        "smallest Holm-adjusted p-value of the speculative "
-        "sample against plain sampling (exact cells: large); 'control min p' the same for "
-        "the control (must be < 0.001). The TV bound is for the binned joint distributions "
-        "of the first 1–3 tokens."
+        f"{config.greedy_length}), {sizes}; control = every drafted token accepted and the "
+        "bonus token drawn from the wrong row. 'min p' is the smallest Holm-adjusted p-value "
+        f"of the speculative sample against {reference} (exact cells: large); 'control min "
+        "p' the same for the control (must be < 0.001). The TV bound is for the binned joint "
+        "distributions of the first 1–3 tokens."
     )
 
 
 def matrix_markdown(sections: list[str], cpu: str, command: str, config: Any) -> str:
-    from speculative.exactness.stats import samples_for_tv_bound
+    from speculative.exactness.stats import (
+        fit_tv_margin,
+        samples_for_fit_tv_bound,
+        samples_for_tv_bound,
+    )
 
     joints = 3  # x1, x1..x2, x1..x3 of one prompt: the bound is simultaneous over them
-    need = samples_for_tv_bound(0.02, config.max_bins, config.alpha / joints)
+    k, delta = config.max_bins, config.alpha / joints
+    one = samples_for_fit_tv_bound(0.02, k, delta)
+    two = samples_for_tv_bound(0.02, k, delta)
+    margin = fit_tv_margin(k, config.samples, delta)
     head = (
         "# Exactness matrix\n\n"
         f"Generated by `{command}` (do not edit by hand). Each "
-        "cell draws continuations from fixed prompts three ways (the target's own "
-        "sampling, speculative sampling, and the negative control: the same engine with "
-        "every drafted token accepted and the bonus drawn from the wrong row) and "
-        "tests them as `speculative check` does "
-        "(`speculative check --help` has the method).\n\n"
+        "cell draws continuations from fixed prompts (speculative sampling, and the negative "
+        "control: the same engine with every drafted token accepted and the bonus drawn from "
+        "the wrong row) and tests them as `speculative check` does "
+        "(`speculative check --help` has the method): against the target's exact law where "
+        "it can be enumerated (the tiny model), else against a third sample, of the "
+        "target's own sampling (the default model).\n\n"
         f"CPU: {cpu}.\n\n"
-        "How far the TV bound is from 0.02: it is TV̂ + sqrt((K ln 2 + ln(M/δ)) · 2/N) "
-        f"(K ≤ {config.max_bins} bins, M = {joints} joints, δ = {config.alpha}), so even "
-        f"with TV̂ = 0 a bound of 0.02 needs N ≥ {need:,} continuations per prompt per way "
-        "(and more while TV̂ is not ~0): ~56× the N below, i.e. about 1.5 hours for the "
-        "tiny grid on 2 CPU cores at the speeds in its table. The N used here detects every "
-        "negative control that can run; the bounds are what that N supports.\n"
+        "The TV bound (99.9%, simultaneous over the M = "
+        f"{joints} joints, K ≤ {k} bins, δ = {config.alpha}): against the exact law it is "
+        "TV̂ + sqrt((K ln 2 + ln(M/δ)) / (2N)), so with TV̂ = 0 a bound of 0.02 needs "
+        f"N ≥ {one:,} continuations per prompt (margin {margin:.4f} "
+        f"at the tiny model's N = {config.samples:,}); between two samples it is "
+        f"TV̂ + sqrt((K ln 2 + ln(M/δ)) · 2/N), which needs N ≥ {two:,} per prompt per way "
+        "for the same 0.02. The default model's N detects every negative control that can "
+        "run; its bounds are what that N supports.\n"
     )
     return head + "\n" + "\n".join(sections)

@@ -14,6 +14,11 @@ Modes: ``chain`` and ``tree-static`` / ``tree-dynamic`` run the single-sequence
 generator and drafter instance), which needs a target with per-row cache slots (native or
 transformers).
 
+When the target's law of the first L tokens can be enumerated (a small vocabulary: the
+tiny fixture; :mod:`.exact`), no reference sample is drawn: the speculative sample and the
+control are tested against that exact law (goodness of fit, one-sample TV margin), which
+needs about a quarter of the continuations of two samples for the same TV bound.
+
 Compared per prompt (sampling): the joint distribution of the first k tokens (k = 1..3),
 the marginal of each later position, and position 2 given the most frequent first tokens,
 each binned (:func:`~.stats.bin_counts`) and tested (chi-square, Holm-corrected over the
@@ -23,9 +28,10 @@ run). The TV bound is claimed for the joints of the first k tokens, simultaneous
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +39,11 @@ import torch
 
 from speculative.exactness import stats
 from speculative.exactness.controls import CONTROL_NAME, accept_all, accept_all_tree
+from speculative.exactness.exact import END, Law, enumerable, marginal, target_law
 
-END = "<end>"  # a continuation stopped (EOS) before this position
 MODES = ("chain", "tree-static", "tree-dynamic", "batch")
 WAYS = ("reference", "speculative", "control")
+REFERENCES = ("auto", "exact", "sampled")
 
 Tick = Callable[[int], None]
 
@@ -61,6 +68,9 @@ class CheckConfig:
     power: float = 0.99
     max_batch: int = 32
     seed: int = 0
+    # "auto": the target's exact law where it can be enumerated (small vocabularies), else
+    # a sample of the target's own sampling; "exact" or "sampled" to insist
+    reference: str = "auto"
     # the rules under test (None: the engine's exact ones); a broken one here is how the
     # check itself is tested
     verifier: Any = None
@@ -73,6 +83,10 @@ class CheckConfig:
             raise ValueError("samples and lengths must be >= 1")
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
+        if self.reference not in REFERENCES:
+            raise ValueError(
+                f"reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -218,17 +232,33 @@ def _draw_batch(target, config, way, prompts, indices, length, tick, drafted):
 
 @dataclass
 class Comparison:
-    """One binned two-sample comparison."""
+    """One binned comparison: two samples (``stats.Table``) or a sample against the exact
+    law (``stats.FitTable``)."""
 
     prompt: int
     name: str  # "x1..x2" (joint of the first 2 tokens), "x3" (marginal), "x2 | x1=17"
     position: int  # the deepest position it looks at (1-based)
     joint: bool  # a joint of the first tokens: carries the TV claim
-    table: stats.Table
+    table: stats.Table | stats.FitTable
     test: stats.TestResult
     tv_hat: float
     tv_bound: float = 1.0
     p_adjusted: float = 1.0
+
+    @property
+    def exact_reference(self) -> bool:
+        return isinstance(self.table, stats.FitTable)
+
+    def sizes(self) -> list[int | str]:
+        """[reference N, sample N]; "exact" for a reference that is the law itself."""
+        t = self.table
+        return ["exact", t.n] if isinstance(t, stats.FitTable) else [t.n_a, t.n_b]
+
+    def margin(self, delta: float) -> float:
+        t = self.table
+        if isinstance(t, stats.FitTable):
+            return stats.fit_tv_margin(t.bins, t.n, delta)
+        return stats.tv_margin(t.bins, t.n_a, t.n_b, delta)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -236,7 +266,7 @@ class Comparison:
             "statistic": self.name,
             "position": self.position,
             "bins": self.table.bins,
-            "n": [self.table.n_a, self.table.n_b],
+            "n": self.sizes(),
             "chi2": self.test.statistic,
             "df": self.test.df,
             "p_value": self.test.p_value,
@@ -246,50 +276,96 @@ class Comparison:
         }
 
 
-def _token(row: tuple[int, ...], j: int) -> int | str:
+def _token(row: tuple[int | str, ...], j: int) -> int | str:
     return row[j] if j < len(row) else END
 
 
+@dataclass(frozen=True)
+class Statistic:
+    """One compared quantity of a prompt's continuations: ``key(row)`` over the rows for
+    which ``given(row)`` holds (all of them when None)."""
+
+    name: str
+    position: int
+    joint: bool
+    key: Callable[[tuple], Hashable]
+    given: Callable[[tuple], bool] | None = None
+
+    def counts(self, rows: Sequence[tuple]) -> Counter:
+        return Counter(self.key(r) for r in rows if self.given is None or self.given(r))
+
+    def law(self, law: Law) -> dict[Hashable, float]:
+        """This statistic's exact law (conditioned on ``given``, renormalized)."""
+        if self.given is None:
+            return marginal(law, self.key)
+        kept = {seq: p for seq, p in law.items() if self.given(seq)}
+        mass = sum(kept.values())
+        return {k: p / mass for k, p in marginal(kept, self.key).items()}
+
+
+def statistics(length: int, first_tokens: Sequence[int | str]) -> list[Statistic]:
+    """The joints of the first k tokens (k = 1..3), the marginal of each later position,
+    and position 2 given each of ``first_tokens``."""
+    found = [
+        Statistic("x1" if k == 1 else f"x1..x{k}", k, True,
+                  lambda r, k=k: tuple(_token(r, j) for j in range(k)))
+        for k in range(1, min(length, 3) + 1)
+    ]  # fmt: skip
+    found += [
+        Statistic(f"x{j + 1}", j + 1, False, lambda r, j=j: _token(r, j)) for j in range(1, length)
+    ]
+    if length >= 2:
+        found += [
+            Statistic(f"x2 | x1={t}", 2, False, lambda r: _token(r, 1),
+                      lambda r, t=t: _token(r, 0) == t)
+            for t in first_tokens
+            if t != END
+        ]  # fmt: skip
+    return found
+
+
 def comparisons(
-    ref: list[list[tuple[int, ...]]],
+    ref: Sequence[Sequence[tuple[int, ...]]] | Sequence[Law],
     other: list[list[tuple[int, ...]]],
     length: int,
     config: CheckConfig,
     conditional_top: int = 2,
     min_conditional: int = 100,
 ) -> list[Comparison]:
-    """Every comparison of one run, Holm-adjusted, with the joint TV bounds."""
+    """Every comparison of one run, Holm-adjusted, with the joint TV bounds. ``ref`` per
+    prompt: a sample (list of continuations) or the exact law (a :data:`Law` dict)."""
     found: list[Comparison] = []
-
-    def add(prompt, name, position, joint, a: Counter, b: Counter) -> None:
-        table = stats.bin_counts(a, b, config.max_bins)
-        test = stats.homogeneity_test(table, config.method)
-        found.append(
-            Comparison(prompt, name, position, joint, table, test, stats.tv_distance(table))
-        )
-
-    for p, (rows_a, rows_b) in enumerate(zip(ref, other, strict=True)):
-        for k in range(1, min(length, 3) + 1):
-            a = Counter(tuple(_token(r, j) for j in range(k)) for r in rows_a)
-            b = Counter(tuple(_token(r, j) for j in range(k)) for r in rows_b)
-            add(p, "x1" if k == 1 else f"x1..x{k}", k, True, a, b)
-        for j in range(1, length):
-            a = Counter(_token(r, j) for r in rows_a)
-            b = Counter(_token(r, j) for r in rows_b)
-            add(p, f"x{j + 1}", j + 1, False, a, b)
-        if length >= 2:
-            first = Counter(_token(r, 0) for r in rows_a) + Counter(_token(r, 0) for r in rows_b)
-            for token, _ in first.most_common(conditional_top):
-                a = Counter(_token(r, 1) for r in rows_a if _token(r, 0) == token)
-                b = Counter(_token(r, 1) for r in rows_b if _token(r, 0) == token)
-                if token != END and min(a.total(), b.total()) >= min_conditional:
-                    add(p, f"x2 | x1={token}", 2, False, a, b)
+    for p, (reference, rows) in enumerate(zip(ref, other, strict=True)):
+        exact = isinstance(reference, dict)
+        if exact:
+            first = marginal(reference, lambda r: _token(r, 0))
+            top = sorted(first, key=lambda t: -first[t])[:conditional_top]
+        else:
+            pooled = Counter(_token(r, 0) for r in [*reference, *rows])
+            top = [t for t, _ in pooled.most_common(conditional_top)]
+        for statistic in statistics(length, top):
+            counts = statistic.counts(rows)
+            if exact:
+                if statistic.given and counts.total() < min_conditional:
+                    continue
+                table = stats.bin_against_law(counts, statistic.law(reference), config.max_bins)
+                test = stats.goodness_of_fit(table, config.method)
+                tv_hat = stats.fit_tv_distance(table)
+            else:
+                ref_counts = statistic.counts(reference)
+                if statistic.given and min(counts.total(), ref_counts.total()) < min_conditional:
+                    continue
+                table = stats.bin_counts(ref_counts, counts, config.max_bins)
+                test = stats.homogeneity_test(table, config.method)
+                tv_hat = stats.tv_distance(table)
+            found.append(Comparison(p, statistic.name, statistic.position, statistic.joint,
+                                    table, test, tv_hat))  # fmt: skip
     adjusted = stats.holm([c.test.p_value for c in found])
     joints = sum(c.joint for c in found)
     for c, p_adj in zip(found, adjusted, strict=True):
         c.p_adjusted = p_adj
         if c.joint:
-            c.tv_bound = stats.tv_upper_bound(c.table, config.alpha / joints)
+            c.tv_bound = min(1.0, c.tv_hat + c.margin(config.alpha / joints))
     return found
 
 
@@ -298,8 +374,9 @@ def pilot_requirement(found: list[Comparison], pilot: int, config: CheckConfig) 
     its effect in a pilot of ``pilot`` per prompt; None when the pilot shows no effect."""
     alpha = config.alpha / max(1, len(found))  # Holm's strictest step
     needs = [
-        stats.samples_to_detect((c.test.statistic - c.test.df) / pilot, c.test.df, alpha,
-                                config.power)
+        pilot if math.isinf(c.test.statistic)  # an outcome the law calls impossible
+        else stats.samples_to_detect((c.test.statistic - c.test.df) / pilot, c.test.df,
+                                     alpha, config.power)
         for c in found
         if c.test.df >= 1 and c.test.statistic > c.test.df
     ]  # fmt: skip
@@ -330,6 +407,8 @@ class CheckReport:
     greedy_identical: list[bool] = field(default_factory=list)
     control_identical: list[bool] = field(default_factory=list)
     required_samples: int | None = None  # pilot's estimate of the N the control needs
+    reference: str = "sampled"  # "exact law" when the continuations met the target's law
+    control_samples: int = 0  # control continuations per prompt it was tested on
 
     @property
     def verdict(self) -> str:
@@ -366,6 +445,8 @@ class CheckReport:
             "min_p_adjusted": self.min_p(self.comparisons),
             "control_min_p_adjusted": self.min_p(self.control),
             "required_samples": self.required_samples,
+            "reference": self.reference,
+            "control_samples": self.control_samples,
             "seconds": self.seconds,
             "comparisons": [x.to_dict() for x in self.comparisons],
             "control_comparisons": [x.to_dict() for x in self.control],
@@ -374,9 +455,42 @@ class CheckReport:
         }
 
 
-def total_draws(config: CheckConfig, prompts: int) -> int:
-    """Continuations a check draws (for a progress bar)."""
-    return 3 * prompts * (1 if config.greedy else config.samples)
+def total_draws(config: CheckConfig, prompts: int, exact: bool = False) -> int:
+    """Continuations a check draws (for a progress bar): against the exact law, the
+    speculative sample and the control's pilot (more only if the pilot misses it)."""
+    if config.greedy:
+        return 3 * prompts
+    if exact:
+        return prompts * (config.samples + min(config.pilot, config.samples))
+    return 3 * prompts * config.samples
+
+
+def uses_exact_law(target: Any, config: CheckConfig) -> bool:
+    """Whether a sampling check compares against the target's exact law (``reference``
+    "exact", or "auto" and the law is small enough to enumerate) rather than drawing a
+    reference sample. Raises ValueError for "exact" on a law too large to enumerate."""
+    if config.greedy or config.reference == "sampled":
+        return False
+    length, params, vocab = config.horizon, config.sampling(), target.lm.vocab_size
+    if enumerable(vocab, length, params):
+        return True
+    if config.reference == "exact":
+        raise ValueError(
+            f"the exact law of {length} tokens over a {vocab}-token vocabulary is too "
+            "large to enumerate; use --reference sampled (or fewer tokens: --length)"
+        )
+    return False
+
+
+def exact_laws(
+    target: Any, config: CheckConfig, prompts: Sequence[Sequence[int]]
+) -> list[Law] | None:
+    """The target's exact law of the first L tokens for each prompt when the check
+    compares against it (:func:`uses_exact_law`); None to draw a reference sample."""
+    if not uses_exact_law(target, config):
+        return None
+    length, params, eos = config.horizon, config.sampling(), target.eos_token_ids
+    return [target_law(target.lm, prompt, params, length, eos) for prompt in prompts]
 
 
 def run_check(
@@ -439,6 +553,9 @@ def _greedy_check(target, config, prompts, tick) -> CheckReport:
 
 
 def _sampling_check(target, config, prompts, tick) -> CheckReport:
+    laws = exact_laws(target, config, prompts)
+    if laws is not None:
+        return _fit_check(target, config, prompts, laws, tick)
     n, length = config.samples, config.horizon
     pilot = min(config.pilot, n)
     drafted: Counter = Counter()
@@ -447,12 +564,7 @@ def _sampling_check(target, config, prompts, tick) -> CheckReport:
     require_drafts(drafted, config, "control")
     required = pilot_requirement(comparisons(ref, ctl, length, config), pilot, config)
     if pilot < n and (required is None or required > n):
-        need = "is not visible in the pilot" if required is None else f"needs N ≥ {required}"
-        raise ControlTooWeak(
-            f"N = {n} per prompt is too small to detect the negative control ({CONTROL_NAME}): "
-            f"a pilot of {pilot} per prompt shows it {need}; raise --samples (or use a "
-            "drafter that disagrees with the target more often)"
-        )
+        raise _too_weak(n, pilot, required)
     spec = draw(target, config, "speculative", prompts, range(n), length, tick, drafted)
     require_drafts(drafted, config)
     rest = range(pilot, n)
@@ -465,17 +577,62 @@ def _sampling_check(target, config, prompts, tick) -> CheckReport:
                 a.extend(b)
     found = comparisons(ref, spec, length, config)
     control = comparisons(ref, ctl, length, config)
-    failed = [c for c in found if c.p_adjusted < config.alpha]
-    worst = min(failed, key=lambda c: (c.p_adjusted, c.position), default=None)
-    failing = None
-    if worst is not None:
-        failing = (
-            f"position {worst.position} ({worst.name}) on prompt {worst.prompt}: "
-            f"p = {worst.p_adjusted:.2g} after Holm"
-        )
+    failing = _failing(found, config.alpha)
     return _report(
-        target, config, prompts, exact=worst is None,
+        target, config, prompts, exact=failing is None,
         control_detected=any(c.p_adjusted < config.alpha for c in control),
         tv_bound=max(c.tv_bound for c in found if c.joint), failing=failing,
+        comparisons=found, control=control, required_samples=required, control_samples=n,
+    )  # fmt: skip
+
+
+def _too_weak(n: int, pilot: int, required: int | None) -> ControlTooWeak:
+    need = "is not visible in the pilot" if required is None else f"needs N ≥ {required}"
+    return ControlTooWeak(
+        f"N = {n} per prompt is too small to detect the negative control ({CONTROL_NAME}): "
+        f"a pilot of {pilot} per prompt shows it {need}; raise --samples (or use a "
+        "drafter that disagrees with the target more often)"
+    )
+
+
+def _failing(found: list[Comparison], alpha: float) -> str | None:
+    failed = [c for c in found if c.p_adjusted < alpha]
+    worst = min(failed, key=lambda c: (c.p_adjusted, c.position), default=None)
+    if worst is None:
+        return None
+    return (
+        f"position {worst.position} ({worst.name}) on prompt {worst.prompt}: "
+        f"p = {worst.p_adjusted:.2g} after Holm"
+    )
+
+
+def _fit_check(target, config, prompts, laws: list[Law], tick) -> CheckReport:
+    """The sampling check against the target's exact law: the speculative sample and the
+    control are each tested against the law itself (no reference sample is drawn). The
+    control is tested on its pilot, and drawn up to N only if the pilot misses it."""
+    n, length = config.samples, config.horizon
+    pilot = min(config.pilot, n)
+    drafted: Counter = Counter()
+    ctl = draw(target, config, "control", prompts, range(pilot), length, tick, drafted)
+    require_drafts(drafted, config, "control")
+    control = comparisons(laws, ctl, length, config)
+    required = pilot_requirement(control, pilot, config)
+    detected = any(c.p_adjusted < config.alpha for c in control)
+    if not detected and pilot < n:
+        if required is None or required > n:
+            raise _too_weak(n, pilot, required)
+        for rows, more in zip(ctl, draw(target, config, "control", prompts, range(pilot, n),
+                                        length, tick), strict=True):  # fmt: skip
+            rows.extend(more)
+        control = comparisons(laws, ctl, length, config)
+        detected = any(c.p_adjusted < config.alpha for c in control)
+    spec = draw(target, config, "speculative", prompts, range(n), length, tick, drafted)
+    require_drafts(drafted, config)
+    found = comparisons(laws, spec, length, config)
+    failing = _failing(found, config.alpha)
+    return _report(
+        target, config, prompts, exact=failing is None, control_detected=detected,
+        tv_bound=max(c.tv_bound for c in found if c.joint), failing=failing,
         comparisons=found, control=control, required_samples=required,
+        reference="exact law", control_samples=len(ctl[0]),
     )  # fmt: skip

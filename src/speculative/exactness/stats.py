@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -221,3 +221,105 @@ def samples_to_detect(
 def samples_to_detect_tv(epsilon: float, bins: int, alpha: float, power: float = 0.99) -> int:
     """N per sample that detects any TV ``epsilon`` between two K-bin distributions."""
     return samples_to_detect(2 * epsilon**2, max(1, bins - 1), alpha, power)
+
+
+# ---- one sample against an exact law (goodness of fit) ---------------------------------
+
+
+@dataclass(frozen=True)
+class FitTable:
+    """One sample's counts ``observed[k]`` of bin ``labels[k]`` and the exact law's
+    probability ``probs[k]`` of that bin."""
+
+    labels: tuple[Hashable, ...]
+    observed: tuple[int, ...]
+    probs: tuple[float, ...]
+
+    @property
+    def n(self) -> int:
+        return sum(self.observed)
+
+    @property
+    def bins(self) -> int:
+        return len(self.labels)
+
+
+def bin_against_law(
+    observed: Counter,
+    law: Mapping[Hashable, float],
+    max_bins: int = 8,
+    min_expected: float = MIN_EXPECTED,
+) -> FitTable:
+    """Bin a sample against an exact law: the most probable outcomes (by the law) keep
+    their own bin while each expects >= ``min_expected`` at this N, at most ``max_bins -
+    1`` of them; everything else (outcomes outside the law's support included) goes to
+    "other", merged with the least probable kept bin while it expects too few itself."""
+    n = sum(observed.values())
+    if n == 0:
+        raise ValueError("the sample needs at least one outcome")
+    ranked = sorted(law, key=lambda k: (-law[k], str(k)))
+    kept = [k for k in ranked if law[k] * n >= min_expected][: max(1, max_bins - 1)]
+    rest = sum(law[k] for k in ranked[len(kept) :])  # summed, not 1 − Σ kept: exact 0
+    while kept and 0 < rest * n < min_expected:
+        rest += law[kept.pop()]
+    counts = [observed.get(k, 0) for k in kept]
+    probs = [law[k] for k in kept]
+    outside = n - sum(counts)  # includes outcomes the law calls impossible
+    if rest > 0 or outside:
+        return FitTable((*kept, OTHER), (*counts, outside), (*probs, rest))
+    return FitTable(tuple(kept), tuple(counts), tuple(probs))
+
+
+def goodness_of_fit(table: FitTable, method: str = "chi2") -> TestResult:
+    """Pearson chi-square ("chi2") or G-test ("g") of the sample against the law, K − 1
+    degrees of freedom. An outcome the law gives probability 0 is an infinite statistic
+    (p-value 0). A table of one bin has nothing to test: statistic 0, p-value 1."""
+    if method not in ("chi2", "g"):
+        raise ValueError(f"method must be 'chi2' or 'g', got {method!r}")
+    if table.bins < 2:
+        return TestResult(0.0, 0, 1.0)
+    statistic = 0.0
+    for observed, p in zip(table.observed, table.probs, strict=True):
+        expected = table.n * p
+        if expected <= 0:
+            if observed:
+                return TestResult(math.inf, table.bins - 1, 0.0)
+            continue
+        if method == "chi2":
+            statistic += (observed - expected) ** 2 / expected
+        elif observed > 0:
+            statistic += 2.0 * observed * math.log(observed / expected)
+    df = table.bins - 1
+    return TestResult(statistic, df, chi2_sf(statistic, df))
+
+
+def fit_tv_distance(table: FitTable) -> float:
+    """½ Σ |observed_k / n − p_k|: the sample's binned TV distance from the law."""
+    n = table.n
+    return 0.5 * sum(abs(x / n - p) for x, p in zip(table.observed, table.probs, strict=True))
+
+
+def fit_tv_margin(bins: int, n: int, delta: float) -> float:
+    """Half-width of the one-sample TV bound: sqrt((K ln 2 + ln(1/δ)) / (2n)).
+
+    For every set A of bins, P̂(A) is a mean of n [0, 1] indicators with mean P(A), so by
+    Hoeffding P(P(A) ≥ P̂(A) + t) ≤ exp(−2nt²); a union over the 2^K sets gives
+    TV(P, law) = max_A P(A) − law(A) ≤ TV̂ + t with probability ≥ 1 − δ. It is the
+    two-sample :func:`tv_margin` with the second sample infinitely large."""
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    return math.sqrt((bins * math.log(2) + math.log(1 / delta)) / (2 * n))
+
+
+def fit_tv_upper_bound(table: FitTable, delta: float) -> float:
+    """With probability >= 1 − δ the sampled law's binned TV from the exact one is at
+    most this."""
+    return min(1.0, fit_tv_distance(table) + fit_tv_margin(table.bins, table.n, delta))
+
+
+def samples_for_fit_tv_bound(epsilon: float, bins: int, delta: float, tv_hat: float = 0.0) -> int:
+    """N (one sample, against the exact law) at which the TV bound reaches ``epsilon``."""
+    room = epsilon - tv_hat
+    if room <= 0:
+        raise ValueError(f"the measured TV {tv_hat:.4f} already exceeds epsilon {epsilon}")
+    return math.ceil((bins * math.log(2) + math.log(1 / delta)) / (2 * room**2))
