@@ -5,10 +5,18 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from speculative.drafters.ngram import find_continuation
+from speculative.drafters.ngram import (
+    Match,
+    PromptLookupDrafter,
+    best_match,
+    find_continuation,
+    match_situation,
+)
 from speculative.engine.gamma import AdaptiveGamma, FixedGamma, HeuristicGamma
 from speculative.models.session import common_prefix_length
+from speculative.sampling import SamplingParams
 from speculative.theory import expected_tokens_positional
 
 
@@ -167,3 +175,110 @@ def test_adaptive_gamma_charges_the_measured_catch_up_of_each_round():
     assert seen.next_gamma() == max(values, key=values.get)
     # negative control: blind to the per-round cost, the policy drafts shorter chains
     assert blind.overhead == 0.0 and blind.next_gamma() < seen.next_gamma()
+
+
+def _best_match_reference(context: list[int], max_length: int) -> tuple[int, int] | None:
+    """Slow twin of best_match: every earlier end, its common suffix with the context."""
+    best = None
+    for end in range(1, len(context)):
+        length = 0
+        while (
+            length < min(max_length, len(context) - 1)
+            and end - 1 - length >= 0
+            and context[end - 1 - length] == context[len(context) - 1 - length]
+        ):
+            length += 1
+        if length and (best is None or length >= best[0]):
+            best = (length, end)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_best_match_is_the_longest_then_most_recent_earlier_occurrence(seed: int):
+    rng = random.Random(seed)
+    for _ in range(300):
+        context = [rng.randrange(3) for _ in range(rng.randrange(0, 30))]
+        cap = rng.choice([1, 2, 5, 16])
+        found = best_match(context, cap)
+        expected = _best_match_reference(context, cap)
+        assert (None if found is None else (found.length, found.end)) == expected, context
+
+
+def test_best_match_prefers_a_longer_older_copy_and_drafts_what_followed_it():
+    # the suffix 1 2 3 4 5 matches 5 tokens at the start (then 9); its last 3 tokens
+    # also match more recently (then 8), which the 3-gram lookup picks
+    context = [1, 2, 3, 4, 5, 9, 7, 3, 4, 5, 8, 1, 2, 3, 4, 5]
+    assert best_match(context, 16) == Match(length=5, end=5)
+    assert find_continuation(context, 2, max_ngram=3, min_ngram=1) == [8, 1]
+    drafter = PromptLookupDrafter()
+    draft = drafter.propose(context, 2, SamplingParams(0.0), torch.Generator())
+    assert draft.tokens == [9, 7] and draft.probs is None
+    assert drafter.draft_situation(context) == 4  # a 5-token match: the 4–7 class
+    assert best_match(context, 3) == Match(length=3, end=10)  # capped: the recent one
+    assert best_match([1, 2, 9, 1, 2], 16, min_length=3) is None
+    assert best_match([5, 5, 5], 16) == Match(length=2, end=2)  # overlapping its suffix
+    assert best_match([7], 16) is None and best_match([], 16) is None
+
+
+def test_match_situation_classes():
+    lengths = {None: 0, 1: 1, 2: 2, 3: 3, 4: 4, 7: 4, 8: 8, 15: 8}
+    for length, situation in lengths.items():
+        match = None if length is None else Match(length, 1)
+        assert match_situation(match) == situation
+    assert PromptLookupDrafter().draft_situation([1, 2, 3]) == 0
+
+
+def test_adaptive_gamma_learns_per_situation():
+    """Rounds after long matches are kept whole, rounds after short ones rejected at once:
+    told the situation, the policy drafts long after long matches and nothing after short
+    ones; the pooled estimate (no situation) cannot tell them apart and picks one γ."""
+    curve = {k: 1.0 + 0.12 * (k - 1) for k in range(1, 14)}  # T(5) ≈ 1.5, like int4 AVX2
+    policy = AdaptiveGamma(c=0.01, verify_cost=curve, max_gamma=8)
+    rng = random.Random(1)
+    for _ in range(200):
+        situation = rng.choice([1, 8])
+        policy.situate(situation)
+        gamma = policy.next_gamma()
+        policy.update(gamma, gamma if situation == 8 else 0)
+    policy.situate(8)
+    long_gamma = policy.next_gamma()
+    policy.situate(1)
+    short = [policy.next_gamma() for _ in range(8)]  # idle rounds (a probe every 8th)
+    assert long_gamma >= 6 and short.count(0) == 7 and max(short) == 1
+    assert policy.position_acceptance()[0] < 0.2
+    policy.situate(8)
+    assert min(policy.position_acceptance()) > 0.9
+    # an unseen situation starts from the pooled estimate of every round
+    policy.situate(3)
+    pooled = policy.pooled.rates([policy.prior_alpha] + [-1.0] * 7, policy.prior_weight)
+    assert policy.position_acceptance() == pytest.approx(pooled)
+    # negative control: with no situation the pooled rates decide alone, one γ for both
+    assert 0 < pooled[0] < 1 and policy.situation == 3
+    policy.situation = None
+    assert policy.position_acceptance() == pytest.approx(pooled)
+
+
+def test_the_engine_tells_the_policy_each_rounds_situation():
+    """n-gram rounds under γ = auto: before each round the policy hears the class of the
+    match the drafter will copy from; greedy output stays plain decoding's."""
+    from speculative.engine import SpeculativeEngine, StopCriteria
+    from speculative.models import MarkovLM, seed_matrices
+
+    class Recording(AdaptiveGamma):
+        def situate(self, situation):
+            heard.append(situation)
+            super().situate(situation)
+
+    heard: list = []
+    target = MarkovLM(seed_matrices()[0])
+    drafter = PromptLookupDrafter()
+    policy = Recording(c=0.01, verify_cost={k: 1.0 for k in range(1, 14)})
+    prompt, stop = [0, 3, 0, 3, 0, 3, 1, 2, 0, 3, 0], StopCriteria(max_new_tokens=40)
+    params = SamplingParams(0.0)
+    spec = SpeculativeEngine(target, drafter, policy).generate(
+        prompt, params, stop, torch.Generator()
+    )
+    plain = SpeculativeEngine(target, None).generate(prompt, params, stop, torch.Generator())
+    assert spec.token_ids == plain.token_ids
+    assert len(heard) == len(spec.stats.gammas) and set(heard) <= {0, 1, 2, 3, 4, 8}
+    assert len(set(heard)) > 1 and policy.by_situation.keys() == set(heard)

@@ -2,7 +2,9 @@
 tokens per unit of cost.
 
 For each option the drafter keeps running estimates of its per-token acceptance α (the
-n-gram option separately per match length) and of its draft cost c per token relative
+n-gram option separately per match-length class: 1, 2, 3, 4–7 and 8 or more tokens of
+the longest earlier match, :func:`~speculative.drafters.ngram.best_match`) and of its
+draft cost c per token relative
 to a verification (both measured as generation goes). A round with γ drafts is expected
 to emit (1 - α^(γ+1)) / (1 - α) tokens for a cost of γ·c + 1; the option with the higher
 ratio drafts, and when neither beats a plain step (1 token per unit of cost) nothing is
@@ -19,13 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from speculative.drafters.base import Draft, Drafter, ReadsTargetFeatures, SupportsPriming
-from speculative.drafters.ngram import find_continuation
+from speculative.drafters.ngram import SITUATION_CLASSES, best_match, match_situation
 from speculative.models.session import FeatureSource, ModelSession
 from speculative.sampling import SamplingParams
 
 DECAY = 0.9  # weight of the past in the running estimates
-MAX_NGRAM = 4
-MIN_NGRAM = 1
+MAX_NGRAM = 16  # the longest match compared
 EXPLORE = 8  # rounds without the head after which it drafts once (keeps its α current)
 WINDOW = 2048
 
@@ -56,13 +57,13 @@ class Estimate:
 
 
 def longest_match(context: Sequence[int], gamma: int) -> tuple[int, list[int]]:
-    """(n, continuation) for the longest suffix n-gram (MIN..MAX_NGRAM) seen before."""
-    recent = list(context[-WINDOW:])
-    for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
-        follow = find_continuation(recent, gamma, n, n)
-        if follow:
-            return n, follow
-    return 0, []
+    """(the match's length class, up to ``gamma`` tokens that followed it) for the
+    longest earlier match of the context's end (class 0 and no tokens: none)."""
+    recent = context[-WINDOW:]
+    match = best_match(recent, MAX_NGRAM)
+    if match is None or gamma < 1:
+        return 0, []
+    return match_situation(match), [int(t) for t in recent[match.end : match.end + gamma]]
 
 
 class AutoDrafter:
@@ -71,7 +72,7 @@ class AutoDrafter:
     def __init__(self, head: Drafter, name: str = "auto") -> None:
         self.name = name
         self.head = head
-        self.ngram = {n: Estimate(alpha=0.5, cost=0.01) for n in range(MIN_NGRAM, MAX_NGRAM + 1)}
+        self.ngram = {n: Estimate(alpha=0.5, cost=0.01) for n in SITUATION_CLASSES}
         self.model = Estimate(alpha=0.7, cost=0.15)
         self._chosen: Estimate | None = None
         self._drafted = 0

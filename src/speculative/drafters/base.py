@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -99,4 +99,18 @@ class SupportsPriming(Protocol):
 
     def prime(self, target: ModelSession) -> None:
         """Called once per generation, right after the target prefilled the prompt."""
+        ...
+
+
+@runtime_checkable
+class SupportsDraftSituation(Protocol):
+    """A drafter that can say, before drafting, which kind of round this is: a class of
+    context whose acceptance differs from the others' (n-gram lookup: how long the match
+    it would copy from is). A γ policy that learns per situation
+    (:class:`~speculative.engine.gamma.SupportsSituations`) then drafts long where
+    drafts are usually kept and short where they are usually not. It changes only how
+    much is drafted, never what is emitted."""
+
+    def draft_situation(self, context: Sequence[int]) -> Hashable:
+        """The situation of a round that drafts after ``context`` (small, hashable)."""
         ...

@@ -1,13 +1,22 @@
-"""Prompt lookup: draft by copying what followed the latest earlier match of the suffix.
+"""Prompt lookup: draft by copying what followed the earlier occurrence of the context's
+end that matches it longest (the most recent among equally long ones).
 
 No model and no distribution: drafts are point masses (q one-hot), which the verifier
 handles exactly. Helps on inputs that repeat (code editing, retrieval QA, summaries).
+
+How long the match is predicts whether the copy is right: on the bench's prompts a
+1-token match was followed by the target about one time in fifteen, a match of 8 or more
+tokens most of the time. The drafter reports that length's class as its round situation
+(:meth:`PromptLookupDrafter.draft_situation`), so a γ policy that learns per situation
+drafts long after long matches and little or nothing after short ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from speculative.drafters.base import Draft
@@ -28,6 +37,47 @@ def find_continuation(
                 if follow:
                     return follow
     return []
+
+
+@dataclass(frozen=True)
+class Match:
+    """An earlier occurrence of the context's last ``length`` tokens, ending just before
+    index ``end``: its continuation is ``context[end:]``."""
+
+    length: int
+    end: int
+
+
+def best_match(context: Sequence[int], max_length: int, min_length: int = 1) -> Match | None:
+    """The earlier occurrence of the context's suffix that matches it longest (at most
+    ``max_length`` tokens compared; the most recent among equally long ones), or None when
+    no occurrence matches ``min_length`` tokens. Occurrences may overlap the suffix (a run
+    of one repeated token matches itself shifted by one)."""
+    ids = np.asarray(context, dtype=np.int64)  # [n]
+    n = ids.size
+    if n < 2:
+        return None
+    ends = np.flatnonzero(ids[:-1] == ids[-1]) + 1  # [m] ends of 1-token matches, < n
+    length = 1
+    while ends.size and length < min(max_length, n - 1):
+        before = ends - 1 - length  # [m] the token each occurrence needs to match next
+        same = (before >= 0) & (ids[np.maximum(before, 0)] == ids[n - 1 - length])
+        if not same.any():
+            break
+        ends, length = ends[same], length + 1
+    if not ends.size or length < min_length:
+        return None
+    return Match(length, int(ends[-1]))
+
+
+SITUATION_CLASSES = (1, 2, 3, 4, 8)  # match lengths 1, 2, 3, 4–7 and 8 or more
+
+
+def match_situation(match: Match | None) -> int:
+    """A match's length class (0: no match), the situation n-gram rounds learn by."""
+    if match is None:
+        return 0
+    return max(c for c in SITUATION_CLASSES if c <= match.length)
 
 
 def find_continuations(
@@ -72,9 +122,11 @@ def trie(continuations: list[list[int]], budget: int) -> DraftTree:
 
 
 class PromptLookupDrafter:
-    """n-gram lookup in the prompt and the generated text (point-mass drafts)."""
+    """n-gram lookup in the prompt and the generated text (point-mass drafts): copies what
+    followed the longest earlier match of the context's end (``min_ngram`` to
+    ``max_ngram`` tokens compared), within the last ``window`` tokens."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, window: int = 4096) -> None:
+    def __init__(self, max_ngram: int = 16, min_ngram: int = 1, window: int = 4096) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(
                 f"need 1 <= min_ngram <= max_ngram, got min={min_ngram}, max={max_ngram}"
@@ -98,8 +150,15 @@ class PromptLookupDrafter:
         params: SamplingParams,
         generator: torch.Generator,
     ) -> Draft:
-        recent = list(context[-self.window :])
-        return Draft(tokens=find_continuation(recent, gamma, self.max_ngram, self.min_ngram))
+        recent = context[-self.window :]
+        match = best_match(recent, self.max_ngram, self.min_ngram)
+        if match is None or gamma < 1:
+            return Draft(tokens=[])
+        return Draft(tokens=[int(t) for t in recent[match.end : match.end + gamma]])
+
+    def draft_situation(self, context: Sequence[int]) -> int:
+        """The length class of the match :meth:`propose` would copy from (0: none)."""
+        return match_situation(best_match(context[-self.window :], self.max_ngram, self.min_ngram))
 
     def propose_tree(
         self,

@@ -1,7 +1,7 @@
 """Drafter names -> drafters: one table, so a new drafter is one file plus one line here.
 
   none          plain autoregressive decoding on the same runtime (the reference)
-  ngram         prompt lookup: copy what followed the latest match of the last n-gram
+  ngram         prompt lookup: copy what followed the longest earlier match of the end
   self-<prec>   the target's own weights at another precision (bf16, int8, int4)
   self-exit:N   the target's first N layers (+ final norm and head): early exit
   eagle         the EAGLE head shipped for the target (eagle:DIR: a trained folder)

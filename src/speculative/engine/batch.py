@@ -27,13 +27,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speculative.drafters.base import Drafter, ReadsTargetFeatures, SupportsPriming
+from speculative.drafters.base import (
+    Drafter,
+    ReadsTargetFeatures,
+    SupportsDraftSituation,
+    SupportsPriming,
+)
 from speculative.engine.gamma import (
     FixedGamma,
     GammaPolicy,
     LoadAwareGamma,
     RowLoad,
     SupportsCostFeedback,
+    SupportsSituations,
 )
 from speculative.engine.round import (
     DecodeState,
@@ -295,10 +301,14 @@ class BatchEngine:
         return planned
 
     def _own_gamma(self, row: BatchRow) -> int:
-        request = row.request
+        request, policy = row.request, row.gamma_policy
         if request.drafter is None or request.tree is not None:
             return 0
-        return row.gamma_policy.next_gamma()
+        if isinstance(policy, SupportsSituations) and isinstance(
+            request.drafter, SupportsDraftSituation
+        ):
+            policy.situate(request.drafter.draft_situation(row.state.sequence))
+        return policy.next_gamma()
 
     def _proposal(self, row: BatchRow, gamma: int) -> Proposal:
         """The row's draft (chain of ``gamma`` tokens, or its tree) and the pass row."""

@@ -4,7 +4,7 @@ output distribution, only the speed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -25,6 +25,47 @@ class SupportsCostFeedback(Protocol):
     (what the engine really paid, catch-up forwards and overheads included)."""
 
     def observe_costs(self, gamma: int, draft_seconds: float, verify_seconds: float) -> None: ...
+
+
+@runtime_checkable
+class SupportsSituations(Protocol):
+    """A policy that learns acceptance per round situation (what a drafter that
+    :class:`~speculative.drafters.base.SupportsDraftSituation` says of the coming round):
+    told the situation before :meth:`GammaPolicy.next_gamma`, it picks γ, and learns from
+    the round's :meth:`GammaPolicy.update`, for that situation."""
+
+    def situate(self, situation: Hashable) -> None: ...
+
+
+@dataclass
+class PositionCounts:
+    """Exponentially decayed counts of draft positions reached and accepted (position i:
+    rounds that drafted an (i+1)-th token whose predecessors were all kept)."""
+
+    reached: list[float]
+    accepted: list[float]
+
+    @classmethod
+    def empty(cls, positions: int) -> PositionCounts:
+        return cls([0.0] * positions, [0.0] * positions)
+
+    def record(self, drafted: int, num_accepted: int, decay: float) -> None:
+        self.reached = [r * decay for r in self.reached]
+        self.accepted = [a * decay for a in self.accepted]
+        for i in range(min(drafted, num_accepted + 1, len(self.reached))):
+            self.reached[i] += 1
+            self.accepted[i] += float(i < num_accepted)
+
+    def rates(self, priors: Sequence[float], weight: float) -> list[float]:
+        """Beta-smoothed acceptance per position; ``priors[i]`` is position i's prior (a
+        negative one: the estimate of position i − 1, so an unreached position inherits
+        what was learnt before it)."""
+        rates, previous = [], 0.0
+        for a, r, prior in zip(self.accepted, self.reached, priors, strict=True):
+            mean = previous if prior < 0 else prior
+            previous = (a + mean * weight) / (r + weight)
+            rates.append(previous)
+        return rates
 
 
 @dataclass
@@ -74,6 +115,11 @@ class AdaptiveGamma:
     (:meth:`observe_costs`), the drafting time a round pays beyond γ·c: the drafter's
     catch-up forward after a recovered or bonus token (which feeds 1–2 tokens), sampling
     and bookkeeping. The value of γ is E[tokens](γ) / (γ c + overhead + T(γ + 1)).
+
+    Situations (:class:`SupportsSituations`): where the drafter classifies its rounds (an
+    n-gram match's length), the counts are also kept per situation, each situation's
+    positions smoothed towards the pooled estimate of all rounds, and γ is chosen from the
+    current situation's: long after long matches, short or none after short ones.
     """
 
     c: float
@@ -84,22 +130,27 @@ class AdaptiveGamma:
     decay: float = 0.9
     probe_every: int = 8
     cost_decay: float = 0.9  # running means of the measured round costs
-    reached: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
+    pooled: PositionCounts = field(init=False)  # every round's
+    by_situation: dict[Hashable, PositionCounts] = field(default_factory=dict)
+    situation: Hashable | None = None  # the coming round's (None: the drafter gives none)
     idle_rounds: int = 0
     overhead: float = 0.0  # measured drafting per round beyond γ·c, in target steps
     step_seconds: float | None = None  # measured T(1), from the verification passes
 
     def __post_init__(self) -> None:
-        self.reached = [0.0] * self.max_gamma
-        self.accepted = [0.0] * self.max_gamma
+        self.pooled = PositionCounts.empty(self.max_gamma)
+
+    def situate(self, situation: Hashable) -> None:
+        self.situation = situation
+        self.by_situation.setdefault(situation, PositionCounts.empty(self.max_gamma))
 
     def position_acceptance(self) -> list[float]:
-        rates, prior = [], self.prior_alpha
-        for a, r in zip(self.accepted, self.reached, strict=True):
-            prior = (a + prior * self.prior_weight) / (r + self.prior_weight)
-            rates.append(prior)
-        return rates
+        """Estimated acceptance of each draft position in the coming round."""
+        chained = [self.prior_alpha] + [-1.0] * (self.max_gamma - 1)
+        pooled = self.pooled.rates(chained, self.prior_weight)
+        if self.situation is None:
+            return pooled
+        return self.by_situation[self.situation].rates(pooled, self.prior_weight)
 
     def round_cost(self, gamma: int) -> float:
         """Cost of a round drafting γ tokens, in target decode steps."""
@@ -120,11 +171,9 @@ class AdaptiveGamma:
         return 1 if self.idle_rounds % self.probe_every == 0 else 0
 
     def update(self, drafted: int, num_accepted: int) -> None:
-        self.reached = [r * self.decay for r in self.reached]
-        self.accepted = [a * self.decay for a in self.accepted]
-        for i in range(min(drafted, num_accepted + 1, self.max_gamma)):
-            self.reached[i] += 1
-            self.accepted[i] += float(i < num_accepted)
+        self.pooled.record(drafted, num_accepted, self.decay)
+        if self.situation is not None:
+            self.by_situation[self.situation].record(drafted, num_accepted, self.decay)
 
     def observe_costs(self, gamma: int, draft_seconds: float, verify_seconds: float) -> None:
         """One round's measured drafting and verification times (γ > 0 rounds)."""
