@@ -176,6 +176,42 @@ def test_load_aware_gamma_keeps_greedy_rows_exact(folder: Path) -> None:
         assert result.token_ids == _alone(spec, folder, backend)[0]
 
 
+def test_situation_acceptance_pools_rows_per_situation() -> None:
+    from speculative.engine.batch import SituationAcceptance
+
+    shared = SituationAcceptance(decay=1.0)
+    assert shared.alpha(("ngram", 8), prior=0.6) == pytest.approx(0.6)  # unseen: the prior
+    for _ in range(10):
+        shared.record(("ngram", 8), drafted=6, num_accepted=6)  # long matches: all kept
+        shared.record(("ngram", 1), drafted=4, num_accepted=0)  # 1-token: first rejected
+    shared.record(("ngram", 1), drafted=0, num_accepted=0)  # no drafts: nothing learnt
+    assert shared.alpha(("ngram", 8), prior=0.6) > 0.95
+    assert shared.alpha(("ngram", 1), prior=0.6) == pytest.approx(1.2 / 12)  # 0 of 10 + prior
+    assert shared.counts[("ngram", 8)] == (60.0, 60.0) and shared.counts[("ngram", 1)] == (0, 10)
+
+
+def test_load_aware_rows_draft_for_their_situation_and_stay_exact(folder: Path) -> None:
+    """Load-aware n-gram rows: each round's α is the pooled estimate of the match-length
+    class the row's drafter is in, learnt across rows; greedy rows stay exact."""
+    backend = _backend("kernels")
+    seen: list[float] = []
+
+    class Recording(LoadAwareGamma):
+        def choose(self, rows, extra_tokens=0, padded=None):
+            seen.extend(r.alpha for r in rows)
+            return super().choose(rows, extra_tokens, padded)
+
+    specs = [s for s in _specs() if s.params.greedy and s.drafter == "ngram"] * 3
+    target = load_native(folder, max_length=96, backend=backend)
+    engine = BatchEngine(target, max_batch=2, load=Recording({1: 1.0, 4: 1.05, 8: 1.6}))
+    results = engine.run(_request(spec, folder, backend) for spec in specs)
+    for spec, result in zip(specs, results, strict=True):
+        assert result.token_ids == _alone(spec, folder, backend)[0]
+    keys = set(engine.situations.counts)
+    assert keys and all(name == "ngram" and cls in (1, 2, 3, 4, 8) for name, cls in keys)
+    assert len(set(seen)) > 2  # the α follows the situations, not one running value
+
+
 def test_load_aware_gamma_shrinks_as_the_batch_grows() -> None:
     """Flat verify cost up to 8 tokens, linear past it: the policy speculates while drafts
     ride in the flat part and backs off to plain decoding when the batch fills it."""

@@ -4,11 +4,12 @@ end that matches it longest (the most recent among equally long ones).
 No model and no distribution: drafts are point masses (q one-hot), which the verifier
 handles exactly. Helps on inputs that repeat (code editing, retrieval QA, summaries).
 
-How long the match is predicts whether the copy is right: on the bench's prompts a
-1-token match was followed by the target about one time in fifteen, a match of 8 or more
-tokens most of the time. The drafter reports that length's class as its round situation
-(:meth:`PromptLookupDrafter.draft_situation`), so a γ policy that learns per situation
-drafts long after long matches and little or nothing after short ones.
+How long the match is predicts whether the copy is right: drafting 8 tokens on the
+bench's prompts, the target kept 0.49 of 7.2 drafted tokens on average after a 1-token
+match and 6.1 of 8 after a match of 10 tokens or more. The drafter reports that
+length's class as its round situation (:meth:`PromptLookupDrafter.draft_situation`), so a
+γ policy that learns per situation drafts long after long matches and little or nothing
+after short ones.
 """
 
 from __future__ import annotations

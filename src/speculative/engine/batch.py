@@ -22,7 +22,7 @@ gives per-row features (:class:`~speculative.models.base.SupportsBatchRowFeature
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +72,32 @@ COST_DECAY = 0.8  # running means of measured seconds: weight of the previous va
 
 
 @dataclass
+class SituationAcceptance:
+    """Per-token acceptance per (drafter, round situation), shared by every row of one
+    engine: the load-aware policy's α for a row whose drafter says what situation its
+    round is in (:class:`~speculative.drafters.base.SupportsDraftSituation`, n-gram
+    lookup: the match's length class). A row's first rounds then start from what earlier
+    rows measured in the same situation instead of a fixed prior, and a row after a
+    1-token match is not drafted for as if it were after a 10-token one. Counts of
+    examined and accepted draft positions, exponentially decayed per recorded round."""
+
+    decay: float = 0.95
+    counts: dict[Hashable, tuple[float, float]] = field(default_factory=dict)  # (acc, seen)
+
+    def alpha(self, key: Hashable, prior: float, weight: float = ALPHA_PRIOR_WEIGHT) -> float:
+        accepted, examined = self.counts.get(key, (0.0, 0.0))
+        return (accepted + prior * weight) / (examined + weight)
+
+    def record(self, key: Hashable, drafted: int, num_accepted: int) -> None:
+        if drafted == 0:
+            return
+        accepted, examined = self.counts.get(key, (0.0, 0.0))
+        kept = min(num_accepted, drafted)
+        seen = min(drafted, kept + 1)  # positions examined: the first rejection ends them
+        self.counts[key] = (accepted * self.decay + kept, examined * self.decay + seen)
+
+
+@dataclass
 class BatchRequest:
     """One sequence to decode in a batch, with everything that is its own."""
 
@@ -99,6 +125,7 @@ class BatchRow:
     decoding: bool = False  # the prompt is prefilled (and the drafter primed)
     propose_seconds: float | None = None  # running mean of a propose call that drafted
     step_draft_seconds: float | None = None  # model drafters: running mean per draft step
+    situation: Hashable | None = None  # (drafter, situation) of this round, load-aware only
 
     def result(self) -> GenerationResult:
         return GenerationResult(
@@ -178,6 +205,7 @@ class BatchEngine:
         self.target_passes = 0
         self.forward_seconds = 0.0  # time spent inside the target passes
         self.step_seconds: float | None = None  # running estimate of T(1), in seconds
+        self.situations = SituationAcceptance()  # the load policy's α by situation
         self._next_id = 0
 
     @property
@@ -286,7 +314,7 @@ class BatchEngine:
         wanted = [self._own_gamma(row) for row in rows]
         if self.load is not None and rows:
             loads = [
-                RowLoad(row.alpha(), g, self._fed(row), *self._draft_costs(row))
+                RowLoad(self._load_alpha(row), g, self._fed(row), *self._draft_costs(row))
                 for row, g in zip(rows, wanted, strict=True)
             ]
             padded = self.target.padded_tokens if isinstance(self.target, PadsBatchRows) else None
@@ -299,6 +327,15 @@ class BatchEngine:
             self._measure_propose(row, seconds, calls)
             planned.append(_Planned(row, proposal, seconds))
         return planned
+
+    def _load_alpha(self, row: BatchRow) -> float:
+        """The α the load policy drafts for: this round's situation's, pooled over rows,
+        where the row's drafter says its situation; else the row's own running α."""
+        drafter = row.request.drafter
+        if row.request.tree is not None or not isinstance(drafter, SupportsDraftSituation):
+            return row.alpha()
+        row.situation = (drafter.name, drafter.draft_situation(row.state.sequence))
+        return self.situations.alpha(row.situation, row.alpha())
 
     def _own_gamma(self, row: BatchRow) -> int:
         request, policy = row.request, row.gamma_policy
@@ -377,6 +414,9 @@ class BatchEngine:
         emitted, num_accepted = accepted(result)
         if request.drafter is not None and proposal.tree is None:
             row.gamma_policy.update(proposal.drafted, num_accepted)
+            if row.situation is not None:
+                self.situations.record(row.situation, proposal.drafted, num_accepted)
+                row.situation = None
         round_ = commit_tokens(
             row.state, request.drafter, self.max_length, proposal.drafted, emitted,
             num_accepted, request.stop,
