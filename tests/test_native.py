@@ -324,6 +324,27 @@ def test_block_forward_equals_single_steps(tmp_path: Path, precision: str, backe
     _assert_k_invariant(model, ids, contexts=[3, 120, 250], ks=[2, 3, 4, 5, 8, 9, 16, 17])
 
 
+def test_row_tile_is_the_largest_at_which_every_linear_is_position_uniform() -> None:
+    """MKL's AVX2 sgemm on Intel runs rows in blocks of 6: rows 7 and 8 of an 8-row call
+    round differently. The probe finds such a kernel (here a stand-in whose last rows take
+    a float64 path) and shrinks the PyTorch decoder's tile until every row computes alike."""
+    from speculative.models.native.torch_decoder import position_uniform, uniform_row_tile
+
+    w = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+
+    def exact(x: torch.Tensor) -> torch.Tensor:
+        return x @ w.T
+
+    def edge_rows(x: torch.Tensor) -> torch.Tensor:
+        y = x @ w.T
+        y[6:] = (x[6:].double() @ w.T.double()).float()
+        return y
+
+    assert uniform_row_tile([(exact, 32)]) == 8
+    assert not position_uniform(edge_rows, 32, 8) and position_uniform(edge_rows, 32, 6)
+    assert uniform_row_tile([(exact, 32), (edge_rows, 32)]) == 6
+
+
 @pytest.mark.parametrize("precision", ["bf16", "int8", "int4"])
 def test_dequantized_twins_are_k_invariant_and_close(
     tmp_path: Path, precision: str, monkeypatch: pytest.MonkeyPatch

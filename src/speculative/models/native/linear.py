@@ -8,8 +8,9 @@ are packed once at construction so no call re-packs or re-casts them.
 Row invariance (a token's output does not depend on how many tokens share the call) is
 not asked of these kernels: none of the libraries promises it, and on some CPUs MKL's
 sgemm and ATen's int8/int4 kernels round differently for different row counts. The
-PyTorch decoder instead always calls them with the same number of rows (see
-``torch_decoder.ROW_TILE``), which makes every row's result the same by construction.
+PyTorch decoder instead always calls them with the same number of rows, a number at which
+each row computes alike in every position (``torch_decoder.uniform_row_tile``), which
+makes every token's result the same by construction.
 
 Where a precision's library kernel cannot run on this CPU (oneDNN's bf16 kernels need
 AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and honour ``ONEDNN_MAX_CPU_ISA``), the layer runs

@@ -4,12 +4,17 @@ Runs anywhere PyTorch runs (no C compiler needed); :mod:`.ckernels` is the fast 
 Linear layers are pre-packed for MKL / oneDNN, or run their dequantized twin where this
 CPU lacks the library kernel's instruction set (see :mod:`.linear`).
 
-k-invariance by construction: a forward runs its tokens in tiles of exactly ``ROW_TILE``
-rows (the last one padded), so every op — linear layers, norms, attention — always sees
-the same shapes and computes a token's values with the same instructions whatever the
-number of tokens in the call. No library promises that its result for one row does not
-depend on the number of rows (MKL's sgemm and ATen's int8 / int4 kernels round
-differently for different row counts on some CPUs), so nothing relies on it. Attention
+k-invariance by construction: a forward runs its tokens in tiles of exactly T rows (the
+last one padded), so every op — linear layers, norms, attention — always sees the same
+shapes and computes a token's values with the same instructions whatever the number of
+tokens in the call. No library promises that its result for one row does not depend on
+the number of rows (MKL's sgemm and ATen's int8 / int4 kernels round differently for
+different row counts on some CPUs), so nothing relies on it. Nor does any promise that a
+row's result does not depend on its position in the call: MKL's AVX2 sgemm on Intel CPUs
+runs rows in blocks of 6, and rows 7 and 8 of an 8-row call round differently from the
+first six. So T is probed when the decoder is built (:func:`uniform_row_tile`): the
+largest of ``ROW_TILES`` at which every linear layer gives each row the same bits in
+every position; a token then computes alike in whichever row of a tile it lands. Attention
 reduces over keys in fixed chunks of ``KEY_CHUNK`` cache slots, summed left to right;
 masked slots and chunks add exact zeros, so the number of chunks a call covers does not
 change a token's result either. Block and step forwards agree bitwise.
@@ -30,7 +35,24 @@ from speculative.models.native.linear import LinearFactory, PackedLinear, linear
 from speculative.models.native.loading import Weight
 
 KEY_CHUNK = 128  # cache slots per attention chunk; attention reads whole chunks
-ROW_TILE = 8  # tokens per tile: every op sees exactly this many rows (k <= 8: one pass)
+ROW_TILES = (8, 6, 4, 2, 1)  # tile sizes tried, largest first (k <= T: one pass)
+MAX_ROW_TILE = ROW_TILES[0]
+
+
+def position_uniform(linear: PackedLinear, in_features: int, rows: int) -> bool:
+    """Whether ``linear`` gives a row the same bits in every position of a ``rows``-row
+    call: the call on random rows, rolled by one, equals the call on the rolled rows. (A
+    position whose code path differs from its neighbour's shows up at their boundary.)"""
+    if rows == 1:
+        return True
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    return torch.equal(linear(x).roll(1, 0), linear(x.roll(1, 0)))
+
+
+def uniform_row_tile(linears: Sequence[tuple[PackedLinear, int]]) -> int:
+    """The largest tile of ``ROW_TILES`` at which every (linear, in_features) is
+    position-uniform (:func:`position_uniform`)."""
+    return next(t for t in ROW_TILES if all(position_uniform(lin, n, t) for lin, n in linears))
 
 
 @dataclass
@@ -98,9 +120,19 @@ class TorchDecoder(DecoderBase):
         self.final_norm = final_norm
         self.lm_head = LinearFactory(lm_head_precision(precision), mode)(head, None)
         self.kernels = {**make_linear.chosen, "lm_head": self.lm_head.kernel}  # shape -> kernel
+        probes = [(self.lm_head, config.hidden_size)]  # (linear, in_features)
+        if self.layers:
+            first = self.layers[0]
+            probes += [
+                (first.qkv, config.hidden_size),
+                (first.o, config.q_size),
+                (first.gate_up, config.hidden_size),
+                (first.down, config.intermediate_size),
+            ]
+        self.row_tile = uniform_row_tile(probes)  # T: rows per tile
         self.rotations = rotations
-        # padding rows of the last tile write (never read) slots up to ROW_TILE - 1 past the end
-        self._chunks = -(-(rotations.shape[0] + ROW_TILE - 1) // KEY_CHUNK)
+        # padding rows of the last tile write (never read) slots up to T - 1 past the end
+        self._chunks = -(-(rotations.shape[0] + MAX_ROW_TILE - 1) // KEY_CHUNK)
 
     def cache_shape(self, batch: int) -> tuple[int, ...]:
         """[layers, batch, chunks, kv_heads, KEY_CHUNK, head_dim]: slot s lives in chunk
@@ -150,11 +182,11 @@ class TorchDecoder(DecoderBase):
         k, start = segment.rows, segment.start
         visible = self._visibility(segment.mask, k, start)  # [k, start + k]
         logits = torch.empty(k, self.vocab_size)
-        for first in range(0, k, ROW_TILE):
-            rows = min(ROW_TILE, k - first)
-            tile = _Tile.make(start, first, rows, visible)
+        for first in range(0, k, self.row_tile):
+            rows = min(self.row_tile, k - first)
+            tile = _Tile.make(start, first, rows, visible, self.row_tile)
             rotation = self.rotations[segment.positions[tile.tokens]].unsqueeze(1)  # [T, 1, d/2]
-            residual = hidden[tile.tokens]  # [ROW_TILE, hidden], a copy
+            residual = hidden[tile.tokens]  # [T, hidden], a copy
             logits[first : first + rows] = self._tile(residual, segment.slot, tile, rotation)
             hidden[first : first + rows] = residual[:rows]  # the final residual stream
         return logits
@@ -175,10 +207,10 @@ class TorchDecoder(DecoderBase):
 
     def _tile(
         self,
-        hidden: torch.Tensor,  # [ROW_TILE, hidden] embeddings (padding: copies), updated in place
+        hidden: torch.Tensor,  # [T, hidden] embeddings (padding: copies), updated in place
         b: int,
         tile: _Tile,
-        rotation: torch.Tensor,  # [ROW_TILE, 1, head_dim / 2] complex64
+        rotation: torch.Tensor,  # [T, 1, head_dim / 2] complex64
     ) -> torch.Tensor:  # [rows, vocab]
         """Run one tile of sequence ``b`` through every layer and the output head."""
         for index, layer in enumerate(self.layers):
@@ -191,72 +223,75 @@ class TorchDecoder(DecoderBase):
         self,
         index: int,
         layer: TorchLayer,
-        hidden: torch.Tensor,  # [ROW_TILE, hidden], the residual stream, updated in place
+        hidden: torch.Tensor,  # [T, hidden], the residual stream, updated in place
         b: int,
         tile: _Tile,
-        rotation: torch.Tensor,  # [ROW_TILE, 1, head_dim / 2] complex64
+        rotation: torch.Tensor,  # [T, 1, head_dim / 2] complex64
     ) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         normed = F.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, eps)
         attn = self._attention(index, layer.qkv(normed), b, tile, rotation)
         layer.o.add_into(hidden, attn)
         normed = F.rms_norm(hidden, hidden.shape[-1:], layer.post_attention_norm, eps)
-        gate, up = layer.gate_up(normed).chunk(2, dim=-1)  # [ROW_TILE, intermediate] each
+        gate, up = layer.gate_up(normed).chunk(2, dim=-1)  # [T, intermediate] each
         return layer.down.add_into(hidden, F.silu(gate).mul_(up))
 
     def _attention(
         self,
         index: int,
-        qkv: torch.Tensor,  # [ROW_TILE, q_size + 2 * kv_size]
+        qkv: torch.Tensor,  # [T, q_size + 2 * kv_size]
         b: int,
         tile: _Tile,
-        rotation: torch.Tensor,  # [ROW_TILE, 1, head_dim / 2] complex64
-    ) -> torch.Tensor:  # [ROW_TILE, q_size]
+        rotation: torch.Tensor,  # [T, 1, head_dim / 2] complex64
+    ) -> torch.Tensor:  # [T, q_size]
         """Grouped-query attention of one tile; a token's result does not depend on the
         tile it is in nor on how many chunks the tile covers.
 
-        Scores are ``keys @ queries^T`` per (kv head, chunk) with fixed shapes; the
-        softmax is taken chunk-wise against the row maximum and its normalizer and the
-        value sums add the chunks left to right (masked chunks add exact zeros).
+        Scores are ``keys @ queries^T`` per (kv head, token, chunk): a batch of small
+        products of identical shapes, one per token, so no token's sums depend on where
+        it sits in the tile (a single product over all tokens' queries put some of them
+        in a library kernel's edge columns, which round differently). The softmax is taken
+        chunk-wise against the row maximum and its normalizer, and the value sums add the
+        chunks left to right (masked chunks add exact zeros).
         """
         cfg = self.config
+        tokens = self.row_tile
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         group = heads // kv_heads
         chunks = tile.blocked.shape[1] // KEY_CHUNK
-        qkv = qkv.view(ROW_TILE, heads + 2 * kv_heads, d)
+        qkv = qkv.view(tokens, heads + 2 * kv_heads, d)
         pairs = torch.view_as_complex(qkv[:, : heads + kv_heads].unflatten(-1, (d // 2, 2)))
         rotated = torch.view_as_real(pairs * rotation).flatten(-2)  # [T, h + kv, d]
         self._store(index, b, tile.start, rotated[:, heads:], qkv[:, heads + kv_heads :])
         keys = self.k_cache[index, b, :chunks].transpose(0, 1)  # [kv, chunks, C, d]
         values = self.v_cache[index, b, :chunks].transpose(0, 1)  # [kv, chunks, C, d]
-        queries = rotated[:, :heads].reshape(ROW_TILE, kv_heads, group, d)
-        queries = queries.permute(1, 3, 2, 0).reshape(kv_heads, 1, d, group * ROW_TILE)
-        scores = keys @ queries  # [kv, chunks, C, group * T]
-        scores = scores.view(kv_heads, chunks, KEY_CHUNK, group, ROW_TILE)
-        scores = scores.permute(0, 3, 4, 1, 2).contiguous()  # [kv, group, T, chunks, C]
-        scores.masked_fill_(tile.blocked.view(ROW_TILE, chunks, KEY_CHUNK), float("-inf"))
+        queries = rotated[:, :heads].reshape(tokens, kv_heads, group, d)
+        queries = queries.permute(1, 0, 3, 2).unsqueeze(2)  # [kv, T, 1, d, group]
+        scores = keys.unsqueeze(1) @ queries  # [kv, T, chunks, C, group]
+        scores = scores.permute(0, 4, 1, 2, 3).contiguous()  # [kv, group, T, chunks, C]
+        scores.masked_fill_(tile.blocked.view(tokens, chunks, KEY_CHUNK), float("-inf"))
         top = scores.amax(dim=(-2, -1), keepdim=True)  # [kv, group, T, 1, 1]
         weights = torch.exp(scores - top)  # [kv, group, T, chunks, C]; masked: 0
         chunk_sums = weights.sum(dim=-1)  # [kv, group, T, chunks]
-        weights = weights.permute(0, 3, 1, 2, 4).reshape(kv_heads, chunks, group * ROW_TILE, -1)
-        parts = weights @ values  # [kv, chunks, group * T, d]
-        total, out = chunk_sums[..., 0], parts[:, 0]
+        weights = weights.permute(0, 2, 3, 1, 4)  # [kv, T, chunks, group, C]
+        parts = weights @ values.unsqueeze(1)  # [kv, T, chunks, group, d]
+        total, out = chunk_sums[..., 0], parts[:, :, 0]  # [kv, group, T], [kv, T, group, d]
         for c in range(1, chunks):  # left to right; chunks nobody sees add exact zeros
             total = total + chunk_sums[..., c]
-            out = out + parts[:, c]
-        out = out.view(kv_heads, group, ROW_TILE, d) / total.unsqueeze(-1)
-        return out.permute(2, 0, 1, 3).reshape(ROW_TILE, cfg.q_size)
+            out = out + parts[:, :, c]
+        out = out / total.permute(0, 2, 1).unsqueeze(-1)  # [kv, T, group, d]
+        return out.permute(1, 0, 2, 3).reshape(tokens, cfg.q_size)
 
     def _store(
         self,
         index: int,
         b: int,
         start: int,
-        keys: torch.Tensor,  # [ROW_TILE, kv, d]
-        values: torch.Tensor,  # [ROW_TILE, kv, d]
+        keys: torch.Tensor,  # [T, kv, d]
+        values: torch.Tensor,  # [T, kv, d]
     ) -> None:
         """Write the tile's keys and values (padding rows included) at slots start..."""
-        for chunk, first, last, token in _cache_segments(start, ROW_TILE):
+        for chunk, first, last, token in _cache_segments(start, self.row_tile):
             rows = slice(token, token + last - first)
             self.k_cache[index, b, chunk, :, first:last] = keys[rows].transpose(0, 1)
             self.v_cache[index, b, chunk, :, first:last] = values[rows].transpose(0, 1)
@@ -265,15 +300,15 @@ class TorchDecoder(DecoderBase):
 @dataclass
 class _Tile:
     """One tile of a forward: ``rows`` real tokens (the rest padding) at cache slots
-    ``start`` .. and what each of its ROW_TILE rows may see."""
+    ``start`` .. and what each of its row-tile rows may see."""
 
     start: int
     rows: int
-    tokens: torch.Tensor  # [ROW_TILE] int64: the call's token each row runs (padding: the last)
-    blocked: torch.Tensor  # [ROW_TILE, chunks * KEY_CHUNK] bool, True = may not attend
+    tokens: torch.Tensor  # [T] int64: the call's token each row runs (padding: the last)
+    blocked: torch.Tensor  # [T, chunks * KEY_CHUNK] bool, True = may not attend
 
     @classmethod
-    def make(cls, start: int, first: int, rows: int, visible: torch.Tensor) -> _Tile:
+    def make(cls, start: int, first: int, rows: int, visible: torch.Tensor, row_tile: int) -> _Tile:
         """Tile of new tokens first .. first + rows - 1 of a call that starts at slot
         ``start``; visible: [k, start + k] bool (see TorchDecoder._visibility).
 
@@ -281,8 +316,8 @@ class _Tile:
         outputs are dropped and their cache slots, past every real token of the call,
         are overwritten before anything reads them."""
         slot = start + first  # the tile's first cache slot
-        width = -(-(slot + ROW_TILE) // KEY_CHUNK) * KEY_CHUNK
-        tokens = first + torch.arange(ROW_TILE).clamp_max(rows - 1)  # [ROW_TILE]
-        seen = torch.zeros(ROW_TILE, width, dtype=torch.bool)
+        width = -(-(slot + row_tile) // KEY_CHUNK) * KEY_CHUNK
+        tokens = first + torch.arange(row_tile).clamp_max(rows - 1)  # [row_tile]
+        seen = torch.zeros(row_tile, width, dtype=torch.bool)
         seen[:, : slot + rows] = visible[tokens, : slot + rows]
         return cls(start=slot, rows=rows, tokens=tokens, blocked=~seen)
