@@ -254,11 +254,13 @@ class Comparison:
         t = self.table
         return ["exact", t.n] if isinstance(t, stats.FitTable) else [t.n_a, t.n_b]
 
-    def margin(self, delta: float) -> float:
+    def tv_upper_bound(self, delta: float) -> float:
+        """The binned TV bound at confidence 1 − δ: one sample's against the law, or two
+        samples'."""
         t = self.table
         if isinstance(t, stats.FitTable):
-            return stats.fit_tv_margin(t.bins, t.n, delta)
-        return stats.tv_margin(t.bins, t.n_a, t.n_b, delta)
+            return stats.fit_tv_upper_bound(t, delta)
+        return stats.tv_upper_bound(t, delta)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -365,7 +367,7 @@ def comparisons(
     for c, p_adj in zip(found, adjusted, strict=True):
         c.p_adjusted = p_adj
         if c.joint:
-            c.tv_bound = min(1.0, c.tv_hat + c.margin(config.alpha / joints))
+            c.tv_bound = c.tv_upper_bound(config.alpha / joints)
     return found
 
 
