@@ -86,6 +86,29 @@ def test_native_tree_logits_equal_chains(folder, backend, length):
         assert_same(tree[0], chain[CATCH_UP - 1], backend == "kernels", "root")
 
 
+def test_native_wide_tree_spans_attention_tiles(folder):
+    """A tree of 37 nodes (40 rows with the catch-up: more than one 16-row tile of the
+    kernels' attention) gives every node bitwise its chain's logits."""
+    require_kernels()
+    model = load_native(folder, max_length=256, backend="kernels")
+    ctx = context(60)
+    g = torch.Generator().manual_seed(3)
+    nodes = 37
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) if i % 5 else -1
+                      for i in range(1, nodes)]  # fmt: skip
+    tokens = torch.randint(0, VOCAB, (nodes,), generator=g).tolist()
+    session = ModelSession(model)
+    session.sync(ctx[:-CATCH_UP])
+    tree = session.logits_for_tree(ctx, tokens, parents)[0]  # [1 + nodes, V]
+    for node in (0, 5, 16, 17, 29, 36):
+        path, at = [], node
+        while at >= 0:
+            path.insert(0, at)
+            at = parents[at]
+        chain, _ = chain_logits(model, ctx, [tokens[i] for i in path])
+        assert torch.equal(tree[node + 1], chain[-1]), f"node {node} (path {path})"
+
+
 @pytest.mark.parametrize("path", [[0, 2, 5, 6], [1, 4], [0, 3], []])
 def test_native_compaction_continues_bitwise(folder, backend, path):
     model = load_native(folder, max_length=256, backend=backend)

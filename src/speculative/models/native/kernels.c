@@ -664,52 +664,199 @@ static void rope_and_store(const Model *m, float *qkv, int rows, const int64_t *
     }
 }
 
-/* Attention of every (row, head): softmax over the visible slots, in slot order.
- * Row r sees cache slots [0, start) and new slot start + j iff mask[r, j] (causal when
- * mask is NULL). scratch: per thread 2 * max_length floats. */
+/* Attention in three passes over a tile of up to ATT_ROWS rows of one sequence; each pass
+ * splits its work among the threads and ends in a barrier:
+ *   scores   for every (kv group, chunk of ATT_SLOTS slots): the chunk's keys are read from
+ *            memory once and dotted with the queries of all the group's heads for all the
+ *            tile's rows (then from L1), four slots side by side;
+ *   softmax  for every (head, row) pair: max over the visible slots, exp, total;
+ *   values   for every (kv group, 32 dimensions, block of 3 pairs): each value row is read
+ *            once for all the block's pairs, their 12 sums held in registers.
+ * A single causal row (a decode step) takes one head per work item instead, the three steps
+ * in a row, with no barrier between them (attention_row).
+ * A (head, row) pair computes exactly what it would alone: its score for a slot is the same
+ * two-chain dot folded by hsum8, its softmax covers its visible slots in slot order (exp is
+ * lane-wise), and each output lane is one FMA chain over the visible slots in slot order. So
+ * the tile, the thread count and the other rows never change a pair's bits, while keys and
+ * values are read once per group and tile instead of once per (head, row). Row r sees cache
+ * slots [0, start) and new slot start + j iff mask[r, j] (causal when mask is NULL). */
+#define ATT_ROWS 16   /* rows of a sequence that share one sweep over its keys and values */
+#define ATT_SLOTS 64  /* slots per work item of the score pass */
+
+static inline int att_rows(int rows) { return rows < ATT_ROWS ? rows : ATT_ROWS; }
+
+/* Floats of attention scratch for up to `rows` rows: a [heads * tile rows, max_length] row of
+ * scores (then weights) per pair, and each pair's total. */
+static int64_t attention_floats(const Model *m, int rows) {
+    const int64_t pairs = (int64_t)m->heads * att_rows(rows);
+    return pairs * m->max_length + pairs;
+}
+
+static inline int slot_visible(int s, int start, int r, int rows, const uint8_t *mask) {
+    return s < start ? 1 : (mask ? mask[r * rows + (s - start)] : s - start <= r);
+}
+
+/* The value pass for NP <= 3 pairs p0 .. p0 + NP - 1 of the tile (all of one kv group) and
+ * output dimensions j .. j + 8 * NV - 1: out lane = (sum over the pair's visible slots in
+ * order of w[s] * v[s, lane]) / total. NP * NV <= 12 sums (NV <= 8 for one pair) stay in
+ * registers: independent FMA chains, enough to hide the FMA latency. */
+static inline __attribute__((always_inline)) void attention_values(
+    int NP, int NV, const Model *m, int p0, int tile_rows, int r0, int rows, int start, int n,
+    const uint8_t *mask, const float *values, int j, const float *weights, const float *totals,
+    float *out) {
+    const int d = m->head_dim, heads = m->heads;
+    const float *w[3];
+    int row[3];
+    __m256 acc[3][8];
+    for (int v = 0; v < NP; v++) {
+        w[v] = weights + (size_t)(p0 + v) * m->max_length;
+        row[v] = r0 + (p0 + v) % tile_rows;
+        for (int c = 0; c < NV; c++) acc[v][c] = _mm256_setzero_ps();
+    }
+    for (int s = 0; s < n; s++) {
+        const float *value = values + (size_t)s * d + j;
+        __m256 vals[8];
+        for (int c = 0; c < NV; c++) vals[c] = _mm256_loadu_ps(value + 8 * c);
+        for (int v = 0; v < NP; v++) {
+            if (s >= start && !slot_visible(s, start, row[v], rows, mask)) continue;
+            const __m256 weight = _mm256_broadcast_ss(w[v] + s);
+            for (int c = 0; c < NV; c++) acc[v][c] = _mm256_fmadd_ps(weight, vals[c], acc[v][c]);
+        }
+    }
+    for (int v = 0; v < NP; v++) {
+        const int p = p0 + v, h = p / tile_rows;
+        const __m256 inv = _mm256_set1_ps(1.0f / totals[p]);
+        float *o = out + (size_t)row[v] * heads * d + h * d + j;
+        for (int c = 0; c < NV; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[v][c], inv));
+    }
+}
+
+/* One pair's scores for slots s0 .. s1 - 1 (keys: slot s's key at keys + s * d), written to
+ * w[s]: each the same two-chain dot as the pair alone would take (a0 over dimensions j, a1
+ * over j + 8, j = 0, 16, ...), folded by hsum8. Four slots run side by side, sharing each
+ * query load, so that eight independent FMA chains hide the FMA latency. Slots the pair
+ * cannot see (at or after `start`) get 0, never read. */
+static inline void attention_scores(const float *q, const float *keys, int d, int s0, int s1,
+                                    int start, int r, int rows, const uint8_t *mask, float *w) {
+    int s = s0;
+    for (; s + 4 <= s1 && s + 4 <= start; s += 4) {
+        __m256 a0[4], a1[4];
+        for (int t = 0; t < 4; t++) a0[t] = a1[t] = _mm256_setzero_ps();
+        for (int j = 0; j < d; j += 16) {
+            const __m256 q0 = _mm256_loadu_ps(q + j), q1 = _mm256_loadu_ps(q + j + 8);
+            for (int t = 0; t < 4; t++) {
+                const float *key = keys + (size_t)(s + t) * d + j;
+                a0[t] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(key), a0[t]);
+                a1[t] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(key + 8), a1[t]);
+            }
+        }
+        for (int t = 0; t < 4; t++) w[s + t] = hsum8(_mm256_add_ps(a0[t], a1[t]));
+    }
+    for (; s < s1; s++) {
+        if (!slot_visible(s, start, r, rows, mask)) {
+            w[s] = 0.0f;
+            continue;
+        }
+        const float *key = keys + (size_t)s * d;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (int j = 0; j < d; j += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(key + j), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(key + j + 8), a1);
+        }
+        w[s] = hsum8(_mm256_add_ps(a0, a1));
+    }
+}
+
+/* One pair's scores w[0 .. n) (row r) into softmax weights, in place: max over the visible
+ * slots, w - max and exp (lane-wise) on them; returns their total, summed in slot order. */
+static inline float attention_softmax(float *w, int n, int start, int r, int rows,
+                                      const uint8_t *mask) {
+    float top = -INFINITY, total = 0.0f;
+    for (int s = 0; s < n; s++)
+        if (slot_visible(s, start, r, rows, mask)) top = w[s] > top ? w[s] : top;
+    for (int s = 0; s < n; s++)
+        if (slot_visible(s, start, r, rows, mask)) w[s] -= top;
+    exp_inplace(w, n);  /* lane-wise: the invisible slots' values are never read */
+    for (int s = 0; s < n; s++)
+        if (slot_visible(s, start, r, rows, mask)) total += w[s];
+    return total;
+}
+
+/* Single-row attention (a decode step): one head per work item, no barrier inside (the
+ * tile passes would add two per layer); the same per-pair arithmetic as the tile passes. */
+static void attention_row(const Model *m, const float *qkv, int start, const float *k_cache,
+                          const float *v_cache, float *out, float *scratch) {
+    const int d = m->head_dim, heads = m->heads, group = heads / m->kv_heads, n = start + 1;
+    const size_t stride = (size_t)m->max_length;
+    float *totals = scratch + heads * stride;
+#pragma omp for schedule(static)
+    for (int h = 0; h < heads; h++) {
+        const size_t kv_offset = (size_t)(h / group) * stride * d;
+        float *w = scratch + h * stride;
+        attention_scores(qkv + h * d, k_cache + kv_offset, d, 0, n, start, 0, 1, NULL, w);
+        totals[h] = attention_softmax(w, n, start, 0, 1, NULL);
+        for (int j = 0; j < d; j += 64) {  /* head_dim is a multiple of 16 */
+            const float *values = v_cache + kv_offset;
+            switch (min_int(64, d - j) / 8) {
+#define VALUES(NV) attention_values(1, NV, m, h, 1, 0, 1, start, n, NULL, values, j, scratch, totals, out)
+            case 8: VALUES(8); break;
+            case 6: VALUES(6); break;
+            case 4: VALUES(4); break;
+            default: VALUES(2); break;
+#undef VALUES
+            }
+        }
+    }
+}
+
+/* Attention of every (row, head) of one sequence (see above); scratch: attention_floats. */
 static void attention(const Model *m, const float *qkv, int rows, int start, const uint8_t *mask,
                       const float *k_cache, const float *v_cache, float *out, float *scratch) {
-    const int d = m->head_dim, heads = m->heads, group = m->heads / m->kv_heads;
-    const int width = (heads + 2 * m->kv_heads) * d;
-    float *scores = scratch + (size_t)omp_get_thread_num() * 2 * m->max_length;
-    int32_t *slots = (int32_t *)(scores + m->max_length);
+    const int d = m->head_dim, heads = m->heads, kv = m->kv_heads, group = heads / kv;
+    const int width = (heads + 2 * kv) * d;
+    const size_t stride = (size_t)m->max_length;
+    if (rows == 1 && !mask) {
+        attention_row(m, qkv, start, k_cache, v_cache, out, scratch);
+        return;
+    }
+    for (int r0 = 0; r0 < rows; r0 += ATT_ROWS) {
+        const int R = min_int(ATT_ROWS, rows - r0), pairs = heads * R, group_pairs = group * R;
+        /* slots any row of the tile may see: causal rows stop at their own */
+        const int n = mask ? start + rows : start + r0 + R;
+        float *weights = scratch, *totals = scratch + (size_t)pairs * stride;
+        const int chunks = (n + ATT_SLOTS - 1) / ATT_SLOTS;
 #pragma omp for schedule(static)
-    for (int t = 0; t < rows * heads; t++) {
-        const int r = t / heads, h = t % heads, g = h / group;
-        const float *q = qkv + (size_t)r * width + h * d;
-        const float *keys = k_cache + (size_t)g * m->max_length * d;
-        const float *values = v_cache + (size_t)g * m->max_length * d;
-        int n = 0;
-        for (int s = 0; s < start + rows; s++) {
-            int visible = s < start ? 1 : (mask ? mask[r * rows + (s - start)] : s - start <= r);
-            if (visible) slots[n++] = s;
-        }
-        float top = -INFINITY;
-        for (int i = 0; i < n; i++) {
-            const float *key = keys + (size_t)slots[i] * d;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            for (int j = 0; j < d; j += 16) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(key + j), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(key + j + 8), a1);
+        for (int item = 0; item < kv * chunks; item++) {
+            const int g = item / chunks, s1 = min_int(n, (item % chunks + 1) * ATT_SLOTS);
+            const float *keys = k_cache + (size_t)g * stride * d;
+            for (int p = g * group_pairs; p < (g + 1) * group_pairs; p++) {
+                const int r = r0 + p % R;
+                attention_scores(qkv + (size_t)r * width + p / R * d, keys, d,
+                                 item % chunks * ATT_SLOTS, s1, start, r, rows, mask,
+                                 weights + p * stride);
             }
-            scores[i] = hsum8(_mm256_add_ps(a0, a1));
-            top = scores[i] > top ? scores[i] : top;
         }
-        for (int i = 0; i < n; i++) scores[i] -= top;
-        exp_inplace(scores, n);
-        float total = 0.0f;
-        float *o = out + (size_t)r * heads * d + h * d;
-        for (int j = 0; j < d; j++) o[j] = 0.0f;
-        for (int i = 0; i < n; i++) {
-            total += scores[i];
-            const float *value = values + (size_t)slots[i] * d;
-            const __m256 p = _mm256_set1_ps(scores[i]);
-            for (int j = 0; j < d; j += 8)
-                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(p, _mm256_loadu_ps(value + j),
-                                                        _mm256_loadu_ps(o + j)));
+#pragma omp for schedule(static)
+        for (int p = 0; p < pairs; p++)
+            totals[p] = attention_softmax(weights + p * stride, n, start, r0 + p % R, rows, mask);
+        /* items: (kv group, 32 or 16 dimensions, block of 3 pairs) */
+        const int nv = d % 32 ? 2 : 4, blocks = (group_pairs + 2) / 3, dims = d / (8 * nv);
+#pragma omp for schedule(static)
+        for (int item = 0; item < kv * dims * blocks; item++) {
+            const int g = item / (dims * blocks), j = (item / blocks) % dims * 8 * nv;
+            const int p0 = g * group_pairs + item % blocks * 3;
+            const float *values = v_cache + (size_t)g * stride * d;
+            switch (min_int(3, (g + 1) * group_pairs - p0) * 8 + nv) {
+#define VALUES(NP, NV) attention_values(NP, NV, m, p0, R, r0, rows, start, n, mask, values, j, weights, totals, out)
+            case 3 * 8 + 4: VALUES(3, 4); break;
+            case 2 * 8 + 4: VALUES(2, 4); break;
+            case 1 * 8 + 4: VALUES(1, 4); break;
+            case 3 * 8 + 2: VALUES(3, 2); break;
+            case 2 * 8 + 2: VALUES(2, 2); break;
+            default: VALUES(1, 2); break;
+#undef VALUES
+            }
         }
-        const __m256 inv = _mm256_set1_ps(1.0f / total);
-        for (int j = 0; j < d; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(o + j), inv));
     }
 }
 
@@ -725,7 +872,8 @@ int64_t spec_work_floats(const Model *m, int rows, int threads) {
     const int64_t d = m->head_dim, width = (m->heads + 2 * m->kv_heads) * d;
     int64_t per_row = m->hidden + width + m->heads * d + 3 * (int64_t)m->intermediate;
     per_row += widest_input(m) / 4 + 2 * padded_groups(widest_input(m));  /* QuantRows */
-    return rows * per_row + (int64_t)threads * 2 * m->max_length;
+    (void)threads;
+    return rows * per_row + attention_floats(m, rows);
 }
 
 /* Append the new tokens of `nseq` sequences in one pass: every linear layer runs once
@@ -756,7 +904,7 @@ void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *
     float *act = gate_up + (size_t)rows * 2 * inter;
     float *scratch = act + (size_t)rows * inter;
     const int64_t widest = widest_input(m);
-    float *quant = scratch + (size_t)threads * 2 * m->max_length;
+    float *quant = scratch + attention_floats(m, rows);
     const int64_t groups = padded_groups(widest);
     QuantRows qx = {(int8_t *)quant, quant + rows * widest / 4,
                     quant + rows * widest / 4 + rows * groups, 0};

@@ -1,0 +1,115 @@
+"""The C kernels of this tree against those of another git revision, side by side.
+
+    PYTHONPATH=src .venv/bin/python scripts/kernels_side_by_side.py --baseline c6436c7 \
+        --context 128 512 1024 --k 1 3 5 8 --precision int4
+
+Loads the default model twice on the native runtime (this tree's ``kernels.c`` and the
+baseline's, each compiled as the runtime compiles it), fills both caches with the same
+random context, then times forwards of k new tokens with the two models interleaved
+(alternating which goes first) and checks that their logits are bitwise equal (``--allow-
+different`` for a change that is meant to round differently). Prints the median ms of each
+and the ratio, per context and k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from speculative.hardware import cpu_info
+from speculative.models.native import ckernels
+from speculative.pipeline import load_target
+
+
+def baseline_source(revision: str) -> Path:
+    """kernels.c of ``revision`` in a temporary file."""
+    text = subprocess.run(
+        ["git", "show", f"{revision}:src/speculative/models/native/kernels.c"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / "kernels.c"
+    path.write_text(text)
+    return path
+
+
+def load_both(baseline: Path, precision: str):
+    """(this tree's model, the baseline's model), each on its own kernel library."""
+    current = load_target("default", precision=precision).lm
+    here = ckernels.SOURCE
+    ckernels.SOURCE = baseline
+    try:
+        before = load_target("default", precision=precision).lm
+    finally:
+        ckernels.SOURCE = here
+    if current.decoder._library is before.decoder._library:
+        raise SystemExit("both models run the same kernel library: the sources are identical")
+    return current, before
+
+
+def compare(models: dict, context: int, ks: list[int], repeats: int, bitwise: bool) -> list[dict]:
+    g = torch.Generator().manual_seed(context)
+    ids = torch.randint(0, 49000, (1, context + max(ks)), generator=g)  # [1, context + k]
+    for model in models.values():
+        model.reset()
+        model.forward(ids[:, :context])
+    times: dict[tuple[str, int], list[float]] = {(n, k): [] for n in models for k in ks}
+    names = list(models)
+    with torch.inference_mode():
+        for repeat in range(repeats + 1):  # the first round warms up
+            for k in ks:
+                logits = {}
+                for name in names if repeat % 2 else reversed(names):
+                    started = time.perf_counter()
+                    logits[name] = models[name].forward(ids[:, context : context + k])
+                    elapsed = (time.perf_counter() - started) * 1e3
+                    models[name].rollback(k)
+                    if repeat:
+                        times[(name, k)].append(elapsed)
+                if bitwise and not torch.equal(*logits.values()):
+                    raise SystemExit(f"context {context}, k = {k}: the logits differ")
+    rows = []
+    for k in ks:
+        after, before = (statistics.median(times[(n, k)]) for n in names)
+        rows.append({"context": context, "k": k, "before_ms": before, "after_ms": after,
+                     "ratio": after / before})  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", required=True, help="git revision to compare against")
+    parser.add_argument("--context", type=int, nargs="+", default=[128, 1024])
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 3, 5, 8])
+    parser.add_argument("--precision", default="auto")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--allow-different", action="store_true", help="skip the bitwise check")
+    parser.add_argument("--json", action="store_true", help="one JSON object as the last line")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    after, before = load_both(baseline_source(args.baseline), args.precision)
+    models = {"after": after, "before": before}
+    rows = []
+    print(f"cpu: {cpu_info().summary()} · precision {args.precision} · {args.threads} threads")
+    for context in args.context:
+        for row in compare(models, context, args.k, args.repeats, not args.allow_different):
+            rows.append(row)
+            print(f"context {context:5d}  k {row['k']:2d}  before {row['before_ms']:7.2f} ms  "
+                  f"after {row['after_ms']:7.2f} ms  after/before {row['ratio']:.3f}")  # fmt: skip
+    if not args.allow_different:
+        print("logits bitwise equal in every forward: yes")
+    if args.json:
+        print(json.dumps({"baseline": args.baseline, "cpu": cpu_info().as_dict(), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
