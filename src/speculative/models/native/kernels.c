@@ -669,9 +669,10 @@ static void rope_and_store(const Model *m, float *qkv, int rows, const int64_t *
  *   scores   for every (kv group, chunk of ATT_SLOTS slots): the chunk's keys are read from
  *            memory once and dotted with the queries of all the group's heads for all the
  *            tile's rows (then from L1), four slots side by side;
- *   softmax  for every (head, row) pair: max over the visible slots, exp, total;
+ *   softmax  for every (head, row) pair: max over the visible slots, exp;
  *   values   for every (kv group, 32 dimensions, block of 3 pairs): each value row is read
- *            once for all the block's pairs, their 12 sums held in registers.
+ *            once for all the block's pairs, their 12 sums held in registers, and each
+ *            pair's total of weights summed on the way.
  * A single causal row (a decode step) takes one head per work item instead, the three steps
  * in a row, with no barrier between them (attention_row).
  * A (head, row) pair computes exactly what it would alone: its score for a slot is the same
@@ -686,10 +687,9 @@ static void rope_and_store(const Model *m, float *qkv, int rows, const int64_t *
 static inline int att_rows(int rows) { return rows < ATT_ROWS ? rows : ATT_ROWS; }
 
 /* Floats of attention scratch for up to `rows` rows: a [heads * tile rows, max_length] row of
- * scores (then weights) per pair, and each pair's total. */
+ * scores (then weights) per pair. */
 static int64_t attention_floats(const Model *m, int rows) {
-    const int64_t pairs = (int64_t)m->heads * att_rows(rows);
-    return pairs * m->max_length + pairs;
+    return (int64_t)m->heads * att_rows(rows) * m->max_length;
 }
 
 static inline int slot_visible(int s, int start, int r, int rows, const uint8_t *mask) {
@@ -698,19 +698,21 @@ static inline int slot_visible(int s, int start, int r, int rows, const uint8_t 
 
 /* The value pass for NP <= 3 pairs p0 .. p0 + NP - 1 of the tile (all of one kv group) and
  * output dimensions j .. j + 8 * NV - 1: out lane = (sum over the pair's visible slots in
- * order of w[s] * v[s, lane]) / total. NP * NV <= 12 sums (NV <= 8 for one pair) stay in
+ * order of w[s] * v[s, lane]) / total, total = the sum of those w[s] in slot order (the
+ * scalar chains run beside the FMAs). NP * NV <= 12 sums (NV <= 8 for one pair) stay in
  * registers: independent FMA chains, enough to hide the FMA latency. */
 static inline __attribute__((always_inline)) void attention_values(
     int NP, int NV, const Model *m, int p0, int tile_rows, int r0, int rows, int start, int n,
-    const uint8_t *mask, const float *values, int j, const float *weights, const float *totals,
-    float *out) {
+    const uint8_t *mask, const float *values, int j, const float *weights, float *out) {
     const int d = m->head_dim, heads = m->heads;
     const float *w[3];
     int row[3];
+    float total[3];
     __m256 acc[3][8];
     for (int v = 0; v < NP; v++) {
         w[v] = weights + (size_t)(p0 + v) * m->max_length;
         row[v] = r0 + (p0 + v) % tile_rows;
+        total[v] = 0.0f;
         for (int c = 0; c < NV; c++) acc[v][c] = _mm256_setzero_ps();
     }
     for (int s = 0; s < n; s++) {
@@ -719,13 +721,14 @@ static inline __attribute__((always_inline)) void attention_values(
         for (int c = 0; c < NV; c++) vals[c] = _mm256_loadu_ps(value + 8 * c);
         for (int v = 0; v < NP; v++) {
             if (s >= start && !slot_visible(s, start, row[v], rows, mask)) continue;
+            total[v] += w[v][s];
             const __m256 weight = _mm256_broadcast_ss(w[v] + s);
             for (int c = 0; c < NV; c++) acc[v][c] = _mm256_fmadd_ps(weight, vals[c], acc[v][c]);
         }
     }
     for (int v = 0; v < NP; v++) {
-        const int p = p0 + v, h = p / tile_rows;
-        const __m256 inv = _mm256_set1_ps(1.0f / totals[p]);
+        const int h = (p0 + v) / tile_rows;
+        const __m256 inv = _mm256_set1_ps(1.0f / total[v]);
         float *o = out + (size_t)row[v] * heads * d + h * d + j;
         for (int c = 0; c < NV; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[v][c], inv));
     }
@@ -767,19 +770,25 @@ static inline void attention_scores(const float *q, const float *keys, int d, in
     }
 }
 
-/* One pair's scores w[0 .. n) (row r) into softmax weights, in place: max over the visible
- * slots, w - max and exp (lane-wise) on them; returns their total, summed in slot order. */
-static inline float attention_softmax(float *w, int n, int start, int r, int rows,
-                                      const uint8_t *mask) {
-    float top = -INFINITY, total = 0.0f;
-    for (int s = 0; s < n; s++)
+/* One pair's scores w[0 .. n) (row r) into unnormalized softmax weights, in place: the max
+ * over the visible slots (8 lanes at a time over the cache, where every slot is visible;
+ * max is exact, so the order does not matter), w - max and exp (lane-wise) on them. The
+ * value pass sums the weights, in slot order, as it goes. */
+static inline void attention_weights(float *w, int n, int start, int r, int rows,
+                                     const uint8_t *mask) {
+    __m256 lanes = _mm256_set1_ps(-INFINITY);
+    int s = 0;
+    for (; s + 8 <= start; s += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(w + s), lanes);
+    float spread[8], top = -INFINITY;
+    _mm256_storeu_ps(spread, lanes);
+    for (int i = 0; i < 8; i++) top = spread[i] > top ? spread[i] : top;
+    for (; s < n; s++)
         if (slot_visible(s, start, r, rows, mask)) top = w[s] > top ? w[s] : top;
-    for (int s = 0; s < n; s++)
+    const __m256 shift = _mm256_set1_ps(top);
+    for (s = 0; s + 8 <= start; s += 8) _mm256_storeu_ps(w + s, _mm256_sub_ps(_mm256_loadu_ps(w + s), shift));
+    for (; s < n; s++)
         if (slot_visible(s, start, r, rows, mask)) w[s] -= top;
     exp_inplace(w, n);  /* lane-wise: the invisible slots' values are never read */
-    for (int s = 0; s < n; s++)
-        if (slot_visible(s, start, r, rows, mask)) total += w[s];
-    return total;
 }
 
 /* Single-row attention (a decode step): one head per work item, no barrier inside (the
@@ -788,17 +797,16 @@ static void attention_row(const Model *m, const float *qkv, int start, const flo
                           const float *v_cache, float *out, float *scratch) {
     const int d = m->head_dim, heads = m->heads, group = heads / m->kv_heads, n = start + 1;
     const size_t stride = (size_t)m->max_length;
-    float *totals = scratch + heads * stride;
 #pragma omp for schedule(static)
     for (int h = 0; h < heads; h++) {
         const size_t kv_offset = (size_t)(h / group) * stride * d;
         float *w = scratch + h * stride;
         attention_scores(qkv + h * d, k_cache + kv_offset, d, 0, n, start, 0, 1, NULL, w);
-        totals[h] = attention_softmax(w, n, start, 0, 1, NULL);
+        attention_weights(w, n, start, 0, 1, NULL);
         for (int j = 0; j < d; j += 64) {  /* head_dim is a multiple of 16 */
             const float *values = v_cache + kv_offset;
             switch (min_int(64, d - j) / 8) {
-#define VALUES(NV) attention_values(1, NV, m, h, 1, 0, 1, start, n, NULL, values, j, scratch, totals, out)
+#define VALUES(NV) attention_values(1, NV, m, h, 1, 0, 1, start, n, NULL, values, j, scratch, out)
             case 8: VALUES(8); break;
             case 6: VALUES(6); break;
             case 4: VALUES(4); break;
@@ -823,7 +831,7 @@ static void attention(const Model *m, const float *qkv, int rows, int start, con
         const int R = min_int(ATT_ROWS, rows - r0), pairs = heads * R, group_pairs = group * R;
         /* slots any row of the tile may see: causal rows stop at their own */
         const int n = mask ? start + rows : start + r0 + R;
-        float *weights = scratch, *totals = scratch + (size_t)pairs * stride;
+        float *weights = scratch;
         const int chunks = (n + ATT_SLOTS - 1) / ATT_SLOTS;
 #pragma omp for schedule(static)
         for (int item = 0; item < kv * chunks; item++) {
@@ -838,7 +846,7 @@ static void attention(const Model *m, const float *qkv, int rows, int start, con
         }
 #pragma omp for schedule(static)
         for (int p = 0; p < pairs; p++)
-            totals[p] = attention_softmax(weights + p * stride, n, start, r0 + p % R, rows, mask);
+            attention_weights(weights + p * stride, n, start, r0 + p % R, rows, mask);
         /* items: (kv group, 32 or 16 dimensions, block of 3 pairs) */
         const int nv = d % 32 ? 2 : 4, blocks = (group_pairs + 2) / 3, dims = d / (8 * nv);
 #pragma omp for schedule(static)
@@ -847,7 +855,7 @@ static void attention(const Model *m, const float *qkv, int rows, int start, con
             const int p0 = g * group_pairs + item % blocks * 3;
             const float *values = v_cache + (size_t)g * stride * d;
             switch (min_int(3, (g + 1) * group_pairs - p0) * 8 + nv) {
-#define VALUES(NP, NV) attention_values(NP, NV, m, p0, R, r0, rows, start, n, mask, values, j, weights, totals, out)
+#define VALUES(NP, NV) attention_values(NP, NV, m, p0, R, r0, rows, start, n, mask, values, j, weights, out)
             case 3 * 8 + 4: VALUES(3, 4); break;
             case 2 * 8 + 4: VALUES(2, 4); break;
             case 1 * 8 + 4: VALUES(1, 4); break;
