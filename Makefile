@@ -17,7 +17,7 @@ run: setup
 
 test: setup
 	.venv/bin/ruff check src tests
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=15
 	$(MAKE) --no-print-directory test-avx2
 
 test-fast: setup
