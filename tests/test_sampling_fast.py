@@ -10,13 +10,20 @@ import torch
 from speculative.sampling import (
     SamplingParams,
     logits_to_probs,
+    residual,
     sample_from,
     sample_row,
     verify,
     verify_greedy,
     verify_logits,
 )
-from speculative.sampling.probs import mask_top_p, nucleus_probs, nucleus_threshold
+from speculative.sampling.probs import (
+    RowProbs,
+    mask_top_p,
+    nucleus_probs,
+    nucleus_threshold,
+    row_probs,
+)
 
 
 def logits_like_a_model(rows: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -25,6 +32,14 @@ def logits_like_a_model(rows: int, vocab: int, generator: torch.Generator) -> to
     logits = torch.randn(rows, vocab, generator=generator) * scales[:, None]
     logits[:, 7] = logits[:, 3]  # a tie (the argmax's first index, the nucleus cut)
     return logits
+
+
+PARAMS = [
+    SamplingParams(temperature=0.8, top_p=0.95),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=20),
+    SamplingParams(temperature=1.3, top_k=50, top_p=0.9),
+]
 
 
 def test_mask_top_p_equals_masked_fill():
@@ -69,6 +84,35 @@ def test_sample_row_equals_sample_from():
                 assert sample_row(weights, u) == int(want[0]), (params, u)
 
 
+def dense(row: RowProbs, vocab: int) -> torch.Tensor:
+    """A RowProbs as the [vocab] row it stands for."""
+    out = torch.zeros(vocab)
+    index = torch.arange(vocab) if row.support is None else torch.from_numpy(row.support)
+    out[index] = torch.from_numpy(row.values)
+    return out
+
+
+@pytest.mark.parametrize("params", [*PARAMS, SamplingParams(0.0)], ids=str)
+def test_row_probs_is_logits_to_probs_row_bit_for_bit(params):
+    """The sparse row (a nucleus where top-p cuts one) stands for logits_to_probs's row
+    exactly; its p(x) and its residual are the dense ones' bits, and a residual that
+    forgot to remove the drafted token (the point-mass rule) is caught."""
+    generator = torch.Generator().manual_seed(5)
+    logits = logits_like_a_model(8, 3000, generator)
+    want = logits_to_probs(logits, params)  # [8, vocab]
+    for row in range(logits.shape[0]):
+        got = row_probs(logits[row], params)
+        assert torch.equal(dense(got, 3000), want[row])
+        token = int(want[row].argmax())
+        assert got.prob(token) == want[row, token] and got.prob(token) > 0
+        without = want[row].clone()
+        without[token] = 0.0
+        assert torch.equal(dense(got.residual(token, None), 3000), without)
+        q = torch.softmax(logits[row] + torch.randn(3000, generator=generator), -1)
+        assert torch.equal(dense(got.residual(token, q.numpy()), 3000), residual(want[row], q))
+        assert not torch.equal(dense(got, 3000), without)  # the control: token still in
+
+
 def torch_verify_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple:
     """The previous torch implementation of verify_greedy (the reference)."""
     gamma = drafts.shape[1]
@@ -91,14 +135,6 @@ def test_verify_greedy_equals_the_torch_argmax_prefix():
         num_accepted, tokens = torch_verify_greedy(drafts, logits)
         assert torch.equal(result.num_accepted, num_accepted)
         assert torch.equal(result.tokens, tokens)
-
-
-PARAMS = [
-    SamplingParams(temperature=0.8, top_p=0.95),
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=0.7, top_k=20),
-    SamplingParams(temperature=1.3, top_k=50, top_p=0.9),
-]
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")

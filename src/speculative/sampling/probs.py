@@ -6,6 +6,7 @@ and the processed distributions are the ones that enter the accept test.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -15,6 +16,7 @@ from speculative.sampling.params import SamplingParams
 
 PROB_TOLERANCE = 1e-4  # how far a distribution's sum may stray from 1
 NUCLEUS_CUTOFF_STEP = 64.0  # the nucleus search lowers its probability cutoff by this
+SPARSE_SAMPLE_LIMIT = 4096  # positive entries up to which a draw sums only those
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -75,23 +77,103 @@ def nucleus_probs(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     logits: [..., vocab] (already divided by the temperature; -inf where masked).
     returns: [..., vocab] float32, zero outside the nucleus.
 
-    Each row's nucleus (the tokens :func:`nucleus_threshold` keeps, ties at the cut
-    included) comes straight from the partial sort's candidates, and is renormalized over
-    the kept logits alone (float64, in vocabulary order) instead of by a second softmax
-    over the whole vocabulary with -inf outside it: the same distribution, summed over
-    the tens of kept entries instead of 49k. A row's values depend on that row only, so
-    a row gives the same bits in a block of rows as alone.
+    Each row is :func:`nucleus_row`'s, scattered into zeros, so a row's values depend on
+    that row only: a row gives the same bits in a block of rows as alone, and as the
+    sparse row that verification reads.
     """
     probs = torch.softmax(logits, dim=-1)  # [..., vocab]: the nucleus is cut on these
     values = _as_numpy(logits).reshape(-1, logits.shape[-1])  # [rows, vocab]
     probs_rows = _as_numpy(probs).reshape(values.shape)
     out = np.zeros(values.shape, dtype=np.float32)  # [rows, vocab]
     for row, p in enumerate(probs_rows):
-        kept = _row_nucleus(p, top_p).kept  # [n] increasing token ids
-        kept_logits = values[row, kept].astype(np.float64)
-        weights = np.exp(kept_logits - kept_logits.max())
-        out[row, kept] = weights / weights.sum()
+        nucleus = _renormalized_nucleus(values[row], p, top_p)
+        out[row, nucleus.support] = nucleus.values
     return torch.from_numpy(out).reshape(logits.shape)
+
+
+@dataclass(frozen=True)
+class RowProbs:
+    """One processed next-token distribution, kept as the entries that may be nonzero:
+    token ``support[i]`` has probability ``values[i]`` (ids increasing), every other
+    token zero; ``support`` None means every token (a dense row). A top-p nucleus is tens
+    of entries where the dense row has 49k, so whatever reads it reads tens: the accept
+    test's p(x), the residual max(0, p - q) (zero wherever p is) and the inverse-CDF draw,
+    each giving the bits it gives on the dense row."""
+
+    values: np.ndarray  # [n] float32
+    support: np.ndarray | None = None  # [n] int64 increasing token ids; None: all
+
+    def prob(self, token: int) -> np.float32:
+        """p(token)."""
+        index = self._index(token)
+        return np.float32(0.0) if index is None else self.values[index]
+
+    def residual(self, token: int, q: np.ndarray | None) -> RowProbs:
+        """The unnormalized residual max(0, p - q); q: [vocab] float32, or None for a
+        point mass at ``token`` (p with that token removed)."""
+        if q is None:
+            values = self.values.copy()
+            index = self._index(token)
+            if index is not None:
+                values[index] = 0.0
+            return RowProbs(values, self.support)
+        q_here = q if self.support is None else q[self.support]  # [n]
+        return RowProbs(np.maximum(self.values - q_here, np.float32(0.0)), self.support)
+
+    def mass(self) -> float:
+        return float(self.values.sum(dtype=np.float64))
+
+    def draw(self, uniform: float) -> int:
+        """:func:`sample_from`'s token for these weights and ``uniform``, bit for bit: a
+        running float64 sum is unchanged by adding 0.0, so the partial sums over the
+        positive entries are the full cumsum's at those indices, and the first index whose
+        partial sum exceeds u * total is a positive entry either way."""
+        positive = np.flatnonzero(self.values > 0)  # [m] increasing indices
+        if self.support is None and positive.size > SPARSE_SAMPLE_LIMIT:
+            uniforms = torch.tensor([uniform], dtype=torch.float64)
+            dense = torch.from_numpy(self.values).reshape(1, -1)
+            return int(sample_from(dense, uniforms)[0])
+        cdf = np.cumsum(self.values[positive].astype(np.float64))  # [m]
+        target = float(np.float64(uniform) * cdf[-1])
+        index = int(positive[min(int(np.searchsorted(cdf, target, side="right")), cdf.size - 1)])
+        return index if self.support is None else int(self.support[index])
+
+    def _index(self, token: int) -> int | None:
+        """Where ``token`` sits in ``values`` (None: outside the support)."""
+        if self.support is None:
+            return token
+        index = int(np.searchsorted(self.support, token))
+        found = index < self.support.size and int(self.support[index]) == token
+        return index if found else None
+
+
+def row_probs(logits: torch.Tensor, params: SamplingParams) -> RowProbs:
+    """One row's processed distribution, as :func:`logits_to_probs` gives it (the same
+    bits at every token), sparse where top-p cuts a nucleus. logits: [vocab] raw logits."""
+    logits = logits.float()
+    if params.greedy:
+        best = np.array([int(_as_numpy(logits).argmax())], dtype=np.int64)
+        return RowProbs(np.ones(1, dtype=np.float32), best)
+    logits = logits / params.temperature
+    if params.top_k:
+        logits = mask_top_k(logits, params.top_k)
+    if params.top_p < 1:
+        probs = _as_numpy(torch.softmax(logits, dim=-1))  # [vocab]
+        return _renormalized_nucleus(_as_numpy(logits), probs, params.top_p)
+    return RowProbs(_as_numpy(torch.softmax(logits, dim=-1)))
+
+
+def _renormalized_nucleus(logits: np.ndarray, probs: np.ndarray, top_p: float) -> RowProbs:
+    """A row's top-p nucleus (the tokens :func:`nucleus_threshold` keeps, ties at the cut
+    included) renormalized over the kept logits alone (float64, in vocabulary order)
+    instead of by a second softmax over the whole vocabulary with -inf outside it: the
+    same distribution, summed over the tens of kept entries instead of 49k.
+
+    logits: [vocab] (divided by the temperature), probs: [vocab] their softmax."""
+    kept = _row_nucleus(probs, top_p).kept  # [n] increasing token ids
+    kept_logits = logits[kept].astype(np.float64)
+    weights = np.exp(kept_logits - kept_logits.max())
+    return RowProbs((weights / weights.sum()).astype(np.float32), kept)
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
@@ -169,25 +251,10 @@ def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.minimum(tokens, last_positive)
 
 
-SPARSE_SAMPLE_LIMIT = 4096  # support sizes up to which sample_row sums only the support
-
-
 def sample_row(weights: torch.Tensor, uniform: float) -> int:
     """:func:`sample_from` for one row, summing only its positive weights when they are
-    few (a top-p nucleus). weights: [vocab] float32 >= 0 with a positive sum.
-
-    The same token bit for bit: a running float64 sum is unchanged by adding 0.0, so the
-    partial sums over the support are the full cumsum's at those indices, and the first
-    index whose partial sum exceeds u * total is a support index either way."""
-    values = _as_numpy(weights)
-    support = np.flatnonzero(values > 0)  # [n] increasing indices
-    if support.size > SPARSE_SAMPLE_LIMIT:
-        uniforms = torch.tensor([uniform], dtype=torch.float64)
-        return int(sample_from(weights.reshape(1, -1), uniforms)[0])
-    cdf = np.cumsum(values[support].astype(np.float64))  # [n]
-    target = float(np.float64(uniform) * cdf[-1])
-    position = int(np.searchsorted(cdf, target, side="right"))
-    return int(support[min(position, support.size - 1)])
+    few (a top-p nucleus). weights: [vocab] float32 >= 0 with a positive sum."""
+    return RowProbs(_as_numpy(weights)).draw(uniform)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

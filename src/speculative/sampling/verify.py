@@ -17,7 +17,12 @@ import numpy as np
 import torch
 
 from speculative.sampling.params import SamplingParams
-from speculative.sampling.probs import check_probs, logits_to_probs, sample_from, sample_row
+from speculative.sampling.probs import (
+    RowProbs,
+    check_probs,
+    row_probs,
+    sample_from,
+)
 
 
 @dataclass(frozen=True)
@@ -171,44 +176,47 @@ def verify_logits(
 ) -> VerifyResult:
     """``verify(tokens, draft_probs, logits_to_probs(logits, params), generator)`` for one
     sequence, bit for bit, doing less: it draws the same uniforms, processes the target's
-    rows only up to the first rejection (the rows after it are never read), takes p(x)
-    and the residual from one row at a time, and samples the recovered or bonus token
-    from the residual's support (:func:`sample_row`)."""
+    rows only up to the first rejection (the rows after it are never read), one row at a
+    time and sparse where top-p cuts a nucleus (:class:`RowProbs`: p(x), the residual and
+    the recovered or bonus draw read the nucleus's entries only)."""
     gamma = len(draft_tokens)
     if logits.dim() != 3 or logits.shape[:2] != (1, gamma + 1):
         raise ValueError(f"logits must be [1, {gamma + 1}, vocab], got {tuple(logits.shape)}")
     if draft_probs is not None and tuple(draft_probs.shape) != (1, gamma, logits.shape[-1]):
         raise ValueError(f"draft_probs must be [1, {gamma}, vocab], got {tuple(draft_probs.shape)}")
-    accept_uniforms = torch.rand(1, gamma, generator=generator, dtype=torch.float32)
+    accepts = _accept_uniforms(gamma, generator)  # [gamma] float32
     sample_uniform = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
-    accepts = accept_uniforms[0].numpy()
     for j, token in enumerate(draft_tokens):
-        p = logits_to_probs(logits[0, j], params)  # [vocab]: row j of the block's
-        q = None if draft_probs is None else draft_probs[0, j]  # [vocab]
-        q_token = np.float32(1.0) if q is None else q.numpy()[token]
-        if accepts[j] * q_token < p.numpy()[token]:  # float32, as the batched test
+        p = row_probs(logits[0, j], params)  # row j of the block's processed distributions
+        q = None if draft_probs is None else draft_probs[0, j].numpy()  # [vocab]
+        q_token = np.float32(1.0) if q is None else q[token]
+        if accepts[j] * q_token < p.prob(token):  # float32, as the batched test
             continue
-        if q is None:  # max(0, p - onehot): p without the drafted token
-            weights = p.clone()
-            weights[token] = 0.0
-        else:
-            weights = residual(p, q)
-        return _emit(draft_tokens[:j], _recovered_weights(weights, p), sample_uniform, gamma)
-    p = logits_to_probs(logits[0, gamma], params)  # the bonus token's distribution
+        weights = p.residual(token, q)
+        # p == q up to rounding leaves no residual mass: sample from p, as verify does
+        recovered = p if weights.mass() <= 1e-12 else weights
+        return _emit(draft_tokens[:j], recovered, sample_uniform, gamma)
+    p = row_probs(logits[0, gamma], params)  # the bonus token's distribution
     return _emit(list(draft_tokens), p, sample_uniform, gamma)
 
 
-def _recovered_weights(weights: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The residual, or p where it has no mass (p == q up to rounding), as verify does."""
-    return p if float(weights.sum()) <= 1e-12 else weights
+def _accept_uniforms(gamma: int, generator: torch.Generator) -> np.ndarray:
+    """verify's [1, gamma] float32 accept uniforms for one row; none drawn for γ = 0 (an
+    empty draw leaves the generator as it was)."""
+    if gamma == 0:
+        return np.zeros(0, dtype=np.float32)
+    return torch.rand(1, gamma, generator=generator, dtype=torch.float32)[0].numpy()
 
 
-def _emit(accepted: list[int], weights: torch.Tensor, uniform: float, gamma: int) -> VerifyResult:
-    """The accepted tokens plus one drawn from ``weights`` [vocab], as a VerifyResult."""
-    emitted = [*accepted, sample_row(weights, uniform)]
-    tokens = torch.full((1, gamma + 1), -1, dtype=torch.long)
-    tokens[0, : len(emitted)] = torch.tensor(emitted, dtype=torch.long)
-    return VerifyResult(num_accepted=torch.tensor([len(accepted)]), tokens=tokens)
+def _emit(accepted: list[int], weights: RowProbs, uniform: float, gamma: int) -> VerifyResult:
+    """The accepted tokens plus one drawn from ``weights``, as a VerifyResult."""
+    emitted = [*accepted, weights.draw(uniform)]
+    tokens = np.full((1, gamma + 1), -1, dtype=np.int64)
+    tokens[0, : len(emitted)] = emitted
+    num_accepted = np.array([len(accepted)], dtype=np.int64)
+    return VerifyResult(
+        num_accepted=torch.from_numpy(num_accepted), tokens=torch.from_numpy(tokens)
+    )
 
 
 def check_distribution(p: np.ndarray, name: str) -> np.ndarray:
