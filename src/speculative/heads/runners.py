@@ -4,9 +4,10 @@ kernels.c instead of PyTorch ops).
 
 A draft step of a head is tiny (one decoder layer of the target's width and an output
 over the reduced draft vocabulary), so in PyTorch it costs op dispatch on small tensors
-more than arithmetic. Here one step is two C calls: the fusion layer ``fc`` and one
-kernels.c forward of a one-layer model whose output head is the draft vocabulary's rows
-(no final norm: the head's output feature goes to its rows as is).
+more than arithmetic. Here one step is two C calls: the fusion layer ``fc`` with the two
+input norms before it (``spec_fused_linear``, one parallel region) and one kernels.c
+forward of a one-layer model whose output head is the draft vocabulary's rows (no final
+norm: the head's output feature goes to its rows as is).
 
 Weights are packed at most at the target's precision (:func:`head_formats`), so a draft
 step never reads more bytes per weight than a target step. The head's numbers then differ
@@ -16,6 +17,7 @@ the drafter samples from are the ones it reports as q.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Protocol
 
 import torch
@@ -119,6 +121,7 @@ class KernelEagleRunner:
         self.embed_norm = module.embed_norm.weight.detach().float().contiguous()
         self.feature_norm = module.feature_norm.weight.detach().float().contiguous()
         self.fc = KernelLinear.pack(module.fc.weight.detach().float(), None, layer_format)
+        self._fc = self.fc.struct()  # the C view of fc's tensors (which self.fc keeps)
         self.layer = KernelLayer(
             input_norm=module.input_norm.weight.detach().float().contiguous(),
             post_attention_norm=module.post_norm.weight.detach().float().contiguous(),
@@ -174,20 +177,26 @@ class KernelEagleRunner:
             raise ValueError(f"head cache overflow: {start} + {k} > {self.max_length}")
         if mask is not None and mask.shape != (k, k):
             raise ValueError(f"the kernel head takes a [k, k] mask, got {tuple(mask.shape)}")
-        eps = self.config.rms_norm_eps
-        width = self.config.hidden_size
-        fused = torch.cat(
-            [
-                F.rms_norm(embeds, (width,), self.embed_norm, eps),
-                F.rms_norm(features, (width,), self.feature_norm, eps),
-            ],
-            dim=-1,
-        )  # [k, 2H]
         threads = torch.get_num_threads()
-        hidden = self.fc(self.library, fused, threads)  # [k, H], updated in place below
         lib = self.library
         model = self._model.pointer
-        work = torch.empty(lib.spec_work_floats(model, k, threads))
+        width = self.config.hidden_size
+        fused_floats = lib.spec_fused_linear_work_floats(k, 2 * width) + 8
+        work = torch.empty(max(fused_floats, lib.spec_work_floats(model, k, threads)))
+        hidden = torch.empty(k, width)  # [k, H], updated in place by the forward below
+        embeds, features = embeds.float().contiguous(), features.float().contiguous()
+        lib.spec_fused_linear(  # fc([norm(embeds) | norm(features)]): one parallel region
+            ctypes.byref(self._fc),
+            embeds.data_ptr(),
+            self.embed_norm.data_ptr(),
+            features.data_ptr(),
+            self.feature_norm.data_ptr(),
+            self.config.rms_norm_eps,
+            k,
+            hidden.data_ptr(),
+            work.data_ptr(),
+            threads,
+        )
         logits = torch.empty(k, self.rows.out_features)
         pos = positions.to(torch.int64).contiguous()
         mask_bytes = None if mask is None else mask.to(torch.uint8).contiguous()

@@ -81,7 +81,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 6
+ABI_VERSION = 7
 # "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
@@ -154,6 +154,11 @@ def _open_library(path: str) -> ctypes.CDLL:
     library.spec_linear_work_floats.restype = ctypes.c_int64
     library.spec_linear.argtypes = [pointer, pointer, i32, pointer, pointer, i32]
     library.spec_linear.restype = None
+    library.spec_fused_linear_work_floats.argtypes = [i32, i32]
+    library.spec_fused_linear_work_floats.restype = ctypes.c_int64
+    library.spec_fused_linear.argtypes = [pointer, pointer, pointer, pointer, pointer]
+    library.spec_fused_linear.argtypes += [ctypes.c_float, i32, pointer, pointer, i32]
+    library.spec_fused_linear.restype = None
     library.spec_peak_fma.argtypes = [i32, i64]
     library.spec_peak_fma.restype = ctypes.c_double
     library.spec_peak_int8.argtypes = [i32, i64]

@@ -63,7 +63,7 @@ typedef struct {
     const float *sin;  /* [max_length, head_dim / 2] */
 } Model;
 
-int spec_abi_version(void) { return 6; }
+int spec_abi_version(void) { return 7; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 const char *spec_isa(void) { return "avx512"; }
@@ -600,12 +600,14 @@ static void linear(const Linear *L, const float *x, int rows, float *y, int ldy,
 
 /* ---- elementwise ------------------------------------------------------------------ */
 
-/* out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight, rows shared among threads. */
-static void rms_norm(const float *x, const float *weight, int rows, int n, float eps, float *out) {
+/* out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight, rows shared among threads; row r
+ * of out starts at out + r * ldo. */
+static void rms_norm_rows(const float *x, const float *weight, int rows, int n, float eps,
+                          float *out, int ldo) {
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (size_t)r * n;
-        float *yr = out + (size_t)r * n;
+        float *yr = out + (size_t)r * ldo;
         __m256 acc = _mm256_setzero_ps();
         for (int i = 0; i < n; i += 8) {
             __m256 v = _mm256_loadu_ps(xr + i);
@@ -618,6 +620,10 @@ static void rms_norm(const float *x, const float *weight, int rows, int n, float
             _mm256_storeu_ps(yr + i, _mm256_mul_ps(v, _mm256_loadu_ps(weight + i)));
         }
     }
+}
+
+static void rms_norm(const float *x, const float *weight, int rows, int n, float eps, float *out) {
+    rms_norm_rows(x, weight, rows, n, eps, out, n);
 }
 
 /* act[r] = silu(gate[r]) * up[r]; gate_up rows are [gate | up], each `inter` wide. */
@@ -979,6 +985,30 @@ void spec_linear(const Linear *L, const float *x, int rows, float *y, float *wor
                     work + (size_t)rows * in / 4 + (size_t)rows * padded_groups(in), 0};
 #pragma omp parallel num_threads(threads)
     linear(L, x, rows, y, L->out_features, 0, &qx);
+}
+
+/* Floats of work memory spec_fused_linear needs for `rows` rows of `in` inputs. */
+int64_t spec_fused_linear_work_floats(int rows, int in) {
+    return (int64_t)rows * in + spec_linear_work_floats(rows, in);
+}
+
+/* y [rows, out] = W . [rms_norm(a[r]) * a_weight | rms_norm(b[r]) * b_weight] for each row
+ * r, a and b [rows, in / 2] (an EAGLE head's fusion of a token embedding and a feature):
+ * both norms and the layer in one parallel region on `threads` threads. */
+void spec_fused_linear(const Linear *L, const float *a, const float *a_weight, const float *b,
+                       const float *b_weight, float eps, int rows, float *y, float *work,
+                       int threads) {
+    const int in = L->in_features, half = in / 2;
+    float *fused = work;
+    float *rest = work + (size_t)rows * in;
+    QuantRows qx = {(int8_t *)rest, rest + (size_t)rows * in / 4,
+                    rest + (size_t)rows * in / 4 + (size_t)rows * padded_groups(in), 0};
+#pragma omp parallel num_threads(threads)
+    {
+        rms_norm_rows(a, a_weight, rows, half, eps, fused, in);
+        rms_norm_rows(b, b_weight, rows, half, eps, fused + half, in); /* ends in a barrier */
+        linear(L, fused, rows, y, L->out_features, 0, &qx);
+    }
 }
 
 /* ---- roofline microbenchmarks (speculative profile) ------------------------------ */
