@@ -85,3 +85,16 @@ def test_cli_concurrency_refuses_sampling(capsys) -> None:
     code = main(["bench", "--concurrency", "2", "--temperature", "0.8"])
     assert code == 2
     assert "greedy" in capsys.readouterr().err
+
+
+def test_setups_take_every_position_in_turn():
+    """Over as many repeats as setups, each setup runs once in each position (a fixed order
+    would charge a position's cost, such as the drift within a repeat, to one setup)."""
+    from speculative.bench.concurrency import rotated
+
+    setups = ["plain", "fixed", "load-aware"]
+    orders = [rotated(setups, repeat) for repeat in range(3)]
+    assert all(sorted(order) == sorted(setups) for order in orders)
+    for position in range(3):
+        assert sorted(order[position] for order in orders) == sorted(setups)
+    assert rotated(setups, 3) == setups

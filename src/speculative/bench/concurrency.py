@@ -259,7 +259,7 @@ def run_concurrency(
     cells: list[Cell] = []
     for batch in settings.concurrency:
         records: dict[tuple[str, str], list[_Record]] = {}
-        for _ in range(settings.repeats):  # setups interleaved: drift hits all alike
+        for repeat in range(settings.repeats):  # setups interleaved: drift hits all alike
             for runtime, target in setups.items():
                 prompts_b = ids[runtime][:batch]
                 configs = [
@@ -267,7 +267,7 @@ def run_concurrency(
                     (labels[1], settings.gamma, None),
                     (labels[2], settings.max_gamma, LoadAwareGamma(curves[runtime])),
                 ]
-                for label, gamma, load in configs:
+                for label, gamma, load in rotated(configs, repeat):
                     record = run_engine_batch(
                         target, prompts_b, settings.drafter, gamma, load,
                         settings.max_new_tokens, clock,
@@ -293,6 +293,15 @@ def run_concurrency(
         "target pass ÷ wall time of the decode steps (the rest: drafting and Python)",
     ]
     return ConcurrencyRun(settings, cells, curves, prompt_tokens, notes)
+
+
+def rotated(items: Sequence[Any], repeat: int) -> list[Any]:
+    """``items`` starting at position ``repeat`` (mod its length): over as many repeats as
+    setups, every setup runs once in every position of the sequence, so a cost that
+    depends on the position (what ran just before, a garbage collection, the machine's
+    drift within a repeat) is not charged to one setup."""
+    shift = repeat % len(items)
+    return [*items[shift:], *items[:shift]]
 
 
 def _cells(batch: int, records: dict[tuple[str, str], list[_Record]]) -> list[Cell]:
