@@ -203,33 +203,24 @@ class RowNucleus(NamedTuple):
 
 
 def _row_nucleus(row: np.ndarray, top_p: float) -> RowNucleus:
-    """row: [vocab] float32 probabilities -> its top-p nucleus."""
+    """row: [vocab] float32 probabilities -> its top-p nucleus.
+
+    A member's mass before it is the float64 sum of the larger probabilities added one
+    after another (``np.cumsum`` accumulates in order): member i of the descending order is
+    kept while the mass before it, entry i - 1 of the running sum (0 for the first), is
+    below top_p."""
     cutoff = float(row.max())
     while True:
         cutoff /= NUCLEUS_CUTOFF_STEP
         candidates = np.flatnonzero(row >= cutoff)  # [n] token ids, increasing
         candidate_probs = row[candidates]
         ordered = np.sort(candidate_probs)[::-1]  # a sorted prefix, descending
-        mass_before = exclusive_cumsum_np(ordered)  # [n] float64
-        complete = ordered.size == row.size or cutoff == 0.0
-        if complete or mass_before[-1] + float(ordered[-1]) >= top_p:
+        mass = np.cumsum(ordered, dtype=np.float64)  # [n] mass up to and including each
+        if ordered.size == row.size or cutoff == 0.0 or mass[-1] >= top_p:
             # the tokens below the cutoff all come after this prefix's mass: outside
-            kept = int((mass_before < top_p).sum())  # the first token is always kept
+            kept = 1 + int(np.count_nonzero(mass[:-1] < top_p))  # the first is always kept
             threshold = ordered[kept - 1]  # >= cutoff: every member is a candidate
             return RowNucleus(threshold, candidates[candidate_probs >= threshold])
-
-
-def exclusive_cumsum_np(values: np.ndarray) -> np.ndarray:
-    """[n] -> [n] float64: entry i is the sum of entries before i, added in order (the
-    bits of :func:`exclusive_cumsum`: both add float64 values one after another)."""
-    total = np.cumsum(values.astype(np.float64))
-    return np.concatenate([np.zeros(1), total[:-1]])
-
-
-def exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
-    """[..., n] -> [..., n] float64: entry i is the sum of entries before i (in order)."""
-    total = torch.cumsum(values.double(), dim=-1)
-    return torch.cat([torch.zeros_like(total[..., :1]), total[..., :-1]], dim=-1)
 
 
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
