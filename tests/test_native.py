@@ -20,10 +20,12 @@ from speculative.models.native.profile import (
 VOCAB = 128
 
 
-def _tiny_llama(folder: Path, tie: bool = True, layers: int = 2) -> LlamaForCausalLM:
+def _tiny_llama(
+    folder: Path, tie: bool = True, layers: int = 2, vocab: int = VOCAB
+) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,
@@ -533,3 +535,43 @@ def test_isa_settings_take_effect() -> None:
 
         with pytest.raises(LinearKernelUnavailable):
             Bf16Linear(torch.randn(16, 32), None)
+
+
+@pytest.mark.parametrize(("precision", "vocab"), [("fp32", 128), ("int4", 128), ("fp32", 101)])
+def test_fused_argmax_is_the_first_argmax_of_each_row(
+    tmp_path: Path, precision: str, vocab: int
+) -> None:
+    """The kernels' argmax of every logits row equals torch's (the first maximal index),
+    also for a slice of the rows as the sessions hand them on; an exact tie goes to the
+    lower index (101 tokens: each thread's share ends off the 8-lane steps). A copy of the
+    logits, an earlier forward's logits and rows holding a NaN get None, so the caller
+    takes its own argmax."""
+    require_kernels()
+    model = _tiny_llama(tmp_path / "a", tie=False, vocab=vocab)
+    ids = _ids(6) % vocab
+    native = load_native(tmp_path / "a", precision, max_length=64, backend="kernels")
+    logits = native.forward(ids)  # [1, 6, vocab]
+    assert torch.equal(torch.from_numpy(native.argmax_rows(logits)), logits.argmax(-1))
+    tail = logits[0, 2:]  # rows a session hands on
+    assert torch.equal(torch.from_numpy(native.argmax_rows(tail)), tail.argmax(-1))
+    assert native.argmax_rows(logits.clone()) is None
+    earlier = logits
+    native.forward(_ids(2, seed=2) % vocab)
+    assert native.argmax_rows(earlier) is None
+
+    row = next(r for r in range(6) if int(logits[0, r].argmax()) > 0)
+    best = int(logits[0, row].argmax())
+    head = model.lm_head.weight.data
+    head[best - 1] = head[best]  # an exact tie with a lower index
+    model.save_pretrained(tmp_path / "tie")
+    tied = load_native(tmp_path / "tie", precision, max_length=64, backend="kernels")
+    logits = tied.forward(ids)
+    assert logits[0, row, best - 1] == logits[0, row, best] == logits[0, row].max()
+    fused = torch.from_numpy(tied.argmax_rows(logits))
+    assert int(fused[0, row]) == best - 1
+    assert torch.equal(fused, logits.argmax(-1))
+
+    head[3] = float("nan")  # every row's logit 3 is NaN: numpy's argmax would pick it
+    model.save_pretrained(tmp_path / "nan")
+    broken = load_native(tmp_path / "nan", precision, max_length=64, backend="kernels")
+    assert broken.argmax_rows(broken.forward(ids)) is None

@@ -55,7 +55,13 @@ from speculative.engine.round import (
 from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import StopCriteria
 from speculative.engine.tree import TreeRound
-from speculative.models.base import CausalLM, PadsBatchRows, RowInput, SupportsBatchRows
+from speculative.models.base import (
+    CausalLM,
+    PadsBatchRows,
+    RowInput,
+    SupportsBatchRows,
+    SupportsFusedArgmax,
+)
 from speculative.models.session import (
     ModelSession,
     RowPool,
@@ -207,6 +213,8 @@ class BatchEngine:
         self.step_seconds: float | None = None  # running estimate of T(1), in seconds
         self.situations = SituationAcceptance()  # the load policy's α by situation
         self._next_id = 0
+        # greedy checks read the argmax the target's forward took, where it takes one
+        self._fused_argmax = target if isinstance(target, SupportsFusedArgmax) else None
 
     @property
     def max_length(self) -> int | None:
@@ -408,8 +416,11 @@ class BatchEngine:
             row.session.keep_path(result.path)
         else:
             assert proposal.draft is not None
+            best = None
+            if request.params.greedy and self._fused_argmax is not None:
+                best = self._fused_argmax.argmax_rows(logits)  # [1, drafted + 1] or None
             result = verify_draft(
-                proposal.draft, logits, request.params, request.generator, self.verifier
+                proposal.draft, logits, request.params, request.generator, self.verifier, best
             )
         emitted, num_accepted = accepted(result)
         if request.drafter is not None and proposal.tree is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from speculative.drafters.base import Draft, Drafter
@@ -113,18 +114,20 @@ def verify_draft(
     params: SamplingParams,
     generator: torch.Generator,
     verifier: Verifier | None = None,
+    best: np.ndarray | None = None,  # [1, γ+1] the logits' argmax, when the model took it
 ) -> VerifyResult:
     """Greedy check (temperature 0) or modified rejection sampling of one row's draft
     (``verify_logits``: verify's result from the logits, processing only the rows read).
     ``verifier`` replaces the exact rule: only the deliberately broken rules of negative
-    controls go there; it is given one-hot argmax target rows when greedy."""
+    controls go there; it is given one-hot argmax target rows when greedy. ``best``: the
+    greedy check's argmax rows, taken by the target's forward (``SupportsFusedArgmax``)."""
     if verifier is not None:
         drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
         probs = one_hot_argmax(logits) if params.greedy else logits_to_probs(logits, params)
         return verifier(drafted, draft.probs, probs, generator, validate=False)
     if params.greedy:
         drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
-        return verify_greedy(drafted, logits)
+        return verify_greedy(drafted, logits, best)
     return verify_logits(draft.tokens, draft.probs, logits, params, generator)
 
 

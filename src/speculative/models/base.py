@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -225,6 +226,18 @@ class SupportsBatchRowFeatures(Protocol):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """As ``forward_rows``; per row (logits [k_row, vocab], features [k_row, hidden]),
         both float32, each the row's own alone."""
+        ...
+
+
+@runtime_checkable
+class SupportsFusedArgmax(Protocol):
+    """A model whose forward also takes each logits row's argmax while computing the row
+    (the native C kernels), so greedy verification need not read the logits again."""
+
+    def argmax_rows(self, logits: torch.Tensor) -> np.ndarray | None:
+        """[..., n, vocab] rows of the last forward's logits (any slice of consecutive
+        rows the sessions hand on) -> [..., n] int64, ``logits.argmax(-1)``; None when
+        ``logits`` are not such rows or the forward did not compute them."""
         ...
 
 

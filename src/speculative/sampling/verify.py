@@ -142,11 +142,13 @@ def verify(
 def verify_greedy(
     draft_tokens: torch.Tensor,  # [batch, gamma]
     target_logits: torch.Tensor,  # [batch, gamma + 1, vocab] (logits or probabilities)
+    best: np.ndarray | None = None,  # [batch, gamma + 1] their argmax, if already taken
 ) -> VerifyResult:
     """Temperature-0 verification: keep drafted tokens while they equal the argmax.
 
     The argmax runs in numpy (the first maximal index, as torch's; several times faster
-    over a 49k vocabulary), the prefix logic on the few resulting ids."""
+    over a 49k vocabulary), unless ``best`` gives it (the target's forward took it while
+    computing the rows), and the prefix logic on the few resulting ids."""
     if draft_tokens.dim() != 2 or target_logits.shape[:2] != (
         draft_tokens.shape[0],
         draft_tokens.shape[1] + 1,
@@ -156,11 +158,19 @@ def verify_greedy(
             f"{tuple(draft_tokens.shape)}, got {tuple(target_logits.shape)}"
         )
     gamma = draft_tokens.shape[1]
-    best = target_logits.detach().cpu().numpy().argmax(axis=-1)  # [batch, gamma + 1]
-    matches = draft_tokens.numpy() == best[:, :gamma]  # [batch, gamma]
+    if best is None:
+        best_ids = target_logits.detach().cpu().numpy().argmax(axis=-1)  # [batch, gamma + 1]
+    else:
+        best_ids = best
+        if best_ids.shape != tuple(target_logits.shape[:2]):
+            raise ValueError(
+                f"best must be [batch, gamma+1] = {tuple(target_logits.shape[:2])}, "
+                f"got {best_ids.shape}"
+            )
+    matches = draft_tokens.numpy() == best_ids[:, :gamma]  # [batch, gamma]
     num_accepted = np.cumprod(matches, axis=-1).sum(axis=-1)  # [batch]
     positions = np.arange(gamma + 1)[None, :]
-    tokens = np.where(positions <= num_accepted[:, None], best, -1)
+    tokens = np.where(positions <= num_accepted[:, None], best_ids, -1)
     return VerifyResult(
         num_accepted=torch.from_numpy(num_accepted.astype(np.int64)),
         tokens=torch.from_numpy(tokens.astype(np.int64)),

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from speculative.models.native.config import NativeConfig
@@ -81,7 +82,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 7
+ABI_VERSION = 8
 # "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
@@ -148,7 +149,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     library.spec_forward.restype = None
     library.spec_forward_batch.argtypes = [pointer, pointer, i32, pointer, pointer, pointer]
     library.spec_forward_batch.argtypes += [pointer, pointer, pointer, pointer, pointer, i64]
-    library.spec_forward_batch.argtypes += [pointer, pointer, i32]
+    library.spec_forward_batch.argtypes += [pointer, pointer, pointer, i32]
     library.spec_forward_batch.restype = None
     library.spec_linear_work_floats.argtypes = [i32, i32]
     library.spec_linear_work_floats.restype = ctypes.c_int64
@@ -305,6 +306,42 @@ def pack_q8_blocks(q: torch.Tensor) -> torch.Tensor:
     groups = q.shape[1] // GROUP_SIZE
     q = _pad_rows(q, 8).reshape(-1, 8, groups, 8, 4)  # [P, o, g, j, t]
     return q.permute(0, 2, 3, 1, 4).reshape(-1, groups, 256).contiguous()
+
+
+FUSED_ARGMAX_ROWS = 64  # passes up to this many rows also return each row's argmax
+
+
+class FusedArgmax:
+    """The argmax of every logits row of one forward, computed by the kernels (-1 where a
+    row holds a NaN). ``logits`` is kept alive, so no other tensor can take its memory
+    while this answers for it: a tensor whose data lies inside it is a view of it.
+
+    Answering costs a few Python operations, no torch or numpy call: right after a forward
+    the caches are cold, and each distinct op then costs tens of microseconds."""
+
+    def __init__(self, logits: torch.Tensor, best: list[int]) -> None:
+        self.logits = logits  # [rows, vocab] float32, the forward's output
+        self.best = best  # [rows]
+        self.vocab = logits.shape[-1]
+        self.row_bytes = self.vocab * logits.element_size()
+        self.start = logits.data_ptr()
+
+    def rows(self, view: torch.Tensor) -> np.ndarray | None:
+        """[..., n, vocab] consecutive whole rows of ``logits`` (a view, such as the slice
+        a session hands on) -> [..., n] int64, the first index of each row's largest
+        value, as ``view.argmax(-1)``; None for anything else or a row with a NaN."""
+        shape = view.shape
+        if not shape or shape[-1] != self.vocab or view.dtype != torch.float32:
+            return None
+        offset = view.data_ptr() - self.start
+        n = view.numel() // self.vocab
+        first, misaligned = divmod(offset, self.row_bytes)
+        if offset < 0 or misaligned or first + n > len(self.best) or not view.is_contiguous():
+            return None
+        best = self.best[first : first + n]
+        if min(best, default=0) < 0:
+            return None
+        return np.array(best, dtype=np.int64).reshape(tuple(shape[:-1]))
 
 
 @dataclass
@@ -486,6 +523,7 @@ class KernelDecoder(DecoderBase):
         super().__init__()
         self.slot_dim = 0
         self.config = config
+        self._argmax: FusedArgmax | None = None  # the last forward's
         self.layers = [
             KernelLayer(
                 input_norm=w.input_norm.float().contiguous(),
@@ -572,6 +610,8 @@ class KernelDecoder(DecoderBase):
         model = ctypes.byref(self._model)
         work = torch.empty(self._library.spec_work_floats(model, rows, threads))
         logits = torch.empty(rows, self.vocab_size)
+        # the kernels' argmax of every row, taken while their threads hold the logits
+        best = torch.empty(rows, dtype=int32) if rows <= FUSED_ARGMAX_ROWS else None
         slot_floats = self.k_cache[0].numel()  # [layers, kv_heads, max_length, head_dim]
         self._library.spec_forward_batch(
             model,
@@ -587,7 +627,13 @@ class KernelDecoder(DecoderBase):
             self.v_cache.data_ptr(),
             slot_floats,
             logits.data_ptr(),
+            None if best is None else best.data_ptr(),
             work.data_ptr(),
             threads,
         )
+        self._argmax = None if best is None else FusedArgmax(logits, best.tolist())
         return logits
+
+    def argmax_rows(self, logits: torch.Tensor) -> np.ndarray | None:
+        """See :meth:`FusedArgmax.rows` (None before any forward)."""
+        return None if self._argmax is None else self._argmax.rows(logits)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from speculative.models.native.linear import tensor_bytes
@@ -101,6 +102,11 @@ class DecoderBase:
         segments = [Segment(b, start, positions[b], attention_mask) for b in range(batch)]
         logits = self.forward_segments(hidden.view(batch * k, width), segments)
         return logits.view(batch, k, -1)
+
+    def argmax_rows(self, logits: torch.Tensor) -> np.ndarray | None:
+        """Each row's argmax as the last forward computed it, when ``logits`` are rows of
+        that forward's output; None when this decoder does not compute it."""
+        return None
 
     def forward_segments(
         self,

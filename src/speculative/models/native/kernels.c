@@ -63,7 +63,7 @@ typedef struct {
     const float *sin;  /* [max_length, head_dim / 2] */
 } Model;
 
-int spec_abi_version(void) { return 7; }
+int spec_abi_version(void) { return 8; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 const char *spec_isa(void) { return "avx512"; }
@@ -886,8 +886,75 @@ int64_t spec_work_floats(const Model *m, int rows, int threads) {
     const int64_t d = m->head_dim, width = (m->heads + 2 * m->kv_heads) * d;
     int64_t per_row = m->hidden + width + m->heads * d + 3 * (int64_t)m->intermediate;
     per_row += widest_input(m) / 4 + 2 * padded_groups(widest_input(m));  /* QuantRows */
-    (void)threads;
+    per_row += 2 * (int64_t)threads;  /* row_argmax's per-thread candidates */
     return rows * per_row + attention_floats(m, rows);
+}
+
+/* argmax[r] = the first index of row r's largest logit, as numpy's and torch's argmax
+ * give it, or -1 when the row holds a NaN (the caller then takes its own). Inside the
+ * parallel region, after the logits are complete: each thread scans its share of every
+ * row (8 lanes, a lane keeps its first maximum), `found` [rows, threads] collects the
+ * shares' (value, index) and one thread takes the largest value, the lowest index among
+ * equals. Ends in a barrier. */
+static void row_argmax(const float *logits, int rows, int vocab, int32_t *argmax, float *found) {
+    const int t = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int begin = (int)((int64_t)vocab * t / threads);
+    const int end = (int)((int64_t)vocab * (t + 1) / threads);
+    for (int r = 0; r < rows; r++) {
+        const float *row = logits + (size_t)r * vocab;
+        __m256 best = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+        __m256i at = _mm256_set1_epi32(begin), index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        index = _mm256_add_epi32(index, _mm256_set1_epi32(begin));
+        int i = begin;
+        for (; i + 8 <= end; i += 8) {
+            const __m256 v = _mm256_loadu_ps(row + i);
+            const __m256 greater = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            best = _mm256_blendv_ps(best, v, greater);
+            at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at),
+                                                      _mm256_castsi256_ps(index), greater));
+            index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
+        }
+        float lane_best[8], value = -INFINITY;
+        int32_t lane_at[8], position = begin < end ? begin : -1;
+        _mm256_storeu_ps(lane_best, best);
+        _mm256_storeu_si256((__m256i *)lane_at, at);
+        int nan = _mm256_movemask_ps(unordered) != 0;
+        for (int lane = 0; lane < 8 && begin + lane < end && i > begin; lane++)
+            if (lane_best[lane] > value || (lane_best[lane] == value && lane_at[lane] < position)) {
+                value = lane_best[lane];
+                position = lane_at[lane];
+            }
+        for (; i < end; i++) {
+            if (row[i] > value) {
+                value = row[i];
+                position = i;
+            }
+            nan |= row[i] != row[i];
+        }
+        found[(size_t)r * 2 * threads + 2 * t] = nan ? NAN : value;
+        memcpy(found + (size_t)r * 2 * threads + 2 * t + 1, &position, sizeof(position));
+    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        float value = -INFINITY;
+        int32_t position = -1;
+        for (int u = 0; u < threads; u++) {
+            const float v = found[(size_t)r * 2 * threads + 2 * u];
+            int32_t p;
+            memcpy(&p, found + (size_t)r * 2 * threads + 2 * u + 1, sizeof(p));
+            if (v != v) {  /* a NaN in this share */
+                position = -1;
+                break;
+            }
+            if (p >= 0 && (position < 0 || v > value)) {
+                value = v;
+                position = p;
+            }
+        }
+        argmax[r] = position;
+    }
 }
 
 /* Append the new tokens of `nseq` sequences in one pass: every linear layer runs once
@@ -905,7 +972,8 @@ void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *
                         const int32_t *seq_start, const int32_t *seq_slot,
                         const int64_t *positions, const uint8_t *masks,
                         const int64_t *mask_offset, float *k_cache, float *v_cache,
-                        int64_t slot_floats, float *logits, float *work, int threads) {
+                        int64_t slot_floats, float *logits, int32_t *argmax, float *work,
+                        int threads) {
     const int H = m->hidden, d = m->head_dim, inter = m->intermediate;
     const int width = (m->heads + 2 * m->kv_heads) * d;
     const size_t layer_cache = (size_t)m->kv_heads * m->max_length * d;
@@ -922,6 +990,7 @@ void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *
     const int64_t groups = padded_groups(widest);
     QuantRows qx = {(int8_t *)quant, quant + rows * widest / 4,
                     quant + rows * widest / 4 + rows * groups, 0};
+    float *found = quant + rows * widest / 4 + 2 * rows * groups;  /* row_argmax */
 #pragma omp parallel num_threads(threads)
     {
         for (int l = 0; l < m->num_layers; l++) {
@@ -954,6 +1023,7 @@ void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *
             head_input = normed;
         }
         linear(&m->lm_head, head_input, rows, logits, m->vocab, 0, &qx);
+        if (argmax) row_argmax(logits, rows, m->vocab, argmax, found);
     }
 }
 
@@ -967,7 +1037,7 @@ void spec_forward(const Model *m, float *hidden, int rows, int start, const int6
     const int32_t seq_rows = rows, seq_start = start, seq_slot = 0;
     const int64_t mask_offset = mask ? 0 : -1;
     spec_forward_batch(m, hidden, 1, &seq_rows, &seq_start, &seq_slot, positions, mask,
-                       &mask_offset, k_cache, v_cache, 0, logits, work, threads);
+                       &mask_offset, k_cache, v_cache, 0, logits, NULL, work, threads);
 }
 
 /* ---- one linear layer on its own (tests and microbenchmarks) -------------------- */

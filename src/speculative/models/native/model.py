@@ -24,6 +24,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -264,6 +265,10 @@ class NativeLlama:
         return logits
 
     __call__ = forward
+
+    def argmax_rows(self, logits: torch.Tensor) -> np.ndarray | None:
+        """See :class:`~speculative.models.base.SupportsFusedArgmax` (the C kernels)."""
+        return self.decoder.argmax_rows(logits)
 
     def forward_tree(
         self,
