@@ -28,12 +28,18 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float()
     if params.greedy:
         return one_hot_argmax(logits)
-    logits = logits / params.temperature
-    if params.top_k:
-        logits = mask_top_k(logits, params.top_k)
+    logits = tempered(logits, params)
     if params.top_p < 1:
         return nucleus_probs(logits, params.top_p)
     return torch.softmax(logits, dim=-1)
+
+
+def tempered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., vocab] float32 logits divided by the temperature, -inf below the top k: the
+    steps before the softmax (and the nucleus), shared by the dense and the sparse rows so
+    that both see the same bits."""
+    logits = logits / params.temperature
+    return mask_top_k(logits, params.top_k) if params.top_k else logits
 
 
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -154,9 +160,7 @@ def row_probs(logits: torch.Tensor, params: SamplingParams) -> RowProbs:
     if params.greedy:
         best = np.array([int(_as_numpy(logits).argmax())], dtype=np.int64)
         return RowProbs(np.ones(1, dtype=np.float32), best)
-    logits = logits / params.temperature
-    if params.top_k:
-        logits = mask_top_k(logits, params.top_k)
+    logits = tempered(logits, params)
     if params.top_p < 1:
         probs = _as_numpy(torch.softmax(logits, dim=-1))  # [vocab]
         return _renormalized_nucleus(_as_numpy(logits), probs, params.top_p)
