@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from revision import source_at  # scripts/revision.py, beside this script
 
 from speculative.hardware import cpu_info
 from speculative.models.native import ckernels
@@ -30,12 +30,7 @@ from speculative.pipeline import load_target
 
 def baseline_source(revision: str) -> Path:
     """kernels.c of ``revision`` in a temporary file."""
-    text = subprocess.run(
-        ["git", "show", f"{revision}:src/speculative/models/native/kernels.c"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    text = source_at(revision, "src/speculative/models/native/kernels.c")
     path = Path(tempfile.mkdtemp()) / "kernels.c"
     path.write_text(text)
     return path
@@ -50,6 +45,12 @@ def load_both(baseline: Path, precision: str):
         before = load_target("default", precision=precision).lm
     finally:
         ckernels.SOURCE = here
+    for name, model in (("this tree", current), (f"the baseline {baseline}", before)):
+        if getattr(model.decoder, "_library", None) is None:
+            raise SystemExit(
+                f"{name}'s kernels did not load (see the warning above): the two revisions "
+                "must share kernels.c's interface (ckernels.ABI_VERSION)"
+            )
     if current.decoder._library is before.decoder._library:
         raise SystemExit("both models run the same kernel library: the sources are identical")
     return current, before

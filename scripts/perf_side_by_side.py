@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from revision import source_at  # scripts/revision.py, beside this script
 
 import speculative.engine.loop as loop
 from speculative.drafters.eagle import EagleDrafter
@@ -45,12 +45,7 @@ def baseline_sampling(revision: str):
     folder = Path(tempfile.mkdtemp()) / "baseline_sampling"
     folder.mkdir()
     for name in MODULES:
-        source = subprocess.run(
-            ["git", "show", f"{revision}:src/speculative/sampling/{name}.py"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        source = source_at(revision, f"src/speculative/sampling/{name}.py")
         text = source.replace("speculative.sampling", "baseline_sampling")
         (folder / f"{name}.py").write_text(text)
     sys.path.insert(0, str(folder.parent))
