@@ -340,6 +340,14 @@ typedef struct {
 
 static int padded_groups(int in) { return (in / GROUP + 7) / 8 * 8; }
 
+/* QuantRows for `rows` rows of up to `in` inputs laid out at `at`: q, then scale, then
+ * part; it takes rows * (in / 4 + 2 * padded_groups(in)) floats. */
+static QuantRows quant_rows_at(float *at, int64_t rows, int64_t in) {
+    float *scale = at + rows * in / 4;
+    QuantRows qx = {(int8_t *)at, scale, scale + rows * padded_groups((int)in), 0};
+    return qx;
+}
+
 static void quantize_rows(const float *x, int rows, int in, QuantRows *qx) {
     const int groups = in / GROUP, stride = padded_groups(in);
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -988,9 +996,8 @@ void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *
     const int64_t widest = widest_input(m);
     float *quant = scratch + attention_floats(m, rows);
     const int64_t groups = padded_groups(widest);
-    QuantRows qx = {(int8_t *)quant, quant + rows * widest / 4,
-                    quant + rows * widest / 4 + rows * groups, 0};
-    float *found = quant + rows * widest / 4 + 2 * rows * groups;  /* row_argmax */
+    QuantRows qx = quant_rows_at(quant, rows, widest);
+    float *found = qx.part + rows * groups;  /* row_argmax */
 #pragma omp parallel num_threads(threads)
     {
         for (int l = 0; l < m->num_layers; l++) {
@@ -1051,8 +1058,7 @@ int64_t spec_linear_work_floats(int rows, int in) {
  * computation a layer of the forward does. */
 void spec_linear(const Linear *L, const float *x, int rows, float *y, float *work, int threads) {
     const int in = L->in_features;
-    QuantRows qx = {(int8_t *)work, work + (size_t)rows * in / 4,
-                    work + (size_t)rows * in / 4 + (size_t)rows * padded_groups(in), 0};
+    QuantRows qx = quant_rows_at(work, rows, in);
 #pragma omp parallel num_threads(threads)
     linear(L, x, rows, y, L->out_features, 0, &qx);
 }
@@ -1071,8 +1077,7 @@ void spec_fused_linear(const Linear *L, const float *a, const float *a_weight, c
     const int in = L->in_features, half = in / 2;
     float *fused = work;
     float *rest = work + (size_t)rows * in;
-    QuantRows qx = {(int8_t *)rest, rest + (size_t)rows * in / 4,
-                    rest + (size_t)rows * in / 4 + (size_t)rows * padded_groups(in), 0};
+    QuantRows qx = quant_rows_at(rest, rows, in);
 #pragma omp parallel num_threads(threads)
     {
         rms_norm_rows(a, a_weight, rows, half, eps, fused, in);
