@@ -928,7 +928,7 @@ static void row_argmax(const float *logits, int rows, int vocab, int32_t *argmax
         _mm256_storeu_ps(lane_best, best);
         _mm256_storeu_si256((__m256i *)lane_at, at);
         int nan = _mm256_movemask_ps(unordered) != 0;
-        for (int lane = 0; lane < 8 && begin + lane < end && i > begin; lane++)
+        for (int lane = 0; lane < 8 && i > begin; lane++)  /* lanes that saw a value */
             if (lane_best[lane] > value || (lane_best[lane] == value && lane_at[lane] < position)) {
                 value = lane_best[lane];
                 position = lane_at[lane];
