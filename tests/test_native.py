@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -575,3 +576,121 @@ def test_fused_argmax_is_the_first_argmax_of_each_row(
     model.save_pretrained(tmp_path / "nan")
     broken = load_native(tmp_path / "nan", precision, max_length=64, backend="kernels")
     assert broken.argmax_rows(broken.forward(ids)) is None
+
+
+def _sampling_nucleus(row: torch.Tensor, temperature: float, top_p: float) -> np.ndarray:
+    """The sampling layer's own nucleus of softmax(row / temperature) (float64 cut)."""
+    from speculative.sampling.probs import _row_nucleus, cut_probs
+
+    return _row_nucleus(cut_probs(row / temperature).numpy(), top_p).kept
+
+
+@pytest.mark.parametrize("vocab", [49152, 1001])
+def test_kernel_nucleus_is_the_sampling_layers_nucleus(vocab: int) -> None:
+    """spec_nucleus's answer is the sampling layer's top-p nucleus (float64 cut, ties at
+    the cut kept) for peaked to broad rows at several temperatures and top_p, and it
+    answers for nearly all of them, so the comparison is not vacuous (1001 tokens: the
+    scalar tails after the 8-lane loops). A set one member short differs (the control)."""
+    from speculative.models.native.ckernels import KernelNucleus, load_kernels
+
+    require_kernels()
+    search = KernelNucleus(load_kernels())
+    generator = torch.Generator().manual_seed(11)
+    answered = asked = 0
+    for scale in (12.0, 8.0, 5.0):
+        for _ in range(6):
+            row = torch.randn(vocab, generator=generator) * scale
+            row[7] = row[3]  # an exact tie
+            for temperature, top_p in ((0.8, 0.95), (1.0, 0.9), (0.5, 0.5), (1.3, 0.99)):
+                got = search(row, temperature, top_p)
+                asked += 1
+                if got is None:
+                    continue
+                answered += 1
+                want = _sampling_nucleus(row, temperature, top_p)
+                assert np.array_equal(got, want), (scale, temperature, top_p)
+                assert got.size == 1 or not np.array_equal(got[:-1], want)
+    assert answered >= 0.9 * asked, (answered, asked)
+
+
+def test_kernel_nucleus_declines_where_its_cut_is_uncertain() -> None:
+    """spec_nucleus answers None (the sampling layer then cuts) where float rounding could
+    move the cut: top_p within the margin of the mass through the cut, a logit a hair
+    below the last member's; and for a NaN, an infinity, a nucleus over NUCLEUS_MAX. Each
+    control's neighbour a safe distance away is answered, so the declines are these
+    conditions'. A tie at the cut keeps every tied token."""
+    from speculative.models.native.ckernels import NUCLEUS_MARGIN, KernelNucleus, load_kernels
+    from speculative.sampling.probs import cut_probs
+
+    require_kernels()
+    search = KernelNucleus(load_kernels())
+    row = torch.full((1001,), -30.0)
+    row[:6] = torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0, -2.0])
+    assert search(row, 1.0, 0.7).tolist() == [0, 1, 2, 3]  # the cut inside a tie
+
+    through = float(cut_probs(row)[0])  # the mass through the first member
+    assert search(row, 1.0, through) is None
+    assert search(row, 1.0, through + 0.5 * NUCLEUS_MARGIN) is None
+    assert search(row, 1.0, through - 0.5 * NUCLEUS_MARGIN) is None  # the mass before
+    assert search(row, 1.0, through - 1e-3).tolist() == [0]
+    assert search(row, 1.0, through + 1e-3).tolist() == [0, 1, 2, 3]
+
+    near = row.clone()
+    near[4] = 1.0 - 2e-6  # a hair below the last member: its float32 probability may tie
+    assert search(near, 1.0, 0.7) is None
+    near[4] = 1.0 - 1e-3
+    assert search(near, 1.0, 0.7).tolist() == [0, 1, 2, 3]
+
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        broken = row.clone()
+        broken[500] = bad
+        assert search(broken, 1.0, 0.7) is None
+    flat = torch.linspace(0.0, 3.0, 49152)
+    assert search(flat, 1.0, 0.9) is None  # ~37k members
+    broad = torch.linspace(0.0, 3.0, 3000)
+    assert np.array_equal(search(broad, 1.0, 0.8), _sampling_nucleus(broad, 1.0, 0.8))  # 1.5k
+
+
+def test_nucleus_search_leaves_sampled_generation_unchanged(
+    tiny: tuple[LlamaForCausalLM, Path],
+) -> None:
+    """Top-p decoding on the kernels, plain and with a draft model (sparse p against a
+    dense q): the tokens are the same run's with the sampling layer cutting every nucleus
+    itself, and the kernels answered most rows (counted), so both paths ran."""
+    from speculative.drafters import DraftModelDrafter
+    from speculative.engine import SpeculativeEngine, StopCriteria
+    from speculative.sampling import SamplingParams
+
+    require_kernels()
+    _, folder = tiny
+    prompt = _ids(12, seed=5)[0].tolist()
+    target = load_native(folder, max_length=128, backend="kernels")
+    search = target.decoder.nucleus
+    calls = {"asked": 0, "answered": 0}
+
+    def counted(logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray | None:
+        kept = search(logits, temperature, top_p)
+        calls["asked"] += 1
+        calls["answered"] += kept is not None
+        return kept
+
+    def run(drafter: DraftModelDrafter | None, seed: int) -> list[int]:
+        engine = SpeculativeEngine(target, drafter, 3)
+        params = SamplingParams(temperature=0.8, top_p=0.9)
+        stop = StopCriteria(max_new_tokens=32)
+        return engine.generate(prompt, params, stop, torch.Generator().manual_seed(seed)).token_ids
+
+    for seed in range(3):
+        for make in (lambda: None, lambda: _int4_drafter(folder)):
+            target.decoder.nucleus = counted
+            fast = run(make(), seed)
+            target.decoder.nucleus = lambda *args: None
+            assert run(make(), seed) == fast, seed
+    assert calls["answered"] >= 0.9 * calls["asked"] > 0, calls
+
+
+def _int4_drafter(folder: Path) -> object:
+    from speculative.drafters import DraftModelDrafter
+
+    draft = load_native(folder, "int4", max_length=128, backend="kernels")
+    return DraftModelDrafter(draft, VOCAB, "self-int4")

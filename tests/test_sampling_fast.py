@@ -4,6 +4,7 @@ row-at-a-time verification from logits that the engine runs."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -43,12 +44,17 @@ PARAMS = [
 
 
 def test_mask_top_p_equals_masked_fill():
+    """The nucleus is cut on float64 masses; the float32 softmax's cut differs at a top_p
+    this close to 1 (its masses stray by ~1e-5), so the test can tell the two apart."""
     generator = torch.Generator().manual_seed(0)
     logits = logits_like_a_model(8, 3000, generator)
     for top_p in (0.1, 0.9, 0.95, 1 - 1e-7):
-        probs = torch.softmax(logits, -1)
+        probs = torch.softmax(logits, -1, dtype=torch.float64)
         want = logits.masked_fill(probs < nucleus_threshold(probs, top_p), float("-inf"))
         assert torch.equal(mask_top_p(logits, top_p), want)
+    probs32 = torch.softmax(logits, -1)  # a cut on the float32 masses
+    cut32 = logits.masked_fill(probs32 < nucleus_threshold(probs32, 1 - 1e-7), float("-inf"))
+    assert not torch.equal(mask_top_p(logits, 1 - 1e-7), cut32)
 
 
 def test_nucleus_probs_is_the_masked_softmax_renormalized_on_the_nucleus():
@@ -111,6 +117,38 @@ def test_row_probs_is_logits_to_probs_row_bit_for_bit(params):
         q = torch.softmax(logits[row] + torch.randn(3000, generator=generator), -1)
         assert torch.equal(dense(got.residual(token, q.numpy()), 3000), residual(want[row], q))
         assert not torch.equal(dense(got, 3000), without)  # the control: token still in
+
+
+def test_row_probs_takes_a_found_nucleus_with_the_same_bits():
+    """Given a search that finds the nucleus (as the native kernels do), the row has the
+    bits the sampling layer's own cut gives; a search that answers None changes nothing;
+    the search is not asked under a top-k cut (it cuts without top-k). A search one token
+    off is visible in the row (the control: the answer is used)."""
+    from speculative.sampling.probs import _row_nucleus, cut_probs
+
+    generator = torch.Generator().manual_seed(6)
+    logits = logits_like_a_model(8, 3000, generator)
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    asked = []
+
+    def found(row: torch.Tensor, temperature: float, top_p: float) -> np.ndarray:
+        asked.append(temperature)
+        return _row_nucleus(cut_probs(row / temperature).numpy(), top_p).kept
+
+    def widened(row: torch.Tensor, temperature: float, top_p: float) -> np.ndarray:
+        kept = found(row, temperature, top_p)
+        return np.union1d(kept, [int(np.setdiff1d(np.arange(3000), kept)[0])])
+
+    for row in logits:
+        want = dense(row_probs(row, params), 3000)
+        assert torch.equal(dense(row_probs(row, params, found), 3000), want)
+        assert torch.equal(dense(row_probs(row, params, lambda *args: None), 3000), want)
+        if (want > 0).sum() < 3000:
+            assert not torch.equal(dense(row_probs(row, params, widened), 3000), want)
+    assert len(asked) >= 8
+    asked.clear()
+    row_probs(logits[0], SamplingParams(temperature=0.8, top_k=50, top_p=0.9), found)
+    assert not asked
 
 
 def torch_verify_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple:

@@ -61,6 +61,7 @@ from speculative.models.base import (
     RowInput,
     SupportsBatchRows,
     SupportsFusedArgmax,
+    SupportsNucleusSearch,
 )
 from speculative.models.session import (
     ModelSession,
@@ -215,6 +216,7 @@ class BatchEngine:
         self._next_id = 0
         # greedy checks read the argmax the target's forward took, where it takes one
         self._fused_argmax = target if isinstance(target, SupportsFusedArgmax) else None
+        self._nucleus = target.nucleus if isinstance(target, SupportsNucleusSearch) else None
 
     @property
     def max_length(self) -> int | None:
@@ -420,8 +422,9 @@ class BatchEngine:
             if request.params.greedy and self._fused_argmax is not None:
                 best = self._fused_argmax.argmax_rows(logits)  # [1, drafted + 1] or None
             result = verify_draft(
-                proposal.draft, logits, request.params, request.generator, self.verifier, best
-            )
+                proposal.draft, logits, request.params, request.generator, self.verifier, best,
+                self._nucleus,
+            )  # fmt: skip
         emitted, num_accepted = accepted(result)
         if request.drafter is not None and proposal.tree is None:
             row.gamma_policy.update(proposal.drafted, num_accepted)

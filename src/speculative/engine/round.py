@@ -32,6 +32,7 @@ from speculative.sampling import (
     verify_greedy,
     verify_logits,
 )
+from speculative.sampling.probs import NucleusSearch
 from speculative.sampling.tree import TreeVerifyResult
 
 Verifier = Callable[..., VerifyResult]  # the signature of sampling.verify
@@ -115,12 +116,14 @@ def verify_draft(
     generator: torch.Generator,
     verifier: Verifier | None = None,
     best: np.ndarray | None = None,  # [1, γ+1] the logits' argmax, when the model took it
+    search: NucleusSearch | None = None,
 ) -> VerifyResult:
     """Greedy check (temperature 0) or modified rejection sampling of one row's draft
     (``verify_logits``: verify's result from the logits, processing only the rows read).
     ``verifier`` replaces the exact rule: only the deliberately broken rules of negative
     controls go there; it is given one-hot argmax target rows when greedy. ``best``: the
-    greedy check's argmax rows, taken by the target's forward (``SupportsFusedArgmax``)."""
+    greedy check's argmax rows, taken by the target's forward (``SupportsFusedArgmax``);
+    ``search``: the target's top-p nucleus search (``SupportsNucleusSearch``)."""
     if verifier is not None:
         drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
         probs = one_hot_argmax(logits) if params.greedy else logits_to_probs(logits, params)
@@ -128,7 +131,7 @@ def verify_draft(
     if params.greedy:
         drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
         return verify_greedy(drafted, logits, best)
-    return verify_logits(draft.tokens, draft.probs, logits, params, generator)
+    return verify_logits(draft.tokens, draft.probs, logits, params, generator, search)
 
 
 def accepted(result: VerifyResult | TreeVerifyResult) -> tuple[list[int], int]:

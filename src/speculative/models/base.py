@@ -242,6 +242,18 @@ class SupportsFusedArgmax(Protocol):
 
 
 @runtime_checkable
+class SupportsNucleusSearch(Protocol):
+    """A model that finds a logits row's top-p nucleus in compiled code (the native C
+    kernels): one call where the sampling layer takes a softmax and a search over the
+    vocabulary. Its answers are the sampling layer's own nucleus, or None."""
+
+    def nucleus(self, logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray | None:
+        """A :data:`~speculative.sampling.probs.NucleusSearch`: [vocab] float32 raw logits
+        -> the nucleus's ids (int64, increasing), or None (not found here)."""
+        ...
+
+
+@runtime_checkable
 class SupportsKernels(Protocol):
     """A model whose layers may run on the native C kernels (:mod:`..native.ckernels`).
 

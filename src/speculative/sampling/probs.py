@@ -6,6 +6,7 @@ and the processed distributions are the ones that enter the accept test.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -17,6 +18,11 @@ from speculative.sampling.params import SamplingParams
 PROB_TOLERANCE = 1e-4  # how far a distribution's sum may stray from 1
 NUCLEUS_CUTOFF_STEP = 64.0  # the nucleus search lowers its probability cutoff by this
 SPARSE_SAMPLE_LIMIT = 4096  # positive entries up to which a draw sums only those
+
+# (row [vocab] float32 raw logits, temperature, top_p) -> the ids (int64, increasing) of the
+# top-p nucleus of softmax(row / temperature), exactly :func:`row_probs`'s own, or None where
+# the caller must find it itself: a faster search a runtime may offer (the native kernels).
+NucleusSearch = Callable[[torch.Tensor, float, float], np.ndarray | None]
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -61,9 +67,11 @@ def mask_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
     The nucleus is the smallest set of most probable tokens whose mass reaches ``top_p``,
     widened to every token as probable as its least probable member (ties at the cut are
-    all kept, so the set depends on the values only, never on a sort order).
+    all kept, so the set depends on the values only, never on a sort order). The masses
+    are float64: a float32 softmax over 49k entries strays up to 3e-5 from the true mass,
+    which would move the cut wherever top_p falls that close to it.
     """
-    probs = torch.softmax(logits, dim=-1)  # [..., vocab]
+    probs = cut_probs(logits)  # [..., vocab] float64
     threshold = nucleus_threshold(probs, top_p)  # [..., 1]
     # the bits of masked_fill(probs < threshold, -inf), built in numpy from the (usually
     # few) kept entries: a few times faster
@@ -87,7 +95,7 @@ def nucleus_probs(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     that row only: a row gives the same bits in a block of rows as alone, and as the
     sparse row that verification reads.
     """
-    probs = torch.softmax(logits, dim=-1)  # [..., vocab]: the nucleus is cut on these
+    probs = cut_probs(logits)  # [..., vocab] float64: the nucleus is cut on these
     values = _as_numpy(logits).reshape(-1, logits.shape[-1])  # [rows, vocab]
     probs_rows = _as_numpy(probs).reshape(values.shape)
     out = np.zeros(values.shape, dtype=np.float32)  # [rows, vocab]
@@ -153,18 +161,35 @@ class RowProbs:
         return index if found else None
 
 
-def row_probs(logits: torch.Tensor, params: SamplingParams) -> RowProbs:
+def row_probs(
+    logits: torch.Tensor, params: SamplingParams, search: NucleusSearch | None = None
+) -> RowProbs:
     """One row's processed distribution, as :func:`logits_to_probs` gives it (the same
-    bits at every token), sparse where top-p cuts a nucleus. logits: [vocab] raw logits."""
+    bits at every token), sparse where top-p cuts a nucleus. logits: [vocab] raw logits.
+    ``search`` may find the nucleus (without a top-k cut); where it answers, the row's
+    tokens and values are the same and no softmax over the vocabulary is taken."""
     logits = logits.float()
     if params.greedy:
         best = np.array([int(_as_numpy(logits).argmax())], dtype=np.int64)
         return RowProbs(np.ones(1, dtype=np.float32), best)
+    if params.top_p < 1 and search is not None and not _cuts_top_k(params, logits.shape[-1]):
+        kept = search(logits, params.temperature, params.top_p)
+        if kept is not None:  # the raw logits' quotients: tempered()'s bits there
+            return _renormalized(_as_numpy(logits)[kept] / np.float32(params.temperature), kept)
     logits = tempered(logits, params)
     if params.top_p < 1:
-        probs = _as_numpy(torch.softmax(logits, dim=-1))  # [vocab]
-        return _renormalized_nucleus(_as_numpy(logits), probs, params.top_p)
+        return _renormalized_nucleus(_as_numpy(logits), _as_numpy(cut_probs(logits)), params.top_p)
     return RowProbs(_as_numpy(torch.softmax(logits, dim=-1)))
+
+
+def cut_probs(logits: torch.Tensor) -> torch.Tensor:
+    """[..., vocab] float32 tempered logits -> [..., vocab] float64 softmax: what the
+    top-p nucleus is cut on."""
+    return torch.softmax(logits, dim=-1, dtype=torch.float64)
+
+
+def _cuts_top_k(params: SamplingParams, vocab: int) -> bool:
+    return 0 < params.top_k < vocab
 
 
 def _renormalized_nucleus(logits: np.ndarray, probs: np.ndarray, top_p: float) -> RowProbs:
@@ -173,10 +198,15 @@ def _renormalized_nucleus(logits: np.ndarray, probs: np.ndarray, top_p: float) -
     instead of by a second softmax over the whole vocabulary with -inf outside it: the
     same distribution, summed over the tens of kept entries instead of 49k.
 
-    logits: [vocab] (divided by the temperature), probs: [vocab] their softmax."""
+    logits: [vocab] (divided by the temperature), probs: [vocab] float64 their softmax."""
     kept = _row_nucleus(probs, top_p).kept  # [n] increasing token ids
-    kept_logits = logits[kept].astype(np.float64)
-    weights = np.exp(kept_logits - kept_logits.max())
+    return _renormalized(logits[kept], kept)
+
+
+def _renormalized(kept_logits: np.ndarray, kept: np.ndarray) -> RowProbs:
+    """The nucleus ``kept`` ([n] increasing ids) with weights softmax(kept_logits) ([n]
+    float32 tempered logits), taken in float64 and stored as float32."""
+    weights = np.exp(kept_logits.astype(np.float64) - float(kept_logits.max()))
     return RowProbs((weights / weights.sum()).astype(np.float32), kept)
 
 
@@ -197,17 +227,17 @@ def nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     small sorts cost microseconds where torch's cost tens.
     """
     rows = _as_numpy(probs).reshape(-1, probs.shape[-1])  # [rows, vocab]
-    threshold = np.array([_row_nucleus(row, top_p).threshold for row in rows], dtype=np.float32)
+    threshold = np.array([_row_nucleus(row, top_p).threshold for row in rows], dtype=rows.dtype)
     return torch.from_numpy(threshold).reshape(*probs.shape[:-1], 1)
 
 
 class RowNucleus(NamedTuple):
-    threshold: np.float32  # the least probable member's probability
+    threshold: np.floating  # the least probable member's probability
     kept: np.ndarray  # [n] increasing token ids of the members (probability >= threshold)
 
 
 def _row_nucleus(row: np.ndarray, top_p: float) -> RowNucleus:
-    """row: [vocab] float32 probabilities -> its top-p nucleus.
+    """row: [vocab] probabilities (float64 in the sampling paths) -> its top-p nucleus.
 
     A member's mass before it is the float64 sum of the larger probabilities added one
     after another (``np.cumsum`` accumulates in order): member i of the descending order is

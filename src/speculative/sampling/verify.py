@@ -18,6 +18,7 @@ import torch
 
 from speculative.sampling.params import SamplingParams
 from speculative.sampling.probs import (
+    NucleusSearch,
     RowProbs,
     check_probs,
     row_probs,
@@ -183,12 +184,14 @@ def verify_logits(
     logits: torch.Tensor,  # [1, gamma + 1, vocab] target logits
     params: SamplingParams,
     generator: torch.Generator,
+    search: NucleusSearch | None = None,
 ) -> VerifyResult:
     """``verify(tokens, draft_probs, logits_to_probs(logits, params), generator)`` for one
     sequence, bit for bit, doing less: it draws the same uniforms, processes the target's
     rows only up to the first rejection (the rows after it are never read), one row at a
     time and sparse where top-p cuts a nucleus (:class:`RowProbs`: p(x), the residual and
-    the recovered or bonus draw read the nucleus's entries only)."""
+    the recovered or bonus draw read the nucleus's entries only; ``search``, where the
+    runtime offers one, finds the nucleus: see :func:`row_probs`)."""
     gamma = len(draft_tokens)
     if logits.dim() != 3 or logits.shape[:2] != (1, gamma + 1):
         raise ValueError(f"logits must be [1, {gamma + 1}, vocab], got {tuple(logits.shape)}")
@@ -197,7 +200,7 @@ def verify_logits(
     accepts = _accept_uniforms(gamma, generator)  # [gamma] float32
     sample_uniform = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
     for j, token in enumerate(draft_tokens):
-        p = row_probs(logits[0, j], params)  # row j of the block's processed distributions
+        p = row_probs(logits[0, j], params, search)  # row j's processed distribution
         q = None if draft_probs is None else draft_probs[0, j].numpy()  # [vocab]
         q_token = np.float32(1.0) if q is None else q[token]
         if accepts[j] * q_token < p.prob(token):  # float32, as the batched test
@@ -206,7 +209,7 @@ def verify_logits(
         # p == q up to rounding leaves no residual mass: sample from p, as verify does
         recovered = p if weights.mass() <= 1e-12 else weights
         return _emit(draft_tokens[:j], recovered, sample_uniform, gamma)
-    p = row_probs(logits[0, gamma], params)  # the bonus token's distribution
+    p = row_probs(logits[0, gamma], params, search)  # the bonus token's distribution
     return _emit(list(draft_tokens), p, sample_uniform, gamma)
 
 

@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +83,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 8
+ABI_VERSION = 9
 # "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
@@ -160,6 +161,9 @@ def _open_library(path: str) -> ctypes.CDLL:
     library.spec_fused_linear.argtypes = [pointer, pointer, pointer, pointer, pointer]
     library.spec_fused_linear.argtypes += [ctypes.c_float, i32, pointer, pointer, i32]
     library.spec_fused_linear.restype = None
+    library.spec_nucleus.argtypes = [pointer, i64, ctypes.c_float, ctypes.c_double]
+    library.spec_nucleus.argtypes += [ctypes.c_double, ctypes.c_float, pointer, i32, pointer]
+    library.spec_nucleus.restype = i32
     library.spec_peak_fma.argtypes = [i32, i64]
     library.spec_peak_fma.restype = ctypes.c_double
     library.spec_peak_int8.argtypes = [i32, i64]
@@ -344,6 +348,55 @@ class FusedArgmax:
         return np.array(best, dtype=np.int64).reshape(tuple(shape[:-1]))
 
 
+NUCLEUS_MAX = 4096  # kernels.c's NUCLEUS_MAX: larger nuclei take the sampling layer's path
+# How far the mass before or through the cut must stay from top_p for spec_nucleus to answer:
+# its masses are within about 1e-7 of the sampling layer's float64 ones.
+NUCLEUS_MARGIN = 2e-6
+NUCLEUS_GAP = 1e-5  # how far below the last member the next tempered logit must lie
+
+
+class KernelNucleus:
+    """A logits row's top-p nucleus found by ``spec_nucleus`` (kernels.c): one call of a
+    few passes over the row, where the sampling layer's own path takes a softmax, a search
+    and several numpy calls over 49k entries, each slow on the caches a forward left cold.
+    It answers only where its cut is certain to be the sampling layer's (see
+    ``spec_nucleus``), so a row gives the same nucleus either way."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library
+        self._scratch = threading.local()  # this thread's _NucleusScratch
+
+    def __call__(self, logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray | None:
+        """logits: [vocab] float32 raw logits -> the ids of the nucleus of
+        softmax(logits / temperature) at top_p (int64, increasing), or None where the
+        sampling layer must cut it itself."""
+        if logits.dim() != 1 or logits.dtype != torch.float32 or not logits.is_contiguous():
+            return None
+        scratch = self._scratch_for(logits.shape[0])
+        count = self.library.spec_nucleus(
+            logits.data_ptr(), logits.shape[0], temperature, top_p, NUCLEUS_MARGIN,
+            NUCLEUS_GAP, scratch.kept_at, NUCLEUS_MAX, scratch.tempered_at,
+        )  # fmt: skip
+        return None if count < 0 else scratch.kept[:count].astype(np.int64)
+
+    def _scratch_for(self, vocab: int) -> _NucleusScratch:
+        """This thread's buffers, allocated once: a fresh 200 kB array would cost a mapping
+        and its page faults per call, and each numpy call after a forward costs tens of µs."""
+        scratch = getattr(self._scratch, "buffers", None)
+        if scratch is None or scratch.tempered.size < vocab:
+            scratch = self._scratch.buffers = _NucleusScratch(vocab)
+        return scratch
+
+
+class _NucleusScratch:
+    """spec_nucleus's output and scratch rows for one thread, with their addresses."""
+
+    def __init__(self, vocab: int) -> None:
+        self.kept = np.empty(NUCLEUS_MAX, dtype=np.int32)  # the members' ids
+        self.tempered = np.empty(vocab, dtype=np.float32)  # the row divided by T
+        self.kept_at, self.tempered_at = self.kept.ctypes.data, self.tempered.ctypes.data
+
+
 @dataclass
 class KernelLinear:
     """One weight matrix in a packed format of kernels.c; keeps its tensors alive."""
@@ -524,6 +577,7 @@ class KernelDecoder(DecoderBase):
         self.slot_dim = 0
         self.config = config
         self._argmax: FusedArgmax | None = None  # the last forward's
+        self.nucleus = KernelNucleus(library)
         self.layers = [
             KernelLayer(
                 input_norm=w.input_norm.float().contiguous(),

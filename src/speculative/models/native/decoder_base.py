@@ -108,6 +108,11 @@ class DecoderBase:
         that forward's output; None when this decoder does not compute it."""
         return None
 
+    def nucleus(self, logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray | None:
+        """A logits row's top-p nucleus found by compiled code, or None: this decoder has
+        none (the sampling layer finds it)."""
+        return None
+
     def forward_segments(
         self,
         hidden: torch.Tensor,  # [rows, hidden] float32, owned: left holding the final

@@ -63,7 +63,7 @@ typedef struct {
     const float *sin;  /* [max_length, head_dim / 2] */
 } Model;
 
-int spec_abi_version(void) { return 8; }
+int spec_abi_version(void) { return 9; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 const char *spec_isa(void) { return "avx512"; }
@@ -1199,4 +1199,203 @@ double spec_read_bandwidth(const float *buffer, int64_t n, int threads) {
     }
     if (sink == 12345.0f) elapsed += 1e-12;
     return (double)(n / 32 * 32) * 4.0 / elapsed;
+}
+
+/* ---------------------------------------------------------------- the top-p nucleus */
+
+#define NUCLEUS_MAX 4096                   /* members beyond this: the caller's own path */
+#define NUCLEUS_STEP 4.1588830833596715    /* ln 64: each widening admits 64x less likely */
+#define NUCLEUS_DEPTH 33.271064666877372   /* 8 widenings: e^-33 of the top, never searched */
+
+typedef struct {
+    float x;     /* the tempered logit */
+    int32_t id;  /* its token */
+} NucleusEntry;
+
+/* exp(x) for x <= 0 (Cephes' expf polynomial on x - k ln 2, scaled by 2^k): within a few
+ * float32 ulps, which the nucleus's mass margin covers many times over. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
+}
+
+static int nucleus_descending(const void *a, const void *b) {
+    const NucleusEntry *u = a, *v = b;
+    if (u->x != v->x) return u->x > v->x ? -1 : 1;
+    return u->id < v->id ? -1 : 1;
+}
+
+static int ids_ascending(const void *a, const void *b) {
+    const int32_t u = *(const int32_t *)a, v = *(const int32_t *)b;
+    return u < v ? -1 : (u > v);
+}
+
+/* tempered[i] = logits[i] / temperature (float32 division, as torch divides); returns the
+ * largest, or NaN when any quotient is not finite. */
+static float nucleus_temper(const float *logits, int64_t n, float temperature, float *tempered) {
+    const __m256 t = _mm256_set1_ps(temperature), limit = _mm256_set1_ps(3.0e38f);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 best = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_div_ps(_mm256_loadu_ps(logits + i), t);
+        _mm256_storeu_ps(tempered + i, x);
+        best = _mm256_max_ps(best, x);
+        /* NaN fails the ordered compare; an infinity exceeds the limit */
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_andnot_ps(sign, x), limit, _CMP_NLE_UQ));
+    }
+    float lanes[8], m = -INFINITY;
+    _mm256_storeu_ps(lanes, best);
+    for (int lane = 0; lane < 8; lane++) m = lanes[lane] > m ? lanes[lane] : m;
+    int nonfinite = _mm256_movemask_ps(bad) != 0;
+    for (; i < n; i++) {
+        const float x = tempered[i] = logits[i] / temperature;
+        nonfinite |= !(fabsf(x) <= 3.0e38f);
+        m = x > m ? x : m;
+    }
+    return nonfinite ? NAN : m;
+}
+
+#define NUCLEUS_BLOCK 8  /* vectors summed in float32 before a float64 add */
+
+/* The sum over the entries with x < floor of exp(x[i] - m), by the polynomial (float32
+ * within blocks of NUCLEUS_BLOCK vectors, float64 across), and a gather of the others, as
+ * nucleus_gather does, into `out` (their number in *gathered): the caller adds their terms
+ * exactly. */
+static double nucleus_partition(const float *x, int64_t n, float m, float floor,
+                                NucleusEntry *out, int64_t cap, int64_t *gathered) {
+    const __m256 top = _mm256_set1_ps(m), bound = _mm256_set1_ps(floor);
+    double rest = 0.0;
+    int64_t count = 0, i = 0;
+    while (i + 8 <= n) {
+        __m256 block = _mm256_setzero_ps();
+        for (int v = 0; v < NUCLEUS_BLOCK && i + 8 <= n; v++, i += 8) {
+            const __m256 value = _mm256_loadu_ps(x + i);
+            const __m256 above = _mm256_cmp_ps(value, bound, _CMP_GE_OQ);
+            const __m256 e = exp_nonpositive(_mm256_sub_ps(value, top));
+            block = _mm256_add_ps(block, _mm256_andnot_ps(above, e));
+            for (int mask = _mm256_movemask_ps(above); mask; mask &= mask - 1) {
+                const int lane = __builtin_ctz(mask);
+                if (count < cap) {
+                    out[count].x = x[i + lane];
+                    out[count].id = (int32_t)(i + lane);
+                }
+                count++;
+            }
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, block);
+        for (int lane = 0; lane < 8; lane++) rest += lanes[lane];
+    }
+    for (; i < n; i++) {
+        if (x[i] < floor) {
+            rest += exp((double)x[i] - (double)m);
+        } else {
+            if (count < cap) {
+                out[count].x = x[i];
+                out[count].id = (int32_t)i;
+            }
+            count++;
+        }
+    }
+    *gathered = count > cap ? cap + 1 : count;
+    return rest;
+}
+
+/* The entries with x >= floor, in id order, into `out` (at most `cap`); returns how many
+ * there are (more than cap: cap + 1). */
+static int64_t nucleus_gather(const float *x, int64_t n, float floor, NucleusEntry *out,
+                              int64_t cap) {
+    const __m256 bound = _mm256_set1_ps(floor);
+    int64_t count = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), bound, _CMP_GE_OQ));
+        for (; mask; mask &= mask - 1) {
+            const int lane = __builtin_ctz(mask);
+            if (count == cap) return cap + 1;
+            out[count].x = x[i + lane];
+            out[count++].id = (int32_t)(i + lane);
+        }
+    }
+    for (; i < n; i++) {
+        if (x[i] < floor) continue;
+        if (count == cap) return cap + 1;
+        out[count].x = x[i];
+        out[count++].id = (int32_t)i;
+    }
+    return count;
+}
+
+/* The top-p nucleus of softmax(logits / temperature) for one row of n logits, as the
+ * sampling layer cuts it (sampling/probs.py, _row_nucleus, on float64 probabilities): in
+ * descending order, member j is kept while the mass before it is below top_p, and every
+ * token as probable as the last member is kept too. Writes the members' ids to `kept` in
+ * increasing order and returns their number; `tempered` [n] is scratch.
+ *
+ * The masses here sum exact float64 terms over a partition function whose tail (the tokens
+ * more than two widening steps below the top) comes from a float32 polynomial: within
+ * about 1e-7 of the sampling layer's masses, relatively. So the cut is certain, and the
+ * same as the sampling layer's, unless the mass before or through the cut lies within
+ * `margin` of top_p, or a token's tempered logit lies less than `gap` below the last
+ * member's: then, and for a row with a NaN or infinity or a nucleus of more than max_kept
+ * (<= NUCLEUS_MAX) members, it returns -1 and the caller takes its own path. */
+int32_t spec_nucleus(const float *logits, int64_t n, float temperature, double top_p,
+                     double margin, float gap, int32_t *kept, int32_t max_kept,
+                     float *tempered) {
+    NucleusEntry entries[NUCLEUS_MAX];
+    if (n <= 0 || !(temperature > 0.0f) || max_kept < 1 || max_kept > NUCLEUS_MAX) return -1;
+    const float m = nucleus_temper(logits, n, temperature, tempered);
+    if (m != m) return -1;
+    /* the first gather comes with the partition pass, two widening steps deep (the median
+     * nucleus of SmolLM2's rows at T = 0.8, top_p = 0.95 is 5 tokens, the 90th percentile
+     * 67, of a median 28 and a 90th percentile 239 within two steps) */
+    int64_t count;
+    double depth = 2 * NUCLEUS_STEP;
+    float floor = (float)((double)m - depth);
+    double z = nucleus_partition(tempered, n, m, floor, entries, max_kept, &count);
+    if (count > max_kept) return -1;
+    for (int64_t j = 0; j < count; j++) z += exp((double)entries[j].x - (double)m);
+    for (;;) {
+        if (count > max_kept) return -1;
+        qsort(entries, (size_t)count, sizeof(NucleusEntry), nucleus_descending);
+        double before = 0.0, through = 0.0;
+        int64_t cut = -1;
+        for (int64_t j = 0; j < count; j++) {
+            before = through;
+            through += exp((double)entries[j].x - (double)m) / z;
+            if (through >= top_p) {
+                cut = j;
+                break;
+            }
+        }
+        if (cut < 0) {  /* the candidates hold less than top_p: widen */
+            depth += NUCLEUS_STEP;
+            if (depth > NUCLEUS_DEPTH) return -1;
+            floor = (float)((double)m - depth);
+            count = nucleus_gather(tempered, n, floor, entries, max_kept);
+            continue;
+        }
+        if (through < top_p + margin || (cut > 0 && before > top_p - margin)) return -1;
+        const float last = entries[cut].x;
+        int64_t members = cut + 1;
+        while (members < count && entries[members].x == last) members++;  /* ties join */
+        const float next = members < count ? entries[members].x : floor;
+        if (!(last - next >= gap)) return -1;
+        for (int64_t j = 0; j < members; j++) kept[j] = entries[j].id;
+        qsort(kept, (size_t)members, sizeof(int32_t), ids_ascending);
+        return (int32_t)members;
+    }
 }

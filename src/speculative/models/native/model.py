@@ -270,6 +270,10 @@ class NativeLlama:
         """See :class:`~speculative.models.base.SupportsFusedArgmax` (the C kernels)."""
         return self.decoder.argmax_rows(logits)
 
+    def nucleus(self, logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray | None:
+        """See :class:`~speculative.models.base.SupportsNucleusSearch` (the C kernels)."""
+        return self.decoder.nucleus(logits, temperature, top_p)
+
     def forward_tree(
         self,
         input_ids: torch.Tensor,  # [1, k] int64
