@@ -90,6 +90,29 @@ def test_sample_row_equals_sample_from():
                 assert sample_row(weights, u) == int(want[0]), (params, u)
 
 
+def test_small_row_draw_is_sample_from_bit_for_bit():
+    """Rows of up to SMALL_DRAW entries draw in plain Python: the token sample_from gives
+    on the dense row they stand for, zeros inside the row (a residual) and uniforms up to
+    the largest below 1 included. A draw that forgot to skip zero entries is caught."""
+    from speculative.sampling.probs import SMALL_DRAW
+
+    generator = torch.Generator().manual_seed(9)
+    uniforms = [0.0, 0.5, 0.999999, 1 - 2**-53]
+    uniforms += torch.rand(30, generator=generator, dtype=torch.float64).tolist()
+    for size in (1, 2, 7, SMALL_DRAW):
+        for trial in range(4):
+            support = torch.randperm(1000, generator=generator)[:size].sort().values.numpy()
+            values = torch.rand(size, generator=generator) ** 4
+            values[torch.rand(size, generator=generator) < 0.3] = 0.0  # a residual's zeros
+            values[trial % size] = 0.5  # at least one positive entry
+            row = RowProbs(values.numpy(), support)
+            for u in uniforms:
+                want = sample_from(dense(row, 1000)[None], torch.tensor([u], dtype=torch.float64))
+                assert row.draw(u) == int(want[0]), (size, trial, u)
+    zero_last = RowProbs(np.array([0.5, 0.5, 0.0], dtype=np.float32), np.array([1, 2, 3]))
+    assert zero_last.draw(1 - 2**-53) == 2  # never the zero-weight token 3
+
+
 def dense(row: RowProbs, vocab: int) -> torch.Tensor:
     """A RowProbs as the [vocab] row it stands for."""
     out = torch.zeros(vocab)
@@ -119,36 +142,28 @@ def test_row_probs_is_logits_to_probs_row_bit_for_bit(params):
         assert not torch.equal(dense(got, 3000), without)  # the control: token still in
 
 
-def test_row_probs_takes_a_found_nucleus_with_the_same_bits():
-    """Given a search that finds the nucleus (as the native kernels do), the row has the
-    bits the sampling layer's own cut gives; a search that answers None changes nothing;
-    the search is not asked under a top-k cut (it cuts without top-k). A search one token
-    off is visible in the row (the control: the answer is used)."""
-    from speculative.sampling.probs import _row_nucleus, cut_probs
-
+def test_row_probs_takes_a_found_row_and_falls_back_without_one():
+    """A search's answer (the native kernels' nucleus) is the row; None leaves the sampling
+    layer's own row, bit for bit; under a top-k cut the search is not asked (it cuts
+    without top-k); greedy never asks."""
     generator = torch.Generator().manual_seed(6)
-    logits = logits_like_a_model(8, 3000, generator)
+    logits = logits_like_a_model(4, 3000, generator)
     params = SamplingParams(temperature=0.8, top_p=0.9)
+    marker = RowProbs(np.ones(1, dtype=np.float32), np.array([5]))
     asked = []
 
-    def found(row: torch.Tensor, temperature: float, top_p: float) -> np.ndarray:
-        asked.append(temperature)
-        return _row_nucleus(cut_probs(row / temperature).numpy(), top_p).kept
-
-    def widened(row: torch.Tensor, temperature: float, top_p: float) -> np.ndarray:
-        kept = found(row, temperature, top_p)
-        return np.union1d(kept, [int(np.setdiff1d(np.arange(3000), kept)[0])])
+    def search(row: torch.Tensor, temperature: float, top_p: float) -> RowProbs:
+        asked.append((temperature, top_p))
+        return marker
 
     for row in logits:
+        assert row_probs(row, params, search) is marker
         want = dense(row_probs(row, params), 3000)
-        assert torch.equal(dense(row_probs(row, params, found), 3000), want)
         assert torch.equal(dense(row_probs(row, params, lambda *args: None), 3000), want)
-        if (want > 0).sum() < 3000:
-            assert not torch.equal(dense(row_probs(row, params, widened), 3000), want)
-    assert len(asked) >= 8
-    asked.clear()
-    row_probs(logits[0], SamplingParams(temperature=0.8, top_k=50, top_p=0.9), found)
-    assert not asked
+    assert asked == [(0.8, 0.9)] * 4
+    row_probs(logits[0], SamplingParams(temperature=0.8, top_k=50, top_p=0.9), search)
+    row_probs(logits[0], SamplingParams(temperature=0, top_p=0.9), search)
+    assert len(asked) == 4
 
 
 def torch_verify_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple:

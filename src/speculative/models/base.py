@@ -20,6 +20,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from speculative.sampling.probs import RowProbs
+
 
 @runtime_checkable
 class CausalLM(Protocol):
@@ -243,13 +245,14 @@ class SupportsFusedArgmax(Protocol):
 
 @runtime_checkable
 class SupportsNucleusSearch(Protocol):
-    """A model that finds a logits row's top-p nucleus in compiled code (the native C
-    kernels): one call where the sampling layer takes a softmax and a search over the
-    vocabulary. Its answers are the sampling layer's own nucleus, or None."""
+    """A model that finds a logits row's top-p distribution in compiled code (the native C
+    kernels): one call where the sampling layer takes a softmax, a search over the
+    vocabulary and a renormalization. Its answers are the sampling layer's own rows, or
+    None."""
 
-    def nucleus(self, logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray | None:
+    def nucleus(self, logits: torch.Tensor, temperature: float, top_p: float) -> RowProbs | None:
         """A :data:`~speculative.sampling.probs.NucleusSearch`: [vocab] float32 raw logits
-        -> the nucleus's ids (int64, increasing), or None (not found here)."""
+        -> the renormalized nucleus (``row_probs``'s row), or None (not found here)."""
         ...
 
 

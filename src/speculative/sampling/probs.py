@@ -6,6 +6,8 @@ and the processed distributions are the ones that enter the accept test.
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -18,11 +20,11 @@ from speculative.sampling.params import SamplingParams
 PROB_TOLERANCE = 1e-4  # how far a distribution's sum may stray from 1
 NUCLEUS_CUTOFF_STEP = 64.0  # the nucleus search lowers its probability cutoff by this
 SPARSE_SAMPLE_LIMIT = 4096  # positive entries up to which a draw sums only those
-
-# (row [vocab] float32 raw logits, temperature, top_p) -> the ids (int64, increasing) of the
-# top-p nucleus of softmax(row / temperature), exactly :func:`row_probs`'s own, or None where
-# the caller must find it itself: a faster search a runtime may offer (the native kernels).
-NucleusSearch = Callable[[torch.Tensor, float, float], np.ndarray | None]
+SMALL_DRAW = 64  # entries up to which a draw runs in plain Python (no numpy call)
+# Nuclei up to this size are renormalized with libm's exp and an in-order float64 sum, which
+# compiled code reproduces bit for bit (numpy's exp is its own SIMD code on AVX-512 CPUs);
+# larger ones in numpy. The native kernels' NUCLEUS_MAX.
+EXACT_RENORMALIZE_LIMIT = 4096
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -141,7 +143,10 @@ class RowProbs:
         """:func:`sample_from`'s token for these weights and ``uniform``, bit for bit: a
         running float64 sum is unchanged by adding 0.0, so the partial sums over the
         positive entries are the full cumsum's at those indices, and the first index whose
-        partial sum exceeds u * total is a positive entry either way."""
+        partial sum exceeds u * total is a positive entry either way. A small row (a
+        typical nucleus) runs in plain Python: the same float64 additions, one numpy call."""
+        if self.values.size <= SMALL_DRAW:
+            return self._small_draw(uniform)
         positive = np.flatnonzero(self.values > 0)  # [m] increasing indices
         if self.support is None and positive.size > SPARSE_SAMPLE_LIMIT:
             uniforms = torch.tensor([uniform], dtype=torch.float64)
@@ -150,6 +155,18 @@ class RowProbs:
         cdf = np.cumsum(self.values[positive].astype(np.float64))  # [m]
         target = float(np.float64(uniform) * cdf[-1])
         index = int(positive[min(int(np.searchsorted(cdf, target, side="right")), cdf.size - 1)])
+        return index if self.support is None else int(self.support[index])
+
+    def _small_draw(self, uniform: float) -> int:
+        """:meth:`draw` in plain Python floats (float64, as numpy's cumsum adds them)."""
+        positive, cdf, running = [], [], 0.0
+        for index, value in enumerate(self.values.tolist()):
+            if value > 0:
+                running += value
+                positive.append(index)
+                cdf.append(running)
+        found = bisect.bisect_right(cdf, uniform * running)  # searchsorted(side="right")
+        index = positive[min(found, len(cdf) - 1)]
         return index if self.support is None else int(self.support[index])
 
     def _index(self, token: int) -> int | None:
@@ -161,21 +178,27 @@ class RowProbs:
         return index if found else None
 
 
+# (row [vocab] float32 raw logits, temperature, top_p) -> the row's top-p distribution as
+# :func:`row_probs` gives it (the same ids and bits), or None where the caller must find
+# it itself: a faster search a runtime may offer (the native kernels).
+NucleusSearch = Callable[[torch.Tensor, float, float], "RowProbs | None"]
+
+
 def row_probs(
     logits: torch.Tensor, params: SamplingParams, search: NucleusSearch | None = None
 ) -> RowProbs:
     """One row's processed distribution, as :func:`logits_to_probs` gives it (the same
     bits at every token), sparse where top-p cuts a nucleus. logits: [vocab] raw logits.
-    ``search`` may find the nucleus (without a top-k cut); where it answers, the row's
-    tokens and values are the same and no softmax over the vocabulary is taken."""
+    ``search`` may find the row (top-p without a top-k cut); where it answers, it gives
+    the same tokens and values and no softmax over the vocabulary is taken."""
     logits = logits.float()
     if params.greedy:
         best = np.array([int(_as_numpy(logits).argmax())], dtype=np.int64)
         return RowProbs(np.ones(1, dtype=np.float32), best)
     if params.top_p < 1 and search is not None and not _cuts_top_k(params, logits.shape[-1]):
-        kept = search(logits, params.temperature, params.top_p)
-        if kept is not None:  # the raw logits' quotients: tempered()'s bits there
-            return _renormalized(_as_numpy(logits)[kept] / np.float32(params.temperature), kept)
+        found = search(logits, params.temperature, params.top_p)
+        if found is not None:
+            return found
     logits = tempered(logits, params)
     if params.top_p < 1:
         return _renormalized_nucleus(_as_numpy(logits), _as_numpy(cut_probs(logits)), params.top_p)
@@ -205,7 +228,19 @@ def _renormalized_nucleus(logits: np.ndarray, probs: np.ndarray, top_p: float) -
 
 def _renormalized(kept_logits: np.ndarray, kept: np.ndarray) -> RowProbs:
     """The nucleus ``kept`` ([n] increasing ids) with weights softmax(kept_logits) ([n]
-    float32 tempered logits), taken in float64 and stored as float32."""
+    float32 tempered logits), taken in float64 and stored as float32. Up to
+    EXACT_RENORMALIZE_LIMIT entries: exp(x - max) by libm (``math.exp``), summed in id
+    order, each divided by the sum and rounded to float32: the native kernels'
+    ``spec_nucleus`` computes the same bits."""
+    if kept_logits.size <= EXACT_RENORMALIZE_LIMIT:
+        values = kept_logits.tolist()  # float32 values as Python floats (exact)
+        top = max(values)
+        weights = [math.exp(value - top) for value in values]
+        total = 0.0
+        for weight in weights:  # in order (builtin sum() compensates: other bits)
+            total += weight
+        probs = np.array([weight / total for weight in weights], dtype=np.float64)
+        return RowProbs(probs.astype(np.float32), kept)
     weights = np.exp(kept_logits.astype(np.float64) - float(kept_logits.max()))
     return RowProbs((weights / weights.sum()).astype(np.float32), kept)
 

@@ -41,6 +41,7 @@ from speculative.models.native.quant import (
     quantize_group4,
     quantize_int8_per_channel,
 )
+from speculative.sampling.probs import RowProbs
 
 SOURCE = Path(__file__).with_name("kernels.c")
 COMMON_FLAGS = (
@@ -83,7 +84,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 9
+ABI_VERSION = 10
 # "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
@@ -162,7 +163,8 @@ def _open_library(path: str) -> ctypes.CDLL:
     library.spec_fused_linear.argtypes += [ctypes.c_float, i32, pointer, pointer, i32]
     library.spec_fused_linear.restype = None
     library.spec_nucleus.argtypes = [pointer, i64, ctypes.c_float, ctypes.c_double]
-    library.spec_nucleus.argtypes += [ctypes.c_double, ctypes.c_float, pointer, i32, pointer]
+    library.spec_nucleus.argtypes += [ctypes.c_double, ctypes.c_float, pointer, pointer, i32]
+    library.spec_nucleus.argtypes += [pointer]
     library.spec_nucleus.restype = i32
     library.spec_peak_fma.argtypes = [i32, i64]
     library.spec_peak_fma.restype = ctypes.c_double
@@ -366,18 +368,20 @@ class KernelNucleus:
         self.library = library
         self._scratch = threading.local()  # this thread's _NucleusScratch
 
-    def __call__(self, logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray | None:
-        """logits: [vocab] float32 raw logits -> the ids of the nucleus of
-        softmax(logits / temperature) at top_p (int64, increasing), or None where the
-        sampling layer must cut it itself."""
+    def __call__(self, logits: torch.Tensor, temperature: float, top_p: float) -> RowProbs | None:
+        """logits: [vocab] float32 raw logits -> the top-p nucleus of
+        softmax(logits / temperature), renormalized: ``row_probs``'s row, the same ids and
+        bits; None where the sampling layer must cut it itself."""
         if logits.dim() != 1 or logits.dtype != torch.float32 or not logits.is_contiguous():
             return None
         scratch = self._scratch_for(logits.shape[0])
         count = self.library.spec_nucleus(
             logits.data_ptr(), logits.shape[0], temperature, top_p, NUCLEUS_MARGIN,
-            NUCLEUS_GAP, scratch.kept_at, NUCLEUS_MAX, scratch.tempered_at,
+            NUCLEUS_GAP, scratch.kept_at, scratch.probs_at, NUCLEUS_MAX, scratch.tempered_at,
         )  # fmt: skip
-        return None if count < 0 else scratch.kept[:count].astype(np.int64)
+        if count < 0:
+            return None
+        return RowProbs(scratch.probs[:count].copy(), scratch.kept[:count].astype(np.int64))
 
     def _scratch_for(self, vocab: int) -> _NucleusScratch:
         """This thread's buffers, allocated once: a fresh 200 kB array would cost a mapping
@@ -393,8 +397,10 @@ class _NucleusScratch:
 
     def __init__(self, vocab: int) -> None:
         self.kept = np.empty(NUCLEUS_MAX, dtype=np.int32)  # the members' ids
+        self.probs = np.empty(NUCLEUS_MAX, dtype=np.float32)  # and probabilities
         self.tempered = np.empty(vocab, dtype=np.float32)  # the row divided by T
-        self.kept_at, self.tempered_at = self.kept.ctypes.data, self.tempered.ctypes.data
+        self.kept_at, self.probs_at = self.kept.ctypes.data, self.probs.ctypes.data
+        self.tempered_at = self.tempered.ctypes.data
 
 
 @dataclass

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from speculative.models.native.linear import tensor_bytes
+from speculative.sampling.probs import RowProbs
 
 
 def layer_weight_bytes(layer: Any) -> int:
@@ -108,9 +109,9 @@ class DecoderBase:
         that forward's output; None when this decoder does not compute it."""
         return None
 
-    def nucleus(self, logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray | None:
-        """A logits row's top-p nucleus found by compiled code, or None: this decoder has
-        none (the sampling layer finds it)."""
+    def nucleus(self, logits: torch.Tensor, temperature: float, top_p: float) -> RowProbs | None:
+        """A logits row's top-p distribution found by compiled code, or None: this decoder
+        has none (the sampling layer finds it)."""
         return None
 
     def forward_segments(

@@ -63,7 +63,7 @@ typedef struct {
     const float *sin;  /* [max_length, head_dim / 2] */
 } Model;
 
-int spec_abi_version(void) { return 9; }
+int spec_abi_version(void) { return 10; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 const char *spec_isa(void) { return "avx512"; }
@@ -1343,7 +1343,10 @@ static int64_t nucleus_gather(const float *x, int64_t n, float floor, NucleusEnt
  * sampling layer cuts it (sampling/probs.py, _row_nucleus, on float64 probabilities): in
  * descending order, member j is kept while the mass before it is below top_p, and every
  * token as probable as the last member is kept too. Writes the members' ids to `kept` in
- * increasing order and returns their number; `tempered` [n] is scratch.
+ * increasing order and their probabilities to `probs` (the nucleus renormalized as the
+ * sampling layer does it, _renormalized: exp(x - max) by libm, summed in id order in
+ * float64, divided and rounded to float32) and returns their number; `tempered` [n] is
+ * scratch.
  *
  * The masses here sum exact float64 terms over a partition function whose tail (the tokens
  * more than two widening steps below the top) comes from a float32 polynomial: within
@@ -1353,7 +1356,7 @@ static int64_t nucleus_gather(const float *x, int64_t n, float floor, NucleusEnt
  * member's: then, and for a row with a NaN or infinity or a nucleus of more than max_kept
  * (<= NUCLEUS_MAX) members, it returns -1 and the caller takes its own path. */
 int32_t spec_nucleus(const float *logits, int64_t n, float temperature, double top_p,
-                     double margin, float gap, int32_t *kept, int32_t max_kept,
+                     double margin, float gap, int32_t *kept, float *probs, int32_t max_kept,
                      float *tempered) {
     NucleusEntry entries[NUCLEUS_MAX];
     if (n <= 0 || !(temperature > 0.0f) || max_kept < 1 || max_kept > NUCLEUS_MAX) return -1;
@@ -1396,6 +1399,10 @@ int32_t spec_nucleus(const float *logits, int64_t n, float temperature, double t
         if (!(last - next >= gap)) return -1;
         for (int64_t j = 0; j < members; j++) kept[j] = entries[j].id;
         qsort(kept, (size_t)members, sizeof(int32_t), ids_ascending);
+        double total = 0.0;  /* m is the members' largest tempered logit: the top is one */
+        for (int64_t j = 0; j < members; j++) total += exp((double)tempered[kept[j]] - (double)m);
+        for (int64_t j = 0; j < members; j++)
+            probs[j] = (float)(exp((double)tempered[kept[j]] - (double)m) / total);
         return (int32_t)members;
     }
 }

@@ -34,6 +34,7 @@ from speculative.models.native.decoder_base import DecoderBase, Segment
 from speculative.models.native.layers import layer_weights
 from speculative.models.native.linear import PRECISIONS
 from speculative.models.native.loading import Checkpoint, Weight
+from speculative.sampling.probs import RowProbs
 
 BACKENDS = ("auto", "kernels", "torch")
 
@@ -270,7 +271,7 @@ class NativeLlama:
         """See :class:`~speculative.models.base.SupportsFusedArgmax` (the C kernels)."""
         return self.decoder.argmax_rows(logits)
 
-    def nucleus(self, logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray | None:
+    def nucleus(self, logits: torch.Tensor, temperature: float, top_p: float) -> RowProbs | None:
         """See :class:`~speculative.models.base.SupportsNucleusSearch` (the C kernels)."""
         return self.decoder.nucleus(logits, temperature, top_p)
 
