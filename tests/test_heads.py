@@ -612,3 +612,40 @@ def test_eval_prompts_name_no_training_topic():
     training = " ".join(m["content"] for p in build_prompts(3000, seed=0) for m in p).lower()
     assert not [topic for topic in EVAL_TOPICS if topic.lower() in training]
     assert not set(EVAL_TOPICS) & set(TOPICS)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, top_p=0.95),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9),
+    ],
+)
+def test_head_draw_through_the_sparse_row_is_the_dense_draw(params: SamplingParams) -> None:
+    """draw_from_logits (the sparse row, found by a search where one answers) gives the
+    token, the q bits and the generator state of a draw from draft_distribution's dense
+    row, for peaked and flat rows; a draw from another row's q differs (the control)."""
+    from speculative.drafters.head_common import draft_distribution, draw, draw_from_logits
+    from speculative.sampling.probs import row_probs
+
+    generator = torch.Generator().manual_seed(0)
+
+    def search(row: torch.Tensor, temperature: float, top_p: float) -> object:
+        return row_probs(row, SamplingParams(temperature=temperature, top_p=top_p))
+
+    differs = 0
+    for trial in range(24):
+        logits = torch.randn(3000, generator=generator) * (8.0 if trial % 2 else 1.0)
+        want_probs = draft_distribution(logits, params)  # [N]
+        dense_generator = torch.Generator().manual_seed(trial)
+        want = draw(want_probs, params, dense_generator)
+        after = torch.rand(2, generator=dense_generator)  # the generator's state after it
+        for answer in (None, search):
+            sparse_generator = torch.Generator().manual_seed(trial)
+            got, probs = draw_from_logits(logits, params, sparse_generator, answer)
+            assert got == want and torch.equal(probs, want_probs), trial
+            assert torch.equal(torch.rand(2, generator=sparse_generator), after)
+        flipped = draft_distribution(logits.flip(0), params)
+        differs += draw(flipped, params, torch.Generator().manual_seed(trial)) != want
+    assert differs > 0

@@ -29,6 +29,7 @@ from speculative.heads.runners import EagleRunner, TorchEagleRunner
 from speculative.heads.store import TrainedHead
 from speculative.models.session import common_prefix_length
 from speculative.sampling import SamplingParams
+from speculative.sampling.probs import NucleusSearch
 
 STATIC_BRANCHING = (3, 2, 2, 1, 1, 1, 1, 1)  # children per expanded node, by depth
 STATIC_WIDTH = (1, 2, 2, 3, 3, 3, 3, 3)  # expanded nodes per depth (first in draw order)
@@ -61,8 +62,9 @@ class EagleDrafter(HeadDrafter):
         vocab_size: int,
         name: str = "eagle",
         runner: EagleRunner | None = None,
+        search: NucleusSearch | None = None,
     ) -> None:
-        super().__init__(head, vocab_size, name)
+        super().__init__(head, vocab_size, name, search)
         self.chain = HeadCache(runner if runner is not None else TorchEagleRunner(head))
         self._tree: HeadCache | None = None
 
@@ -135,7 +137,7 @@ class EagleDrafter(HeadDrafter):
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(gamma):
-            index, probs = draw_from_logits(logits, params, generator)  # probs: [N] or None
+            index, probs = draw_from_logits(logits, params, generator, self.search)  # [N] | None
             token = self.target_token(index)
             tokens.append(token)
             if probs is not None:

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 import torch
 
 from speculative.heads.store import TrainedHead
-from speculative.models.base import SupportsKernels
+from speculative.models.base import SupportsKernels, SupportsNucleusSearch
 from speculative.models.session import FeatureSource, ModelSession, common_prefix_length
 from speculative.sampling import SamplingParams, logits_to_probs, sample
+from speculative.sampling.probs import NucleusSearch, row_probs
 
 
 class HeadDrafter:
@@ -20,12 +21,19 @@ class HeadDrafter:
 
     method = ""  # the head method this drafter runs ("eagle", "medusa")
 
-    def __init__(self, head: TrainedHead, vocab_size: int, name: str) -> None:
+    def __init__(
+        self,
+        head: TrainedHead,
+        vocab_size: int,
+        name: str,
+        search: NucleusSearch | None = None,
+    ) -> None:
         if head.config.method != self.method:
             raise ValueError(f"{name} needs {self.method} heads, got {head.config.method}")
         self.name = name
         self.head = head
         self.vocab_size = vocab_size
+        self.search = search  # the target's top-p search, for the head's rows too
         self.target: FeatureSource | None = None
         self._calls = 0
 
@@ -61,6 +69,12 @@ def target_kernels(lm: object) -> object | None:
     return lm.kernel_library() if isinstance(lm, SupportsKernels) else None
 
 
+def nucleus_search(lm: object) -> NucleusSearch | None:
+    """The target's top-p search where it has one (``SupportsNucleusSearch``: a pure
+    function of a logits row, so it serves the head's draft-vocabulary rows too)."""
+    return lm.nucleus if isinstance(lm, SupportsNucleusSearch) else None
+
+
 def draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., N] draft logits over the draft vocabulary -> [..., N] processed probabilities
     (temperature / top-k / top-p as the target's; tokens outside the vocabulary have q 0)."""
@@ -75,15 +89,22 @@ def to_full_vocab(probs: torch.Tensor, draft_to_target: torch.Tensor, vocab: int
 
 
 def draw_from_logits(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    search: NucleusSearch | None = None,
 ) -> tuple[int, torch.Tensor | None]:
     """One draft-vocabulary index from [N] draft logits and the processed probs it was
     drawn from (None when greedy: the first argmax, taken straight from the logits in
-    numpy, is what the one-hot distribution's argmax would give)."""
+    numpy, is what the one-hot distribution's argmax would give). Sampling goes through
+    the sparse row (``row_probs``, found by ``search`` where it answers): the same probs
+    and the same draw as ``draw(draft_distribution(...))``, bit for bit, with the same
+    uniform from ``generator``."""
     if params.greedy:
         return int(logits.detach().numpy().argmax()), None
-    probs = draft_distribution(logits, params)  # [N]
-    return draw(probs, params, generator), probs
+    row = row_probs(logits, params, search)  # [N], sparse where top-p cuts
+    uniform = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])  # sample()'s
+    return row.draw(uniform), row.dense(logits.shape[-1])
 
 
 def draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

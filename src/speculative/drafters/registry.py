@@ -131,7 +131,7 @@ def load_trained_head(method: str, argument: str, target: LoadedModel) -> Any:
 
 def _eagle(argument: str, target: LoadedModel) -> Drafter:
     from speculative.drafters.eagle import EagleDrafter
-    from speculative.drafters.head_common import target_kernels
+    from speculative.drafters.head_common import nucleus_search, target_kernels
     from speculative.heads.runners import KernelEagleRunner
 
     head = load_trained_head("eagle", argument, target)
@@ -141,7 +141,7 @@ def _eagle(argument: str, target: LoadedModel) -> Drafter:
         max_length = target.lm.max_length or 4096
         runner = KernelEagleRunner(head, library, target.precision, max_length)
     name = "eagle" if not argument else f"eagle:{argument}"
-    return EagleDrafter(head, target.lm.vocab_size, name, runner)
+    return EagleDrafter(head, target.lm.vocab_size, name, runner, nucleus_search(target.lm))
 
 
 def _medusa(argument: str, target: LoadedModel) -> Drafter:

@@ -139,6 +139,14 @@ class RowProbs:
     def mass(self) -> float:
         return float(self.values.sum(dtype=np.float64))
 
+    def dense(self, size: int) -> torch.Tensor:
+        """The [size] float32 row this stands for (zeros outside the support)."""
+        if self.support is None:
+            return torch.from_numpy(self.values)
+        out = torch.zeros(size, dtype=torch.float32)
+        out[torch.from_numpy(self.support)] = torch.from_numpy(self.values)
+        return out
+
     def draw(self, uniform: float) -> int:
         """:func:`sample_from`'s token for these weights and ``uniform``, bit for bit: a
         running float64 sum is unchanged by adding 0.0, so the partial sums over the
