@@ -16,6 +16,7 @@ from speculative.sampling import (
     sample_row,
     verify,
     verify_greedy,
+    verify_greedy_row,
     verify_logits,
 )
 from speculative.sampling.probs import (
@@ -188,6 +189,14 @@ def test_verify_greedy_equals_the_torch_argmax_prefix():
         num_accepted, tokens = torch_verify_greedy(drafts, logits)
         assert torch.equal(result.num_accepted, num_accepted)
         assert torch.equal(result.tokens, tokens)
+        for row in range(3):  # one row from its argmax ids, in plain Python
+            one = verify_greedy_row(drafts[row].tolist(), best[row].tolist())
+            assert torch.equal(one.num_accepted, num_accepted[row : row + 1])
+            assert torch.equal(one.tokens, tokens[row : row + 1])
+            assert one.emitted(0) == result.emitted(row)
+            assert one.accepted_count(0) == int(num_accepted[row])
+    with pytest.raises(ValueError, match="γ \\+ 1"):
+        verify_greedy_row([1, 2], [1, 2])
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")

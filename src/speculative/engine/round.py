@@ -30,6 +30,7 @@ from speculative.sampling import (
     logits_to_probs,
     one_hot_argmax,
     verify_greedy,
+    verify_greedy_row,
     verify_logits,
 )
 from speculative.sampling.probs import NucleusSearch
@@ -129,6 +130,8 @@ def verify_draft(
         probs = one_hot_argmax(logits) if params.greedy else logits_to_probs(logits, params)
         return verifier(drafted, draft.probs, probs, generator, validate=False)
     if params.greedy:
+        if best is not None and logits.shape[:2] == (1, len(draft.tokens) + 1):
+            return verify_greedy_row(draft.tokens, best[0].tolist())
         drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
         return verify_greedy(drafted, logits, best)
     return verify_logits(draft.tokens, draft.probs, logits, params, generator, search)
@@ -138,7 +141,7 @@ def accepted(result: VerifyResult | TreeVerifyResult) -> tuple[list[int], int]:
     """(emitted tokens, number of them that were accepted drafts) of a verified round."""
     if isinstance(result, TreeVerifyResult):
         return result.tokens, result.num_accepted
-    return result.emitted(0), int(result.num_accepted[0])
+    return result.emitted(0), result.accepted_count(0)
 
 
 def commit_tokens(

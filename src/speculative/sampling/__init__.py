@@ -28,6 +28,7 @@ from speculative.sampling.verify import (
     verify,
     verify_from_uniforms,
     verify_greedy,
+    verify_greedy_row,
     verify_logits,
 )
 
@@ -48,6 +49,7 @@ __all__ = [
     "verify",
     "verify_from_uniforms",
     "verify_greedy",
+    "verify_greedy_row",
     "verify_logits",
     "verify_tree",
     "verify_tree_from_uniforms",

@@ -137,6 +137,9 @@ class RowProbs:
         return RowProbs(np.maximum(self.values - q_here, np.float32(0.0)), self.support)
 
     def mass(self) -> float:
+        """The total weight (float64; a small row summed in plain Python)."""
+        if self.values.size <= SMALL_DRAW:
+            return math.fsum(self.values.tolist())
         return float(self.values.sum(dtype=np.float64))
 
     def dense(self, size: int) -> torch.Tensor:
@@ -181,6 +184,10 @@ class RowProbs:
         """Where ``token`` sits in ``values`` (None: outside the support)."""
         if self.support is None:
             return token
+        if self.support.size <= SMALL_DRAW:  # plain Python: no numpy call
+            ids = self.support.tolist()
+            index = bisect.bisect_left(ids, token)
+            return index if index < len(ids) and ids[index] == token else None
         index = int(np.searchsorted(self.support, token))
         found = index < self.support.size and int(self.support[index]) == token
         return index if found else None

@@ -11,8 +11,6 @@ drafted token, so acceptance is p(x) and the residual is p with x removed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -26,22 +24,60 @@ from speculative.sampling.probs import (
 )
 
 
-@dataclass(frozen=True)
 class VerifyResult:
     """Outcome of verifying one block for each batch row.
 
     num_accepted: [batch] number of drafted tokens accepted (0..γ).
     tokens:       [batch, γ+1] emitted tokens, the accepted ones followed by the recovered
                   or bonus token; entries past num_accepted + 1 are -1.
+
+    A one-row result of the engine's fast paths (:meth:`of_row`) keeps its emitted tokens
+    as a list and makes the tensors only when asked: the engine reads the list, and right
+    after a forward each torch call costs tens of µs.
     """
 
-    num_accepted: torch.Tensor  # [batch]
-    tokens: torch.Tensor  # [batch, gamma + 1]
+    def __init__(self, num_accepted: torch.Tensor, tokens: torch.Tensor) -> None:
+        self._num_accepted: torch.Tensor | None = num_accepted  # [batch]
+        self._tokens: torch.Tensor | None = tokens  # [batch, gamma + 1]
+        self._row: list[int] | None = None  # row 0's emitted tokens (one-row results)
+        self._gamma = tokens.shape[-1] - 1
+
+    @classmethod
+    def of_row(cls, emitted: list[int], gamma: int) -> VerifyResult:
+        """One row's result: ``emitted`` = its accepted drafts, then the extra token."""
+        if not 1 <= len(emitted) <= gamma + 1:
+            raise ValueError(f"a row of γ = {gamma} emits 1..{gamma + 1} tokens, not {emitted}")
+        result = cls.__new__(cls)
+        result._num_accepted = result._tokens = None
+        result._row, result._gamma = list(emitted), gamma
+        return result
+
+    @property
+    def num_accepted(self) -> torch.Tensor:  # [batch]
+        if self._num_accepted is None:
+            assert self._row is not None
+            self._num_accepted = torch.tensor([len(self._row) - 1])
+        return self._num_accepted
+
+    @property
+    def tokens(self) -> torch.Tensor:  # [batch, gamma + 1]
+        if self._tokens is None:
+            assert self._row is not None
+            self._tokens = torch.tensor([self._row + [-1] * (self._gamma + 1 - len(self._row))])
+        return self._tokens
 
     def emitted(self, row: int = 0) -> list[int]:
         """The tokens emitted for one batch row (accepted + recovered/bonus)."""
+        if self._row is not None and row == 0:
+            return list(self._row)
         n = int(self.num_accepted[row])
         return self.tokens[row, : n + 1].tolist()
+
+    def accepted_count(self, row: int = 0) -> int:
+        """How many of one row's drafted tokens were accepted."""
+        if self._row is not None and row == 0:
+            return len(self._row) - 1
+        return int(self.num_accepted[row])
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -178,6 +214,17 @@ def verify_greedy(
     )
 
 
+def verify_greedy_row(drafted: list[int], best: list[int]) -> VerifyResult:
+    """:func:`verify_greedy` for one row whose argmax ids ``best`` ([γ + 1]) are at hand,
+    in plain Python: the drafts kept while they equal the argmax, then the argmax."""
+    if len(best) != len(drafted) + 1:
+        raise ValueError(f"best must hold γ + 1 = {len(drafted) + 1} ids, got {len(best)}")
+    n = 0
+    while n < len(drafted) and drafted[n] == best[n]:
+        n += 1
+    return VerifyResult.of_row(best[: n + 1], len(drafted))
+
+
 def verify_logits(
     draft_tokens: list[int],
     draft_probs: torch.Tensor | None,  # [1, gamma, vocab] or None (point mass)
@@ -199,9 +246,10 @@ def verify_logits(
         raise ValueError(f"draft_probs must be [1, {gamma}, vocab], got {tuple(draft_probs.shape)}")
     accepts = _accept_uniforms(gamma, generator)  # [gamma] float32
     sample_uniform = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
+    q_rows = None if draft_probs is None else draft_probs.detach().numpy()[0]  # [γ, vocab]
     for j, token in enumerate(draft_tokens):
         p = row_probs(logits[0, j], params, search)  # row j's processed distribution
-        q = None if draft_probs is None else draft_probs[0, j].numpy()  # [vocab]
+        q = None if q_rows is None else q_rows[j]  # [vocab]
         q_token = np.float32(1.0) if q is None else q[token]
         if accepts[j] * q_token < p.prob(token):  # float32, as the batched test
             continue
@@ -223,13 +271,7 @@ def _accept_uniforms(gamma: int, generator: torch.Generator) -> np.ndarray:
 
 def _emit(accepted: list[int], weights: RowProbs, uniform: float, gamma: int) -> VerifyResult:
     """The accepted tokens plus one drawn from ``weights``, as a VerifyResult."""
-    emitted = [*accepted, weights.draw(uniform)]
-    tokens = np.full((1, gamma + 1), -1, dtype=np.int64)
-    tokens[0, : len(emitted)] = emitted
-    num_accepted = np.array([len(accepted)], dtype=np.int64)
-    return VerifyResult(
-        num_accepted=torch.from_numpy(num_accepted), tokens=torch.from_numpy(tokens)
-    )
+    return VerifyResult.of_row([*accepted, weights.draw(uniform)], gamma)
 
 
 def check_distribution(p: np.ndarray, name: str) -> np.ndarray:
