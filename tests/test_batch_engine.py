@@ -212,6 +212,35 @@ def test_load_aware_rows_draft_for_their_situation_and_stay_exact(folder: Path) 
     assert len(set(seen)) > 2  # the α follows the situations, not one running value
 
 
+def test_load_aware_rows_look_situations_up_only_when_a_draft_can_pay(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where even each row's most optimistic α drafts nothing (every extra token costs a
+    full step), no row's n-gram situation is looked up and rows stay exact; where drafts
+    ride free (a flat curve), they are looked up every round (the control)."""
+    from speculative.drafters.ngram import PromptLookupDrafter
+
+    backend = _backend("kernels")
+    lookups = []
+    situation = PromptLookupDrafter.draft_situation
+
+    def counted(self, context):
+        lookups.append(len(context))
+        return situation(self, context)
+
+    monkeypatch.setattr(PromptLookupDrafter, "draft_situation", counted)
+    specs = [s for s in _specs() if s.params.greedy and s.drafter == "ngram"] * 2
+    target = load_native(folder, max_length=96, backend=backend)
+    for curve, looked_up in ((lambda n: float(n), False), ({1: 1.0, 16: 1.0, 32: 2.0}, True)):
+        lookups.clear()
+        engine = BatchEngine(target, max_batch=2, load=LoadAwareGamma(curve))
+        results = engine.run(_request(spec, folder, backend) for spec in specs)
+        for spec, result in zip(specs, results, strict=True):
+            assert result.token_ids == _alone(spec, folder, backend)[0]
+        assert bool(lookups) == looked_up
+        assert bool(sum(r.stats.drafted_tokens for r in results)) == looked_up
+
+
 def test_load_aware_gamma_shrinks_as_the_batch_grows() -> None:
     """Flat verify cost up to 8 tokens, linear past it: the policy speculates while drafts
     ride in the flat part and backs off to plain decoding when the batch fills it."""

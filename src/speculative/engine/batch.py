@@ -95,6 +95,12 @@ class SituationAcceptance:
         accepted, examined = self.counts.get(key, (0.0, 0.0))
         return (accepted + prior * weight) / (examined + weight)
 
+    def best_alpha(self, drafter: str, prior: float) -> float:
+        """The largest α :meth:`alpha` gives any situation of ``drafter`` (a situation
+        never recorded gives ``prior``)."""
+        recorded = (self.alpha(key, prior) for key in self.counts if key[0] == drafter)
+        return max([prior, *recorded])
+
     def record(self, key: Hashable, drafted: int, num_accepted: int) -> None:
         if drafted == 0:
             return
@@ -323,12 +329,7 @@ class BatchEngine:
     def _propose(self, rows: list[BatchRow], extra_tokens: int = 0) -> list[_Planned]:
         wanted = [self._own_gamma(row) for row in rows]
         if self.load is not None and rows:
-            loads = [
-                RowLoad(self._load_alpha(row), g, self._fed(row), *self._draft_costs(row))
-                for row, g in zip(rows, wanted, strict=True)
-            ]
-            padded = self.target.padded_tokens if isinstance(self.target, PadsBatchRows) else None
-            wanted = self.load.choose(loads, extra_tokens, padded)
+            wanted = self._load_gammas(self.load, rows, wanted, extra_tokens)
         planned = []
         for row, gamma in zip(rows, wanted, strict=True):
             started, calls = time.perf_counter(), row.state.stats.draft_calls
@@ -337,6 +338,31 @@ class BatchEngine:
             self._measure_propose(row, seconds, calls)
             planned.append(_Planned(row, proposal, seconds))
         return planned
+
+    def _load_gammas(
+        self, load: LoadAwareGamma, rows: list[BatchRow], wanted: list[int], extra_tokens: int
+    ) -> list[int]:
+        """The load-aware policy's γ per row. It is asked first with each row's most
+        optimistic α (the best of its drafter's situations, :meth:`_best_alpha`): when
+        even that drafts nothing (the batch fills the kernels' flat region), no row's
+        situation is looked up (an n-gram search over its context, per row and round)."""
+        padded = self.target.padded_tokens if isinstance(self.target, PadsBatchRows) else None
+        known = [
+            (g, self._fed(row), *self._draft_costs(row))
+            for row, g in zip(rows, wanted, strict=True)
+        ]
+        hopes = [RowLoad(self._best_alpha(row), *k) for row, k in zip(rows, known, strict=True)]
+        if not any(load.choose(hopes, extra_tokens, padded)):
+            return [0] * len(rows)
+        loads = [RowLoad(self._load_alpha(row), *k) for row, k in zip(rows, known, strict=True)]
+        return load.choose(loads, extra_tokens, padded)
+
+    def _best_alpha(self, row: BatchRow) -> float:
+        """An upper bound of :meth:`_load_alpha` without looking the situation up."""
+        drafter = row.request.drafter
+        if row.request.tree is not None or not isinstance(drafter, SupportsDraftSituation):
+            return row.alpha()
+        return self.situations.best_alpha(drafter.name, row.alpha())
 
     def _load_alpha(self, row: BatchRow) -> float:
         """The α the load policy drafts for: this round's situation's, pooled over rows,
