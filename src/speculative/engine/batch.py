@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -139,6 +140,10 @@ class BatchRow:
     propose_seconds: float | None = None  # running mean of a propose call that drafted
     step_draft_seconds: float | None = None  # model drafters: running mean per draft step
     situation: Hashable | None = None  # (drafter, situation) of this round, load-aware only
+    # the row's drafter where it says its round's situation (chains only), and whether its
+    # γ policy takes it: asked once (a runtime protocol check costs ~10 µs per round)
+    situated: SupportsDraftSituation | None = None
+    situates_policy: bool = False
 
     def result(self) -> GenerationResult:
         return GenerationResult(
@@ -223,6 +228,7 @@ class BatchEngine:
         # greedy checks read the argmax the target's forward took, where it takes one
         self._fused_argmax = target if isinstance(target, SupportsFusedArgmax) else None
         self._nucleus = target.nucleus if isinstance(target, SupportsNucleusSearch) else None
+        self._padded = target.padded_tokens if isinstance(target, PadsBatchRows) else None
 
     @property
     def max_length(self) -> int | None:
@@ -240,13 +246,18 @@ class BatchEngine:
         if request.drafter is not None:
             request.drafter.reset()
         gamma = request.gamma
+        policy = FixedGamma(gamma) if isinstance(gamma, int) else gamma
+        drafter = request.drafter
+        situated = drafter if isinstance(drafter, SupportsDraftSituation) else None
         row = BatchRow(
             row_id=self._next_id,
             request=request,
             session=session,
             state=state,
-            gamma_policy=FixedGamma(gamma) if isinstance(gamma, int) else gamma,
+            gamma_policy=policy,
             started=time.perf_counter(),
+            situated=situated if request.tree is None else None,
+            situates_policy=situated is not None and isinstance(policy, SupportsSituations),
         )
         self.rows[row.row_id] = row
         self._next_id += 1
@@ -346,7 +357,7 @@ class BatchEngine:
         optimistic α (the best of its drafter's situations, :meth:`_best_alpha`): when
         even that drafts nothing (the batch fills the kernels' flat region), no row's
         situation is looked up (an n-gram search over its context, per row and round)."""
-        padded = self.target.padded_tokens if isinstance(self.target, PadsBatchRows) else None
+        padded = self._padded
         known = [
             (g, self._fed(row), *self._draft_costs(row))
             for row, g in zip(rows, wanted, strict=True)
@@ -359,16 +370,15 @@ class BatchEngine:
 
     def _best_alpha(self, row: BatchRow) -> float:
         """An upper bound of :meth:`_load_alpha` without looking the situation up."""
-        drafter = row.request.drafter
-        if row.request.tree is not None or not isinstance(drafter, SupportsDraftSituation):
+        if row.situated is None:
             return row.alpha()
-        return self.situations.best_alpha(drafter.name, row.alpha())
+        return self.situations.best_alpha(row.situated.name, row.alpha())
 
     def _load_alpha(self, row: BatchRow) -> float:
         """The α the load policy drafts for: this round's situation's, pooled over rows,
         where the row's drafter says its situation; else the row's own running α."""
-        drafter = row.request.drafter
-        if row.request.tree is not None or not isinstance(drafter, SupportsDraftSituation):
+        drafter = row.situated
+        if drafter is None:
             return row.alpha()
         row.situation = (drafter.name, drafter.draft_situation(row.state.sequence))
         return self.situations.alpha(row.situation, row.alpha())
@@ -377,10 +387,10 @@ class BatchEngine:
         request, policy = row.request, row.gamma_policy
         if request.drafter is None or request.tree is not None:
             return 0
-        if isinstance(policy, SupportsSituations) and isinstance(
-            request.drafter, SupportsDraftSituation
-        ):
-            policy.situate(request.drafter.draft_situation(row.state.sequence))
+        if row.situates_policy and row.situated is not None:  # both asked at add()
+            cast(SupportsSituations, policy).situate(
+                row.situated.draft_situation(row.state.sequence)
+            )
         return policy.next_gamma()
 
     def _proposal(self, row: BatchRow, gamma: int) -> Proposal:
