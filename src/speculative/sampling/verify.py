@@ -262,11 +262,11 @@ def verify_logits(
 
 
 def _accept_uniforms(gamma: int, generator: torch.Generator) -> np.ndarray:
-    """verify's [1, gamma] float32 accept uniforms for one row; none drawn for γ = 0 (an
-    empty draw leaves the generator as it was)."""
+    """verify's [1, gamma] float32 accept uniforms for one row (the same values as a flat
+    draw of γ); none drawn for γ = 0 (an empty draw leaves the generator as it was)."""
     if gamma == 0:
         return np.zeros(0, dtype=np.float32)
-    return torch.rand(1, gamma, generator=generator, dtype=torch.float32)[0].numpy()
+    return torch.rand(gamma, generator=generator, dtype=torch.float32).numpy()
 
 
 def _emit(accepted: list[int], weights: RowProbs, uniform: float, gamma: int) -> VerifyResult:
