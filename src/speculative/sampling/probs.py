@@ -137,7 +137,8 @@ class RowProbs:
         return RowProbs(np.maximum(self.values - q_here, np.float32(0.0)), self.support)
 
     def mass(self) -> float:
-        """The total weight (float64; a small row summed in plain Python)."""
+        """The total weight, float64 (a small row's by ``math.fsum``, exactly rounded; it
+        only decides whether a residual has any mass left)."""
         if self.values.size <= SMALL_DRAW:
             return math.fsum(self.values.tolist())
         return float(self.values.sum(dtype=np.float64))

@@ -41,7 +41,7 @@ from speculative.models.native.quant import (
     quantize_group4,
     quantize_int8_per_channel,
 )
-from speculative.sampling.probs import RowProbs
+from speculative.sampling.probs import EXACT_RENORMALIZE_LIMIT, RowProbs
 
 SOURCE = Path(__file__).with_name("kernels.c")
 COMMON_FLAGS = (
@@ -350,7 +350,9 @@ class FusedArgmax:
         return np.array(best, dtype=np.int64).reshape(tuple(shape[:-1]))
 
 
-NUCLEUS_MAX = 4096  # kernels.c's NUCLEUS_MAX: larger nuclei take the sampling layer's path
+# kernels.c's NUCLEUS_MAX, and the largest nucleus the sampling layer renormalizes the way C
+# does (libm exp, an in-order sum); larger nuclei take the sampling layer's own path
+NUCLEUS_MAX = EXACT_RENORMALIZE_LIMIT
 # How far the mass before or through the cut must stay from top_p for spec_nucleus to answer:
 # its masses are within about 1e-7 of the sampling layer's float64 ones.
 NUCLEUS_MARGIN = 2e-6
@@ -358,11 +360,12 @@ NUCLEUS_GAP = 1e-5  # how far below the last member the next tempered logit must
 
 
 class KernelNucleus:
-    """A logits row's top-p nucleus found by ``spec_nucleus`` (kernels.c): one call of a
-    few passes over the row, where the sampling layer's own path takes a softmax, a search
-    and several numpy calls over 49k entries, each slow on the caches a forward left cold.
-    It answers only where its cut is certain to be the sampling layer's (see
-    ``spec_nucleus``), so a row gives the same nucleus either way."""
+    """A logits row's top-p distribution (the nucleus, renormalized) by ``spec_nucleus``
+    (kernels.c): one call of a few passes over the row, where the sampling layer's own path
+    takes a softmax, a search and several numpy calls over 49k entries, each slow on the
+    caches a forward left cold. It answers only where its cut is certain to be the sampling
+    layer's (see ``spec_nucleus``), with the sampling layer's bits, so a row is the same
+    either way."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.library = library
@@ -583,7 +586,7 @@ class KernelDecoder(DecoderBase):
         self.slot_dim = 0
         self.config = config
         self._argmax: FusedArgmax | None = None  # the last forward's
-        self.nucleus = KernelNucleus(library)
+        self._nucleus_search = KernelNucleus(library)
         self.layers = [
             KernelLayer(
                 input_norm=w.input_norm.float().contiguous(),
@@ -693,6 +696,10 @@ class KernelDecoder(DecoderBase):
         )
         self._argmax = None if best is None else FusedArgmax(logits, best.tolist())
         return logits
+
+    def nucleus(self, logits: torch.Tensor, temperature: float, top_p: float) -> RowProbs | None:
+        """See :class:`KernelNucleus`."""
+        return self._nucleus_search(logits, temperature, top_p)
 
     def argmax_rows(self, logits: torch.Tensor) -> np.ndarray | None:
         """See :meth:`FusedArgmax.rows` (None before any forward)."""
