@@ -1212,26 +1212,6 @@ typedef struct {
     int32_t id;  /* its token */
 } NucleusEntry;
 
-/* exp(x) for x <= 0 (Cephes' expf polynomial on x - k ln 2, scaled by 2^k): within a few
- * float32 ulps, which the nucleus's mass margin covers many times over. */
-static inline __m256 exp_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i scale = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
-}
-
 static int nucleus_descending(const void *a, const void *b) {
     const NucleusEntry *u = a, *v = b;
     if (u->x != v->x) return u->x > v->x ? -1 : 1;
@@ -1271,7 +1251,26 @@ static float nucleus_temper(const float *logits, int64_t n, float temperature, f
 
 #define NUCLEUS_BLOCK 8  /* vectors summed in float32 before a float64 add */
 
-/* The sum over the entries with x < floor of exp(x[i] - m), by the polynomial (float32
+/* Append (x, id) to `out` while it holds fewer than `cap` entries; count it either way. */
+static inline void nucleus_keep(NucleusEntry *out, int64_t cap, int64_t *count, float x,
+                                int64_t id) {
+    if (*count < cap) {
+        out[*count].x = x;
+        out[*count].id = (int32_t)id;
+    }
+    (*count)++;
+}
+
+/* nucleus_keep for the lanes of x[i .. i + 8) set in `mask`, in lane order. */
+static inline void nucleus_keep_lanes(const float *x, int64_t i, int mask, NucleusEntry *out,
+                                      int64_t cap, int64_t *count) {
+    for (; mask; mask &= mask - 1) {
+        const int lane = __builtin_ctz(mask);
+        nucleus_keep(out, cap, count, x[i + lane], i + lane);
+    }
+}
+
+/* The sum over the entries with x < floor of exp(x[i] - m), by exp8 (float32
  * within blocks of NUCLEUS_BLOCK vectors, float64 across), and a gather of the others, as
  * nucleus_gather does, into `out` (their number in *gathered): the caller adds their terms
  * exactly. */
@@ -1285,31 +1284,17 @@ static double nucleus_partition(const float *x, int64_t n, float m, float floor,
         for (int v = 0; v < NUCLEUS_BLOCK && i + 8 <= n; v++, i += 8) {
             const __m256 value = _mm256_loadu_ps(x + i);
             const __m256 above = _mm256_cmp_ps(value, bound, _CMP_GE_OQ);
-            const __m256 e = exp_nonpositive(_mm256_sub_ps(value, top));
+            const __m256 e = exp8(_mm256_sub_ps(value, top));
             block = _mm256_add_ps(block, _mm256_andnot_ps(above, e));
-            for (int mask = _mm256_movemask_ps(above); mask; mask &= mask - 1) {
-                const int lane = __builtin_ctz(mask);
-                if (count < cap) {
-                    out[count].x = x[i + lane];
-                    out[count].id = (int32_t)(i + lane);
-                }
-                count++;
-            }
+            nucleus_keep_lanes(x, i, _mm256_movemask_ps(above), out, cap, &count);
         }
         float lanes[8];
         _mm256_storeu_ps(lanes, block);
         for (int lane = 0; lane < 8; lane++) rest += lanes[lane];
     }
     for (; i < n; i++) {
-        if (x[i] < floor) {
-            rest += exp((double)x[i] - (double)m);
-        } else {
-            if (count < cap) {
-                out[count].x = x[i];
-                out[count].id = (int32_t)i;
-            }
-            count++;
-        }
+        if (x[i] < floor) rest += exp((double)x[i] - (double)m);
+        else nucleus_keep(out, cap, &count, x[i], i);
     }
     *gathered = count > cap ? cap + 1 : count;
     return rest;
@@ -1322,21 +1307,12 @@ static int64_t nucleus_gather(const float *x, int64_t n, float floor, NucleusEnt
     const __m256 bound = _mm256_set1_ps(floor);
     int64_t count = 0, i = 0;
     for (; i + 8 <= n; i += 8) {
-        int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), bound, _CMP_GE_OQ));
-        for (; mask; mask &= mask - 1) {
-            const int lane = __builtin_ctz(mask);
-            if (count == cap) return cap + 1;
-            out[count].x = x[i + lane];
-            out[count++].id = (int32_t)(i + lane);
-        }
+        const __m256 above = _mm256_cmp_ps(_mm256_loadu_ps(x + i), bound, _CMP_GE_OQ);
+        nucleus_keep_lanes(x, i, _mm256_movemask_ps(above), out, cap, &count);
     }
-    for (; i < n; i++) {
-        if (x[i] < floor) continue;
-        if (count == cap) return cap + 1;
-        out[count].x = x[i];
-        out[count++].id = (int32_t)i;
-    }
-    return count;
+    for (; i < n; i++)
+        if (x[i] >= floor) nucleus_keep(out, cap, &count, x[i], i);
+    return count > cap ? cap + 1 : count;
 }
 
 /* The top-p nucleus of softmax(logits / temperature) for one row of n logits, as the
