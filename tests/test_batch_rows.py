@@ -26,15 +26,18 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _rows_script() -> list[list[tuple[list[int], list[int] | None]]]:
-    """Three sequences over three calls: (tokens, tree parents or None) per sequence.
+    """Three sequences over five calls: (tokens, tree parents or None) per sequence.
 
-    Different prompt lengths (cache lengths), block sizes 1..11, and a token tree (the
-    first token its root, then nodes with parents, -1 = the root)."""
+    Different prompt lengths (cache lengths), block sizes 1..11, a token tree (the first
+    token its root, then nodes with parents, -1 = the root), and calls where several
+    sequences decode one row each (their attention shares one work-sharing loop)."""
     a, b, c = _ids(40, 21)[0].tolist(), _ids(40, 22)[0].tolist(), _ids(40, 23)[0].tolist()
     return [
         [(a[:3], None), (b[:11], None), (c[:1], None)],  # prefills of different lengths
         [(a[3:8], None), (b[11:12], None), (c[1:10], None)],
         [(a[8:9], None), (b[12:16], [-1, -1, 0]), (c[10:14], None)],  # b: a tree
+        [(a[9:10], None), (b[16:17], None), (c[14:15], None)],  # decode rows: one shared loop
+        [(a[10:11], None), (b[17:20], None), (c[15:16], None)],  # two decode rows and a block
     ]
 
 

@@ -651,30 +651,26 @@ static void silu_mul(const float *gate_up, int rows, int inter, float *act) {
 }
 
 /* Rotate interleaved pairs of q and k heads at each row's position; store k, v in cache. */
-static void rope_and_store(const Model *m, float *qkv, int rows, const int64_t *positions,
-                           int start, float *k_cache, float *v_cache) {
+/* RoPE on one row's queries and keys (at `position`), then its keys and values into cache
+ * slot `slot` of k_cache / v_cache ([kv_heads, max_length, head_dim]). */
+static void rope_and_store_row(const Model *m, float *row, int64_t position, size_t slot,
+                               float *k_cache, float *v_cache) {
     const int d = m->head_dim, half = d / 2, heads = m->heads, kv = m->kv_heads;
-    const int width = (heads + 2 * kv) * d;
-#pragma omp for schedule(static)
-    for (int r = 0; r < rows; r++) {
-        float *row = qkv + (size_t)r * width;
-        const float *c = m->cos + (size_t)positions[r] * half;
-        const float *s = m->sin + (size_t)positions[r] * half;
-        for (int h = 0; h < heads + kv; h++) {
-            float *x = row + h * d;
-            for (int i = 0; i < half; i++) {
-                float a = x[2 * i], b = x[2 * i + 1];
-                x[2 * i] = a * c[i] - b * s[i];
-                x[2 * i + 1] = a * s[i] + b * c[i];
-            }
+    const float *c = m->cos + (size_t)position * half;
+    const float *s = m->sin + (size_t)position * half;
+    for (int h = 0; h < heads + kv; h++) {
+        float *x = row + h * d;
+        for (int i = 0; i < half; i++) {
+            float a = x[2 * i], b = x[2 * i + 1];
+            x[2 * i] = a * c[i] - b * s[i];
+            x[2 * i + 1] = a * s[i] + b * c[i];
         }
-        const size_t slot = (size_t)(start + r);
-        for (int g = 0; g < kv; g++) {
-            memcpy(k_cache + ((size_t)g * m->max_length + slot) * d, row + (heads + g) * d,
-                   (size_t)d * sizeof(float));
-            memcpy(v_cache + ((size_t)g * m->max_length + slot) * d, row + (heads + kv + g) * d,
-                   (size_t)d * sizeof(float));
-        }
+    }
+    for (int g = 0; g < kv; g++) {
+        memcpy(k_cache + ((size_t)g * m->max_length + slot) * d, row + (heads + g) * d,
+               (size_t)d * sizeof(float));
+        memcpy(v_cache + ((size_t)g * m->max_length + slot) * d, row + (heads + kv + g) * d,
+               (size_t)d * sizeof(float));
     }
 }
 
@@ -807,28 +803,33 @@ static inline void attention_weights(float *w, int n, int start, int r, int rows
 
 /* Single-row attention (a decode step): one head per work item, no barrier inside (the
  * tile passes would add two per layer); the same per-pair arithmetic as the tile passes. */
-static void attention_row(const Model *m, const float *qkv, int start, const float *k_cache,
-                          const float *v_cache, float *out, float *scratch) {
-    const int d = m->head_dim, heads = m->heads, group = heads / m->kv_heads, n = start + 1;
-    const size_t stride = (size_t)m->max_length;
-#pragma omp for schedule(static)
-    for (int h = 0; h < heads; h++) {
-        const size_t kv_offset = (size_t)(h / group) * stride * d;
-        float *w = scratch + h * stride;
-        attention_scores(qkv + h * d, k_cache + kv_offset, d, 0, n, start, 0, 1, NULL, w);
-        attention_weights(w, n, start, 0, 1, NULL);
-        for (int j = 0; j < d; j += 64) {  /* head_dim is a multiple of 16 */
-            const float *values = v_cache + kv_offset;
-            switch (min_int(64, d - j) / 8) {
-#define VALUES(NV) attention_values(1, NV, m, h, 1, 0, 1, start, n, NULL, values, j, scratch, out)
-            case 8: VALUES(8); break;
-            case 6: VALUES(6); break;
-            case 4: VALUES(4); break;
-            default: VALUES(2); break;
+/* Head h of a single causal row (queries qkv, cache slots 0 .. start, the row's own
+ * included): w, a row of max_length floats, holds its weights. */
+static void attention_head(const Model *m, const float *qkv, int start, const float *k_cache,
+                           const float *v_cache, float *out, int h, float *w) {
+    const int d = m->head_dim, group = m->heads / m->kv_heads, n = start + 1;
+    const size_t kv_offset = (size_t)(h / group) * m->max_length * d;
+    attention_scores(qkv + h * d, k_cache + kv_offset, d, 0, n, start, 0, 1, NULL, w);
+    attention_weights(w, n, start, 0, 1, NULL);
+    for (int j = 0; j < d; j += 64) {  /* head_dim is a multiple of 16 */
+        const float *values = v_cache + kv_offset;
+        /* as pair 0 of a one-row tile: weights at w, output at out + h * d */
+        switch (min_int(64, d - j) / 8) {
+#define VALUES(NV) attention_values(1, NV, m, 0, 1, 0, 1, start, n, NULL, values, j, w, out + h * d)
+        case 8: VALUES(8); break;
+        case 6: VALUES(6); break;
+        case 4: VALUES(4); break;
+        default: VALUES(2); break;
 #undef VALUES
-            }
         }
     }
+}
+
+static void attention_row(const Model *m, const float *qkv, int start, const float *k_cache,
+                          const float *v_cache, float *out, float *scratch) {
+#pragma omp for schedule(static)
+    for (int h = 0; h < m->heads; h++)
+        attention_head(m, qkv, start, k_cache, v_cache, out, h, scratch + (size_t)h * m->max_length);
 }
 
 /* Attention of every (row, head) of one sequence (see above); scratch: attention_floats. */
@@ -965,9 +966,65 @@ static void row_argmax(const float *logits, int rows, int vocab, int32_t *argmax
     }
 }
 
+/* RoPE and the cache store for every row of the batch in one work-sharing loop (row r
+ * belongs to the sequence whose rows cover it; k_cache / v_cache: this layer's part of cache
+ * slot 0, slot s at + seq_slot[s] * slot_floats). Ends in a barrier. */
+static void rope_and_store_batch(const Model *m, float *qkv, int nseq, const int32_t *seq_rows,
+                                 const int32_t *seq_start, const int32_t *seq_slot,
+                                 const int64_t *positions, float *k_cache, float *v_cache,
+                                 int64_t slot_floats, int rows) {
+    const int width = (m->heads + 2 * m->kv_heads) * m->head_dim;
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        int s = 0, r0 = 0;
+        while (r >= r0 + seq_rows[s]) r0 += seq_rows[s++];
+        const size_t cache = (size_t)seq_slot[s] * slot_floats;
+        rope_and_store_row(m, qkv + (size_t)r * width, positions[r], (size_t)(seq_start[s] + r - r0),
+                           k_cache + cache, v_cache + cache);
+    }
+}
+
+/* Attention of every sequence of the batch (cache as for rope_and_store_batch). The
+ * sequences that decode one causal row share one work-sharing loop over their (sequence,
+ * head) pairs, each on a weights row of its thread's, so B decode rows cost one barrier
+ * instead of B; the others run attention() one after another. A pair's arithmetic is
+ * attention_row's either way. */
+static void attention_batch(const Model *m, const float *qkv, int nseq, const int32_t *seq_rows,
+                            const int32_t *seq_start, const int32_t *seq_slot,
+                            const uint8_t *masks, const int64_t *mask_offset,
+                            const float *k_cache, const float *v_cache, int64_t slot_floats,
+                            float *attn, float *scratch, int rows) {
+    const int d = m->head_dim, heads = m->heads, width = (heads + 2 * m->kv_heads) * d;
+    /* scratch holds heads * att_rows(rows) weight rows: enough for one per thread? */
+    const int shared = omp_get_num_threads() <= heads * att_rows(rows);
+    int single = 0;
+    for (int s = 0; s < nseq; s++) single += seq_rows[s] == 1 && mask_offset[s] < 0;
+    if (shared && single > 1) {
+        float *w = scratch + (size_t)omp_get_thread_num() * m->max_length;
+#pragma omp for schedule(static)
+        for (int item = 0; item < nseq * heads; item++) {
+            const int s = item / heads, h = item % heads;
+            if (seq_rows[s] != 1 || mask_offset[s] >= 0) continue;
+            int r0 = 0;
+            for (int t = 0; t < s; t++) r0 += seq_rows[t];
+            const size_t cache = (size_t)seq_slot[s] * slot_floats;
+            attention_head(m, qkv + (size_t)r0 * width, seq_start[s], k_cache + cache,
+                           v_cache + cache, attn + (size_t)r0 * heads * d, h, w);
+        }
+    }
+    for (int s = 0, r0 = 0; s < nseq; r0 += seq_rows[s], s++) {
+        if (shared && single > 1 && seq_rows[s] == 1 && mask_offset[s] < 0) continue;
+        const size_t cache = (size_t)seq_slot[s] * slot_floats;
+        const uint8_t *mask = mask_offset[s] < 0 ? NULL : masks + mask_offset[s];
+        attention(m, qkv + (size_t)r0 * width, seq_rows[s], seq_start[s], mask, k_cache + cache,
+                  v_cache + cache, attn + (size_t)r0 * heads * d, scratch);
+    }
+}
+
 /* Append the new tokens of `nseq` sequences in one pass: every linear layer runs once
  * over all rows of all sequences (one weight stream for the whole batch); RoPE, the cache
- * store and attention run per sequence with its own start, positions, mask and cache slot.
+ * store and attention run per sequence with its own start, positions, mask and cache slot
+ * (RoPE for all rows in one loop, the attention of all one-row decode steps in another).
  * A row's arithmetic does not depend on the other rows (see the header), so each
  * sequence's logits are bitwise those of a call with that sequence alone.
  * hidden: [rows, hidden] input embeddings of all sequences (sequence s owns seq_rows[s]
@@ -1004,18 +1061,12 @@ void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *
             const Layer *L = &m->layers[l];
             rms_norm(hidden, L->input_norm, rows, H, m->eps, normed);
             linear(&L->qkv, normed, rows, qkv, width, 0, &qx);
-            for (int s = 0, r0 = 0; s < nseq; r0 += seq_rows[s], s++) {
-                const size_t cache = (size_t)seq_slot[s] * slot_floats + l * layer_cache;
-                rope_and_store(m, qkv + (size_t)r0 * width, seq_rows[s], positions + r0,
-                               seq_start[s], k_cache + cache, v_cache + cache);
-            }
-            for (int s = 0, r0 = 0; s < nseq; r0 += seq_rows[s], s++) {
-                const size_t cache = (size_t)seq_slot[s] * slot_floats + l * layer_cache;
-                const uint8_t *mask = mask_offset[s] < 0 ? NULL : masks + mask_offset[s];
-                attention(m, qkv + (size_t)r0 * width, seq_rows[s], seq_start[s], mask,
-                          k_cache + cache, v_cache + cache, attn + (size_t)r0 * m->heads * d,
-                          scratch);
-            }
+            rope_and_store_batch(m, qkv, nseq, seq_rows, seq_start, seq_slot, positions,
+                                 k_cache + l * layer_cache, v_cache + l * layer_cache,
+                                 slot_floats, rows);
+            attention_batch(m, qkv, nseq, seq_rows, seq_start, seq_slot, masks, mask_offset,
+                            k_cache + l * layer_cache, v_cache + l * layer_cache, slot_floats,
+                            attn, scratch, rows);
             linear(&L->o, attn, rows, hidden, H, 1, &qx);
             rms_norm(hidden, L->post_norm, rows, H, m->eps, normed);
             linear(&L->gate_up, normed, rows, gate_up, 2 * inter, 0, &qx);
