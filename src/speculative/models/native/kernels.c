@@ -713,14 +713,14 @@ static inline int slot_visible(int s, int start, int r, int rows, const uint8_t 
  * registers: independent FMA chains, enough to hide the FMA latency. */
 static inline __attribute__((always_inline)) void attention_values(
     int NP, int NV, const Model *m, int p0, int tile_rows, int r0, int rows, int start, int n,
-    const uint8_t *mask, const float *values, int j, const float *weights, float *out) {
+    const uint8_t *mask, const float *values, int j, const float *weights, int wp0, float *out) {
     const int d = m->head_dim, heads = m->heads;
     const float *w[3];
     int row[3];
     float total[3];
     __m256 acc[3][8];
     for (int v = 0; v < NP; v++) {
-        w[v] = weights + (size_t)(p0 + v) * m->max_length;
+        w[v] = weights + (size_t)(p0 + v - wp0) * m->max_length;  /* weights start at pair wp0 */
         row[v] = r0 + (p0 + v) % tile_rows;
         total[v] = 0.0f;
         for (int c = 0; c < NV; c++) acc[v][c] = _mm256_setzero_ps();
@@ -815,7 +815,7 @@ static void attention_head(const Model *m, const float *qkv, int start, const fl
         const float *values = v_cache + kv_offset;
         /* as pair 0 of a one-row tile: weights at w, output at out + h * d */
         switch (min_int(64, d - j) / 8) {
-#define VALUES(NV) attention_values(1, NV, m, 0, 1, 0, 1, start, n, NULL, values, j, w, out + h * d)
+#define VALUES(NV) attention_values(1, NV, m, 0, 1, 0, 1, start, n, NULL, values, j, w, 0, out + h * d)
         case 8: VALUES(8); break;
         case 6: VALUES(6); break;
         case 4: VALUES(4); break;
@@ -830,6 +830,43 @@ static void attention_row(const Model *m, const float *qkv, int start, const flo
 #pragma omp for schedule(static)
     for (int h = 0; h < m->heads; h++)
         attention_head(m, qkv, start, k_cache, v_cache, out, h, scratch + (size_t)h * m->max_length);
+}
+
+/* The three passes of attention() for one kv group g of a sequence of rows <= ATT_ROWS
+ * rows, one after another in one work item: the same attention_scores calls (chunk by
+ * chunk of ATT_SLOTS slots), attention_weights and attention_values blocks as the passes
+ * make for this group, so every pair gets the same bits. w holds the group's group * rows
+ * weight rows (max_length floats each). */
+static void attention_tile_group(const Model *m, const float *qkv, int rows, int start,
+                                 const uint8_t *mask, const float *k_cache,
+                                 const float *v_cache, float *out, int g, float *w) {
+    const int d = m->head_dim, heads = m->heads, kv = m->kv_heads, group = heads / kv;
+    const int width = (heads + 2 * kv) * d, R = rows, group_pairs = group * R;
+    const size_t stride = (size_t)m->max_length;
+    const int n = mask ? start + rows : start + R, first = g * group_pairs;
+    const float *keys = k_cache + (size_t)g * stride * d;
+    const float *values = v_cache + (size_t)g * stride * d;
+    for (int s0 = 0; s0 < n; s0 += ATT_SLOTS)
+        for (int p = first; p < first + group_pairs; p++)
+            attention_scores(qkv + (size_t)(p % R) * width + p / R * d, keys, d, s0,
+                             min_int(n, s0 + ATT_SLOTS), start, p % R, rows, mask,
+                             w + (size_t)(p - first) * stride);
+    for (int p = first; p < first + group_pairs; p++)
+        attention_weights(w + (size_t)(p - first) * stride, n, start, p % R, rows, mask);
+    const int nv = d % 32 ? 2 : 4;
+    for (int j = 0; j < d; j += 8 * nv)
+        for (int p0 = first; p0 < first + group_pairs; p0 += 3) {
+            switch (min_int(3, first + group_pairs - p0) * 8 + nv) {
+#define VALUES(NP, NV) attention_values(NP, NV, m, p0, R, 0, rows, start, n, mask, values, j, w, first, out)
+            case 3 * 8 + 4: VALUES(3, 4); break;
+            case 2 * 8 + 4: VALUES(2, 4); break;
+            case 1 * 8 + 4: VALUES(1, 4); break;
+            case 3 * 8 + 2: VALUES(3, 2); break;
+            case 2 * 8 + 2: VALUES(2, 2); break;
+            default: VALUES(1, 2); break;
+#undef VALUES
+            }
+        }
 }
 
 /* Attention of every (row, head) of one sequence (see above); scratch: attention_floats. */
@@ -870,7 +907,7 @@ static void attention(const Model *m, const float *qkv, int rows, int start, con
             const int p0 = g * group_pairs + item % blocks * 3;
             const float *values = v_cache + (size_t)g * stride * d;
             switch (min_int(3, (g + 1) * group_pairs - p0) * 8 + nv) {
-#define VALUES(NP, NV) attention_values(NP, NV, m, p0, R, r0, rows, start, n, mask, values, j, weights, out)
+#define VALUES(NP, NV) attention_values(NP, NV, m, p0, R, r0, rows, start, n, mask, values, j, weights, 0, out)
             case 3 * 8 + 4: VALUES(3, 4); break;
             case 2 * 8 + 4: VALUES(2, 4); break;
             case 1 * 8 + 4: VALUES(1, 4); break;
@@ -984,36 +1021,63 @@ static void rope_and_store_batch(const Model *m, float *qkv, int nseq, const int
     }
 }
 
-/* Attention of every sequence of the batch (cache as for rope_and_store_batch). The
- * sequences that decode one causal row share one work-sharing loop over their (sequence,
- * head) pairs, each on a weights row of its thread's, so B decode rows cost one barrier
- * instead of B; the others run attention() one after another. A pair's arithmetic is
- * attention_row's either way. */
+/* Attention of every sequence of the batch (cache as for rope_and_store_batch). Where
+ * several sequences decode one causal row, or several bring a tile of up to ATT_ROWS rows
+ * (verification), they share one work-sharing loop: one item per (sequence, head) of a
+ * decode row (attention_head) and per (sequence, kv group) of a tile
+ * (attention_tile_group), each on weight rows of its thread's. B sequences then cost one
+ * barrier instead of B (decode rows) or 3 B (tiles). The other sequences run attention()
+ * one after another. A pair's arithmetic is the same either way. */
+static int shares_head_loop(const int32_t *seq_rows, const int64_t *mask_offset, int s) {
+    return seq_rows[s] == 1 && mask_offset[s] < 0;
+}
+
 static void attention_batch(const Model *m, const float *qkv, int nseq, const int32_t *seq_rows,
                             const int32_t *seq_start, const int32_t *seq_slot,
                             const uint8_t *masks, const int64_t *mask_offset,
                             const float *k_cache, const float *v_cache, int64_t slot_floats,
                             float *attn, float *scratch, int rows) {
-    const int d = m->head_dim, heads = m->heads, width = (heads + 2 * m->kv_heads) * d;
-    /* scratch holds heads * att_rows(rows) weight rows: enough for one per thread? */
-    const int shared = omp_get_num_threads() <= heads * att_rows(rows);
-    int single = 0;
-    for (int s = 0; s < nseq; s++) single += seq_rows[s] == 1 && mask_offset[s] < 0;
-    if (shared && single > 1) {
-        float *w = scratch + (size_t)omp_get_thread_num() * m->max_length;
+    const int d = m->head_dim, heads = m->heads, kv = m->kv_heads, group = heads / kv;
+    const int width = (heads + 2 * kv) * d;
+    int single = 0, tiles = 0, widest = 1;
+    for (int s = 0; s < nseq; s++) {
+        if (shares_head_loop(seq_rows, mask_offset, s))
+            single++;
+        else if (seq_rows[s] <= ATT_ROWS) {
+            tiles++;
+            widest = seq_rows[s] > widest ? seq_rows[s] : widest;
+        }
+    }
+    /* scratch holds heads * att_rows(rows) weight rows; each thread needs `own` of them */
+    const int own = tiles > 1 ? group * widest : 1, fits = omp_get_num_threads() * own <= heads * att_rows(rows);
+    const int share_single = fits && single > 1, share_tiles = fits && tiles > 1;
+    if (share_single || share_tiles) {
+        const int items = (share_single ? single * heads : 0) + (share_tiles ? tiles * kv : 0);
+        float *w = scratch + (size_t)omp_get_thread_num() * own * m->max_length;
 #pragma omp for schedule(static)
-        for (int item = 0; item < nseq * heads; item++) {
-            const int s = item / heads, h = item % heads;
-            if (seq_rows[s] != 1 || mask_offset[s] >= 0) continue;
-            int r0 = 0;
-            for (int t = 0; t < s; t++) r0 += seq_rows[t];
+        for (int item = 0; item < items; item++) {
+            int s = 0, r0 = 0, left = item;
+            for (;; r0 += seq_rows[s++]) {  /* the item's sequence */
+                const int one = shares_head_loop(seq_rows, mask_offset, s);
+                const int here = one ? (share_single ? heads : 0)
+                                     : (share_tiles && seq_rows[s] <= ATT_ROWS ? kv : 0);
+                if (left < here) break;
+                left -= here;
+            }
             const size_t cache = (size_t)seq_slot[s] * slot_floats;
-            attention_head(m, qkv + (size_t)r0 * width, seq_start[s], k_cache + cache,
-                           v_cache + cache, attn + (size_t)r0 * heads * d, h, w);
+            const float *q = qkv + (size_t)r0 * width;
+            float *out = attn + (size_t)r0 * heads * d;
+            if (shares_head_loop(seq_rows, mask_offset, s))
+                attention_head(m, q, seq_start[s], k_cache + cache, v_cache + cache, out, left, w);
+            else
+                attention_tile_group(m, q, seq_rows[s], seq_start[s],
+                                     mask_offset[s] < 0 ? NULL : masks + mask_offset[s],
+                                     k_cache + cache, v_cache + cache, out, left, w);
         }
     }
     for (int s = 0, r0 = 0; s < nseq; r0 += seq_rows[s], s++) {
-        if (shared && single > 1 && seq_rows[s] == 1 && mask_offset[s] < 0) continue;
+        const int one = shares_head_loop(seq_rows, mask_offset, s);
+        if (one ? share_single : share_tiles && seq_rows[s] <= ATT_ROWS) continue;
         const size_t cache = (size_t)seq_slot[s] * slot_floats;
         const uint8_t *mask = mask_offset[s] < 0 ? NULL : masks + mask_offset[s];
         attention(m, qkv + (size_t)r0 * width, seq_rows[s], seq_start[s], mask, k_cache + cache,
