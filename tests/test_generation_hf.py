@@ -252,6 +252,8 @@ def test_real_model_greedy_identical(runtime, precision):
         "Write a Python function that adds two numbers.",
         "List three colours.",
     ]
+    if runtime == "hf":  # transformers on the CPU is the slow runtime: two prompts
+        prompts = prompts[:2]
     names = [n for n in REAL_DRAFTERS[runtime] if cheaper_than(precision, n)]
     built = {name: build_drafter(name, target) for name in names}
     for prompt in prompts:
