@@ -146,7 +146,11 @@ def test_greedy_equals_plain_greedy(trained, runtime, name):
     for gamma in (1, 4):
         out = generate(target, drafter, GREEDY, gamma)
         assert out.token_ids == plain
-    assert out.stats.accepted_tokens > 0  # the head is really drafting
+    if name == "auto":  # drafts only where it pays (here: the head's explore rounds at
+        # least; the tiny target's steps cost little beside the head's)
+        assert out.stats.drafted_tokens > 0
+    else:
+        assert out.stats.accepted_tokens > 0  # the head is really drafting
 
 
 ROW_PROMPTS = ([3, 4, 5, 6, 3, 4], [7, 8, 9, 3, 4, 5, 6, 7], [5, 5, 6, 9, 10])
@@ -359,13 +363,63 @@ def test_auto_uses_both_and_is_lossless(trained):
     assert drafter.choices["ngram"] > 0 and drafter.choices["head"] > 0
 
 
-def test_auto_prefers_the_option_with_more_tokens_per_cost():
-    from speculative.drafters.auto import Estimate
+def _timed_auto(curve: dict[int, float], ngram_alpha: float, head_alpha: float) -> AutoDrafter:
+    """An AutoDrafter whose verification times V(k) are ``curve`` (seconds) and whose
+    options have the given α, n-gram drafting at 1 % and the head at 15 % of V(1)."""
+    from speculative.drafters.auto import VerifyTimes
 
-    cheap_good = Estimate(alpha=0.9, cost=0.01)
-    dear_good = Estimate(alpha=0.9, cost=0.5)
-    cheap_bad = Estimate(alpha=0.1, cost=0.01)
-    assert cheap_good.value(4) > dear_good.value(4) > cheap_bad.value(4)
+    drafter = AutoDrafter(head=None)  # type: ignore[arg-type]  # choose() never calls it
+    drafter.verify = VerifyTimes(dict(curve))
+    for estimate in drafter.ngram.values():
+        estimate.alpha, estimate.seconds = ngram_alpha, 0.01 * curve[1]
+    drafter.model.alpha, drafter.model.seconds = head_alpha, 0.15 * curve[1]
+    return drafter
+
+
+FLAT = {k: 0.005 for k in range(1, 10)}  # fp32 / AVX-512: k tokens cost one step
+STEEP = {k: 0.005 * (1 + 0.5 * (k - 1)) for k in range(1, 10)}  # each token half a step
+
+
+def test_auto_drafts_the_length_that_pays_on_the_measured_verify_curve():
+    """The choice follows tokens per second: a good cheap guess drafts all γ on a flat
+    curve; on a steep one a weak guess drafts nothing (verifying it costs more than it
+    brings) while a near-certain one still drafts, fewer tokens than γ."""
+    flat_good = _timed_auto(FLAT, ngram_alpha=0.9, head_alpha=0.5).choose(4, 8, gamma=8)
+    assert (flat_good.option, flat_good.drafts) == ("ngram", 8)
+    weak = _timed_auto(STEEP, ngram_alpha=0.3, head_alpha=0.3).choose(4, 8, gamma=8)
+    assert weak.option == "none"
+    # the control: the same weak guesses on the flat curve do draft
+    assert _timed_auto(FLAT, ngram_alpha=0.3, head_alpha=0.3).choose(4, 8, 8).option != "none"
+    sure = _timed_auto(STEEP, ngram_alpha=0.95, head_alpha=0.3).choose(4, 8, gamma=8)
+    assert sure.option == "ngram" and 1 <= sure.drafts < 8
+
+
+def test_auto_prefers_the_option_with_more_tokens_per_second():
+    """Equal α: the cheaper option wins; a much better head beats a cheap weak n-gram;
+    without a match only the head or a plain step can be chosen; every EXPLORE rounds
+    without it the head drafts one token."""
+    from speculative.drafters.auto import EXPLORE
+
+    assert _timed_auto(FLAT, 0.7, 0.7).choose(4, 4, 4).option == "ngram"
+    assert _timed_auto(FLAT, 0.1, 0.9).choose(4, 4, 4).option == "head"
+    assert _timed_auto(FLAT, 0.9, 0.9).choose(0, 0, 4).option == "head"
+    drafter = _timed_auto(FLAT, 0.9, 0.0)
+    assert drafter.choose(4, 4, 4).option == "ngram"
+    drafter._since_head = EXPLORE
+    assert (drafter.choose(4, 4, 4).option, drafter.choose(4, 4, 4).drafts) == ("head", 1)
+
+
+def test_auto_verify_times_extrapolate_by_the_prior_until_measured():
+    from speculative.drafters.auto import PRIOR_SLOPE, VerifyTimes
+
+    times = VerifyTimes()
+    assert times.at(3) == pytest.approx(1 + 2 * PRIOR_SLOPE)  # units of V(1) before any
+    times.record(2, 0.010)
+    assert times.at(2) == 0.010
+    assert times.at(1) == pytest.approx(0.010 / (1 + PRIOR_SLOPE))
+    times.record(1, 0.004)
+    times.record(1, 0.006)  # a running estimate: decayed, not replaced
+    assert 0.004 < times.at(1) < 0.006
 
 
 # ---- registry, storage, CLI --------------------------------------------------------------

@@ -1,22 +1,27 @@
 """``auto``: per round, draft from n-gram lookup or from a head, whichever promises more
-tokens per unit of cost.
+tokens per second, at the draft length that promises most; or draft nothing.
 
 For each option the drafter keeps running estimates of its per-token acceptance α (the
 n-gram option separately per match-length class: 1, 2, 3, 4–7 and 8 or more tokens of
 the longest earlier match, :func:`~speculative.drafters.ngram.best_match`) and of its
-draft cost c per token relative
-to a verification (both measured as generation goes). A round with γ drafts is expected
-to emit (1 - α^(γ+1)) / (1 - α) tokens for a cost of γ·c + 1; the option with the higher
-ratio drafts, and when neither beats a plain step (1 token per unit of cost) nothing is
-drafted. No fixed priority: a long match wins only while matches keep paying; the head
-drafts at least every EXPLORE rounds so that its estimate stays current.
+drafting time per token. It also keeps the measured time of a verification of k tokens,
+for each k it has seen (the target's pass and the rest of the round: what a round of
+k − 1 drafts costs beyond drafting). A round of g drafts is expected to emit
+(1 − α^(g+1)) / (1 − α) tokens in g·d + V(g + 1) seconds; a plain step emits one token in
+V(1). Each option takes the g (up to the round's γ, and for n-grams up to the tokens that
+followed the match) with the most tokens per second; the best of the options and the
+plain step wins. So a draft runs only where it pays on this machine: where verifying more
+tokens costs more (int4 on AVX2: T(5)/T(1) ≈ 1.3–1.7) a weak guess drafts fewer tokens or
+none. Until a verification of k tokens has been timed, V(k) is V of the nearest timed k
+scaled by the prior 1 + PRIOR_SLOPE (k − 1). The head drafts one token at least every
+EXPLORE rounds so that its estimate stays current.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,23 +32,27 @@ from speculative.sampling import SamplingParams
 
 DECAY = 0.9  # weight of the past in the running estimates
 MAX_NGRAM = 16  # the longest match compared
-EXPLORE = 8  # rounds without the head after which it drafts once (keeps its α current)
+EXPLORE = 8  # rounds without the head after which it drafts one token (keeps α current)
 WINDOW = 2048
+PRIOR_SLOPE = 0.1  # V(k) / V(1) - 1 per extra verified token, until V(k) is timed
+
+
+def _decayed(previous: float | None, value: float) -> float:
+    return value if previous is None else DECAY * previous + (1 - DECAY) * value
 
 
 @dataclass
 class Estimate:
-    """Running per-token acceptance α and draft cost c (per drafted token, in units of a
-    verification)."""
+    """One option's running per-token acceptance α and drafting cost: ``prior_cost``
+    (in verifications of one token) until ``seconds`` per drafted token is measured."""
 
     alpha: float
-    cost: float
+    prior_cost: float
+    seconds: float | None = None
 
-    def value(self, gamma: int) -> float:
-        """Expected emitted tokens per unit of cost for a round of ``gamma`` drafts."""
-        a = min(self.alpha, 0.999)
-        tokens = (1 - a ** (gamma + 1)) / (1 - a)
-        return tokens / (gamma * self.cost + 1.0)
+    def per_token(self, unit: float) -> float:
+        """Drafting seconds per token (``unit``: the estimated V(1))."""
+        return self.prior_cost * unit if self.seconds is None else self.seconds
 
     def update_alpha(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
@@ -52,8 +61,55 @@ class Estimate:
         observed = accepted / (accepted + failures)
         self.alpha = DECAY * self.alpha + (1 - DECAY) * observed
 
-    def update_cost(self, cost: float) -> None:
-        self.cost = DECAY * self.cost + (1 - DECAY) * cost
+    def update_seconds(self, seconds: float) -> None:
+        self.seconds = _decayed(self.seconds, seconds)
+
+
+def expected_emitted(alpha: float, drafts: int) -> float:
+    """Expected tokens a round of ``drafts`` emits at per-token acceptance ``alpha``."""
+    a = min(max(alpha, 0.0), 0.999)
+    return (1 - a ** (drafts + 1)) / (1 - a)
+
+
+@dataclass
+class VerifyTimes:
+    """Running seconds V(k) of a round's verification of k tokens, by k."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def record(self, k: int, seconds: float) -> None:
+        self.seconds[k] = _decayed(self.seconds.get(k), seconds)
+
+    def at(self, k: int) -> float:
+        """V(k): measured, else the nearest measured scaled by the prior curve (in units
+        of V(1) = 1 while nothing is measured)."""
+        if k in self.seconds:
+            return self.seconds[k]
+        prior = 1.0 + PRIOR_SLOPE * (k - 1)
+        if not self.seconds:
+            return prior
+        near = min(self.seconds, key=lambda m: (abs(m - k), m))
+        return self.seconds[near] * prior / (1.0 + PRIOR_SLOPE * (near - 1))
+
+
+@dataclass(frozen=True)
+class Choice:
+    """An option at a draft length and its expected tokens per second."""
+
+    option: str  # "ngram", "head" or "none"
+    drafts: int
+    rate: float
+
+
+def best_length(estimate: Estimate, cap: int, verify: VerifyTimes) -> Choice:
+    """The draft length in 1..cap with the most expected tokens per second."""
+    per_token = estimate.per_token(verify.at(1))
+    best = Choice("", 0, 0.0)
+    for g in range(1, cap + 1):
+        rate = expected_emitted(estimate.alpha, g) / (g * per_token + verify.at(g + 1))
+        if rate > best.rate:
+            best = Choice("", g, rate)
+    return best
 
 
 def longest_match(context: Sequence[int], gamma: int) -> tuple[int, list[int]]:
@@ -66,18 +122,26 @@ def longest_match(context: Sequence[int], gamma: int) -> tuple[int, list[int]]:
     return match_situation(match), [int(t) for t in recent[match.end : match.end + gamma]]
 
 
+@dataclass
+class _Pending:
+    """The round between :meth:`AutoDrafter.propose` and :meth:`AutoDrafter.observe`."""
+
+    chosen: Estimate | None
+    drafted: int
+    draft_seconds: float
+    proposed_at: float
+
+
 class AutoDrafter:
     """Chooses per round between n-gram lookup and ``head`` (any model-based drafter)."""
 
     def __init__(self, head: Drafter, name: str = "auto") -> None:
         self.name = name
         self.head = head
-        self.ngram = {n: Estimate(alpha=0.5, cost=0.01) for n in SITUATION_CLASSES}
-        self.model = Estimate(alpha=0.7, cost=0.15)
-        self._chosen: Estimate | None = None
-        self._drafted = 0
-        self._proposed_at = 0.0
-        self._draft_seconds = 0.0
+        self.ngram = {n: Estimate(alpha=0.5, prior_cost=0.01) for n in SITUATION_CLASSES}
+        self.model = Estimate(alpha=0.7, prior_cost=0.15)
+        self.verify = VerifyTimes()
+        self._pending: _Pending | None = None
         self.choices = {"ngram": 0, "head": 0, "none": 0}
         self._since_head = 0
 
@@ -87,7 +151,7 @@ class AutoDrafter:
 
     def reset(self) -> None:
         self.head.reset()
-        self._chosen = None
+        self._pending = None
         self._since_head = 0
 
     def prime(self, target: ModelSession) -> None:
@@ -98,6 +162,21 @@ class AutoDrafter:
         if isinstance(self.head, ReadsTargetFeatures):
             self.head.read_features(source)
 
+    def choose(self, situation: int, follow: int, gamma: int) -> Choice:
+        """The option and draft length for a round of at most ``gamma`` drafts, with an
+        n-gram match of class ``situation`` followed by ``follow`` tokens."""
+        if self._since_head >= EXPLORE:
+            return Choice("head", 1, 0.0)
+        best = Choice("none", 0, 1.0 / self.verify.at(1))
+        if follow:
+            ngram = best_length(self.ngram[situation], follow, self.verify)
+            if ngram.rate > best.rate:
+                best = Choice("ngram", ngram.drafts, ngram.rate)
+        head = best_length(self.model, gamma, self.verify)
+        if head.rate > best.rate:
+            best = Choice("head", head.drafts, head.rate)
+        return best
+
     def propose(
         self,
         context: Sequence[int],
@@ -106,38 +185,34 @@ class AutoDrafter:
         generator: torch.Generator,
     ) -> Draft:
         started = time.perf_counter()
-        n, follow = longest_match(context, gamma)
-        ngram_value = self.ngram[n].value(len(follow)) if follow else 0.0
-        head_value = self.model.value(gamma)
-        explore = self._since_head >= EXPLORE
-        if ngram_value >= max(head_value, 1.0) and not explore:
-            draft = Draft(tokens=follow)  # point masses
-            self._chosen = self.ngram[n]
-            self.choices["ngram"] += 1
-            self._since_head += 1
-        elif head_value >= 1.0 or explore:
-            draft = self.head.propose(context, gamma, params, generator)
-            self._chosen = self.model
-            self.choices["head"] += 1
-            self._since_head = 0
-        else:  # a plain step is worth more than either draft
+        situation, follow = longest_match(context, gamma)
+        choice = self.choose(situation, len(follow), gamma)
+        chosen: Estimate | None = None
+        if choice.option == "ngram":
+            draft = Draft(tokens=follow[: choice.drafts])  # point masses
+            chosen = self.ngram[situation]
+        elif choice.option == "head":
+            draft = self.head.propose(context, choice.drafts, params, generator)
+            chosen = self.model
+        else:  # a plain step promises more tokens per second than either draft
             draft = Draft(tokens=[])
-            self._chosen = None
-            self.choices["none"] += 1
-            self._since_head += 1
-        self._drafted = len(draft.tokens)
-        self._proposed_at = time.perf_counter()
-        self._draft_seconds = self._proposed_at - started
+        self.choices[choice.option] += 1
+        self._since_head = 0 if choice.option == "head" else self._since_head + 1
+        now = time.perf_counter()
+        self._pending = _Pending(chosen, len(draft.tokens), now - started, now)
         return draft
 
     def observe(self, context: Sequence[int], num_accepted: int) -> None:
-        """Update the chosen option's α and c (the time since proposing is the target's
-        verification)."""
+        """Update the chosen option's α and drafting time, and V(drafted + 1) (the time
+        since proposing: the verification and the rest of the round)."""
         self.head.observe(context, num_accepted)
-        chosen = self._chosen
-        if chosen is None or self._drafted == 0:
+        pending, self._pending = self._pending, None
+        if pending is None:  # no proposal this round (γ 0): nothing was measured
             return
-        chosen.update_alpha(self._drafted, num_accepted)
-        verify_seconds = time.perf_counter() - self._proposed_at
+        verify_seconds = time.perf_counter() - pending.proposed_at
         if verify_seconds > 0:
-            chosen.update_cost(self._draft_seconds / self._drafted / verify_seconds)
+            self.verify.record(pending.drafted + 1, verify_seconds)
+        if pending.chosen is None or pending.drafted == 0:
+            return
+        pending.chosen.update_alpha(pending.drafted, num_accepted)
+        pending.chosen.update_seconds(pending.draft_seconds / pending.drafted)
