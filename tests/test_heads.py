@@ -409,6 +409,24 @@ def test_auto_prefers_the_option_with_more_tokens_per_second():
     assert (drafter.choose(4, 4, 4).option, drafter.choose(4, 4, 4).drafts) == ("head", 1)
 
 
+def test_auto_observe_without_a_proposal_changes_nothing(trained):
+    """A round the γ policy gave 0 drafts calls observe() without propose(): it must not
+    count the previous round's draft again (it used to lower that option's α twice)."""
+    target = target_on("native-torch", trained["model"])
+    drafter = AutoDrafter(build_drafter(f"eagle:{trained['eagle']}", target))
+    for estimate in drafter.ngram.values():
+        estimate.alpha = 0.9  # the n-gram option wins over a head with no features
+    context = [3, 4, 5, 6, 7, 3, 4, 5]
+    draft = drafter.propose(context, 2, GREEDY, torch.Generator().manual_seed(0))
+    assert draft.tokens == [6, 7] and drafter.choices["ngram"] == 1
+    drafter.observe([*context, 6, 9], 1)
+    situation = drafter.ngram[3]
+    after_round = (situation.alpha, situation.seconds, dict(drafter.verify.seconds))
+    assert situation.alpha < 0.9  # the round counted once: 1 of 2 accepted
+    drafter.observe([*context, 6, 9, 2], 0)  # no proposal this round
+    assert (situation.alpha, situation.seconds, dict(drafter.verify.seconds)) == after_round
+
+
 def test_auto_verify_times_extrapolate_by_the_prior_until_measured():
     from speculative.drafters.auto import PRIOR_SLOPE, VerifyTimes
 
