@@ -369,7 +369,7 @@ def _timed_auto(curve: dict[int, float], ngram_alpha: float, head_alpha: float) 
     from speculative.drafters.auto import VerifyTimes
 
     drafter = AutoDrafter(head=None)  # type: ignore[arg-type]  # choose() never calls it
-    drafter.verify = VerifyTimes(dict(curve))
+    drafter.verify = VerifyTimes(curve[1], {k: v / curve[1] for k, v in curve.items()})
     for estimate in drafter.ngram.values():
         estimate.alpha, estimate.seconds = ngram_alpha, 0.01 * curve[1]
     drafter.model.alpha, drafter.model.seconds = head_alpha, 0.15 * curve[1]
@@ -421,23 +421,36 @@ def test_auto_observe_without_a_proposal_changes_nothing(trained):
     assert draft.tokens == [6, 7] and drafter.choices["ngram"] == 1
     drafter.observe([*context, 6, 9], 1)
     situation = drafter.ngram[3]
-    after_round = (situation.alpha, situation.seconds, dict(drafter.verify.seconds))
+    after_round = (situation.alpha, situation.seconds, drafter.verify.scale)
     assert situation.alpha < 0.9  # the round counted once: 1 of 2 accepted
     drafter.observe([*context, 6, 9, 2], 0)  # no proposal this round
-    assert (situation.alpha, situation.seconds, dict(drafter.verify.seconds)) == after_round
+    assert (situation.alpha, situation.seconds, drafter.verify.scale) == after_round
 
 
-def test_auto_verify_times_extrapolate_by_the_prior_until_measured():
+def test_auto_verify_times_follow_the_machine_at_every_length():
+    """V(k): the prior shape until timed; a slowdown seen at one length moves every
+    length (a V(1) timed early and never again must not stay stale); one pass five times
+    as slow moves V(k) by less than half and normal rounds bring it back."""
     from speculative.drafters.auto import PRIOR_SLOPE, VerifyTimes
 
     times = VerifyTimes()
     assert times.at(3) == pytest.approx(1 + 2 * PRIOR_SLOPE)  # units of V(1) before any
-    times.record(2, 0.010)
-    assert times.at(2) == 0.010
-    assert times.at(1) == pytest.approx(0.010 / (1 + PRIOR_SLOPE))
+    times.record(2, 0.011)
+    assert times.at(1) == pytest.approx(0.011 / (1 + PRIOR_SLOPE))  # the prior shape
     times.record(1, 0.004)
-    times.record(1, 0.006)  # a running estimate: decayed, not replaced
-    assert 0.004 < times.at(1) < 0.006
+    for _ in range(30):
+        times.record(5, 0.006)
+    before = times.at(1)
+    for _ in range(60):  # the machine gets twice as slow; only k = 5 is chosen from now
+        times.record(5, 2 * 0.006)
+    assert times.at(1) == pytest.approx(2 * before, rel=0.15)  # most of it
+    assert times.at(5) == pytest.approx(2 * 0.006, rel=0.02)  # what it measures
+    steady = times.at(5)
+    times.record(5, 5 * steady)  # one cold pass
+    assert times.at(5) < 1.5 * steady
+    for _ in range(30):
+        times.record(5, steady)
+    assert times.at(5) == pytest.approx(steady, rel=0.1)
 
 
 # ---- registry, storage, CLI --------------------------------------------------------------

@@ -12,9 +12,9 @@ V(1). Each option takes the g (up to the round's γ, and for n-grams up to the t
 followed the match) with the most tokens per second; the best of the options and the
 plain step wins. So a draft runs only where it pays on this machine: where verifying more
 tokens costs more (int4 on AVX2: T(5)/T(1) ≈ 1.3–1.7) a weak guess drafts fewer tokens or
-none. Until a verification of k tokens has been timed, V(k) is V of the nearest timed k
-scaled by the prior 1 + PRIOR_SLOPE (k − 1). The head drafts one token at least every
-EXPLORE rounds so that its estimate stays current.
+none. V(k) is kept as a scale that every round updates times a shape per k
+(:class:`VerifyTimes`). The head drafts one token at least every EXPLORE rounds so that its
+estimate stays current.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ MAX_NGRAM = 16  # the longest match compared
 EXPLORE = 8  # rounds without the head after which it drafts one token (keeps α current)
 WINDOW = 2048
 PRIOR_SLOPE = 0.1  # V(k) / V(1) - 1 per extra verified token, until V(k) is timed
+SHAPE_WEIGHT = 0.01  # weight of a round in V(k)'s shape (its scale takes 1 - DECAY)
 
 
 def _decayed(previous: float | None, value: float) -> float:
@@ -71,25 +72,40 @@ def expected_emitted(alpha: float, drafts: int) -> float:
     return (1 - a ** (drafts + 1)) / (1 - a)
 
 
+def prior_shape(k: int) -> float:
+    """V(k) / V(1) before any verification of k tokens is timed."""
+    return 1.0 + PRIOR_SLOPE * (k - 1)
+
+
 @dataclass
 class VerifyTimes:
-    """Running seconds V(k) of a round's verification of k tokens, by k."""
+    """Running estimate of V(k), the seconds of a round that verifies k tokens, as a scale
+    times a shape: V(k) = scale · shape(k), shape(1) = 1.
 
-    seconds: dict[int, float] = field(default_factory=dict)
+    Every timed round updates the scale (so a machine that slows down or speeds up moves
+    every V(k) at once, including lengths no longer chosen); a round of k tokens also
+    moves shape(k), more slowly, toward what it measured: a change of speed goes mostly
+    into the scale, and one slow round (a cold pass) cannot fix the shape. Until k is
+    timed, shape(k) is the nearest timed shape scaled by the prior 1 + PRIOR_SLOPE (k − 1)."""
+
+    scale: float | None = None  # seconds of V(1)
+    shape: dict[int, float] = field(default_factory=lambda: {1: 1.0})
+
+    def shape_at(self, k: int) -> float:
+        if k in self.shape:
+            return self.shape[k]
+        near = min(self.shape, key=lambda m: (abs(m - k), m))
+        return self.shape[near] * prior_shape(k) / prior_shape(near)
 
     def record(self, k: int, seconds: float) -> None:
-        self.seconds[k] = _decayed(self.seconds.get(k), seconds)
+        shape = self.shape_at(k)
+        self.scale = _decayed(self.scale, seconds / shape)
+        if k > 1:
+            self.shape[k] = (1 - SHAPE_WEIGHT) * shape + SHAPE_WEIGHT * seconds / self.scale
 
     def at(self, k: int) -> float:
-        """V(k): measured, else the nearest measured scaled by the prior curve (in units
-        of V(1) = 1 while nothing is measured)."""
-        if k in self.seconds:
-            return self.seconds[k]
-        prior = 1.0 + PRIOR_SLOPE * (k - 1)
-        if not self.seconds:
-            return prior
-        near = min(self.seconds, key=lambda m: (abs(m - k), m))
-        return self.seconds[near] * prior / (1.0 + PRIOR_SLOPE * (near - 1))
+        """V(k) in seconds (in units of V(1) = 1 while nothing is timed)."""
+        return self.shape_at(k) * (1.0 if self.scale is None else self.scale)
 
 
 @dataclass(frozen=True)
