@@ -453,6 +453,25 @@ def test_auto_verify_times_follow_the_machine_at_every_length():
     assert times.at(5) == pytest.approx(steady, rel=0.1)
 
 
+def test_gamma_auto_hands_auto_the_measured_curve_and_a_cap():
+    """--gamma auto: a drafter that chooses its own length gets the measured T(k) as the
+    prior of its timings and a fixed cap; other drafters keep the adaptive policy."""
+    from speculative.drafters.auto import prior_shape
+    from speculative.drafters.ngram import PromptLookupDrafter
+    from speculative.engine import AdaptiveGamma
+    from speculative.pipeline import AUTO_LENGTH_CAP, make_gamma_policy
+
+    curve = {1: 1.0, 2: 1.05, 3: 1.3, 4: 1.6, 5: 2.0}  # steeper than the default prior
+    drafter = AutoDrafter(head=None)  # type: ignore[arg-type]  # only its timings are used
+    assert make_gamma_policy("auto", 0.1, curve, drafter) == min(AUTO_LENGTH_CAP, 4)
+    drafter.verify.record(1, 0.01)
+    assert drafter.verify.at(4) == pytest.approx(0.016)  # V(1) x the measured T(4)
+    assert prior_shape(7, curve) == pytest.approx(2.0 + 2 * 0.4)  # the last step, extended
+    assert prior_shape(4) != pytest.approx(1.6)  # the control: without a curve, the default
+    assert isinstance(make_gamma_policy("auto", 0.1, curve, PromptLookupDrafter()), AdaptiveGamma)
+    assert isinstance(make_gamma_policy("auto", 0.1, None, drafter), AdaptiveGamma)
+
+
 # ---- registry, storage, CLI --------------------------------------------------------------
 
 

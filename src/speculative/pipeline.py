@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from speculative.drafters import Drafter
-from speculative.drafters.base import draft_model_of
+from speculative.drafters.base import ChoosesDraftLength, draft_model_of
 from speculative.drafters.tree import TREE_MODES, SupportsTreeShape, TreeDrafter, TreeShape
 from speculative.engine import (
     DEFAULT_TREE_BUDGET,
@@ -281,14 +281,23 @@ def encode_prompt(
 
 
 GAMMA_SCHEDULES = ("auto", "heuristic")
+AUTO_LENGTH_CAP = 8  # "auto" γ for a drafter that chooses its own length: its cap
 
 
 def make_gamma_policy(
-    gamma: int | str, c: float = 0.3, verify_cost: dict[int, float] | None = None
+    gamma: int | str,
+    c: float = 0.3,
+    verify_cost: dict[int, float] | None = None,
+    drafter: object | None = None,
 ) -> GammaPolicy | int:
     """An int, ``"auto"`` (:class:`AdaptiveGamma` with the given cost estimates) or
-    ``"heuristic"`` (:class:`HeuristicGamma`, transformers' +2/−1 schedule)."""
+    ``"heuristic"`` (:class:`HeuristicGamma`, transformers' +2/−1 schedule). With a
+    measured ``verify_cost``, "auto" hands a drafter that chooses its own draft length
+    (:class:`ChoosesDraftLength`) the curve, and caps it at AUTO_LENGTH_CAP instead."""
     gamma = parse_gamma(gamma)
+    if gamma == "auto" and verify_cost and isinstance(drafter, ChoosesDraftLength):
+        drafter.use_verify_cost(verify_cost)
+        return max(1, min(AUTO_LENGTH_CAP, max(verify_cost) - 1))
     if gamma == "auto":
         return AdaptiveGamma(c=c, verify_cost=verify_cost or {1: 1.0, 2: 1.8})
     if gamma == "heuristic":
@@ -399,7 +408,9 @@ class Speculator:
     def engine(self) -> SpeculativeEngine:
         if self.gamma == "auto" and (self.draft_cost is None or self.verify_cost is None):
             self.calibrate()
-        policy = make_gamma_policy(self.gamma, self.draft_cost or 0.0, self.verify_cost)
+        policy = make_gamma_policy(
+            self.gamma, self.draft_cost or 0.0, self.verify_cost, self.drafter
+        )
         tree = make_tree_round(self.tree, self.drafter, self.resolved_tree_budget())
         return SpeculativeEngine(self.target.lm, self.drafter, policy, tree)
 

@@ -58,11 +58,11 @@ class Method(Protocol):
 
 # --------------------------------------------------------------------------- γ schedules
 
-PolicyFactory = Callable[[float, dict[int, float]], GammaPolicy | int]
+PolicyFactory = Callable[[float, dict[int, float], object], GammaPolicy | int]
 
 SCHEDULES: dict[str, PolicyFactory] = {
-    "auto": lambda c, curve: make_gamma_policy("auto", c, curve),
-    "heuristic": lambda c, curve: HeuristicGamma(),
+    "auto": lambda c, curve, drafter: make_gamma_policy("auto", c, curve, drafter),
+    "heuristic": lambda c, curve, drafter: HeuristicGamma(),
 }
 
 
@@ -73,10 +73,12 @@ class GammaChoice:
     label: str
     fixed: int | None = None
 
-    def policy(self, c: float, curve: dict[int, float]) -> GammaPolicy | int:
+    def policy(
+        self, c: float, curve: dict[int, float], drafter: object = None
+    ) -> GammaPolicy | int:
         if self.fixed is not None:
             return FixedGamma(self.fixed)
-        return SCHEDULES[self.label](c, curve)
+        return SCHEDULES[self.label](c, curve, drafter)
 
 
 def parse_gamma_choices(values: Sequence[str]) -> list[GammaChoice]:

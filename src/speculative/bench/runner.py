@@ -209,7 +209,7 @@ def build_methods(
                     gamma=choice.label,
                     target=setup.target,
                     drafter=drafter,
-                    make_policy=lambda ch=choice, c=c: ch.policy(c, curve),
+                    make_policy=lambda ch=choice, c=c, d=drafter: ch.policy(c, curve, d),
                     params=sampling_params(settings),
                 )
             )

@@ -72,9 +72,17 @@ def expected_emitted(alpha: float, drafts: int) -> float:
     return (1 - a ** (drafts + 1)) / (1 - a)
 
 
-def prior_shape(k: int) -> float:
-    """V(k) / V(1) before any verification of k tokens is timed."""
-    return 1.0 + PRIOR_SLOPE * (k - 1)
+def prior_shape(k: int, curve: dict[int, float] | None = None) -> float:
+    """V(k) / V(1) before any verification of k tokens is timed: the measured verify-cost
+    curve T(k)/T(1) where given (extended past its end by its last step), else
+    1 + PRIOR_SLOPE (k − 1)."""
+    if not curve or len(curve) < 2:
+        return 1.0 + PRIOR_SLOPE * (k - 1)
+    if k in curve:
+        return curve[k]
+    last, before = sorted(curve)[-1], sorted(curve)[-2]
+    step = max((curve[last] - curve[before]) / (last - before), 0.0)
+    return curve[last] + step * (k - last)
 
 
 @dataclass
@@ -86,16 +94,19 @@ class VerifyTimes:
     every V(k) at once, including lengths no longer chosen); a round of k tokens also
     moves shape(k), more slowly, toward what it measured: a change of speed goes mostly
     into the scale, and one slow round (a cold pass) cannot fix the shape. Until k is
-    timed, shape(k) is the nearest timed shape scaled by the prior 1 + PRIOR_SLOPE (k − 1)."""
+    timed, shape(k) is the nearest timed shape scaled by the prior: the target's measured
+    verify-cost curve where the drafter was given it (``--gamma auto``), else
+    1 + PRIOR_SLOPE (k − 1)."""
 
     scale: float | None = None  # seconds of V(1)
     shape: dict[int, float] = field(default_factory=lambda: {1: 1.0})
+    prior: dict[int, float] | None = None  # a measured T(k)/T(1), if given
 
     def shape_at(self, k: int) -> float:
         if k in self.shape:
             return self.shape[k]
         near = min(self.shape, key=lambda m: (abs(m - k), m))
-        return self.shape[near] * prior_shape(k) / prior_shape(near)
+        return self.shape[near] * prior_shape(k, self.prior) / prior_shape(near, self.prior)
 
     def record(self, k: int, seconds: float) -> None:
         shape = self.shape_at(k)
@@ -177,6 +188,10 @@ class AutoDrafter:
     def read_features(self, source: FeatureSource) -> None:
         if isinstance(self.head, ReadsTargetFeatures):
             self.head.read_features(source)
+
+    def use_verify_cost(self, verify_cost: dict[int, float]) -> None:
+        """Take the target's measured T(k)/T(1) as the prior shape of V(k)."""
+        self.verify.prior = {int(k): float(v) for k, v in verify_cost.items()}
 
     def choose(self, situation: int, follow: int, gamma: int) -> Choice:
         """The option and draft length for a round of at most ``gamma`` drafts, with an

@@ -114,3 +114,14 @@ class SupportsDraftSituation(Protocol):
     def draft_situation(self, context: Sequence[int]) -> Hashable:
         """The situation of a round that drafts after ``context`` (small, hashable)."""
         ...
+
+
+@runtime_checkable
+class ChoosesDraftLength(Protocol):
+    """A drafter that picks its own draft length each round from measured costs (γ is
+    then only its cap). With ``--gamma auto`` it gets the target's measured verify-cost
+    curve instead of an adaptive γ policy, which would second-guess its choice."""
+
+    def use_verify_cost(self, verify_cost: dict[int, float]) -> None:
+        """The measured T(k)/T(1), k = 1..max, as the prior of the drafter's own timings."""
+        ...
