@@ -803,6 +803,25 @@ static inline void attention_weights(float *w, int n, int start, int r, int rows
 
 /* Single-row attention (a decode step): one head per work item, no barrier inside (the
  * tile passes would add two per layer); the same per-pair arithmetic as the tile passes. */
+/* attention_values for np (1..3) pairs and nv (2 or 4) vectors of a tile, each shape
+ * compiled with its own constants (the value pass of attention() and of
+ * attention_tile_group; inlined into both, so each keeps the code it had). */
+static inline __attribute__((always_inline)) void tile_values(int np, int nv, const Model *m, int p0, int tile_rows, int r0, int rows,
+                        int start, int n, const uint8_t *mask, const float *values, int j,
+                        const float *weights, int wp0, float *out) {
+    switch (np * 8 + nv) {
+#define VALUES(NP, NV) attention_values(NP, NV, m, p0, tile_rows, r0, rows, start, n, mask, \
+                                        values, j, weights, wp0, out)
+    case 3 * 8 + 4: VALUES(3, 4); break;
+    case 2 * 8 + 4: VALUES(2, 4); break;
+    case 1 * 8 + 4: VALUES(1, 4); break;
+    case 3 * 8 + 2: VALUES(3, 2); break;
+    case 2 * 8 + 2: VALUES(2, 2); break;
+    default: VALUES(1, 2); break;
+#undef VALUES
+    }
+}
+
 /* Head h of a single causal row (queries qkv, cache slots 0 .. start, the row's own
  * included): w, a row of max_length floats, holds its weights. */
 static void attention_head(const Model *m, const float *qkv, int start, const float *k_cache,
@@ -856,16 +875,8 @@ static void attention_tile_group(const Model *m, const float *qkv, int rows, int
     const int nv = d % 32 ? 2 : 4;
     for (int j = 0; j < d; j += 8 * nv)
         for (int p0 = first; p0 < first + group_pairs; p0 += 3) {
-            switch (min_int(3, first + group_pairs - p0) * 8 + nv) {
-#define VALUES(NP, NV) attention_values(NP, NV, m, p0, R, 0, rows, start, n, mask, values, j, w, first, out)
-            case 3 * 8 + 4: VALUES(3, 4); break;
-            case 2 * 8 + 4: VALUES(2, 4); break;
-            case 1 * 8 + 4: VALUES(1, 4); break;
-            case 3 * 8 + 2: VALUES(3, 2); break;
-            case 2 * 8 + 2: VALUES(2, 2); break;
-            default: VALUES(1, 2); break;
-#undef VALUES
-            }
+            tile_values(min_int(3, first + group_pairs - p0), nv, m, p0, R, 0, rows, start, n,
+                        mask, values, j, w, first, out);
         }
 }
 
@@ -906,16 +917,8 @@ static void attention(const Model *m, const float *qkv, int rows, int start, con
             const int g = item / (dims * blocks), j = (item / blocks) % dims * 8 * nv;
             const int p0 = g * group_pairs + item % blocks * 3;
             const float *values = v_cache + (size_t)g * stride * d;
-            switch (min_int(3, (g + 1) * group_pairs - p0) * 8 + nv) {
-#define VALUES(NP, NV) attention_values(NP, NV, m, p0, R, r0, rows, start, n, mask, values, j, weights, 0, out)
-            case 3 * 8 + 4: VALUES(3, 4); break;
-            case 2 * 8 + 4: VALUES(2, 4); break;
-            case 1 * 8 + 4: VALUES(1, 4); break;
-            case 3 * 8 + 2: VALUES(3, 2); break;
-            case 2 * 8 + 2: VALUES(2, 2); break;
-            default: VALUES(1, 2); break;
-#undef VALUES
-            }
+            tile_values(min_int(3, (g + 1) * group_pairs - p0), nv, m, p0, R, r0, rows, start,
+                        n, mask, values, j, weights, 0, out);
         }
     }
 }
