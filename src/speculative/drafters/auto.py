@@ -29,6 +29,7 @@ from speculative.drafters.base import Draft, Drafter, ReadsTargetFeatures, Suppo
 from speculative.drafters.ngram import SITUATION_CLASSES, best_match, match_situation
 from speculative.models.session import FeatureSource, ModelSession
 from speculative.sampling import SamplingParams
+from speculative.theory import expected_tokens
 
 DECAY = 0.9  # weight of the past in the running estimates
 MAX_NGRAM = 16  # the longest match compared
@@ -64,12 +65,6 @@ class Estimate:
 
     def update_seconds(self, seconds: float) -> None:
         self.seconds = _decayed(self.seconds, seconds)
-
-
-def expected_emitted(alpha: float, drafts: int) -> float:
-    """Expected tokens a round of ``drafts`` emits at per-token acceptance ``alpha``."""
-    a = min(max(alpha, 0.0), 0.999)
-    return (1 - a ** (drafts + 1)) / (1 - a)
 
 
 def prior_shape(k: int, curve: dict[int, float] | None = None) -> float:
@@ -133,7 +128,8 @@ def best_length(estimate: Estimate, cap: int, verify: VerifyTimes) -> Choice:
     per_token = estimate.per_token(verify.at(1))
     best = Choice("", 0, 0.0)
     for g in range(1, cap + 1):
-        rate = expected_emitted(estimate.alpha, g) / (g * per_token + verify.at(g + 1))
+        emitted = expected_tokens(min(max(estimate.alpha, 0.0), 0.999), g)
+        rate = emitted / (g * per_token + verify.at(g + 1))
         if rate > best.rate:
             best = Choice("", g, rate)
     return best
