@@ -99,6 +99,12 @@ def verify_cost_at(verify_cost: VerifyCost, k: int) -> float:
     return value
 
 
+def decayed_average(previous: float | None, value: float, decay: float) -> float:
+    """A running estimate: ``value`` at first, then ``decay · previous + (1 − decay) · value``
+    (how the γ policies and ``auto`` follow measured costs that drift)."""
+    return value if previous is None else decay * previous + (1 - decay) * value
+
+
 def generalized_speedup(alpha: float, gamma: int, c: float, verify_cost: VerifyCost) -> float:
     """Speedup when verifying k = γ + 1 new tokens costs T(k)/T(1) decode steps.
 

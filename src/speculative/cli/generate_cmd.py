@@ -97,8 +97,10 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gamma",
         default="4",
-        help="drafted tokens per round, 'auto' (adaptive γ from measured costs) or "
-        "'heuristic' (transformers' +2/−1 schedule)",
+        help="drafted tokens per round, 'auto' (γ from measured costs: the adaptive policy; "
+        "a drafter that picks its own length, like --draft auto, gets the measured "
+        "verify-cost curve and a cap of 8 instead) or 'heuristic' (transformers' +2/−1 "
+        "schedule)",
     )
     parser.add_argument(
         "--temperature",

@@ -29,7 +29,7 @@ from speculative.drafters.base import Draft, Drafter, ReadsTargetFeatures, Suppo
 from speculative.drafters.ngram import SITUATION_CLASSES, best_match, match_situation
 from speculative.models.session import FeatureSource, ModelSession
 from speculative.sampling import SamplingParams
-from speculative.theory import expected_tokens
+from speculative.theory import decayed_average, expected_tokens
 
 DECAY = 0.9  # weight of the past in the running estimates
 MAX_NGRAM = 16  # the longest match compared
@@ -37,10 +37,6 @@ EXPLORE = 8  # rounds without the head after which it drafts one token (keeps α
 WINDOW = 2048
 PRIOR_SLOPE = 0.1  # V(k) / V(1) - 1 per extra verified token, until V(k) is timed
 SHAPE_WEIGHT = 0.01  # weight of a round in V(k)'s shape (its scale takes 1 - DECAY)
-
-
-def _decayed(previous: float | None, value: float) -> float:
-    return value if previous is None else DECAY * previous + (1 - DECAY) * value
 
 
 @dataclass
@@ -61,10 +57,10 @@ class Estimate:
             return
         failures = 0 if accepted >= drafted else 1
         observed = accepted / (accepted + failures)
-        self.alpha = DECAY * self.alpha + (1 - DECAY) * observed
+        self.alpha = decayed_average(self.alpha, observed, DECAY)
 
     def update_seconds(self, seconds: float) -> None:
-        self.seconds = _decayed(self.seconds, seconds)
+        self.seconds = decayed_average(self.seconds, seconds, DECAY)
 
 
 def prior_shape(k: int, curve: dict[int, float] | None = None) -> float:
@@ -105,7 +101,7 @@ class VerifyTimes:
 
     def record(self, k: int, seconds: float) -> None:
         shape = self.shape_at(k)
-        self.scale = _decayed(self.scale, seconds / shape)
+        self.scale = decayed_average(self.scale, seconds / shape, DECAY)
         if k > 1:
             self.shape[k] = (1 - SHAPE_WEIGHT) * shape + SHAPE_WEIGHT * seconds / self.scale
 

@@ -8,7 +8,12 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from speculative.theory import VerifyCost, expected_tokens_positional, verify_cost_at
+from speculative.theory import (
+    VerifyCost,
+    decayed_average,
+    expected_tokens_positional,
+    verify_cost_at,
+)
 
 
 class GammaPolicy(Protocol):
@@ -180,13 +185,9 @@ class AdaptiveGamma:
         if gamma < 1 or verify_seconds <= 0:
             return
         step = verify_seconds / verify_cost_at(self.verify_cost, gamma + 1)
-        self.step_seconds = _decayed(self.step_seconds, step, self.cost_decay)
+        self.step_seconds = decayed_average(self.step_seconds, step, self.cost_decay)
         excess = max(0.0, draft_seconds / self.step_seconds - gamma * self.c)
-        self.overhead = _decayed(self.overhead, excess, self.cost_decay)
-
-
-def _decayed(previous: float | None, value: float, decay: float) -> float:
-    return value if previous is None else decay * previous + (1 - decay) * value
+        self.overhead = decayed_average(self.overhead, excess, self.cost_decay)
 
 
 @dataclass(frozen=True)
@@ -198,13 +199,6 @@ class RowLoad:
     fed: int = 1  # tokens the row feeds besides its drafts (the last token, catch-up)
     cost: float = 0.0  # c: one draft step of the row's drafter ÷ one target step
     call_cost: float = 0.0  # a propose call's fixed cost ÷ one target step (paid if γ > 0)
-
-
-def expected_emitted(alpha: float, gamma: int) -> float:
-    """Expected tokens a chain of γ drafts emits per round, the bonus included."""
-    if alpha >= 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
 LOAD_AWARE_MAX_GAMMA = 8  # a row's own γ cap under the load-aware policy (it picks up to it)
