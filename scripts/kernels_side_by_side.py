@@ -2,6 +2,7 @@
 
     PYTHONPATH=src .venv/bin/python scripts/kernels_side_by_side.py --baseline c6436c7 \
         --context 128 512 1024 --k 1 3 5 8 --precision int4
+    ... --batch 8 --k 1 4   # batched passes: 8 sequences (cache slots), k new tokens each
 
 Loads the default model twice on the native runtime (this tree's ``kernels.c`` and the
 baseline's, each compiled as the runtime compiles it), fills both caches with the same
@@ -24,6 +25,7 @@ import torch
 from revision import source_at  # scripts/revision.py, beside this script
 
 from speculative.hardware import cpu_info
+from speculative.models.base import RowInput
 from speculative.models.native import ckernels
 from speculative.pipeline import load_target
 
@@ -85,6 +87,47 @@ def compare(models: dict, context: int, ks: list[int], repeats: int, bitwise: bo
     return rows
 
 
+def compare_batch(
+    models: dict, context: int, ks: list[int], repeats: int, bitwise: bool, batch: int
+) -> list[dict]:
+    """As :func:`compare` for ``batch`` sequences in cache slots, each after its own random
+    ``context`` tokens, timing one ``forward_rows`` pass of k new tokens per sequence."""
+    g = torch.Generator().manual_seed(context)
+    ids = torch.randint(0, 49000, (batch, context + max(ks)), generator=g)  # [B, context + k]
+    slots = {}
+    for name, model in models.items():
+        slots[name] = [model.acquire_slot() for _ in range(batch)]
+        model.forward_rows([RowInput(s, ids[i, :context]) for i, s in enumerate(slots[name])])
+    times: dict[tuple[str, int], list[float]] = {(n, k): [] for n in models for k in ks}
+    names = list(models)
+    with torch.inference_mode():
+        for repeat in range(repeats + 1):  # the first round warms up
+            for k in ks:
+                logits = {}
+                for name in names if repeat % 2 else reversed(names):
+                    model = models[name]
+                    rows = [RowInput(s, ids[i, context : context + k])
+                            for i, s in enumerate(slots[name])]  # fmt: skip
+                    started = time.perf_counter()
+                    logits[name] = torch.cat(model.forward_rows(rows))
+                    elapsed = (time.perf_counter() - started) * 1e3
+                    for s in slots[name]:
+                        model.rollback_slot(s, k)
+                    if repeat:
+                        times[(name, k)].append(elapsed)
+                if bitwise and not torch.equal(*logits.values()):
+                    raise SystemExit(f"batch {batch}, context {context}, k = {k}: logits differ")
+    for name, model in models.items():
+        for s in slots[name]:
+            model.release_slot(s)
+    rows_out = []
+    for k in ks:
+        after, before = (statistics.median(times[(n, k)]) for n in names)
+        rows_out.append({"context": context, "k": k, "batch": batch, "before_ms": before,
+                         "after_ms": after, "ratio": after / before})  # fmt: skip
+    return rows_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="git revision to compare against")
@@ -93,6 +136,13 @@ def main() -> None:
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="time batched passes of this many sequences (cache slots), each "
+        "with k new tokens, instead of one sequence",
+    )
     parser.add_argument("--allow-different", action="store_true", help="skip the bitwise check")
     parser.add_argument("--json", action="store_true", help="one JSON object as the last line")
     args = parser.parse_args()
@@ -102,7 +152,12 @@ def main() -> None:
     rows = []
     print(f"cpu: {cpu_info().summary()} · precision {args.precision} · {args.threads} threads")
     for context in args.context:
-        for row in compare(models, context, args.k, args.repeats, not args.allow_different):
+        if args.batch:
+            found = compare_batch(models, context, args.k, args.repeats,
+                                  not args.allow_different, args.batch)  # fmt: skip
+        else:
+            found = compare(models, context, args.k, args.repeats, not args.allow_different)
+        for row in found:
             rows.append(row)
             print(f"context {context:5d}  k {row['k']:2d}  before {row['before_ms']:7.2f} ms  "
                   f"after {row['after_ms']:7.2f} ms  after/before {row['ratio']:.3f}")  # fmt: skip

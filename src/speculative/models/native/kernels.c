@@ -91,6 +91,24 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* (hsum8(v0), hsum8(v1), hsum8(v2), hsum8(v3)), each lane the same three-step sum as hsum8
+ * ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), so the same bits, with the four
+ * folds sharing their shuffles and adds. */
+static inline __m128 hsum8x4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+    /* halves: [v0 lo + v0 hi | v1 lo + v1 hi] and the same for v2, v3 */
+    const __m256 h01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20),
+                                     _mm256_permute2f128_ps(v0, v1, 0x31));
+    const __m256 h23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20),
+                                     _mm256_permute2f128_ps(v2, v3, 0x31));
+    /* s + movehl(s): per 128-bit lane (s0[0] + s0[2], s0[1] + s0[3], s2[..], s2[..]) */
+    const __m256 q = _mm256_add_ps(_mm256_shuffle_ps(h01, h23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(h01, h23, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* the last add: low lane (v0's, v2's), high lane (v1's, v3's) */
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(q, q, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(q, q, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+}
+
 /* exp(x) for 8 lanes (Cephes-style range reduction, degree-6 polynomial, ~1 ulp). */
 static inline __m256 exp8(__m256 x) {
     const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
@@ -329,22 +347,27 @@ static inline __attribute__((always_inline)) void linear_float(
 }
 
 /* Activation rows for the q4 dot product, quantized per group of 32 inputs the way
- * llama.cpp does for Q4_1 (its Q8_1): x ~= scale * q with q int8 in -127..127, and
- * part = scale * sum(q). Per-row arrays of groups are padded to a multiple of 8. */
+ * llama.cpp does for Q4_1 (its Q8_1): x ~= scale * q with q int8 in -127..127,
+ * sum = sum(q) and part = scale * sum. Per-row arrays of groups are padded to a multiple
+ * of 8. */
 typedef struct {
     int8_t *q;     /* [rows, in] */
     float *scale;  /* [rows, stride] */
     float *part;   /* [rows, stride] */
+    int32_t *sum;  /* [rows, stride] */
     int stride;
 } QuantRows;
 
 static int padded_groups(int in) { return (in / GROUP + 7) / 8 * 8; }
 
-/* QuantRows for `rows` rows of up to `in` inputs laid out at `at`: q, then scale, then
- * part; it takes rows * (in / 4 + 2 * padded_groups(in)) floats. */
+#define QUANT_ARRAYS 3  /* scale, part, sum: per (row, group) */
+
+/* QuantRows for `rows` rows of up to `in` inputs laid out at `at`: q, then scale, part and
+ * sum; it takes rows * (in / 4 + QUANT_ARRAYS * padded_groups(in)) floats. */
 static QuantRows quant_rows_at(float *at, int64_t rows, int64_t in) {
+    const int64_t groups = rows * padded_groups((int)in);
     float *scale = at + rows * in / 4;
-    QuantRows qx = {(int8_t *)at, scale, scale + rows * padded_groups((int)in), 0};
+    QuantRows qx = {(int8_t *)at, scale, scale + groups, (int32_t *)(scale + 2 * groups), 0};
     return qx;
 }
 
@@ -359,6 +382,7 @@ static void quantize_rows(const float *x, int rows, int in, QuantRows *qx) {
             if (g >= groups) {
                 qx->scale[(size_t)r * stride + g] = 0.0f;
                 qx->part[(size_t)r * stride + g] = 0.0f;
+                qx->sum[(size_t)r * stride + g] = 0;
                 continue;
             }
             const float *src = x + (size_t)r * in + g * GROUP;
@@ -385,6 +409,7 @@ static void quantize_rows(const float *x, int rows, int in, QuantRows *qx) {
                 order);
             _mm256_storeu_si256((__m256i *)(qx->q + (size_t)r * in + g * GROUP), packed);
             qx->scale[(size_t)r * stride + g] = scale;
+            qx->sum[(size_t)r * stride + g] = _mm_cvtsi128_si32(s4);
             qx->part[(size_t)r * stride + g] = scale * (float)_mm_cvtsi128_si32(s4);
         }
     }
@@ -447,6 +472,9 @@ static inline void q4_panel8(const uint8_t *blocks, int groups, int in, const Qu
     }
 }
 
+#ifndef Q4_PANEL16_ROWS
+#define Q4_PANEL16_ROWS 1
+#endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 /* q4_panel8 for two adjacent panels at once (16 outputs, one zmm lane each): the same
  * per-lane operations, so the same bits. */
@@ -512,7 +540,7 @@ static void linear_q4(const Linear *L, const float *x, int rows, float *y, int l
             const uint8_t *blocks = (const uint8_t *)L->weight + (size_t)p * panel_bytes;
             int done = 1;
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-            if (p + 1 < p1) {
+            if (cn >= Q4_PANEL16_ROWS && p + 1 < p1) {
                 q4_panel16(blocks, blocks + panel_bytes, groups, in, qx, c0, cn, acc);
                 done = 2;
             } else
@@ -569,27 +597,79 @@ static inline void q8d_panel8(const int8_t *blocks, int groups, int in, const Qu
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+/* q8d_panel8 for two adjacent panels (16 outputs, one zmm lane each; acc [rows][16]). The
+ * VNNI dot takes unsigned bytes on one side: per block the weights become w + 128 (w ^
+ * 0x80, in 1..255) once, and each row's dot of them with its activations x, which is
+ * sum(w x) + 128 sum(x), drops 128 * sum(x) (QuantRows.sum, exact): the same integer as
+ * q8d_panel8's, so the same bits, without a sign step per row. */
+#ifndef Q8D_PANEL16_ROWS
+#define Q8D_PANEL16_ROWS 8  /* measured (Zen 4): below it q8d_panel8 is as fast or faster */
+#endif
+static inline void q8d_panel16(const int8_t *blocks, const int8_t *blocks2, int groups, int in,
+                               const QuantRows *qx, int r0, int rows, float *acc) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int r = 0; r < rows; r++) _mm512_store_ps(acc + r * 16, _mm512_setzero_ps());
+    for (int g = 0; g < groups; g++) {
+        const int8_t *block = blocks + (size_t)g * Q8D_BLOCK_BYTES;
+        const int8_t *block2 = blocks2 + (size_t)g * Q8D_BLOCK_BYTES;
+        for (int b = 0; b < Q8D_BLOCK_BYTES; b += 64) {
+            _mm_prefetch((const char *)block + PREFETCH_BYTES + b, _MM_HINT_T0);
+            _mm_prefetch((const char *)block2 + PREFETCH_BYTES + b, _MM_HINT_T0);
+        }
+        __m512i u[8];
+        for (int j = 0; j < 8; j++)
+            u[j] = _mm512_xor_si512(
+                _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(block + 32 * j))),
+                    _mm256_loadu_si256((const __m256i *)(block2 + 32 * j)), 1),
+                flip);
+        for (int r = 0; r < rows; r++) {
+            const size_t row = (size_t)(r0 + r), s = row * qx->stride + g;
+            const int8_t *xr = qx->q + row * in + g * GROUP;
+            __m512i dot = _mm512_set1_epi32(-128 * qx->sum[s]);
+            for (int j = 0; j < 8; j++) {
+                int32_t four;
+                memcpy(&four, xr + 4 * j, 4);
+                dot = _mm512_dpbusd_epi32(dot, u[j], _mm512_set1_epi32(four));
+            }
+            const __m512 dx = _mm512_set1_ps(qx->scale[s]);
+            _mm512_store_ps(acc + r * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dx, _mm512_load_ps(acc + r * 16)));
+        }
+    }
+}
+#endif
+
 static void linear_q8d(const Linear *L, const float *x, int rows, float *y, int ldy, int accumulate,
                        QuantRows *qx) {
     quantize_rows(x, rows, L->in_features, qx);  /* ends in a barrier */
     const int in = L->in_features, out = L->out_features, groups = in / GROUP;
     const int panels = (out + 7) / 8;
     const size_t panel_bytes = (size_t)groups * Q8D_BLOCK_BYTES;
-    float acc[ROW_PANEL * 8] __attribute__((aligned(32)));
+    float acc[ROW_PANEL * 16] __attribute__((aligned(64)));
     int p0, p1;
     thread_range(panels, &p0, &p1);
     for (int c0 = 0; c0 < rows; c0 += ROW_PANEL) {
         const int cn = min_int(ROW_PANEL, rows - c0);
-        for (int p = p0; p < p1; p++) {
-            q8d_panel8((const int8_t *)L->weight + (size_t)p * panel_bytes, groups, in, qx, c0, cn, acc);
-            const int o0 = p * 8, on = min_int(8, out - o0);
+        for (int p = p0; p < p1;) {
+            const int8_t *blocks = (const int8_t *)L->weight + (size_t)p * panel_bytes;
+            int done = 1, width = 8;  /* panels done; floats per row of acc */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+            if (cn >= Q8D_PANEL16_ROWS && p + 1 < p1) {
+                q8d_panel16(blocks, blocks + panel_bytes, groups, in, qx, c0, cn, acc);
+                done = 2, width = 16;
+            } else
+#endif
+                q8d_panel8(blocks, groups, in, qx, c0, cn, acc);
+            const int o0 = p * 8, on = min_int(done * 8, out - o0);
             for (int r = 0; r < cn; r++) {
                 float *dst = y + (size_t)(c0 + r) * ldy + o0;
                 for (int o = 0; o < on; o++) {
-                    const float v = acc[r * 8 + o] * L->scale[o0 + o] + (L->bias ? L->bias[o0 + o] : 0.0f);
+                    const float v = acc[r * width + o] * L->scale[o0 + o] + (L->bias ? L->bias[o0 + o] : 0.0f);
                     dst[o] = accumulate ? dst[o] + v : v;
                 }
             }
+            p += done;
         }
     }
 #pragma omp barrier
@@ -715,24 +795,38 @@ static inline __attribute__((always_inline)) void attention_values(
     int NP, int NV, const Model *m, int p0, int tile_rows, int r0, int rows, int start, int n,
     const uint8_t *mask, const float *values, int j, const float *weights, int wp0, float *out) {
     const int d = m->head_dim, heads = m->heads;
-    const float *w[3];
+    const float *w = weights + (size_t)(p0 - wp0) * m->max_length;  /* pair p0 + v: w + v * stride */
+    const size_t stride = (size_t)m->max_length;
     int row[3];
     float total[3];
     __m256 acc[3][8];
     for (int v = 0; v < NP; v++) {
-        w[v] = weights + (size_t)(p0 + v - wp0) * m->max_length;  /* weights start at pair wp0 */
         row[v] = r0 + (p0 + v) % tile_rows;
         total[v] = 0.0f;
         for (int c = 0; c < NV; c++) acc[v][c] = _mm256_setzero_ps();
     }
-    for (int s = 0; s < n; s++) {
-        const float *value = values + (size_t)s * d + j;
+    /* the cached slots: every pair sees each one (no visibility test in this loop) */
+    const int cached = start < n ? start : n;
+    const float *value = values + j;
+    for (int s = 0; s < cached; s++, value += d) {
         __m256 vals[8];
         for (int c = 0; c < NV; c++) vals[c] = _mm256_loadu_ps(value + 8 * c);
         for (int v = 0; v < NP; v++) {
-            if (s >= start && !slot_visible(s, start, row[v], rows, mask)) continue;
-            total[v] += w[v][s];
-            const __m256 weight = _mm256_broadcast_ss(w[v] + s);
+            const float x = w[v * stride + s];
+            total[v] += x;
+            const __m256 weight = _mm256_set1_ps(x);
+            for (int c = 0; c < NV; c++) acc[v][c] = _mm256_fmadd_ps(weight, vals[c], acc[v][c]);
+        }
+    }
+    /* the new slots of this call: each pair sees those its row may attend to */
+    for (int s = cached; s < n; s++, value += d) {
+        __m256 vals[8];
+        for (int c = 0; c < NV; c++) vals[c] = _mm256_loadu_ps(value + 8 * c);
+        for (int v = 0; v < NP; v++) {
+            if (!slot_visible(s, start, row[v], rows, mask)) continue;
+            const float x = w[v * stride + s];
+            total[v] += x;
+            const __m256 weight = _mm256_set1_ps(x);
             for (int c = 0; c < NV; c++) acc[v][c] = _mm256_fmadd_ps(weight, vals[c], acc[v][c]);
         }
     }
@@ -763,7 +857,8 @@ static inline void attention_scores(const float *q, const float *keys, int d, in
                 a1[t] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(key + 8), a1[t]);
             }
         }
-        for (int t = 0; t < 4; t++) w[s + t] = hsum8(_mm256_add_ps(a0[t], a1[t]));
+        _mm_storeu_ps(w + s, hsum8x4(_mm256_add_ps(a0[0], a1[0]), _mm256_add_ps(a0[1], a1[1]),
+                                     _mm256_add_ps(a0[2], a1[2]), _mm256_add_ps(a0[3], a1[3])));
     }
     for (; s < s1; s++) {
         if (!slot_visible(s, start, r, rows, mask)) {
@@ -934,7 +1029,7 @@ static int64_t widest_input(const Model *m) {
 int64_t spec_work_floats(const Model *m, int rows, int threads) {
     const int64_t d = m->head_dim, width = (m->heads + 2 * m->kv_heads) * d;
     int64_t per_row = m->hidden + width + m->heads * d + 3 * (int64_t)m->intermediate;
-    per_row += widest_input(m) / 4 + 2 * padded_groups(widest_input(m));  /* QuantRows */
+    per_row += widest_input(m) / 4 + QUANT_ARRAYS * padded_groups(widest_input(m));  /* QuantRows */
     per_row += 2 * (int64_t)threads;  /* row_argmax's per-thread candidates */
     return rows * per_row + attention_floats(m, rows);
 }
@@ -1121,7 +1216,7 @@ void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *
     float *quant = scratch + attention_floats(m, rows);
     const int64_t groups = padded_groups(widest);
     QuantRows qx = quant_rows_at(quant, rows, widest);
-    float *found = qx.part + rows * groups;  /* row_argmax */
+    float *found = (float *)qx.sum + rows * groups;  /* row_argmax */
 #pragma omp parallel num_threads(threads)
     {
         for (int l = 0; l < m->num_layers; l++) {
@@ -1169,7 +1264,7 @@ void spec_forward(const Model *m, float *hidden, int rows, int start, const int6
 
 /* Floats of work memory spec_linear needs for `rows` rows of `in` inputs. */
 int64_t spec_linear_work_floats(int rows, int in) {
-    return (int64_t)rows * (in / 4 + 2 * padded_groups(in));
+    return (int64_t)rows * (in / 4 + QUANT_ARRAYS * padded_groups(in));
 }
 
 /* y [rows, out] = x [rows, in] . W^T (* scale) + bias, on `threads` threads: exactly the
