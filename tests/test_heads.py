@@ -578,7 +578,8 @@ def test_eagle_drafting_runs_the_head_as_it_was_trained():
 def test_kernel_runners_compute_the_heads(trained, precision):
     """The C runners compute what the PyTorch heads compute: at the head's own bf16 values
     (fp32 target) to bf16 rounding of the rows, at int4 (int4 target) to quantization; the
-    EAGLE runner's cache carries over calls and takes a [k, k] mask among new pairs."""
+    EAGLE runner's cache carries over calls and takes a [k, k] mask among new pairs and a
+    [k, length + k] one over cached pairs too (a tree node that must not see a sibling)."""
     from speculative.heads.runners import (
         KernelEagleRunner,
         KernelMedusaRunner,
@@ -592,22 +593,57 @@ def test_kernel_runners_compute_the_heads(trained, precision):
     eagle = load_head(trained["eagle"], target.lm)
     fast, slow = KernelEagleRunner(eagle, library, precision, 64), TorchEagleRunner(eagle)
     torch.manual_seed(0)
-    embeds = eagle.embedding[torch.randint(0, target.lm.vocab_size, (7,))]
-    features = torch.randn(7, embeds.shape[1])
-    tree = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)  # two siblings
-    calls = [(slice(0, 5), torch.arange(5), None), (slice(5, 7), torch.tensor([5, 5]), tree)]
+    embeds = eagle.embedding[torch.randint(0, target.lm.vocab_size, (8,))]
+    features = torch.randn(8, embeds.shape[1])
+    tree = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)  # a parent and its child
+    child = torch.ones(1, 8, dtype=torch.bool)
+    child[0, 6] = False  # the child of pair 5, beside pair 6: it must not see pair 6
+    calls = [(slice(0, 5), torch.arange(5), None), (slice(5, 7), torch.tensor([5, 6]), tree),
+             (slice(7, 8), torch.tensor([6]), child)]  # fmt: skip
     for rows, positions, mask in calls:
         got = fast.step(embeds[rows], features[rows], positions, mask)
         want = slow.step(embeds[rows], features[rows], positions, mask)
         for a, b in zip(got, want, strict=True):
             assert (a - b).norm() <= tolerance * b.norm()
-    assert fast.length == slow.length == 7
+    assert fast.length == slow.length == 8
     medusa = load_head(trained["medusa"], target.lm)
     feature = features[0]
     got = KernelMedusaRunner(medusa, library, precision)(feature, 3)
     want = TorchMedusaRunner(medusa)(feature, 3)
     assert got.shape == want.shape == (3, medusa.config.draft_vocab)
     assert (got - want).norm() <= tolerance * want.norm()
+
+
+def test_kernel_tree_masks_hide_cached_pairs_bitwise(trained):
+    """kernels.c's visibility over cached pairs (spec_forward's mask_base): a tree node
+    whose mask hides a cached sibling computes bitwise what it computes when the sibling
+    was never cached; the control, the same mask showing the sibling, differs."""
+    from speculative.heads.runners import KernelEagleRunner
+
+    target = target_on("native-kernels", trained["model"])
+    eagle = load_head(trained["eagle"], target.lm)
+    runner = KernelEagleRunner(eagle, target.lm.kernel_library(), "fp32", 64)
+    torch.manual_seed(1)
+    embeds = eagle.embedding[torch.randint(0, target.lm.vocab_size, (8,))]  # [8, H]
+    features = torch.randn(8, embeds.shape[1])
+    siblings = torch.eye(2, dtype=torch.bool)  # pairs 5 and 6: two children of pair 4
+
+    def child_of_5(mask: torch.Tensor | None, cache_sibling: bool):
+        run = runner.sibling()
+        run.step(embeds[:5], features[:5], torch.arange(5))
+        if cache_sibling:
+            run.step(embeds[5:7], features[5:7], torch.tensor([5, 5]), siblings)
+        else:
+            run.step(embeds[5:6], features[5:6], torch.tensor([5]))
+        return run.step(embeds[7:8], features[7:8], torch.tensor([6]), mask)
+
+    hide = torch.ones(1, 8, dtype=torch.bool)
+    hide[0, 6] = False
+    want = child_of_5(None, cache_sibling=False)
+    got = child_of_5(hide, cache_sibling=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    shown = child_of_5(torch.ones(1, 8, dtype=torch.bool), cache_sibling=True)
+    assert not torch.equal(shown[0], want[0])
 
 
 def test_registry_runs_heads_on_the_kernels_of_a_kernels_target(trained):

@@ -35,7 +35,7 @@ STATIC_BRANCHING = (3, 2, 2, 1, 1, 1, 1, 1)  # children per expanded node, by de
 STATIC_WIDTH = (1, 2, 2, 3, 3, 3, 3, 3)  # expanded nodes per depth (first in draw order)
 DYNAMIC_TOP_K = 4  # EAGLE-2: children considered per expanded node
 DYNAMIC_WIDTH = 4  # EAGLE-2: nodes expanded per depth (best path probabilities)
-DYNAMIC_DEPTH = 6  # EAGLE-2: depths expanded
+DYNAMIC_DEPTH = 3  # depths expanded (EAGLE-2 uses 6; see docs/trees.md)
 
 
 @dataclass
@@ -49,10 +49,10 @@ class HeadCache:
 class EagleDrafter(HeadDrafter):
     """Chain and tree proposals from an EAGLE head (see module docstring).
 
-    runner: what runs chain steps (default: the head's PyTorch module; the registry
+    runner: what runs the head's steps (default: the head's PyTorch module; the registry
     passes :class:`~speculative.heads.runners.KernelEagleRunner` when the target runs on
-    the C kernels). Trees always run on the PyTorch module, whose cache takes per-node
-    visibility masks."""
+    the C kernels). Trees run on a sibling of it (the same weights, a cache of its own),
+    whose steps take masks over the cached tree nodes."""
 
     method = "eagle"
 
@@ -70,9 +70,9 @@ class EagleDrafter(HeadDrafter):
 
     @property
     def tree_cache(self) -> HeadCache:
-        """The PyTorch runner's cache for trees (made on first use)."""
+        """The trees' runner and cache (made on first use)."""
         if self._tree is None:
-            self._tree = HeadCache(TorchEagleRunner(self.head))
+            self._tree = HeadCache(self.chain.runner.sibling())
         return self._tree
 
     def reset(self) -> None:
@@ -196,7 +196,8 @@ class EagleDrafter(HeadDrafter):
         tree = _Growing()
         outputs = {0: root}  # node + 1 -> (predicted feature [H], draft logits [N])
         frontier = [-1]
-        for _ in range(min(budget, DYNAMIC_DEPTH)):
+        depths = min(budget, DYNAMIC_DEPTH)
+        for depth in range(depths):
             candidates = []
             for parent in frontier:
                 logp = torch.log_softmax(outputs[parent + 1][1], -1)
@@ -205,6 +206,8 @@ class EagleDrafter(HeadDrafter):
                 for value, index in zip(top.values.tolist(), top.indices.tolist(), strict=True):
                     token = self.target_token(index)
                     candidates.append(tree.add(token, parent, base_score + value))
+            if depth + 1 == depths:  # the deepest candidates are leaves: nothing reads
+                break  # what an expansion would predict after them
             frontier = sorted(candidates, key=lambda n: -tree.score[n])[:DYNAMIC_WIDTH]
             self._expand(base, frontier, tree, outputs)
         runner.length = base

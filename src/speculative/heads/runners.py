@@ -17,6 +17,7 @@ the drafter samples from are the ones it reports as q.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 from typing import Protocol
 
@@ -60,22 +61,31 @@ class EagleRunner(Protocol):
         embeds: torch.Tensor,  # [k, H] embeddings of the tokens x_{t+1}
         features: torch.Tensor,  # [k, H] features f_t (true or predicted)
         positions: torch.Tensor,  # [k] int64 pair positions t
-        mask: torch.Tensor | None = None,  # [k, k] bool among the new pairs, None = causal
+        # [k, k] bool among the new pairs, or [k, length + k] choosing the visible cached
+        # pairs too (tree drafting); None = causal
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [k, H] predicted features, [k, N] logits
         """Append k pairs; their predicted next features and draft logits."""
         ...
 
+    def sibling(self) -> EagleRunner:
+        """A runner of the same head and weights with its own empty cache."""
+        ...
+
 
 class TorchEagleRunner:
-    """The head's PyTorch module over a :class:`KVCache` (also takes [k, start + k] masks
-    that choose visible cached pairs: tree drafting)."""
+    """The head's PyTorch module over a :class:`KVCache`."""
 
     def __init__(self, head: TrainedHead, capacity: int = 512) -> None:
         if not isinstance(head.module, EagleHead):
             raise ValueError("the EAGLE runner runs EAGLE heads only")
         self.head = head
         self.module: EagleHead = head.module
+        self.capacity = capacity
         self.cache: KVCache = self.module.new_cache(capacity)
+
+    def sibling(self) -> TorchEagleRunner:
+        return TorchEagleRunner(self.head, self.capacity)
 
     @property
     def length(self) -> int:
@@ -158,6 +168,13 @@ class KernelEagleRunner:
         self.max_length = max_length
         self.length = 0
 
+    def sibling(self) -> KernelEagleRunner:
+        """The same packed weights over a cache of its own."""
+        twin = copy.copy(self)
+        twin.k_cache, twin.v_cache = torch.zeros_like(self.k_cache), torch.zeros_like(self.v_cache)
+        twin.length = 0
+        return twin
+
     def weight_bytes(self) -> int:
         """Bytes of weights one step reads (fusion layer, decoder layer, output rows)."""
         return self.fc.weight_bytes() + self.layer.weight_bytes() + self.rows.weight_bytes()
@@ -168,15 +185,16 @@ class KernelEagleRunner:
         embeds: torch.Tensor,  # [k, H] embeddings of the tokens x_{t+1}
         features: torch.Tensor,  # [k, H] features f_t (true or predicted)
         positions: torch.Tensor,  # [k] int64 pair positions t
-        mask: torch.Tensor | None = None,  # [k, k] bool among the new pairs, None = causal
+        # [k, k] bool among the new pairs, or [k, start + k] over the cached pairs too (a
+        # tree: nodes of earlier expansions seen by their descendants only); None = causal
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [k, H] predicted features, [k, N] logits
         """Append k pairs to the cache; their predicted next features and draft logits."""
         k = embeds.shape[0]
         start = self.length
         if start + k > self.max_length:
             raise ValueError(f"head cache overflow: {start} + {k} > {self.max_length}")
-        if mask is not None and mask.shape != (k, k):
-            raise ValueError(f"the kernel head takes a [k, k] mask, got {tuple(mask.shape)}")
+        base, mask = _mask_window(mask, k, start)
         threads = torch.get_num_threads()
         lib = self.library
         model = self._model.pointer
@@ -207,6 +225,7 @@ class KernelEagleRunner:
             start,
             pos.data_ptr(),
             None if mask_bytes is None else mask_bytes.data_ptr(),
+            base,
             self.k_cache.data_ptr(),
             self.v_cache.data_ptr(),
             logits.data_ptr(),
@@ -215,6 +234,21 @@ class KernelEagleRunner:
         )
         self.length = start + k
         return hidden, logits
+
+
+def _mask_window(
+    mask: torch.Tensor | None, k: int, start: int
+) -> tuple[int, torch.Tensor | None]:
+    """(base, mask[:, base:]) for kernels.c: the cached pairs every new pair sees come
+    before ``base`` (the kernels skip the test there); a [k, k] mask or None has base
+    ``start``."""
+    if mask is None or mask.shape == (k, k):
+        return start, mask
+    if mask.shape != (k, start + k):
+        raise ValueError(f"mask must be [{k}, {k}] or [{k}, {start + k}], got {tuple(mask.shape)}")
+    seen_by_all = mask[:, :start].all(0)  # [start]
+    base = start if bool(seen_by_all.all()) else int(seen_by_all.logical_not().nonzero()[0])
+    return base, mask[:, base:]
 
 
 def _fused_qkv(module: EagleHead) -> torch.Tensor:

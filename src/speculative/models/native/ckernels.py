@@ -84,7 +84,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 10
+ABI_VERSION = 11
 # "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
@@ -146,7 +146,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     library.spec_isa.restype = ctypes.c_char_p
     library.spec_work_floats.argtypes = [pointer, i32, i32]
     library.spec_work_floats.restype = ctypes.c_int64
-    library.spec_forward.argtypes = [pointer, pointer, i32, i32, pointer, pointer]
+    library.spec_forward.argtypes = [pointer, pointer, i32, i32, pointer, pointer, i32]
     library.spec_forward.argtypes += [pointer, pointer, pointer, pointer, i32]
     library.spec_forward.restype = None
     library.spec_forward_batch.argtypes = [pointer, pointer, i32, pointer, pointer, pointer]

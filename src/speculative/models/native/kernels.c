@@ -63,7 +63,7 @@ typedef struct {
     const float *sin;  /* [max_length, head_dim / 2] */
 } Model;
 
-int spec_abi_version(void) { return 10; }
+int spec_abi_version(void) { return 11; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 const char *spec_isa(void) { return "avx512"; }
@@ -782,8 +782,24 @@ static int64_t attention_floats(const Model *m, int rows) {
     return (int64_t)m->heads * att_rows(rows) * m->max_length;
 }
 
-static inline int slot_visible(int s, int start, int r, int rows, const uint8_t *mask) {
-    return s < start ? 1 : (mask ? mask[r * rows + (s - start)] : s - start <= r);
+/* The cache slots a new row r of a sequence sees: every slot before `base`; then, without
+ * a mask, those up to its own (base is then the sequence's start: causal), else slot s iff
+ * mask[r * cols + (s - base)]. A sequence's mask covers its new rows (base = start, cols =
+ * rows) or, for a head drafting a tree over its own cache, also cached slots from `base`
+ * on (cols = start + rows - base): nodes of earlier expansions that only their
+ * descendants see. */
+typedef struct {
+    int base, cols;
+    const uint8_t *mask;
+} Visible;
+
+static inline Visible causal(int start) {
+    const Visible v = {start, 0, NULL};
+    return v;
+}
+
+static inline int slot_visible(int s, int r, Visible v) {
+    return s < v.base ? 1 : (v.mask ? v.mask[r * v.cols + (s - v.base)] : s - v.base <= r);
 }
 
 /* The value pass for NP <= 3 pairs p0 .. p0 + NP - 1 of the tile (all of one kv group) and
@@ -792,8 +808,8 @@ static inline int slot_visible(int s, int start, int r, int rows, const uint8_t 
  * scalar chains run beside the FMAs). NP * NV <= 12 sums (NV <= 8 for one pair) stay in
  * registers: independent FMA chains, enough to hide the FMA latency. */
 static inline __attribute__((always_inline)) void attention_values(
-    int NP, int NV, const Model *m, int p0, int tile_rows, int r0, int rows, int start, int n,
-    const uint8_t *mask, const float *values, int j, const float *weights, int wp0, float *out) {
+    int NP, int NV, const Model *m, int p0, int tile_rows, int r0, int n, Visible vis,
+    const float *values, int j, const float *weights, int wp0, float *out) {
     const int d = m->head_dim, heads = m->heads;
     const float *w = weights + (size_t)(p0 - wp0) * m->max_length;  /* pair p0 + v: w + v * stride */
     const size_t stride = (size_t)m->max_length;
@@ -805,8 +821,8 @@ static inline __attribute__((always_inline)) void attention_values(
         total[v] = 0.0f;
         for (int c = 0; c < NV; c++) acc[v][c] = _mm256_setzero_ps();
     }
-    /* the cached slots: every pair sees each one (no visibility test in this loop) */
-    const int cached = start < n ? start : n;
+    /* the slots every pair sees (no visibility test in this loop) */
+    const int cached = vis.base < n ? vis.base : n;
     const float *value = values + j;
     for (int s = 0; s < cached; s++, value += d) {
         __m256 vals[8];
@@ -818,12 +834,12 @@ static inline __attribute__((always_inline)) void attention_values(
             for (int c = 0; c < NV; c++) acc[v][c] = _mm256_fmadd_ps(weight, vals[c], acc[v][c]);
         }
     }
-    /* the new slots of this call: each pair sees those its row may attend to */
+    /* the others: each pair sees those its row may attend to */
     for (int s = cached; s < n; s++, value += d) {
         __m256 vals[8];
         for (int c = 0; c < NV; c++) vals[c] = _mm256_loadu_ps(value + 8 * c);
         for (int v = 0; v < NP; v++) {
-            if (!slot_visible(s, start, row[v], rows, mask)) continue;
+            if (!slot_visible(s, row[v], vis)) continue;
             const float x = w[v * stride + s];
             total[v] += x;
             const __m256 weight = _mm256_set1_ps(x);
@@ -844,9 +860,9 @@ static inline __attribute__((always_inline)) void attention_values(
  * query load, so that eight independent FMA chains hide the FMA latency. Slots the pair
  * cannot see (at or after `start`) get 0, never read. */
 static inline void attention_scores(const float *q, const float *keys, int d, int s0, int s1,
-                                    int start, int r, int rows, const uint8_t *mask, float *w) {
+                                    int r, Visible vis, float *w) {
     int s = s0;
-    for (; s + 4 <= s1 && s + 4 <= start; s += 4) {
+    for (; s + 4 <= s1 && s + 4 <= vis.base; s += 4) {
         __m256 a0[4], a1[4];
         for (int t = 0; t < 4; t++) a0[t] = a1[t] = _mm256_setzero_ps();
         for (int j = 0; j < d; j += 16) {
@@ -861,7 +877,7 @@ static inline void attention_scores(const float *q, const float *keys, int d, in
                                      _mm256_add_ps(a0[2], a1[2]), _mm256_add_ps(a0[3], a1[3])));
     }
     for (; s < s1; s++) {
-        if (!slot_visible(s, start, r, rows, mask)) {
+        if (!slot_visible(s, r, vis)) {
             w[s] = 0.0f;
             continue;
         }
@@ -879,20 +895,19 @@ static inline void attention_scores(const float *q, const float *keys, int d, in
  * over the visible slots (8 lanes at a time over the cache, where every slot is visible;
  * max is exact, so the order does not matter), w - max and exp (lane-wise) on them. The
  * value pass sums the weights, in slot order, as it goes. */
-static inline void attention_weights(float *w, int n, int start, int r, int rows,
-                                     const uint8_t *mask) {
+static inline void attention_weights(float *w, int n, int r, Visible vis) {
     __m256 lanes = _mm256_set1_ps(-INFINITY);
     int s = 0;
-    for (; s + 8 <= start; s += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(w + s), lanes);
+    for (; s + 8 <= vis.base; s += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(w + s), lanes);
     float spread[8], top = -INFINITY;
     _mm256_storeu_ps(spread, lanes);
     for (int i = 0; i < 8; i++) top = spread[i] > top ? spread[i] : top;
     for (; s < n; s++)
-        if (slot_visible(s, start, r, rows, mask)) top = w[s] > top ? w[s] : top;
+        if (slot_visible(s, r, vis)) top = w[s] > top ? w[s] : top;
     const __m256 shift = _mm256_set1_ps(top);
-    for (s = 0; s + 8 <= start; s += 8) _mm256_storeu_ps(w + s, _mm256_sub_ps(_mm256_loadu_ps(w + s), shift));
+    for (s = 0; s + 8 <= vis.base; s += 8) _mm256_storeu_ps(w + s, _mm256_sub_ps(_mm256_loadu_ps(w + s), shift));
     for (; s < n; s++)
-        if (slot_visible(s, start, r, rows, mask)) w[s] -= top;
+        if (slot_visible(s, r, vis)) w[s] -= top;
     exp_inplace(w, n);  /* lane-wise: the invisible slots' values are never read */
 }
 
@@ -901,12 +916,12 @@ static inline void attention_weights(float *w, int n, int start, int r, int rows
 /* attention_values for np (1..3) pairs and nv (2 or 4) vectors of a tile, each shape
  * compiled with its own constants (the value pass of attention() and of
  * attention_tile_group; inlined into both, so each keeps the code it had). */
-static inline __attribute__((always_inline)) void tile_values(int np, int nv, const Model *m, int p0, int tile_rows, int r0, int rows,
-                        int start, int n, const uint8_t *mask, const float *values, int j,
-                        const float *weights, int wp0, float *out) {
+static inline __attribute__((always_inline)) void tile_values(int np, int nv, const Model *m, int p0, int tile_rows, int r0, int n,
+                        Visible vis, const float *values, int j, const float *weights, int wp0,
+                        float *out) {
     switch (np * 8 + nv) {
-#define VALUES(NP, NV) attention_values(NP, NV, m, p0, tile_rows, r0, rows, start, n, mask, \
-                                        values, j, weights, wp0, out)
+#define VALUES(NP, NV) attention_values(NP, NV, m, p0, tile_rows, r0, n, vis, values, j, \
+                                        weights, wp0, out)
     case 3 * 8 + 4: VALUES(3, 4); break;
     case 2 * 8 + 4: VALUES(2, 4); break;
     case 1 * 8 + 4: VALUES(1, 4); break;
@@ -923,13 +938,13 @@ static void attention_head(const Model *m, const float *qkv, int start, const fl
                            const float *v_cache, float *out, int h, float *w) {
     const int d = m->head_dim, group = m->heads / m->kv_heads, n = start + 1;
     const size_t kv_offset = (size_t)(h / group) * m->max_length * d;
-    attention_scores(qkv + h * d, k_cache + kv_offset, d, 0, n, start, 0, 1, NULL, w);
-    attention_weights(w, n, start, 0, 1, NULL);
+    attention_scores(qkv + h * d, k_cache + kv_offset, d, 0, n, 0, causal(start), w);
+    attention_weights(w, n, 0, causal(start));
     for (int j = 0; j < d; j += 64) {  /* head_dim is a multiple of 16 */
         const float *values = v_cache + kv_offset;
         /* as pair 0 of a one-row tile: weights at w, output at out + h * d */
         switch (min_int(64, d - j) / 8) {
-#define VALUES(NV) attention_values(1, NV, m, 0, 1, 0, 1, start, n, NULL, values, j, w, 0, out + h * d)
+#define VALUES(NV) attention_values(1, NV, m, 0, 1, 0, n, causal(start), values, j, w, 0, out + h * d)
         case 8: VALUES(8); break;
         case 6: VALUES(6); break;
         case 4: VALUES(4); break;
@@ -952,43 +967,43 @@ static void attention_row(const Model *m, const float *qkv, int start, const flo
  * make for this group, so every pair gets the same bits. w holds the group's group * rows
  * weight rows (max_length floats each). */
 static void attention_tile_group(const Model *m, const float *qkv, int rows, int start,
-                                 const uint8_t *mask, const float *k_cache,
-                                 const float *v_cache, float *out, int g, float *w) {
+                                 Visible vis, const float *k_cache, const float *v_cache,
+                                 float *out, int g, float *w) {
     const int d = m->head_dim, heads = m->heads, kv = m->kv_heads, group = heads / kv;
     const int width = (heads + 2 * kv) * d, R = rows, group_pairs = group * R;
     const size_t stride = (size_t)m->max_length;
-    const int n = mask ? start + rows : start + R, first = g * group_pairs;
+    const int n = start + R, first = g * group_pairs;
     const float *keys = k_cache + (size_t)g * stride * d;
     const float *values = v_cache + (size_t)g * stride * d;
     for (int s0 = 0; s0 < n; s0 += ATT_SLOTS)
         for (int p = first; p < first + group_pairs; p++)
             attention_scores(qkv + (size_t)(p % R) * width + p / R * d, keys, d, s0,
-                             min_int(n, s0 + ATT_SLOTS), start, p % R, rows, mask,
+                             min_int(n, s0 + ATT_SLOTS), p % R, vis,
                              w + (size_t)(p - first) * stride);
     for (int p = first; p < first + group_pairs; p++)
-        attention_weights(w + (size_t)(p - first) * stride, n, start, p % R, rows, mask);
+        attention_weights(w + (size_t)(p - first) * stride, n, p % R, vis);
     const int nv = d % 32 ? 2 : 4;
     for (int j = 0; j < d; j += 8 * nv)
         for (int p0 = first; p0 < first + group_pairs; p0 += 3) {
-            tile_values(min_int(3, first + group_pairs - p0), nv, m, p0, R, 0, rows, start, n,
-                        mask, values, j, w, first, out);
+            tile_values(min_int(3, first + group_pairs - p0), nv, m, p0, R, 0, n, vis, values,
+                        j, w, first, out);
         }
 }
 
 /* Attention of every (row, head) of one sequence (see above); scratch: attention_floats. */
-static void attention(const Model *m, const float *qkv, int rows, int start, const uint8_t *mask,
+static void attention(const Model *m, const float *qkv, int rows, int start, Visible vis,
                       const float *k_cache, const float *v_cache, float *out, float *scratch) {
     const int d = m->head_dim, heads = m->heads, kv = m->kv_heads, group = heads / kv;
     const int width = (heads + 2 * kv) * d;
     const size_t stride = (size_t)m->max_length;
-    if (rows == 1 && !mask) {
+    if (rows == 1 && !vis.mask) {
         attention_row(m, qkv, start, k_cache, v_cache, out, scratch);
         return;
     }
     for (int r0 = 0; r0 < rows; r0 += ATT_ROWS) {
         const int R = min_int(ATT_ROWS, rows - r0), pairs = heads * R, group_pairs = group * R;
         /* slots any row of the tile may see: causal rows stop at their own */
-        const int n = mask ? start + rows : start + r0 + R;
+        const int n = vis.mask ? start + rows : start + r0 + R;
         float *weights = scratch;
         const int chunks = (n + ATT_SLOTS - 1) / ATT_SLOTS;
 #pragma omp for schedule(static)
@@ -998,13 +1013,12 @@ static void attention(const Model *m, const float *qkv, int rows, int start, con
             for (int p = g * group_pairs; p < (g + 1) * group_pairs; p++) {
                 const int r = r0 + p % R;
                 attention_scores(qkv + (size_t)r * width + p / R * d, keys, d,
-                                 item % chunks * ATT_SLOTS, s1, start, r, rows, mask,
-                                 weights + p * stride);
+                                 item % chunks * ATT_SLOTS, s1, r, vis, weights + p * stride);
             }
         }
 #pragma omp for schedule(static)
         for (int p = 0; p < pairs; p++)
-            attention_weights(weights + p * stride, n, start, r0 + p % R, rows, mask);
+            attention_weights(weights + p * stride, n, r0 + p % R, vis);
         /* items: (kv group, 32 or 16 dimensions, block of 3 pairs) */
         const int nv = d % 32 ? 2 : 4, blocks = (group_pairs + 2) / 3, dims = d / (8 * nv);
 #pragma omp for schedule(static)
@@ -1012,8 +1026,8 @@ static void attention(const Model *m, const float *qkv, int rows, int start, con
             const int g = item / (dims * blocks), j = (item / blocks) % dims * 8 * nv;
             const int p0 = g * group_pairs + item % blocks * 3;
             const float *values = v_cache + (size_t)g * stride * d;
-            tile_values(min_int(3, (g + 1) * group_pairs - p0), nv, m, p0, R, r0, rows, start,
-                        n, mask, values, j, weights, 0, out);
+            tile_values(min_int(3, (g + 1) * group_pairs - p0), nv, m, p0, R, r0, n, vis, values,
+                        j, weights, 0, out);
         }
     }
 }
@@ -1130,11 +1144,23 @@ static int shares_head_loop(const int32_t *seq_rows, const int64_t *mask_offset,
     return seq_rows[s] == 1 && mask_offset[s] < 0;
 }
 
+/* What sequence s's new rows see: causal after its start, or its mask (over its new rows,
+ * or from seq_mask_base[s] on when that is given). */
+static Visible seq_visible(const int32_t *seq_rows, const int32_t *seq_start,
+                           const uint8_t *masks, const int64_t *mask_offset,
+                           const int32_t *seq_mask_base, int s) {
+    if (mask_offset[s] < 0) return causal(seq_start[s]);
+    const int base = seq_mask_base ? seq_mask_base[s] : seq_start[s];
+    const Visible v = {base, seq_start[s] + seq_rows[s] - base, masks + mask_offset[s]};
+    return v;
+}
+
 static void attention_batch(const Model *m, const float *qkv, int nseq, const int32_t *seq_rows,
                             const int32_t *seq_start, const int32_t *seq_slot,
                             const uint8_t *masks, const int64_t *mask_offset,
-                            const float *k_cache, const float *v_cache, int64_t slot_floats,
-                            float *attn, float *scratch, int rows) {
+                            const int32_t *seq_mask_base, const float *k_cache,
+                            const float *v_cache, int64_t slot_floats, float *attn,
+                            float *scratch, int rows) {
     const int d = m->head_dim, heads = m->heads, kv = m->kv_heads, group = heads / kv;
     const int width = (heads + 2 * kv) * d;
     int single = 0, tiles = 0, widest = 1;
@@ -1169,7 +1195,8 @@ static void attention_batch(const Model *m, const float *qkv, int nseq, const in
                 attention_head(m, q, seq_start[s], k_cache + cache, v_cache + cache, out, left, w);
             else
                 attention_tile_group(m, q, seq_rows[s], seq_start[s],
-                                     mask_offset[s] < 0 ? NULL : masks + mask_offset[s],
+                                     seq_visible(seq_rows, seq_start, masks, mask_offset,
+                                                 seq_mask_base, s),
                                      k_cache + cache, v_cache + cache, out, left, w);
         }
     }
@@ -1177,8 +1204,8 @@ static void attention_batch(const Model *m, const float *qkv, int nseq, const in
         const int one = shares_head_loop(seq_rows, mask_offset, s);
         if (one ? share_single : share_tiles && seq_rows[s] <= ATT_ROWS) continue;
         const size_t cache = (size_t)seq_slot[s] * slot_floats;
-        const uint8_t *mask = mask_offset[s] < 0 ? NULL : masks + mask_offset[s];
-        attention(m, qkv + (size_t)r0 * width, seq_rows[s], seq_start[s], mask, k_cache + cache,
+        const Visible vis = seq_visible(seq_rows, seq_start, masks, mask_offset, seq_mask_base, s);
+        attention(m, qkv + (size_t)r0 * width, seq_rows[s], seq_start[s], vis, k_cache + cache,
                   v_cache + cache, attn + (size_t)r0 * heads * d, scratch);
     }
 }
@@ -1195,12 +1222,12 @@ static void attention_batch(const Model *m, const float *qkv, int nseq, const in
  * layers start at k_cache + seq_slot[s] * slot_floats ([layers, kv_heads, max_length,
  * head_dim] each); mask_offset[s] < 0: causal, else masks + mask_offset[s] holds its
  * [seq_rows[s], seq_rows[s]] uint8 mask (1 = may attend); logits: [rows, vocab]. */
-void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *seq_rows,
-                        const int32_t *seq_start, const int32_t *seq_slot,
-                        const int64_t *positions, const uint8_t *masks,
-                        const int64_t *mask_offset, float *k_cache, float *v_cache,
-                        int64_t slot_floats, float *logits, int32_t *argmax, float *work,
-                        int threads) {
+static void forward_batch(const Model *m, float *hidden, int nseq, const int32_t *seq_rows,
+                          const int32_t *seq_start, const int32_t *seq_slot,
+                          const int64_t *positions, const uint8_t *masks,
+                          const int64_t *mask_offset, const int32_t *seq_mask_base,
+                          float *k_cache, float *v_cache, int64_t slot_floats, float *logits,
+                          int32_t *argmax, float *work, int threads) {
     const int H = m->hidden, d = m->head_dim, inter = m->intermediate;
     const int width = (m->heads + 2 * m->kv_heads) * d;
     const size_t layer_cache = (size_t)m->kv_heads * m->max_length * d;
@@ -1227,8 +1254,8 @@ void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *
                                  k_cache + l * layer_cache, v_cache + l * layer_cache,
                                  slot_floats, rows);
             attention_batch(m, qkv, nseq, seq_rows, seq_start, seq_slot, masks, mask_offset,
-                            k_cache + l * layer_cache, v_cache + l * layer_cache, slot_floats,
-                            attn, scratch, rows);
+                            seq_mask_base, k_cache + l * layer_cache, v_cache + l * layer_cache,
+                            slot_floats, attn, scratch, rows);
             linear(&L->o, attn, rows, hidden, H, 1, &qx);
             rms_norm(hidden, L->post_norm, rows, H, m->eps, normed);
             linear(&L->gate_up, normed, rows, gate_up, 2 * inter, 0, &qx);
@@ -1247,17 +1274,30 @@ void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *
     }
 }
 
+void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *seq_rows,
+                        const int32_t *seq_start, const int32_t *seq_slot,
+                        const int64_t *positions, const uint8_t *masks,
+                        const int64_t *mask_offset, float *k_cache, float *v_cache,
+                        int64_t slot_floats, float *logits, int32_t *argmax, float *work,
+                        int threads) {
+    forward_batch(m, hidden, nseq, seq_rows, seq_start, seq_slot, positions, masks, mask_offset,
+                  NULL, k_cache, v_cache, slot_floats, logits, argmax, work, threads);
+}
+
 /* Append `rows` tokens of one sequence at cache slots start..start+rows-1: a batch of one.
  * hidden: [rows, hidden] input embeddings, updated in place into the residual stream;
- * positions: [rows] RoPE positions; mask: [rows, rows] uint8 (1 = may attend) or NULL;
+ * positions: [rows] RoPE positions; mask: NULL (causal) or [rows, start + rows - mask_base]
+ * uint8 (1 = may attend) over cache slots mask_base .. start + rows - 1, the slots before
+ * mask_base seen by every row (mask_base = start: a mask among the new rows alone; less: a
+ * drafting head's tree, whose earlier nodes only their descendants see);
  * k_cache, v_cache: [layers, kv_heads, max_length, head_dim]; logits: [rows, vocab]. */
 void spec_forward(const Model *m, float *hidden, int rows, int start, const int64_t *positions,
-                  const uint8_t *mask, float *k_cache, float *v_cache, float *logits, float *work,
-                  int threads) {
-    const int32_t seq_rows = rows, seq_start = start, seq_slot = 0;
+                  const uint8_t *mask, int mask_base, float *k_cache, float *v_cache,
+                  float *logits, float *work, int threads) {
+    const int32_t seq_rows = rows, seq_start = start, seq_slot = 0, base = mask_base;
     const int64_t mask_offset = mask ? 0 : -1;
-    spec_forward_batch(m, hidden, 1, &seq_rows, &seq_start, &seq_slot, positions, mask,
-                       &mask_offset, k_cache, v_cache, 0, logits, NULL, work, threads);
+    forward_batch(m, hidden, 1, &seq_rows, &seq_start, &seq_slot, positions, mask,
+                  &mask_offset, &base, k_cache, v_cache, 0, logits, NULL, work, threads);
 }
 
 /* ---- one linear layer on its own (tests and microbenchmarks) -------------------- */
