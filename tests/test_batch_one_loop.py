@@ -137,6 +137,22 @@ def test_hf_rows_equal_their_single_sequence_runs() -> None:
     _check_rows_equal_alone(target, lambda: target.to_dtype(torch.bfloat16), VOCAB)
 
 
+def test_hf_rows_return_the_logits_they_ask_for() -> None:
+    """``RowInput.logits_from`` on the transformers runtime: each row's logits are the tail
+    of the logits it gets when it asks for all of them."""
+    sequences = [_ids(9, 15)[0], _ids(4, 16)[0]]
+    outputs = []
+    for froms in ((0, 0), (8, 2)):
+        model = HFCausalLM(tiny_llama(0, VOCAB, 2))
+        slots = [model.acquire_slot() for _ in sequences]
+        rows = [RowInput(s, ids, logits_from=n) for s, ids, n in zip(slots, sequences, froms,
+                                                                    strict=True)]  # fmt: skip
+        outputs.append(model.forward_rows(rows))
+    for every, asked, n in zip(*outputs, (8, 2), strict=True):
+        assert asked.shape[0] == every.shape[0] - n
+        torch.testing.assert_close(asked, every[n:], atol=1e-5, rtol=1e-5)
+
+
 def test_hf_padded_rows_match_single_forwards_and_catch_a_mask_leak() -> None:
     """Ragged rows with different cache lengths: logits match each sequence run alone
     (to float rounding); a mask that lets rows see the padding does not."""

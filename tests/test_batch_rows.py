@@ -137,3 +137,46 @@ def test_slots_are_owned_and_freed(folder: Path) -> None:
     with pytest.raises(ValueError, match="not acquired"):
         model.slot_length(a)
     assert model.acquire_slot() == a and model.slot_length(a) == 0
+
+
+@pytest.mark.parametrize(("backend", "precision"), [("kernels", "int4"), ("torch", "fp32")])
+def test_rows_skip_the_logits_they_do_not_ask_for(
+    folder: Path, backend: str, precision: str
+) -> None:
+    """``RowInput.logits_from``: each row's logits are bitwise the tail of its full logits,
+    its features and its cache are the same (the next call's logits equal), the fused
+    argmax follows the kept rows, and the single-sequence ``forward_from`` agrees."""
+    if backend == "kernels":
+        require_kernels()
+    full = load_native(folder, precision, max_length=64, backend=backend)
+    part = load_native(folder, precision, max_length=64, backend=backend)
+    ids = [_ids(30, 51 + i)[0] for i in range(3)]
+    froms = [6, 0, 11]  # a prefill wanting its last row only, every row, a longer prefill
+    slots = [(full.acquire_slot(), part.acquire_slot()) for _ in ids]
+    every = full.forward_rows_with_hidden(
+        [RowInput(f, t[:12]) for (f, _), t in zip(slots, ids, strict=True)]
+    )
+    rows = [RowInput(p, t[: 7 if n == 6 else 12], logits_from=n)
+            for (_, p), t, n in zip(slots, ids, froms, strict=True)]  # fmt: skip
+    full.rollback_slot(slots[0][0], 5)  # the first row fed 7 tokens, not 12
+    asked = part.forward_rows_with_hidden(rows)
+    for (logits, features), (want_logits, want_features), n, row in zip(
+        asked, every, froms, rows, strict=True
+    ):
+        k = row.input_ids.numel()
+        assert logits.shape[0] == k - n
+        assert torch.equal(logits, want_logits[n:k]) and torch.equal(features, want_features[:k])
+    if backend == "kernels":  # the argmax the kernels took is each row's kept logits' own
+        for logits, _ in asked:
+            assert torch.equal(torch.from_numpy(part.argmax_rows(logits)), logits.argmax(-1))
+    nexts = [RowInput(f, t[12:14]) for (f, _), t in zip(slots, ids, strict=True)]
+    nexts[0] = RowInput(slots[0][0], ids[0][7:9])
+    after_full = full.forward_rows(nexts)
+    after_part = part.forward_rows([RowInput(p, r.input_ids)
+                                    for (_, p), r in zip(slots, nexts, strict=True)])  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(after_part, after_full, strict=True))
+    single = load_native(folder, precision, max_length=64, backend=backend)
+    logits, features = single.forward_from(ids[2][None, :12], 11, hidden=True)
+    assert torch.equal(logits[0], every[2][0][11:12]) and torch.equal(features[0], every[2][1])
+    with pytest.raises(ValueError, match="logits_from"):
+        part.forward_rows([RowInput(slots[1][1], ids[1][14:16], logits_from=2)])

@@ -187,17 +187,18 @@ def drafter_cost(
 def interleaved_prefill_ms(
     models: Sequence[CausalLM], length: int, repeats: int = 3, warmup: int = 1
 ) -> list[float]:
-    """Median ms of one forward over ``length`` prompt tokens from an empty cache, for each
-    model, the models interleaved within each round."""
+    """Median ms of one prefill of ``length`` prompt tokens from an empty cache, as decoding
+    runs it (a session's pass that wants the last token's logits only), for each model, the
+    models interleaved within each round."""
     if repeats < 1 or length < 1:
         raise ValueError("need repeats >= 1 and a prompt of at least one token")
     samples: list[list[float]] = [[] for _ in models]
     with torch.inference_mode():
         for repeat in range(warmup + repeats):
             for model, times in zip(models, samples, strict=True):
-                prompt = _ids(probe_context(model.vocab_size, length))
-                model.reset()
-                elapsed = _timed_ms(lambda m=model, p=prompt: m.forward(p))
+                prompt = probe_context(model.vocab_size, length)
+                session = ModelSession(model)  # an empty cache
+                elapsed = _timed_ms(lambda s=session, p=prompt: s.logits_after(p))
                 if repeat >= warmup:
                     times.append(elapsed)
     for model in models:
@@ -248,7 +249,7 @@ def rows_verify_cost(
 
 # ---- time per round outside the forwards ----------------------------------------------
 
-TARGET_CALLS = ("forward", "forward_with_hidden", "forward_tree")
+TARGET_CALLS = ("forward", "forward_with_hidden", "forward_tree", "forward_from")
 DRAFTER_CALLS = ("propose", "propose_tree", "observe")
 
 

@@ -125,6 +125,10 @@ class RowInput:
     input_ids: torch.Tensor  # [k] int64, k >= 1
     attention_mask: torch.Tensor | None = None  # [k, k] bool, True = may attend; None: causal
     position_ids: torch.Tensor | None = None  # [k] int64; None: slot length + arange(k)
+    # the first token whose logits are wanted (0 <= logits_from < k): the row's logits are
+    # [k - logits_from, vocab], and a model may skip its output head for the tokens before
+    # (a prompt's prefill wants only its last token's)
+    logits_from: int = 0
 
 
 @runtime_checkable
@@ -158,7 +162,8 @@ class SupportsBatchRows(Protocol):
 
     def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
         """Append every row's tokens to its slot (each slot at most once per call);
-        returns each row's logits, [k_row, vocab] float."""
+        returns each row's logits from its ``logits_from`` on, [k_row - logits_from, vocab]
+        float."""
         ...
 
 
@@ -226,8 +231,28 @@ class SupportsBatchRowFeatures(Protocol):
     def forward_rows_with_hidden(
         self, rows: Sequence[RowInput]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """As ``forward_rows``; per row (logits [k_row, vocab], features [k_row, hidden]),
-        both float32, each the row's own alone."""
+        """As ``forward_rows``; per row (logits [k_row - logits_from, vocab], features
+        [k_row, hidden]), both float32, each the row's own alone."""
+        ...
+
+
+@runtime_checkable
+class SkipsOutputHead(Protocol):
+    """A model whose single-sequence pass can leave its output head out for the first
+    tokens: a prompt's prefill wants only its last token's logits, and the head is a fifth
+    of a token's work at SmolLM2-135M's shapes (a 49,152-row head over a 576-wide model)."""
+
+    def forward_from(
+        self,
+        input_ids: torch.Tensor,  # [1, k] int64
+        logits_from: int,  # the first token whose logits are wanted, 0 <= logits_from < k
+        attention_mask: torch.Tensor | None = None,  # [k, k] bool (a tree), None: causal
+        position_ids: torch.Tensor | None = None,  # [k] int64, with the mask
+        hidden: bool = False,  # also the features of all k tokens
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As ``forward`` / ``forward_tree`` / ``forward_with_hidden``: (logits [1, k -
+        logits_from, vocab] float32, features [1, k, hidden] float32 when ``hidden``, else
+        None)."""
         ...
 
 

@@ -257,10 +257,10 @@ class HFCausalLM:
         cache.length = first + len(kept)
 
     def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
-        """Every row's new tokens through one padded forward; [k_row, vocab] float32 logits
-        per row. Rows are right-padded to the longest cache and the longest input; the
-        mask hides each row's padding, so a row's logits are its logits alone up to
-        floating-point rounding (the batched matmuls may sum in another order)."""
+        """Every row's new tokens through one padded forward; [k_row - logits_from, vocab]
+        float32 logits per row. Rows are right-padded to the longest cache and the longest
+        input; the mask hides each row's padding, so a row's logits are its logits alone up
+        to floating-point rounding (the batched matmuls may sum in another order)."""
         return [logits for logits, _ in self._forward_rows(rows, hidden=False)]
 
     def forward_rows_with_hidden(
@@ -301,7 +301,8 @@ class HFCausalLM:
             for b, (slot_cache, k) in enumerate(zip(caches, ks, strict=True)):
                 self._keep_new(slot_cache, cache, b, cached, k)
         return [
-            (logits[b, :k], None if features is None else features[b, :k]) for b, k in enumerate(ks)
+            (logits[b, row.logits_from : k], None if features is None else features[b, :k])
+            for b, (row, k) in enumerate(zip(rows, ks, strict=True))
         ]
 
     @staticmethod
@@ -327,6 +328,8 @@ class HFCausalLM:
         if row.attention_mask is not None and row.attention_mask.shape != (k, k):
             shape = tuple(row.attention_mask.shape)
             raise ValueError(f"attention_mask must be [{k}, {k}], got {shape}")
+        if not 0 <= row.logits_from < k:
+            raise ValueError(f"logits_from must lie in [0, {k}), got {row.logits_from}")
         return k
 
     @staticmethod

@@ -22,6 +22,7 @@ import torch
 from speculative.models.base import (
     CausalLM,
     RowInput,
+    SkipsOutputHead,
     SupportsBatchRowFeatures,
     SupportsBatchRows,
     SupportsCacheCompaction,
@@ -73,12 +74,11 @@ def tree_attention(parents: Sequence[int], catch_up: int) -> tuple[torch.Tensor,
 
 @dataclass
 class _Pending:
-    """A planned row between request and receive: the tokens fed, how many of them are
-    the chain (the rest is a tree), and the first position whose logits were asked for."""
+    """A planned row between request and receive: the tokens fed and how many of them are
+    the chain (the rest is a tree)."""
 
     tokens: list[int]
     chain: int
-    skip: int
     tree: bool = False  # tokens[chain:] are a token tree (possibly empty)
     features: torch.Tensor | None = None  # [k, hidden] when the model gives features
 
@@ -147,6 +147,7 @@ class ModelSession:
         self._tree: list[int] | None = None  # tree tokens fed after ``cached``, not committed
         self._features = FeatureStore()
         self._hidden_model = model if isinstance(model, SupportsHiddenStates) else None
+        self._skips_head = model if isinstance(model, SkipsOutputHead) else None
         self._pending: _Pending | None = None  # the planned row between request and receive
         model.reset()
 
@@ -226,8 +227,8 @@ class ModelSession:
         to the longest common prefix with ``context[:-1]``; the row feeds the rest."""
         chain = self._rewind(context)
         fed = chain + list(new)
-        self._pending = _Pending(fed, chain=len(fed), skip=len(chain) - 1)
-        return RowInput(0, torch.tensor(fed, dtype=torch.long))  # [k]
+        self._pending = _Pending(fed, chain=len(fed))
+        return RowInput(0, torch.tensor(fed, dtype=torch.long), logits_from=len(chain) - 1)
 
     def request_tree(
         self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
@@ -238,15 +239,24 @@ class ModelSession:
         chain = self._rewind(context)  # catch-up tokens, the root last
         mask, offsets = tree_attention(parents, len(chain))  # [k, k], [k]
         fed = chain + list(tokens)
-        self._pending = _Pending(fed, chain=len(chain), skip=len(chain) - 1, tree=True)
+        self._pending = _Pending(fed, chain=len(chain), tree=True)
         ids = torch.tensor(fed, dtype=torch.long)  # [k]
-        return RowInput(0, ids, mask, len(self.cached) + offsets)
+        return RowInput(0, ids, mask, len(self.cached) + offsets, len(chain) - 1)
 
     def run(self, row: RowInput) -> torch.Tensor:
-        """The model's forward over the planned row: [k, vocab] logits."""
+        """The model's forward over the planned row: [k - logits_from, vocab] logits."""
         if self._pending is None:
             raise ValueError("run without a request")
         input_ids = row.input_ids.reshape(1, -1)  # [1, k]
+        if self._skips_head is not None:  # the output head only where logits are wanted
+            logits, features = self._skips_head.forward_from(
+                input_ids, row.logits_from, row.attention_mask, row.position_ids,
+                hidden=self._hidden_model is not None,
+            )  # fmt: skip
+            if features is not None:
+                self._pending.features = features[0]
+            self.forward_calls += 1
+            return logits[0]
         if self._hidden_model is not None:
             logits, features = self._hidden_model.forward_with_hidden(
                 input_ids, row.attention_mask, row.position_ids
@@ -258,11 +268,11 @@ class ModelSession:
         else:
             logits = self.model.forward(input_ids)  # [1, k, vocab]
         self.forward_calls += 1
-        return logits[0]
+        return logits[0, row.logits_from :]
 
     def receive(self, logits: torch.Tensor) -> torch.Tensor:
-        """Commit the planned row to the bookkeeping; its logits [k, vocab] ->
-        [1, 1 + len(new), vocab] (the positions asked for)."""
+        """Commit the planned row to the bookkeeping; its logits [k - logits_from, vocab]
+        (the positions asked for, as :meth:`run` gives them) -> [1, 1 + len(new), vocab]."""
         pending, self._pending = self._pending, None
         if pending is None:
             raise ValueError("receive without a request")
@@ -270,7 +280,7 @@ class ModelSession:
         self.cached.extend(pending.tokens[: pending.chain])
         if pending.tree:  # kept apart until keep_path
             self._tree = pending.tokens[pending.chain :]
-        return logits[pending.skip :].unsqueeze(0)
+        return logits.unsqueeze(0)
 
     def release(self) -> None:
         """Nothing to free: the session keeps its cache for the next generation."""
@@ -366,8 +376,8 @@ class SlotSession:
         :meth:`ModelSession.logits_after`)."""
         chain = self._rewind(context)
         fed = chain + list(new)
-        self._pending = _Pending(fed, chain=len(fed), skip=len(chain) - 1)
-        return RowInput(self.slot, torch.tensor(fed, dtype=torch.long))  # [k]
+        self._pending = _Pending(fed, chain=len(fed))
+        return RowInput(self.slot, torch.tensor(fed, dtype=torch.long), logits_from=len(chain) - 1)
 
     def request_tree(
         self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
@@ -377,12 +387,13 @@ class SlotSession:
         chain = self._rewind(context)
         mask, offsets = tree_attention(parents, len(chain))  # [k, k], [k]
         fed = chain + list(tokens)
-        self._pending = _Pending(fed, chain=len(chain), skip=len(chain) - 1, tree=True)
+        self._pending = _Pending(fed, chain=len(chain), tree=True)
         ids = torch.tensor(fed, dtype=torch.long)  # [k]
-        return RowInput(self.slot, ids, mask, len(self.cached) + offsets)
+        return RowInput(self.slot, ids, mask, len(self.cached) + offsets, len(chain) - 1)
 
     def receive(self, logits: torch.Tensor) -> torch.Tensor:
-        """This row's logits [k, vocab] from forward_rows -> [1, 1 + len(new), vocab]."""
+        """This row's logits from forward_rows ([k - logits_from, vocab]: the positions
+        asked for) -> [1, 1 + len(new), vocab]."""
         pending, self._pending = self._pending, None
         if pending is None:
             raise ValueError("receive without a request")
@@ -391,7 +402,7 @@ class SlotSession:
         self.cached.extend(pending.tokens[: pending.chain])
         if pending.tree:  # kept apart until keep_path
             self._tree = pending.tokens[pending.chain :]
-        return logits[pending.skip :].unsqueeze(0)
+        return logits.unsqueeze(0)
 
     def keep_path(self, nodes: Sequence[int]) -> None:
         """Commit the accepted path (node indices, root to leaf) of the last scored tree

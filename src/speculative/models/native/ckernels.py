@@ -84,7 +84,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 11
+ABI_VERSION = 12
 # "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
@@ -150,7 +150,8 @@ def _open_library(path: str) -> ctypes.CDLL:
     library.spec_forward.argtypes += [pointer, pointer, pointer, pointer, i32]
     library.spec_forward.restype = None
     library.spec_forward_batch.argtypes = [pointer, pointer, i32, pointer, pointer, pointer]
-    library.spec_forward_batch.argtypes += [pointer, pointer, pointer, pointer, pointer, i64]
+    library.spec_forward_batch.argtypes += [pointer, pointer, pointer, pointer, pointer, pointer]
+    library.spec_forward_batch.argtypes += [i64]
     library.spec_forward_batch.argtypes += [pointer, pointer, pointer, i32]
     library.spec_forward_batch.restype = None
     library.spec_linear_work_floats.argtypes = [i32, i32]
@@ -648,9 +649,9 @@ class KernelDecoder(DecoderBase):
         hidden: torch.Tensor,  # [rows, hidden] float32 embeddings, owned (updated in place);
         # segment i owns the next segments[i].rows rows
         segments: Sequence[Segment],
-    ) -> torch.Tensor:  # [rows, vocab]
+    ) -> torch.Tensor:  # [sum of logit_rows, vocab]
         """All segments in one spec_forward_batch call: each weight is streamed once for
-        every row of every sequence."""
+        every row of every sequence; the output head runs over the rows asked for."""
         if hidden.dtype != torch.float32 or not hidden.is_contiguous():
             raise ValueError("hidden must be contiguous float32 (it is updated in place)")
         rows = hidden.shape[0]
@@ -669,12 +670,16 @@ class KernelDecoder(DecoderBase):
             offset += s.rows * s.rows
         mask = torch.cat(masks).contiguous() if masks else torch.zeros(1, dtype=torch.uint8)
         mask_offset = torch.tensor(offsets, dtype=torch.int64)
+        wanted = sum(s.logit_rows for s in segments)
+        logits_from = None  # every row's logits
+        if wanted < rows:
+            logits_from = torch.tensor([s.logits_from for s in segments], dtype=int32)
         threads = torch.get_num_threads()
         model = ctypes.byref(self._model)
         work = torch.empty(self._library.spec_work_floats(model, rows, threads))
-        logits = torch.empty(rows, self.vocab_size)
+        logits = torch.empty(wanted, self.vocab_size)
         # the kernels' argmax of every row, taken while their threads hold the logits
-        best = torch.empty(rows, dtype=int32) if rows <= FUSED_ARGMAX_ROWS else None
+        best = torch.empty(wanted, dtype=int32) if wanted <= FUSED_ARGMAX_ROWS else None
         slot_floats = self.k_cache[0].numel()  # [layers, kv_heads, max_length, head_dim]
         self._library.spec_forward_batch(
             model,
@@ -686,6 +691,7 @@ class KernelDecoder(DecoderBase):
             positions.data_ptr(),
             mask.data_ptr(),
             mask_offset.data_ptr(),
+            None if logits_from is None else logits_from.data_ptr(),
             self.k_cache.data_ptr(),
             self.v_cache.data_ptr(),
             slot_floats,

@@ -30,10 +30,16 @@ class Segment:
     start: int
     positions: torch.Tensor  # [rows] int64 RoPE positions
     mask: torch.Tensor | None  # [rows, rows] bool (True = may attend) or None (causal)
+    logits_from: int = 0  # its first row whose logits are wanted (RowInput.logits_from)
 
     @property
     def rows(self) -> int:
         return int(self.positions.numel())
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows whose logits the forward returns."""
+        return self.rows - self.logits_from
 
 
 class DecoderBase:
@@ -97,12 +103,15 @@ class DecoderBase:
         start: int,
         positions: torch.Tensor,  # [batch, k] int64
         attention_mask: torch.Tensor | None,  # [k, k] bool or None (causal)
-    ) -> torch.Tensor:  # [batch, k, vocab] float32
+        logits_from: int = 0,  # the first token whose logits are wanted
+    ) -> torch.Tensor:  # [batch, k - logits_from, vocab] float32
         """Row b of the batch appends to cache slot b at ``start``: one ragged forward."""
         batch, k, width = hidden.shape
-        segments = [Segment(b, start, positions[b], attention_mask) for b in range(batch)]
+        segments = [
+            Segment(b, start, positions[b], attention_mask, logits_from) for b in range(batch)
+        ]
         logits = self.forward_segments(hidden.view(batch * k, width), segments)
-        return logits.view(batch, k, -1)
+        return logits.view(batch, k - logits_from, -1)
 
     def argmax_rows(self, logits: torch.Tensor) -> np.ndarray | None:
         """Each row's argmax as the last forward computed it, when ``logits`` are rows of
@@ -119,7 +128,8 @@ class DecoderBase:
         hidden: torch.Tensor,  # [rows, hidden] float32, owned: left holding the final
         # residual stream; segment i owns the next segments[i].rows rows
         segments: Sequence[Segment],
-    ) -> torch.Tensor:  # [rows, vocab] float32
+    ) -> torch.Tensor:  # [sum of logit_rows, vocab] float32
         """Append several sequences' new tokens, each to its own cache slot, in one call;
-        a segment's logits equal (bitwise) those of a call with that segment alone."""
+        returns the logits of each segment's rows from its ``logits_from`` on, in order; a
+        segment's logits equal (bitwise) those of a call with that segment alone."""
         raise NotImplementedError

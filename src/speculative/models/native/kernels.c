@@ -63,7 +63,7 @@ typedef struct {
     const float *sin;  /* [max_length, head_dim / 2] */
 } Model;
 
-int spec_abi_version(void) { return 11; }
+int spec_abi_version(void) { return 12; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 const char *spec_isa(void) { return "avx512"; }
@@ -1210,6 +1210,25 @@ static void attention_batch(const Model *m, const float *qkv, int nseq, const in
     }
 }
 
+/* The rows whose logits are wanted (sequence s: its rows from seq_logits_from[s] on),
+ * copied in order to the front of `to` (which may be `x` itself: a row never moves back);
+ * returns how many. One thread copies (a few rows of `width` floats) and the rest wait. */
+static int gather_wanted(const float *x, int width, int nseq, const int32_t *seq_rows,
+                         const int32_t *seq_logits_from, float *to) {
+    int out = 0;
+#pragma omp single
+    {
+        for (int s = 0, r0 = 0; s < nseq; r0 += seq_rows[s], s++)
+            for (int r = seq_logits_from[s]; r < seq_rows[s]; r++, out++)
+                if (to + (size_t)out * width != x + (size_t)(r0 + r) * width)
+                    memmove(to + (size_t)out * width, x + (size_t)(r0 + r) * width,
+                            (size_t)width * sizeof(float));
+    }  /* implicit barrier */
+    int count = 0;
+    for (int s = 0; s < nseq; s++) count += seq_rows[s] - seq_logits_from[s];
+    return count;
+}
+
 /* Append the new tokens of `nseq` sequences in one pass: every linear layer runs once
  * over all rows of all sequences (one weight stream for the whole batch); RoPE, the cache
  * store and attention run per sequence with its own start, positions, mask and cache slot
@@ -1221,13 +1240,18 @@ static void attention_batch(const Model *m, const float *qkv, int nseq, const in
  * sequence s appends at cache slots seq_start[s].. of cache slot seq_slot[s], whose
  * layers start at k_cache + seq_slot[s] * slot_floats ([layers, kv_heads, max_length,
  * head_dim] each); mask_offset[s] < 0: causal, else masks + mask_offset[s] holds its
- * [seq_rows[s], seq_rows[s]] uint8 mask (1 = may attend); logits: [rows, vocab]. */
+ * [seq_rows[s], seq_rows[s]] uint8 mask (1 = may attend); seq_logits_from: NULL (every
+ * row's logits) or, per sequence, its first row whose logits are wanted (a prompt's
+ * prefill wants none or its last: the output head, a fifth of a row's work at the default
+ * model's shapes, runs only over the rows asked for); logits: [rows asked for, vocab], in
+ * row order, and argmax likewise. */
 static void forward_batch(const Model *m, float *hidden, int nseq, const int32_t *seq_rows,
                           const int32_t *seq_start, const int32_t *seq_slot,
                           const int64_t *positions, const uint8_t *masks,
                           const int64_t *mask_offset, const int32_t *seq_mask_base,
-                          float *k_cache, float *v_cache, int64_t slot_floats, float *logits,
-                          int32_t *argmax, float *work, int threads) {
+                          const int32_t *seq_logits_from, float *k_cache, float *v_cache,
+                          int64_t slot_floats, float *logits, int32_t *argmax, float *work,
+                          int threads) {
     const int H = m->hidden, d = m->head_dim, inter = m->intermediate;
     const int width = (m->heads + 2 * m->kv_heads) * d;
     const size_t layer_cache = (size_t)m->kv_heads * m->max_length * d;
@@ -1269,19 +1293,26 @@ static void forward_batch(const Model *m, float *hidden, int nseq, const int32_t
             rms_norm(hidden, m->final_norm, rows, H, m->eps, normed);
             head_input = normed;
         }
-        linear(&m->lm_head, head_input, rows, logits, m->vocab, 0, &qx);
-        if (argmax) row_argmax(logits, rows, m->vocab, argmax, found);
+        const int out = seq_logits_from ? gather_wanted(head_input, H, nseq, seq_rows,
+                                                        seq_logits_from, normed)
+                                        : rows;
+        if (out < rows) head_input = normed;
+        if (out > 0) {
+            linear(&m->lm_head, head_input, out, logits, m->vocab, 0, &qx);
+            if (argmax) row_argmax(logits, out, m->vocab, argmax, found);
+        }
     }
 }
 
 void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *seq_rows,
                         const int32_t *seq_start, const int32_t *seq_slot,
                         const int64_t *positions, const uint8_t *masks,
-                        const int64_t *mask_offset, float *k_cache, float *v_cache,
-                        int64_t slot_floats, float *logits, int32_t *argmax, float *work,
-                        int threads) {
+                        const int64_t *mask_offset, const int32_t *seq_logits_from,
+                        float *k_cache, float *v_cache, int64_t slot_floats, float *logits,
+                        int32_t *argmax, float *work, int threads) {
     forward_batch(m, hidden, nseq, seq_rows, seq_start, seq_slot, positions, masks, mask_offset,
-                  NULL, k_cache, v_cache, slot_floats, logits, argmax, work, threads);
+                  NULL, seq_logits_from, k_cache, v_cache, slot_floats, logits, argmax, work,
+                  threads);
 }
 
 /* Append `rows` tokens of one sequence at cache slots start..start+rows-1: a batch of one.
@@ -1297,7 +1328,7 @@ void spec_forward(const Model *m, float *hidden, int rows, int start, const int6
     const int32_t seq_rows = rows, seq_start = start, seq_slot = 0, base = mask_base;
     const int64_t mask_offset = mask ? 0 : -1;
     forward_batch(m, hidden, 1, &seq_rows, &seq_start, &seq_slot, positions, mask,
-                  &mask_offset, &base, k_cache, v_cache, 0, logits, NULL, work, threads);
+                  &mask_offset, &base, NULL, k_cache, v_cache, 0, logits, NULL, work, threads);
 }
 
 /* ---- one linear layer on its own (tests and microbenchmarks) -------------------- */

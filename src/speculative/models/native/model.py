@@ -212,10 +212,10 @@ class NativeLlama:
             raise ValueError("a slot appears twice in one forward_rows call")
         ids = torch.cat([row.input_ids.reshape(-1) for row in rows])  # [total]
         hidden = self.embed[ids]  # [total, hidden], a copy the decoder updates in place
-        logits = self.decoder.forward_segments(hidden, segments)  # [total, vocab]
+        logits = self.decoder.forward_segments(hidden, segments)  # [wanted, vocab]
         for segment in segments:
             self._slot_lengths[segment.slot] = segment.start + segment.rows
-        return list(logits.split([segment.rows for segment in segments])), hidden
+        return list(logits.split([segment.logit_rows for segment in segments])), hidden
 
     def _segment(self, row: RowInput) -> Segment:
         start = self.slot_length(row.slot)
@@ -231,8 +231,10 @@ class NativeLlama:
         if row.attention_mask is not None and row.attention_mask.shape != (k, k):
             shape = tuple(row.attention_mask.shape)
             raise ValueError(f"attention_mask must be [{k}, {k}], got {shape}")
+        _check_logits_from(row.logits_from, k)
         positions = self._positions(row.position_ids, 1, k, start)[0]  # [k]
-        return Segment(row.slot, start, positions.contiguous(), row.attention_mask)
+        return Segment(row.slot, start, positions.contiguous(), row.attention_mask,
+                       row.logits_from)  # fmt: skip
 
     def _check_slot(self, slot: int) -> None:
         if slot not in self._slot_lengths:
@@ -315,6 +317,27 @@ class NativeLlama:
         self._length = start + k
         return logits, self._features(hidden)
 
+    @torch.no_grad()
+    def forward_from(
+        self,
+        input_ids: torch.Tensor,  # [1, k] int64
+        logits_from: int,
+        attention_mask: torch.Tensor | None = None,  # [k, k] bool (a tree), None: causal
+        position_ids: torch.Tensor | None = None,  # [k] int64
+        hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """See :class:`~speculative.models.base.SkipsOutputHead`: the output head runs only
+        over the tokens from ``logits_from`` on."""
+        batch, k = self._check_input(input_ids, attention_mask)
+        _check_logits_from(logits_from, k)
+        start = self._length
+        self._ensure_cache(batch)
+        positions = self._positions(position_ids, batch, k, start)  # [batch, k]
+        states = self.embed[input_ids]  # [batch, k, hidden], updated in place by the decoder
+        logits = self.decoder.forward(states, start, positions, attention_mask, logits_from)
+        self._length = start + k
+        return logits, self._features(states) if hidden else None
+
     def _features(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final residual stream [..., hidden] -> features (after the final norm)."""
         final_norm = self.decoder.final_norm
@@ -377,3 +400,8 @@ class NativeLlama:
         if positions.min() < 0 or positions.max() >= self._max_length:
             raise ValueError(f"position_ids must lie in [0, {self._max_length})")
         return positions
+
+
+def _check_logits_from(logits_from: int, k: int) -> None:
+    if not 0 <= logits_from < k:
+        raise ValueError(f"logits_from must lie in [0, {k}) for {k} tokens, got {logits_from}")

@@ -164,15 +164,15 @@ class TorchDecoder(DecoderBase):
         hidden: torch.Tensor,  # [rows, hidden] float32 embeddings, owned: left holding the
         # final residual stream; segment i owns the next segments[i].rows rows
         segments: Sequence[Segment],
-    ) -> torch.Tensor:  # [rows, vocab]
+    ) -> torch.Tensor:  # [sum of logit_rows, vocab]
         """One sequence at a time (the reference the C batch is tested against)."""
-        logits = torch.empty(hidden.shape[0], self.vocab_size)
+        logits = []
         first = 0
         for segment in segments:
             rows = slice(first, first + segment.rows)
-            logits[rows] = self._forward_one(hidden[rows], segment)
+            logits.append(self._forward_one(hidden[rows], segment)[segment.logits_from :])
             first += segment.rows
-        return logits
+        return torch.cat(logits) if logits else torch.empty(0, self.vocab_size)
 
     def _forward_one(
         self,
