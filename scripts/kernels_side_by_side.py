@@ -19,6 +19,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -58,33 +59,58 @@ def load_both(baseline: Path, precision: str):
     return current, before
 
 
+def _alternate(
+    names: list[str],
+    ks: list[int],
+    repeats: int,
+    bitwise: bool,
+    forward: Callable[[str, int], torch.Tensor],
+    rollback: Callable[[str, int], None],
+    where: str,
+) -> dict[tuple[str, int], float]:
+    """Median ms of ``forward(name, k)`` per (model, k), the models alternated (which goes
+    first flips every round; the first round warms up), each forward undone by
+    ``rollback(name, k)``; stops when two models' logits differ under ``bitwise``."""
+    times: dict[tuple[str, int], list[float]] = {(n, k): [] for n in names for k in ks}
+    with torch.inference_mode():
+        for repeat in range(repeats + 1):
+            for k in ks:
+                logits = {}
+                for name in names if repeat % 2 else reversed(names):
+                    started = time.perf_counter()
+                    logits[name] = forward(name, k)
+                    elapsed = (time.perf_counter() - started) * 1e3
+                    rollback(name, k)
+                    if repeat:
+                        times[(name, k)].append(elapsed)
+                if bitwise and not torch.equal(*logits.values()):
+                    raise SystemExit(f"{where}, k = {k}: the logits differ")
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def _rows(ms: dict[tuple[str, int], float], ks: list[int], **fields: int) -> list[dict]:
+    """One result row per k: before/after ms ("after" is this tree) and their ratio."""
+    rows = []
+    for k in ks:
+        after, before = ms[("after", k)], ms[("before", k)]
+        rows.append({**fields, "k": k, "before_ms": before, "after_ms": after,
+                     "ratio": after / before})  # fmt: skip
+    return rows
+
+
 def compare(models: dict, context: int, ks: list[int], repeats: int, bitwise: bool) -> list[dict]:
     g = torch.Generator().manual_seed(context)
     ids = torch.randint(0, 49000, (1, context + max(ks)), generator=g)  # [1, context + k]
     for model in models.values():
         model.reset()
         model.forward(ids[:, :context])
-    times: dict[tuple[str, int], list[float]] = {(n, k): [] for n in models for k in ks}
-    names = list(models)
-    with torch.inference_mode():
-        for repeat in range(repeats + 1):  # the first round warms up
-            for k in ks:
-                logits = {}
-                for name in names if repeat % 2 else reversed(names):
-                    started = time.perf_counter()
-                    logits[name] = models[name].forward(ids[:, context : context + k])
-                    elapsed = (time.perf_counter() - started) * 1e3
-                    models[name].rollback(k)
-                    if repeat:
-                        times[(name, k)].append(elapsed)
-                if bitwise and not torch.equal(*logits.values()):
-                    raise SystemExit(f"context {context}, k = {k}: the logits differ")
-    rows = []
-    for k in ks:
-        after, before = (statistics.median(times[(n, k)]) for n in names)
-        rows.append({"context": context, "k": k, "before_ms": before, "after_ms": after,
-                     "ratio": after / before})  # fmt: skip
-    return rows
+    ms = _alternate(
+        list(models), ks, repeats, bitwise,
+        lambda name, k: models[name].forward(ids[:, context : context + k]),
+        lambda name, k: models[name].rollback(k),
+        f"context {context}",
+    )  # fmt: skip
+    return _rows(ms, ks, context=context)
 
 
 def compare_batch(
@@ -94,38 +120,24 @@ def compare_batch(
     ``context`` tokens, timing one ``forward_rows`` pass of k new tokens per sequence."""
     g = torch.Generator().manual_seed(context)
     ids = torch.randint(0, 49000, (batch, context + max(ks)), generator=g)  # [B, context + k]
-    slots = {}
+    slots = {name: [model.acquire_slot() for _ in range(batch)] for name, model in models.items()}
     for name, model in models.items():
-        slots[name] = [model.acquire_slot() for _ in range(batch)]
         model.forward_rows([RowInput(s, ids[i, :context]) for i, s in enumerate(slots[name])])
-    times: dict[tuple[str, int], list[float]] = {(n, k): [] for n in models for k in ks}
-    names = list(models)
-    with torch.inference_mode():
-        for repeat in range(repeats + 1):  # the first round warms up
-            for k in ks:
-                logits = {}
-                for name in names if repeat % 2 else reversed(names):
-                    model = models[name]
-                    rows = [RowInput(s, ids[i, context : context + k])
-                            for i, s in enumerate(slots[name])]  # fmt: skip
-                    started = time.perf_counter()
-                    logits[name] = torch.cat(model.forward_rows(rows))
-                    elapsed = (time.perf_counter() - started) * 1e3
-                    for s in slots[name]:
-                        model.rollback_slot(s, k)
-                    if repeat:
-                        times[(name, k)].append(elapsed)
-                if bitwise and not torch.equal(*logits.values()):
-                    raise SystemExit(f"batch {batch}, context {context}, k = {k}: logits differ")
+
+    def forward(name: str, k: int) -> torch.Tensor:
+        rows = [RowInput(s, ids[i, context : context + k]) for i, s in enumerate(slots[name])]
+        return torch.cat(models[name].forward_rows(rows))
+
+    def rollback(name: str, k: int) -> None:
+        for s in slots[name]:
+            models[name].rollback_slot(s, k)
+
+    ms = _alternate(list(models), ks, repeats, bitwise, forward, rollback,
+                    f"batch {batch}, context {context}")  # fmt: skip
     for name, model in models.items():
         for s in slots[name]:
             model.release_slot(s)
-    rows_out = []
-    for k in ks:
-        after, before = (statistics.median(times[(n, k)]) for n in names)
-        rows_out.append({"context": context, "k": k, "batch": batch, "before_ms": before,
-                         "after_ms": after, "ratio": after / before})  # fmt: skip
-    return rows_out
+    return _rows(ms, ks, context=context, batch=batch)
 
 
 def main() -> None:

@@ -476,6 +476,21 @@ static inline void q4_panel8(const uint8_t *blocks, int groups, int in, const Qu
 #define Q4_PANEL16_ROWS 1
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
+/* 32 bytes of a block of each of two adjacent panels side by side in one zmm (the first
+ * panel's in the low half), and the prefetch of both blocks' streams. */
+static inline __attribute__((always_inline)) __m512i two_panels(const void *a, const void *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+static inline __attribute__((always_inline)) void prefetch_two(const void *a, const void *b,
+                                                               int bytes) {
+    for (int i = 0; i < bytes; i += 64) {
+        _mm_prefetch((const char *)a + PREFETCH_BYTES + i, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + PREFETCH_BYTES + i, _MM_HINT_T0);
+    }
+}
+
 /* q4_panel8 for two adjacent panels at once (16 outputs, one zmm lane each): the same
  * per-lane operations, so the same bits. */
 static inline void q4_panel16(const uint8_t *blocks, const uint8_t *blocks2, int groups, int in,
@@ -485,15 +500,10 @@ static inline void q4_panel16(const uint8_t *blocks, const uint8_t *blocks2, int
     for (int g = 0; g < groups; g++) {
         const uint8_t *block = blocks + (size_t)g * Q4_BLOCK_BYTES;
         const uint8_t *block2 = blocks2 + (size_t)g * Q4_BLOCK_BYTES;
-        for (int b = 0; b < Q4_BLOCK_BYTES; b += 64) {
-            _mm_prefetch((const char *)block + PREFETCH_BYTES + b, _MM_HINT_T0);
-            _mm_prefetch((const char *)block2 + PREFETCH_BYTES + b, _MM_HINT_T0);
-        }
+        prefetch_two(block, block2, Q4_BLOCK_BYTES);
         __m512i u[8];
         for (int c = 0; c < 4; c++) {
-            const __m512i bytes = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(block + 32 * c))),
-                _mm256_loadu_si256((const __m256i *)(block2 + 32 * c)), 1);
+            const __m512i bytes = two_panels(block + 32 * c, block2 + 32 * c);
             u[c] = _mm512_and_si512(bytes, low);
             u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
         }
@@ -613,17 +623,9 @@ static inline void q8d_panel16(const int8_t *blocks, const int8_t *blocks2, int 
     for (int g = 0; g < groups; g++) {
         const int8_t *block = blocks + (size_t)g * Q8D_BLOCK_BYTES;
         const int8_t *block2 = blocks2 + (size_t)g * Q8D_BLOCK_BYTES;
-        for (int b = 0; b < Q8D_BLOCK_BYTES; b += 64) {
-            _mm_prefetch((const char *)block + PREFETCH_BYTES + b, _MM_HINT_T0);
-            _mm_prefetch((const char *)block2 + PREFETCH_BYTES + b, _MM_HINT_T0);
-        }
+        prefetch_two(block, block2, Q8D_BLOCK_BYTES);
         __m512i u[8];
-        for (int j = 0; j < 8; j++)
-            u[j] = _mm512_xor_si512(
-                _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(block + 32 * j))),
-                    _mm256_loadu_si256((const __m256i *)(block2 + 32 * j)), 1),
-                flip);
+        for (int j = 0; j < 8; j++) u[j] = _mm512_xor_si512(two_panels(block + 32 * j, block2 + 32 * j), flip);
         for (int r = 0; r < rows; r++) {
             const size_t row = (size_t)(r0 + r), s = row * qx->stride + g;
             const int8_t *xr = qx->q + row * in + g * GROUP;
