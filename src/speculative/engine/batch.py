@@ -73,6 +73,7 @@ from speculative.models.session import (
     common_prefix_length,
 )
 from speculative.sampling import SamplingParams
+from speculative.theory import decayed_average
 
 ALPHA_PRIOR = 0.6  # running acceptance estimate: Beta prior mean ...
 ALPHA_PRIOR_WEIGHT = 2.0  # ... and weight in pseudo-drafts
@@ -412,9 +413,11 @@ class BatchEngine:
     def _measure_propose(row: BatchRow, seconds: float, calls_before: int) -> None:
         steps = row.state.stats.draft_calls - calls_before
         if steps:  # a model drafter: its cost grows with the draft steps
-            row.step_draft_seconds = _running(row.step_draft_seconds, seconds / steps)
+            row.step_draft_seconds = decayed_average(
+                row.step_draft_seconds, seconds / steps, COST_DECAY
+            )
         elif row.request.drafter is not None and seconds > 0:
-            row.propose_seconds = _running(row.propose_seconds, seconds)
+            row.propose_seconds = decayed_average(row.propose_seconds, seconds, COST_DECAY)
 
     def _draft_costs(self, row: BatchRow) -> tuple[float, float]:
         """(c per draft step, fixed cost per propose call), each ÷ T(1): the request's
@@ -431,7 +434,9 @@ class BatchEngine:
         """Update the running T(1) estimate from a pass of ``tokens`` tokens."""
         if self.load is None or tokens > 4 * self.max_batch * 16:  # skip prefill-sized passes
             return
-        self.step_seconds = _running(self.step_seconds, seconds / self.load.cost(tokens))
+        self.step_seconds = decayed_average(
+            self.step_seconds, seconds / self.load.cost(tokens), COST_DECAY
+        )
 
     @staticmethod
     def _fed(row: BatchRow) -> int:
@@ -495,8 +500,3 @@ def _default_pool(target: CausalLM, max_batch: int) -> RowPool:
     if max_batch > 1:
         raise ValueError(f"{type(target).__name__} cannot hold several sequences (slots)")
     return SinglePool(ModelSession(target))
-
-
-def _running(previous: float | None, value: float) -> float:
-    """Running mean with decay COST_DECAY (the first value as is)."""
-    return value if previous is None else COST_DECAY * previous + (1 - COST_DECAY) * value
