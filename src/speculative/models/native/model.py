@@ -258,14 +258,7 @@ class NativeLlama:
         new token i sees new token j iff ``attention_mask[i, j]`` (and always the cache).
         ``position_ids`` default to ``cache_length + arange(k)``.
         """
-        batch, k = self._check_input(input_ids, attention_mask)
-        start = self._length
-        self._ensure_cache(batch)
-        positions = self._positions(position_ids, batch, k, start)  # [batch, k]
-        hidden = self.embed[input_ids]  # [batch, k, hidden], a copy the decoder owns
-        logits = self.decoder.forward(hidden, start, positions, attention_mask)
-        self._length = start + k
-        return logits
+        return self.forward_from(input_ids, 0, attention_mask, position_ids)[0]
 
     __call__ = forward
 
@@ -308,26 +301,22 @@ class NativeLlama:
         """As :meth:`forward`; also returns [batch, k, hidden] features: both decoders
         leave the final residual stream in the buffer they were given, so the features
         cost one final norm."""
-        batch, k = self._check_input(input_ids, attention_mask)
-        start = self._length
-        self._ensure_cache(batch)
-        positions = self._positions(position_ids, batch, k, start)  # [batch, k]
-        hidden = self.embed[input_ids]  # [batch, k, hidden], updated in place by the decoder
-        logits = self.decoder.forward(hidden, start, positions, attention_mask)
-        self._length = start + k
-        return logits, self._features(hidden)
+        logits, features = self.forward_from(input_ids, 0, attention_mask, position_ids, True)
+        assert features is not None
+        return logits, features
 
     @torch.no_grad()
     def forward_from(
         self,
-        input_ids: torch.Tensor,  # [1, k] int64
+        input_ids: torch.Tensor,  # [batch, k] int64
         logits_from: int,
         attention_mask: torch.Tensor | None = None,  # [k, k] bool (a tree), None: causal
         position_ids: torch.Tensor | None = None,  # [k] int64
         hidden: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """See :class:`~speculative.models.base.SkipsOutputHead`: the output head runs only
-        over the tokens from ``logits_from`` on."""
+        """See :class:`~speculative.models.base.SkipsOutputHead` (any batch here: row b
+        appends to the single-sequence cache's slot b): the output head runs only over the
+        tokens from ``logits_from`` on; [batch, k - logits_from, vocab] logits."""
         batch, k = self._check_input(input_ids, attention_mask)
         _check_logits_from(logits_from, k)
         start = self._length
