@@ -472,15 +472,25 @@ static inline void q4_panel8(const uint8_t *blocks, int groups, int in, const Qu
     }
 }
 
-#ifndef Q4_PANEL16_ROWS
-#define Q4_PANEL16_ROWS 1
-#endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 /* 32 bytes of a block of each of two adjacent panels side by side in one zmm (the first
  * panel's in the low half), and the prefetch of both blocks' streams. */
 static inline __attribute__((always_inline)) __m512i two_panels(const void *a, const void *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
                               _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+/* init + the exact integer dots of 16 outputs (u: a group's unsigned weight bytes in the
+ * VNNI layout) with one row's 32 int8 activations xr, four at a time (broadcast). */
+static inline __attribute__((always_inline)) __m512i vnni_dot16(const __m512i u[8],
+                                                                const int8_t *xr, __m512i init) {
+    __m512i dot = init;
+    for (int j = 0; j < 8; j++) {
+        int32_t four;
+        memcpy(&four, xr + 4 * j, 4);
+        dot = _mm512_dpbusd_epi32(dot, u[j], _mm512_set1_epi32(four));
+    }
+    return dot;
 }
 
 static inline __attribute__((always_inline)) void prefetch_two(const void *a, const void *b,
@@ -516,12 +526,7 @@ static inline void q4_panel16(const uint8_t *blocks, const uint8_t *blocks2, int
         for (int r = 0; r < rows; r++) {
             const size_t row = (size_t)(r0 + r), s = row * qx->stride + g;
             const int8_t *xr = qx->q + row * in + g * GROUP;
-            __m512i dot = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j++) {
-                int32_t four;
-                memcpy(&four, xr + 4 * j, 4);
-                dot = _mm512_dpbusd_epi32(dot, u[j], _mm512_set1_epi32(four));
-            }
+            const __m512i dot = vnni_dot16(u, xr, _mm512_setzero_si512());
             __m512 t = _mm512_mul_ps(m, _mm512_set1_ps(qx->part[s]));
             t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(qx->scale[s])), t);
             _mm512_store_ps(acc + r * 16, _mm512_add_ps(_mm512_load_ps(acc + r * 16), t));
@@ -550,7 +555,7 @@ static void linear_q4(const Linear *L, const float *x, int rows, float *y, int l
             const uint8_t *blocks = (const uint8_t *)L->weight + (size_t)p * panel_bytes;
             int done = 1;
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-            if (cn >= Q4_PANEL16_ROWS && p + 1 < p1) {
+            if (p + 1 < p1) {
                 q4_panel16(blocks, blocks + panel_bytes, groups, in, qx, c0, cn, acc);
                 done = 2;
             } else
@@ -629,12 +634,7 @@ static inline void q8d_panel16(const int8_t *blocks, const int8_t *blocks2, int 
         for (int r = 0; r < rows; r++) {
             const size_t row = (size_t)(r0 + r), s = row * qx->stride + g;
             const int8_t *xr = qx->q + row * in + g * GROUP;
-            __m512i dot = _mm512_set1_epi32(-128 * qx->sum[s]);
-            for (int j = 0; j < 8; j++) {
-                int32_t four;
-                memcpy(&four, xr + 4 * j, 4);
-                dot = _mm512_dpbusd_epi32(dot, u[j], _mm512_set1_epi32(four));
-            }
+            const __m512i dot = vnni_dot16(u, xr, _mm512_set1_epi32(-128 * qx->sum[s]));
             const __m512 dx = _mm512_set1_ps(qx->scale[s]);
             _mm512_store_ps(acc + r * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dx, _mm512_load_ps(acc + r * 16)));
         }
