@@ -28,6 +28,7 @@ from typing import cast
 
 import torch
 
+from speculative.capabilities import provides
 from speculative.drafters.base import (
     Drafter,
     ReadsTargetFeatures,
@@ -145,6 +146,7 @@ class BatchRow:
     # γ policy takes it: asked once (a runtime protocol check costs ~10 µs per round)
     situated: SupportsDraftSituation | None = None
     situates_policy: bool = False
+    learns_costs: SupportsCostFeedback | None = None  # the γ policy, where it learns timings
 
     def result(self) -> GenerationResult:
         return GenerationResult(
@@ -227,9 +229,9 @@ class BatchEngine:
         self.situations = SituationAcceptance()  # the load policy's α by situation
         self._next_id = 0
         # greedy checks read the argmax the target's forward took, where it takes one
-        self._fused_argmax = target if isinstance(target, SupportsFusedArgmax) else None
-        self._nucleus = target.nucleus if isinstance(target, SupportsNucleusSearch) else None
-        self._padded = target.padded_tokens if isinstance(target, PadsBatchRows) else None
+        self._fused_argmax = target if provides(target, SupportsFusedArgmax) else None
+        self._nucleus = target.nucleus if provides(target, SupportsNucleusSearch) else None
+        self._padded = target.padded_tokens if provides(target, PadsBatchRows) else None
 
     @property
     def max_length(self) -> int | None:
@@ -242,14 +244,14 @@ class BatchEngine:
         if len(self.rows) >= self.max_batch:
             raise ValueError(f"the batch is full ({self.max_batch} rows)")
         state = new_state(request.prompt_ids, self.max_length, stats)
-        reads = isinstance(request.drafter, ReadsTargetFeatures)
+        reads = provides(request.drafter, ReadsTargetFeatures)
         session = self.pool.open(features=reads)  # raises when no slot is free
         if request.drafter is not None:
             request.drafter.reset()
         gamma = request.gamma
         policy = FixedGamma(gamma) if isinstance(gamma, int) else gamma
         drafter = request.drafter
-        situated = drafter if isinstance(drafter, SupportsDraftSituation) else None
+        situated = drafter if provides(drafter, SupportsDraftSituation) else None
         row = BatchRow(
             row_id=self._next_id,
             request=request,
@@ -258,7 +260,8 @@ class BatchEngine:
             gamma_policy=policy,
             started=time.perf_counter(),
             situated=situated if request.tree is None else None,
-            situates_policy=situated is not None and isinstance(policy, SupportsSituations),
+            situates_policy=situated is not None and provides(policy, SupportsSituations),
+            learns_costs=policy if provides(policy, SupportsCostFeedback) else None,
         )
         self.rows[row.row_id] = row
         self._next_id += 1
@@ -314,10 +317,10 @@ class BatchEngine:
         it: any priming (features, prompt cache) on the model's single sequence, the
         features alone on a cache slot whose passes give them."""
         drafter = row.request.drafter
-        if self.pool.primes_drafters and isinstance(drafter, SupportsPriming):
+        if self.pool.primes_drafters and provides(drafter, SupportsPriming):
             assert isinstance(row.session, ModelSession)  # SinglePool's session
             drafter.prime(row.session)
-        elif isinstance(drafter, ReadsTargetFeatures) and row.session.features is not None:
+        elif provides(drafter, ReadsTargetFeatures) and row.session.features is not None:
             drafter.read_features(row.session)
         row.decoding = True
 
@@ -488,14 +491,14 @@ class BatchEngine:
 def _feed_back_costs(planned: _Planned, pass_seconds: float) -> None:
     """Tell a γ policy that learns from timings what this round's drafting and its
     verification pass really cost (catch-up forwards and overheads included)."""
-    policy, drafted = planned.row.gamma_policy, planned.proposal.drafted
-    if drafted and planned.proposal.tree is None and isinstance(policy, SupportsCostFeedback):
+    policy, drafted = planned.row.learns_costs, planned.proposal.drafted
+    if drafted and planned.proposal.tree is None and policy is not None:
         policy.observe_costs(drafted, planned.propose_seconds, pass_seconds)
 
 
 def _default_pool(target: CausalLM, max_batch: int) -> RowPool:
     """The target's cache slots, or (max_batch 1) its own single-sequence cache."""
-    if isinstance(target, SupportsBatchRows):
+    if provides(target, SupportsBatchRows):
         return SlotPool(target)
     if max_batch > 1:
         raise ValueError(f"{type(target).__name__} cannot hold several sequences (slots)")

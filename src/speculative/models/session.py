@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from speculative.capabilities import provides
 from speculative.models.base import (
     CausalLM,
     RowInput,
@@ -147,7 +148,7 @@ class ModelSession:
         self._tree: list[int] | None = None  # tree tokens fed after ``cached``, not committed
         self._features = FeatureStore()
         self._hidden_model = model if isinstance(model, SupportsHiddenStates) else None
-        self._skips_head = model if isinstance(model, SkipsOutputHead) else None
+        self._skips_head = model if provides(model, SkipsOutputHead) else None
         self._pending: _Pending | None = None  # the planned row between request and receive
         model.reset()
 
@@ -193,7 +194,7 @@ class ModelSession:
         this model can import that model's cache; returns whether it did."""
         self._drop_tree()
         model = self.model
-        if not other.cached or not isinstance(model, SupportsCacheImport):
+        if not other.cached or not provides(model, SupportsCacheImport):
             return False
         if not model.import_cache(other.model, len(other.cached)):
             return False
@@ -234,7 +235,7 @@ class ModelSession:
         self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
     ) -> RowInput:
         """Plan the tree pass of :meth:`logits_for_tree` (catch-up chain, then the tree)."""
-        if not isinstance(self.model, SupportsTreeAttention):
+        if not provides(self.model, SupportsTreeAttention):
             raise ValueError(f"{type(self.model).__name__} cannot score a token tree in one pass")
         chain = self._rewind(context)  # catch-up tokens, the root last
         mask, offsets = tree_attention(parents, len(chain))  # [k, k], [k]
@@ -263,7 +264,7 @@ class ModelSession:
             )  # [1, k, vocab], [1, k, hidden]
             self._pending.features = features[0]
         elif row.attention_mask is not None:
-            assert isinstance(self.model, SupportsTreeAttention)  # request_tree checked
+            assert provides(self.model, SupportsTreeAttention)  # request_tree checked
             logits = self.model.forward_tree(input_ids, row.attention_mask, row.position_ids)
         else:
             logits = self.model.forward(input_ids)  # [1, k, vocab]
@@ -303,7 +304,7 @@ class ModelSession:
             raise ValueError("keep_path without a scored tree")
         tree, first = self._tree, len(self.cached)
         self._tree = None
-        if isinstance(self.model, SupportsCacheCompaction):
+        if provides(self.model, SupportsCacheCompaction):
             self.model.keep_slots(first, [first + i for i in nodes])
             self._features.keep_path(first, nodes)
             self.cached.extend(tree[i] for i in nodes)
@@ -506,7 +507,7 @@ class SlotPool:
 
     def __init__(self, model: SupportsBatchRows) -> None:
         self.model = model
-        self.gives_features = isinstance(model, SupportsBatchRowFeatures)
+        self.gives_features = provides(model, SupportsBatchRowFeatures)
         self._sessions: dict[int, SlotSession] = {}  # by slot: the row that owns it now
 
     def open(self, features: bool = False) -> SlotSession:
@@ -520,7 +521,7 @@ class SlotPool:
         sessions = [self._sessions[row.slot] for row in rows]
         if not any(session.keeps_features for session in sessions):
             return self.model.forward_rows(rows)
-        assert isinstance(self.model, SupportsBatchRowFeatures)
+        assert provides(self.model, SupportsBatchRowFeatures)
         outputs = self.model.forward_rows_with_hidden(rows)
         for session, (_, features) in zip(sessions, outputs, strict=True):
             if session.keeps_features:

@@ -624,6 +624,7 @@ class KernelDecoder(DecoderBase):
             sin=self._sin,
         )
         self._layer_array, self._model = model.layer_array, model.struct
+        self._causal_only = torch.zeros(1, dtype=torch.uint8)  # mask stand-in: none given
 
     def cache_shape(self, batch: int) -> tuple[int, ...]:
         """[batch, layers, kv_heads, max_length, head_dim]."""
@@ -655,43 +656,38 @@ class KernelDecoder(DecoderBase):
         if hidden.dtype != torch.float32 or not hidden.is_contiguous():
             raise ValueError("hidden must be contiguous float32 (it is updated in place)")
         rows = hidden.shape[0]
-        int32 = torch.int32
-        seq_rows = torch.tensor([s.rows for s in segments], dtype=int32)
-        seq_start = torch.tensor([s.start for s in segments], dtype=int32)
-        seq_slot = torch.tensor([s.slot for s in segments], dtype=int32)
-        positions = torch.cat([s.positions.to(torch.int64) for s in segments]).contiguous()
-        masks, offsets, offset = [], [], 0
-        for s in segments:
-            if s.mask is None:
-                offsets.append(-1)
-                continue
-            masks.append(s.mask.to(torch.uint8).reshape(-1))  # [rows * rows]
-            offsets.append(offset)
-            offset += s.rows * s.rows
-        mask = torch.cat(masks).contiguous() if masks else torch.zeros(1, dtype=torch.uint8)
-        mask_offset = torch.tensor(offsets, dtype=torch.int64)
-        wanted = sum(s.logit_rows for s in segments)
-        logits_from = None  # every row's logits
-        if wanted < rows:
-            logits_from = torch.tensor([s.logits_from for s in segments], dtype=int32)
+        # per sequence (int32 [4, nseq]): its rows, first cache slot, cache row, and first
+        # row with logits; one small array, not a tensor each (a torch call costs ~5 µs)
+        meta = np.array(
+            [[s.rows, s.start, s.slot, s.logits_from] for s in segments], dtype=np.int32
+        ).T.copy()
+        nseq = meta.shape[1]
+        at = meta.__array_interface__["data"][0]
+        field = [at + 4 * nseq * i for i in range(4)]  # addresses of the four rows
+        positions = (
+            torch.cat([s.positions for s in segments]) if nseq > 1 else segments[0].positions
+        )
+        positions = positions.to(torch.int64).contiguous()  # [rows]
+        mask, mask_offset = self._masks(segments)
+        wanted = int(meta[0].sum() - meta[3].sum())
         threads = torch.get_num_threads()
         model = ctypes.byref(self._model)
         work = torch.empty(self._library.spec_work_floats(model, rows, threads))
         logits = torch.empty(wanted, self.vocab_size)
         # the kernels' argmax of every row, taken while their threads hold the logits
-        best = torch.empty(wanted, dtype=int32) if wanted <= FUSED_ARGMAX_ROWS else None
+        best = torch.empty(wanted, dtype=torch.int32) if wanted <= FUSED_ARGMAX_ROWS else None
         slot_floats = self.k_cache[0].numel()  # [layers, kv_heads, max_length, head_dim]
         self._library.spec_forward_batch(
             model,
             hidden.data_ptr(),
-            len(segments),
-            seq_rows.data_ptr(),
-            seq_start.data_ptr(),
-            seq_slot.data_ptr(),
+            nseq,
+            field[0],
+            field[1],
+            field[2],
             positions.data_ptr(),
             mask.data_ptr(),
-            mask_offset.data_ptr(),
-            None if logits_from is None else logits_from.data_ptr(),
+            mask_offset.__array_interface__["data"][0],
+            field[3] if wanted < rows else None,  # None: every row's logits
             self.k_cache.data_ptr(),
             self.v_cache.data_ptr(),
             slot_floats,
@@ -702,6 +698,21 @@ class KernelDecoder(DecoderBase):
         )
         self._argmax = None if best is None else FusedArgmax(logits, best.tolist())
         return logits
+
+    def _masks(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, np.ndarray]:
+        """The segments' masks, concatenated (uint8 [Σ rows²], a 1-byte stand-in when
+        every segment is causal), and each one's offset in them (int64 [nseq], -1:
+        causal)."""
+        masks, offsets, offset = [], [], 0
+        for s in segments:
+            if s.mask is None:
+                offsets.append(-1)
+                continue
+            masks.append(s.mask.to(torch.uint8).reshape(-1))  # [rows * rows]
+            offsets.append(offset)
+            offset += s.rows * s.rows
+        mask = torch.cat(masks).contiguous() if masks else self._causal_only
+        return mask, np.array(offsets, dtype=np.int64)
 
     def nucleus(self, logits: torch.Tensor, temperature: float, top_p: float) -> RowProbs | None:
         """See :class:`KernelNucleus`."""
