@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from speculative.heads.modules import EagleHead, KVCache, MedusaHeads
 from speculative.heads.store import TrainedHead
 from speculative.models.native.ckernels import (
-    KernelLayer,
     KernelLinear,
     kernel_model,
     kernel_shape_problem,
 )
+from speculative.models.native.decoder_base import PackedLayer
 from speculative.models.native.loading import rope_interleave_index
 
 # target precision -> (the head layer's weight format, the output rows' format)
@@ -132,7 +132,7 @@ class KernelEagleRunner:
         self.feature_norm = module.feature_norm.weight.detach().float().contiguous()
         self.fc = KernelLinear.pack(module.fc.weight.detach().float(), None, layer_format)
         self._fc = self.fc.struct()  # the C view of fc's tensors (which self.fc keeps)
-        self.layer = KernelLayer(
+        self.layer = PackedLayer(
             input_norm=module.input_norm.weight.detach().float().contiguous(),
             post_attention_norm=module.post_norm.weight.detach().float().contiguous(),
             qkv=KernelLinear.pack(_fused_qkv(module), None, layer_format),
@@ -236,9 +236,7 @@ class KernelEagleRunner:
         return hidden, logits
 
 
-def _mask_window(
-    mask: torch.Tensor | None, k: int, start: int
-) -> tuple[int, torch.Tensor | None]:
+def _mask_window(mask: torch.Tensor | None, k: int, start: int) -> tuple[int, torch.Tensor | None]:
     """(base, mask[:, base:]) for kernels.c: the cached pairs every new pair sees come
     before ``base`` (the kernels skip the test there); a [k, k] mask or None has base
     ``start``."""

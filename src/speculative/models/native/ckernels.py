@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from speculative.models.native.config import NativeConfig
-from speculative.models.native.decoder_base import DecoderBase, Segment, layer_weight_bytes
+from speculative.models.native.decoder_base import DecoderBase, PackedLayer, Segment
 from speculative.models.native.layers import LayerWeights, lm_head_precision
 from speculative.models.native.linear import tensor_bytes
 from speculative.models.native.loading import Weight
@@ -482,27 +482,16 @@ class KernelLinear:
         return self.in_features * self.out_features
 
 
-@dataclass
-class KernelLayer:
-    input_norm: torch.Tensor  # [hidden]
-    post_attention_norm: torch.Tensor  # [hidden]
-    qkv: KernelLinear
-    o: KernelLinear
-    gate_up: KernelLinear
-    down: KernelLinear
-
-    def struct(self) -> _Layer:
-        return _Layer(
-            _address(self.input_norm),
-            _address(self.post_attention_norm),
-            self.qkv.struct(),
-            self.o.struct(),
-            self.gate_up.struct(),
-            self.down.struct(),
-        )
-
-    def weight_bytes(self) -> int:
-        return layer_weight_bytes(self)
+def _layer_struct(layer: PackedLayer[KernelLinear]) -> _Layer:
+    """kernels.c's ``Layer`` for a block packed for the kernels."""
+    return _Layer(
+        _address(layer.input_norm),
+        _address(layer.post_attention_norm),
+        layer.qkv.struct(),
+        layer.o.struct(),
+        layer.gate_up.struct(),
+        layer.down.struct(),
+    )
 
 
 @dataclass
@@ -527,14 +516,14 @@ def kernel_model(
     head_dim: int,
     intermediate: int,
     eps: float,
-    layers: Sequence[KernelLayer],
+    layers: Sequence[PackedLayer[KernelLinear]],
     final_norm: torch.Tensor | None,  # [hidden], or None: the head reads the residual stream
     lm_head: KernelLinear,
     cos: torch.Tensor,  # [max_length, head_dim / 2] float32
     sin: torch.Tensor,  # [max_length, head_dim / 2] float32
 ) -> KernelModel:
     """The ``Model`` struct of a stack of packed decoder layers and an output head."""
-    layer_array = (_Layer * len(layers))(*(layer.struct() for layer in layers))
+    layer_array = (_Layer * len(layers))(*(_layer_struct(layer) for layer in layers))
     struct = _Model(
         num_layers=len(layers),
         hidden=hidden,
@@ -589,14 +578,7 @@ class KernelDecoder(DecoderBase):
         self._argmax: FusedArgmax | None = None  # the last forward's
         self._nucleus_search = KernelNucleus(library)
         self.layers = [
-            KernelLayer(
-                input_norm=w.input_norm.float().contiguous(),
-                post_attention_norm=w.post_attention_norm.float().contiguous(),
-                qkv=KernelLinear.pack(w.qkv, w.qkv_bias, precision),
-                o=KernelLinear.pack(w.o, None, precision),
-                gate_up=KernelLinear.pack(w.gate_up, None, precision),
-                down=KernelLinear.pack(w.down, None, precision),
-            )
+            PackedLayer.pack(w, functools.partial(KernelLinear.pack, precision=precision))
             for w in layers
         ]
         self.final_norm = final_norm.float().contiguous()

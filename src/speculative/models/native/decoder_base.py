@@ -3,22 +3,58 @@ bytes, cache allocation."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
 
+from speculative.models.native.layers import LayerWeights
 from speculative.models.native.linear import tensor_bytes
+from speculative.models.native.loading import Weight
 from speculative.sampling.probs import RowProbs
 
 
-def layer_weight_bytes(layer: Any) -> int:
-    """Bytes one decode step reads from a packed layer: four linears and two norms."""
-    linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-    norms = tensor_bytes(layer.input_norm, layer.post_attention_norm)
-    return sum(x.weight_bytes() for x in linears) + norms
+class _Packed(Protocol):
+    def weight_bytes(self) -> int: ...
+
+
+LinearT = TypeVar("LinearT", bound=_Packed)
+
+
+@dataclass
+class PackedLayer(Generic[LinearT]):
+    """One decoder block's weights as a decoder packed them: two norms and four fused
+    linears of the decoder's own kind (PyTorch ops: ``PackedLinear``; the C kernels:
+    ``KernelLinear``)."""
+
+    input_norm: torch.Tensor  # [hidden] float32
+    post_attention_norm: torch.Tensor  # [hidden] float32
+    qkv: LinearT  # hidden -> q_size + 2 * kv_size
+    o: LinearT  # q_size -> hidden
+    gate_up: LinearT  # hidden -> 2 * intermediate
+    down: LinearT  # intermediate -> hidden
+
+    @classmethod
+    def pack(
+        cls, weights: LayerWeights, make_linear: Callable[[Weight, torch.Tensor | None], LinearT]
+    ) -> PackedLayer[LinearT]:
+        """Pack a block's fused weights with ``make_linear(weight, bias)``."""
+        return cls(
+            input_norm=weights.input_norm.float().contiguous(),
+            post_attention_norm=weights.post_attention_norm.float().contiguous(),
+            qkv=make_linear(weights.qkv, weights.qkv_bias),
+            o=make_linear(weights.o, None),
+            gate_up=make_linear(weights.gate_up, None),
+            down=make_linear(weights.down, None),
+        )
+
+    def weight_bytes(self) -> int:
+        """Bytes one decode step reads from the block: four linears and two norms."""
+        linears = (self.qkv, self.o, self.gate_up, self.down)
+        norms = tensor_bytes(self.input_norm, self.post_attention_norm)
+        return sum(x.weight_bytes() for x in linears) + norms
 
 
 @dataclass(frozen=True)

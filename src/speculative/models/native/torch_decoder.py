@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from speculative.models.native.config import NativeConfig
-from speculative.models.native.decoder_base import DecoderBase, Segment, layer_weight_bytes
+from speculative.models.native.decoder_base import DecoderBase, PackedLayer, Segment
 from speculative.models.native.layers import LayerWeights, lm_head_precision
 from speculative.models.native.linear import LinearFactory, PackedLinear, linear_mode_from_env
 from speculative.models.native.loading import Weight
@@ -53,32 +53,6 @@ def uniform_row_tile(linears: Sequence[tuple[PackedLinear, int]]) -> int:
     """The largest tile of ``ROW_TILES`` at which every (linear, in_features) is
     position-uniform (:func:`position_uniform`)."""
     return next(t for t in ROW_TILES if all(position_uniform(lin, n, t) for lin, n in linears))
-
-
-@dataclass
-class TorchLayer:
-    """One decoder block's packed weights."""
-
-    input_norm: torch.Tensor  # [hidden]
-    post_attention_norm: torch.Tensor  # [hidden]
-    qkv: PackedLinear  # hidden -> q_size + 2 * kv_size
-    o: PackedLinear  # q_size -> hidden
-    gate_up: PackedLinear  # hidden -> 2 * intermediate
-    down: PackedLinear  # intermediate -> hidden
-
-    @classmethod
-    def pack(cls, weights: LayerWeights, make_linear: LinearFactory) -> TorchLayer:
-        return cls(
-            input_norm=weights.input_norm,
-            post_attention_norm=weights.post_attention_norm,
-            qkv=make_linear(weights.qkv, weights.qkv_bias),
-            o=make_linear(weights.o, None),
-            gate_up=make_linear(weights.gate_up, None),
-            down=make_linear(weights.down, None),
-        )
-
-    def weight_bytes(self) -> int:
-        return layer_weight_bytes(self)
 
 
 def _cache_segments(start: int, k: int) -> list[tuple[int, int, int, int]]:
@@ -116,7 +90,7 @@ class TorchDecoder(DecoderBase):
         self.config = config
         mode = linear_mode_from_env() if linear_mode is None else linear_mode
         make_linear = LinearFactory(precision, mode)
-        self.layers = [TorchLayer.pack(w, make_linear) for w in layers]
+        self.layers = [PackedLayer.pack(w, make_linear) for w in layers]
         self.final_norm = final_norm
         self.lm_head = LinearFactory(lm_head_precision(precision), mode)(head, None)
         self.kernels = {**make_linear.chosen, "lm_head": self.lm_head.kernel}  # shape -> kernel
@@ -222,7 +196,7 @@ class TorchDecoder(DecoderBase):
     def _layer(
         self,
         index: int,
-        layer: TorchLayer,
+        layer: PackedLayer[PackedLinear],
         hidden: torch.Tensor,  # [T, hidden], the residual stream, updated in place
         b: int,
         tile: _Tile,
