@@ -233,8 +233,9 @@ def main() -> None:
         # a real greedy run with the drafter: first-draft acceptance per round
         out = run(target, drafter, prompt_ids, args.max_new_tokens)
         assert list(out.token_ids) == answer  # lossless
-        totals["run_first_acc"] += out.stats.accepted_at[0] if out.stats.reached else 0
-        totals["run_rounds"] += out.stats.reached[0] if out.stats.reached else 0
+        positions = out.stats.positions
+        totals["run_first_acc"] += positions.accepted[0] if positions.reached else 0
+        totals["run_rounds"] += positions.reached[0] if positions.reached else 0
     n = max(totals["n"], 1)
     report = {
         "target_precision": target.precision,

@@ -196,7 +196,7 @@ def test_batched_rows_draft_from_their_own_features(trained, runtime, name):
         drafter = build_drafter(f"{name}:{folder}", target)
         alone.append(generate(target, drafter, params, 3, n=30, seed=10 + i, prompt=prompt))
     together = batch_rows(target, name, folder)
-    drafts = lambda r: (r.stats.drafted_tokens, r.stats.accepted_tokens, r.stats.accepted_at)  # noqa: E731
+    drafts = lambda r: (r.stats.drafted_tokens, r.stats.accepted_tokens, r.stats.positions.accepted)  # noqa: E731
     assert sum(r.stats.accepted_tokens for r in together) > 0  # the heads really draft
     for one, row in zip(alone, together, strict=True):
         assert row.token_ids == one.token_ids

@@ -15,6 +15,7 @@ from speculative.drafters.ngram import (
     match_situation,
 )
 from speculative.engine.gamma import AdaptiveGamma, FixedGamma, HeuristicGamma
+from speculative.engine.stats import PositionAcceptance
 from speculative.models.session import common_prefix_length
 from speculative.sampling import SamplingParams
 from speculative.theory import expected_tokens_positional
@@ -282,3 +283,23 @@ def test_the_engine_tells_the_policy_each_rounds_situation():
     assert spec.token_ids == plain.token_ids
     assert len(heard) == len(spec.stats.gammas) and set(heard) <= {0, 1, 2, 3, 4, 8}
     assert len(set(heard)) > 1 and policy.by_situation.keys() == set(heard)
+
+
+def test_position_counts_merge_as_if_recorded_together() -> None:
+    """The bench sums generations' per-position counts (merge); the sum must be what one
+    counter recording every round would hold, and position i + 1 is reached only when the
+    i drafts before it were accepted."""
+    rng = random.Random(3)
+    rounds = [(g, rng.randint(0, g)) for g in (rng.randint(0, 6) for _ in range(200))]
+    together, first, second = PositionAcceptance(), PositionAcceptance(), PositionAcceptance()
+    for n, (drafted, kept) in enumerate(rounds):
+        together.record(drafted, kept)
+        (first if n % 3 else second).record(drafted, kept)
+    first.merge(second)
+    assert first == together
+    expected_reached = [sum(1 for d, k in rounds if d > i and k >= i) for i in range(6)]
+    expected_accepted = [sum(1 for d, k in rounds if k > i) for i in range(6)]
+    assert together.reached == expected_reached
+    assert together.accepted == expected_accepted
+    pairs = zip(expected_accepted, expected_reached, strict=True)
+    assert together.rates() == [a / r if r else 0.0 for a, r in pairs]

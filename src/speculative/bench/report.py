@@ -13,6 +13,7 @@ from speculative.bench.llamacpp import ENGINE as LLAMACPP
 from speculative.bench.methods import OURS, PLAIN, TRANSFORMERS, Method
 from speculative.bench.prompts import categories
 from speculative.bench.runner import BenchRun, Measurement
+from speculative.engine.stats import PositionAcceptance
 from speculative.hardware import cpu_info
 
 ALL = "all"
@@ -26,8 +27,7 @@ class StatsTotals:
     accepted: int = 0
     new_tokens: int = 0
     target_calls: int = 0
-    reached: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
+    positions: PositionAcceptance = field(default_factory=PositionAcceptance)
 
     def add(self, measurement: Measurement) -> None:
         stats = measurement.stats
@@ -37,12 +37,7 @@ class StatsTotals:
         self.accepted += stats.accepted_tokens
         self.new_tokens += stats.new_tokens
         self.target_calls += stats.target_calls
-        for i, (r, a) in enumerate(zip(stats.reached, stats.accepted_at, strict=True)):
-            if i == len(self.reached):
-                self.reached.append(0)
-                self.accepted_at.append(0)
-            self.reached[i] += r
-            self.accepted_at[i] += a
+        self.positions.merge(stats.positions)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -58,7 +53,7 @@ class StatsTotals:
 
     @property
     def per_position_acceptance(self) -> list[float]:
-        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached, strict=True)]
+        return self.positions.rates()
 
 
 @dataclass

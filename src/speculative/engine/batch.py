@@ -160,7 +160,8 @@ class BatchRow:
         """Running per-token acceptance estimate (Beta prior + this row's examined drafts)."""
         stats = self.state.stats
         prior = ALPHA_PRIOR * ALPHA_PRIOR_WEIGHT
-        return (sum(stats.accepted_at) + prior) / (sum(stats.reached) + ALPHA_PRIOR_WEIGHT)
+        counts = stats.positions
+        return (sum(counts.accepted) + prior) / (sum(counts.reached) + ALPHA_PRIOR_WEIGHT)
 
     def prefill_left(self) -> int:
         """Prompt tokens (all but the last) not yet in the row's cache."""

@@ -7,12 +7,50 @@ from typing import Any
 
 
 @dataclass
+class PositionAcceptance:
+    """Per drafted position i + 1: ``reached[i]`` counts the rounds that examined it (every
+    draft before it accepted), ``accepted[i]`` those that accepted it. Kept by a
+    generation's stats, summed over a bench's prompts and exported by the server."""
+
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, num_accepted: int) -> int:
+        """One round that drafted ``drafted`` tokens and accepted ``num_accepted``;
+        returns how many positions it examined."""
+        examined = min(drafted, num_accepted + 1)
+        self._grow(drafted)
+        for i in range(examined):
+            self.reached[i] += 1
+            self.accepted[i] += int(i < num_accepted)
+        return examined
+
+    def merge(self, other: PositionAcceptance) -> None:
+        """Add ``other``'s counts position by position."""
+        self._grow(len(other.reached))
+        for i, (r, a) in enumerate(zip(other.reached, other.accepted, strict=True)):
+            self.reached[i] += r
+            self.accepted[i] += a
+
+    def rate(self, i: int) -> float:
+        """Acceptance at position i + 1 (0 where never reached)."""
+        return self.accepted[i] / self.reached[i] if self.reached[i] else 0.0
+
+    def rates(self) -> list[float]:
+        return [self.rate(i) for i in range(len(self.reached))]
+
+    def _grow(self, positions: int) -> None:
+        while len(self.reached) < positions:
+            self.reached.append(0)
+            self.accepted.append(0)
+
+
+@dataclass
 class GenerationStats:
     """Running statistics; only emitted tokens are counted as output.
 
     target_calls: verification passes of the target (one per round; prefill excluded).
-    per-position acceptance: accepted[i] / reached[i], where ``reached[i]`` counts rounds
-    whose drafted position i+1 was examined (all earlier ones accepted).
+    positions: per-position acceptance (:class:`PositionAcceptance`).
     """
 
     target_calls: int = 0
@@ -22,8 +60,7 @@ class GenerationStats:
     new_tokens: int = 0
     seconds: float = 0.0
     prefill_seconds: float = 0.0
-    reached: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
+    positions: PositionAcceptance = field(default_factory=PositionAcceptance)
     gammas: list[int] = field(default_factory=list)
 
     def record_round(self, drafted: int, num_accepted: int, emitted: int) -> None:
@@ -34,13 +71,7 @@ class GenerationStats:
         self.accepted_tokens += min(num_accepted, emitted)
         self.new_tokens += emitted
         self.gammas.append(drafted)
-        examined = min(drafted, num_accepted + 1)
-        while len(self.reached) < drafted:
-            self.reached.append(0)
-            self.accepted_at.append(0)
-        for i in range(examined):
-            self.reached[i] += 1
-            self.accepted_at[i] += int(i < num_accepted)
+        self.positions.record(drafted, num_accepted)
 
     @property
     def acceptance_rate(self) -> float:
@@ -54,7 +85,7 @@ class GenerationStats:
 
     @property
     def per_position_acceptance(self) -> list[float]:
-        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached, strict=True)]
+        return self.positions.rates()
 
     @property
     def tokens_per_second(self) -> float:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from speculative.engine.loop import GenerationResult, Round
+from speculative.engine.stats import PositionAcceptance
 from speculative.server.scheduler import Job, Scheduler, SchedulerObserver
 from speculative.server.text import BONUS, RECOVERED, token_kinds
 
@@ -40,8 +41,7 @@ class ServerMetrics(SchedulerObserver):
     _timings: dict[int, _Timing] = field(default_factory=dict)
     _drafted: int = 0  # totals behind the acceptance gauges
     _accepted: int = 0
-    _reached_at: list[int] = field(default_factory=list)
-    _accepted_at: list[int] = field(default_factory=list)
+    _positions: PositionAcceptance = field(default_factory=PositionAcceptance)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -142,23 +142,16 @@ class ServerMetrics(SchedulerObserver):
             self.tpot.observe((now - timing.first_token) / (timing.tokens - 1))
 
     def _record_acceptance(self, drafted: int, num_accepted: int) -> None:
-        """Per-position counts as GenerationStats.record_round: position i+1 is examined
-        when the i before it were accepted."""
+        """Per-position counts as GenerationStats keeps them (:class:`PositionAcceptance`):
+        position i+1 is examined when the i before it were accepted."""
         self._drafted += drafted
         self._accepted += num_accepted
         if self._drafted:
             self.acceptance.set(self._accepted / self._drafted)
-        examined = min(drafted, num_accepted + 1)
-        while len(self._reached_at) < examined:
-            self._reached_at.append(0)
-            self._accepted_at.append(0)
+        examined = self._positions.record(drafted, num_accepted)
         for i in range(examined):
             position = str(i + 1)
-            hit = i < num_accepted
-            self._reached_at[i] += 1
-            self._accepted_at[i] += int(hit)
             self.reached.labels(position=position).inc()
-            if hit:
+            if i < num_accepted:
                 self.accepted_at.labels(position=position).inc()
-            rate = self._accepted_at[i] / self._reached_at[i]
-            self.position_acceptance.labels(position=position).set(rate)
+            self.position_acceptance.labels(position=position).set(self._positions.rate(i))
