@@ -638,8 +638,8 @@ class KernelDecoder(DecoderBase):
         if hidden.dtype != torch.float32 or not hidden.is_contiguous():
             raise ValueError("hidden must be contiguous float32 (it is updated in place)")
         rows = hidden.shape[0]
-        # per sequence (int32 [4, nseq]): its rows, first cache slot, cache row, and first
-        # row with logits; one small array, not a tensor each (a torch call costs ~5 µs)
+        # per sequence (int32 [4, nseq]): its new rows, their first cache position, its cache
+        # slot, its first row with logits; one small array, not a tensor each (~5 µs each)
         meta = np.array(
             [[s.rows, s.start, s.slot, s.logits_from] for s in segments], dtype=np.int32
         ).T.copy()
