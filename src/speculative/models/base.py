@@ -178,6 +178,12 @@ class PadsBatchRows(Protocol):
         ...
 
 
+def check_logits_from(logits_from: int, k: int) -> None:
+    """Validate a row's ``logits_from`` (:class:`RowInput`) for ``k`` new tokens."""
+    if not 0 <= logits_from < k:
+        raise ValueError(f"logits_from must lie in [0, {k}) for {k} tokens, got {logits_from}")
+
+
 def check_keep_slots(first: int, slots: Sequence[int], length: int) -> list[int]:
     """Validate a keep_slots request against a cache of ``length`` slots."""
     kept = [int(s) for s in slots]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from speculative.models.base import RowInput, check_keep_slots
+from speculative.models.base import RowInput, check_keep_slots, check_logits_from
 from speculative.models.loading import (
     ResolvedModel,
     clear_quantizer,
@@ -328,8 +328,7 @@ class HFCausalLM:
         if row.attention_mask is not None and row.attention_mask.shape != (k, k):
             shape = tuple(row.attention_mask.shape)
             raise ValueError(f"attention_mask must be [{k}, {k}], got {shape}")
-        if not 0 <= row.logits_from < k:
-            raise ValueError(f"logits_from must lie in [0, {k}), got {row.logits_from}")
+        check_logits_from(row.logits_from, k)
         return k
 
     @staticmethod

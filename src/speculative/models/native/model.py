@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from speculative.models.base import RowInput, check_keep_slots
+from speculative.models.base import RowInput, check_keep_slots, check_logits_from
 from speculative.models.native.config import NativeConfig, rope_inverse_frequencies
 from speculative.models.native.decoder_base import DecoderBase, Segment
 from speculative.models.native.layers import layer_weights
@@ -231,7 +231,7 @@ class NativeLlama:
         if row.attention_mask is not None and row.attention_mask.shape != (k, k):
             shape = tuple(row.attention_mask.shape)
             raise ValueError(f"attention_mask must be [{k}, {k}], got {shape}")
-        _check_logits_from(row.logits_from, k)
+        check_logits_from(row.logits_from, k)
         positions = self._positions(row.position_ids, 1, k, start)[0]  # [k]
         return Segment(row.slot, start, positions.contiguous(), row.attention_mask,
                        row.logits_from)  # fmt: skip
@@ -318,7 +318,7 @@ class NativeLlama:
         appends to the single-sequence cache's slot b): the output head runs only over the
         tokens from ``logits_from`` on; [batch, k - logits_from, vocab] logits."""
         batch, k = self._check_input(input_ids, attention_mask)
-        _check_logits_from(logits_from, k)
+        check_logits_from(logits_from, k)
         start = self._length
         self._ensure_cache(batch)
         positions = self._positions(position_ids, batch, k, start)  # [batch, k]
@@ -389,8 +389,3 @@ class NativeLlama:
         if positions.min() < 0 or positions.max() >= self._max_length:
             raise ValueError(f"position_ids must lie in [0, {self._max_length})")
         return positions
-
-
-def _check_logits_from(logits_from: int, k: int) -> None:
-    if not 0 <= logits_from < k:
-        raise ValueError(f"logits_from must lie in [0, {k}) for {k} tokens, got {logits_from}")
