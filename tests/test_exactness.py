@@ -4,8 +4,10 @@ under test must be reported NOT EXACT; the accept-all control must be detected).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +16,12 @@ import torch
 from scipy import stats as scipy_stats
 
 import broken
+from speculative.cli.check_cmd import load_target_on
 from speculative.cli.main import main
 from speculative.exactness import CheckConfig, ControlTooWeak, run_check, stats
 from speculative.exactness.controls import accept_all, accept_all_tree
 from speculative.exactness.matrix import GRID_MODES, SAMPLINGS, run_matrix, tiny_drafters
+from speculative.exactness.runner import Coupling
 from speculative.exactness.tiny import TINY_PROMPTS, tiny_target_folder
 from speculative.pipeline import load_target
 from speculative.sampling import verify, verify_tree
@@ -338,6 +342,73 @@ def test_matrix_on_the_tiny_model(native, tiny: Path) -> None:
         if not cell.report.config.greedy:  # one sample of 500 against the exact law
             assert cell.report.reference == "exact law", where
             assert cell.report.tv_bound < 0.25, where
+
+
+def test_coupling_bound_is_the_clopper_pearson_bound_for_no_difference() -> None:
+    """m identical pairs bound P(differ) at 1 − δ by the one-sided Clopper–Pearson limit
+    for 0 of m (scipy's beta quantile)."""
+    for m, delta in ((100, 0.05), (3000, 0.0005)):
+        bound = Coupling(m).bound(delta)
+        assert bound == pytest.approx(scipy_stats.beta.ppf(1 - delta, 1, m), rel=1e-9)
+        # any rate above the bound leaves all m identical with probability below δ; a rate
+        # just under it, above δ: the bound is the tight one
+        assert (1 - 1.01 * bound) ** m < delta < (1 - 0.99 * bound) ** m
+
+
+def _binned(report) -> list:
+    return [(c.prompt, c.name, c.table) for c in report.comparisons]
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree-static"])
+def test_a_coupled_sample_is_the_modes_own_and_a_learning_drafter_is_drawn_alone(
+    native, tiny: Path, mode: str
+) -> None:
+    """Coupling draws a chain or tree sample with the batched engine after checking the
+    first m against the one-sequence engine: the n-gram (and head) drafts do not depend
+    on earlier generations, so the sample is bit for bit the mode's own (the same binned
+    counts) and the bound adds the coupling term. The negative control: self-int4 primes
+    its cache from the target only when alone, so its drafts differ from the batched
+    twin's: the first difference is reported and the sample is again the mode's own."""
+    for drafter, coupled in (("ngram", True), ("self-int4", False)):
+        base = CheckConfig(drafter, gamma=2, samples=300, pilot=100, mode=mode)
+        alone = run_check(native, base, PROMPTS)
+        twin = run_check(native, replace(base, coupling=100), PROMPTS)
+        assert _binned(twin) == _binned(alone), drafter
+        assert twin.exact and twin.control_detected
+        assert (twin.coupling.differs is None) == coupled, drafter
+        if coupled:
+            assert twin.coupling_bound == Coupling(100).bound(base.alpha / 2)
+            assert twin.tv_bound > alone.tv_bound + twin.coupling_bound
+        else:
+            assert twin.coupling_bound is None and twin.tv_bound == alone.tv_bound
+
+
+def _without_seconds(cell) -> dict:
+    out = cell.to_dict()
+    out.pop("seconds")
+    if out["report"] is not None:
+        out["report"].pop("seconds")
+    return out
+
+
+def test_matrix_in_worker_processes_equals_the_matrix_in_one(native, tiny: Path) -> None:
+    """``jobs`` moves cells into spawned worker processes (each loads the target itself,
+    in whatever order the pool runs them); every cell's report, its p-values, TV bound
+    and control included, is the one the single process gives, and in table order."""
+    drafters = [d for d in tiny_drafters(tiny) if d.label in ("ngram", "eagle")]
+    config = CheckConfig(gamma=2, samples=300, pilot=100)
+    loader = functools.partial(load_target_on, str(tiny), "fp32")
+    grid = (drafters, PROMPTS, config, ("chain", "batch"), SAMPLINGS[:2])
+    seen: list[str] = []
+    alone = run_matrix(lambda runtime: native, *grid)
+    pooled = run_matrix(loader, *grid, on_cell=lambda c: seen.append(c.mode), jobs=2)
+    assert len(seen) == len(pooled) == 2 * 2 * 2
+    assert [_without_seconds(c) for c in pooled] == [_without_seconds(c) for c in alone]
+    assert all(c.ok for c in pooled)
+    # the comparison can fail: another seed gives other samples, hence other statistics
+    reseeded = run_matrix(loader, drafters, PROMPTS, replace(config, seed=1), ("chain",),
+                          SAMPLINGS[1:2], jobs=2)  # fmt: skip
+    assert _without_seconds(reseeded[0])["report"] != _without_seconds(pooled[1])["report"]
 
 
 @pytest.mark.slow

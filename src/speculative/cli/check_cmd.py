@@ -4,6 +4,7 @@ as the target's own sampling? A statistic, a negative control and a verdict."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -126,6 +127,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(enumerated; small vocabularies only), a sample of its own sampling, or auto "
         "(the exact law where it can be enumerated)",
     )
+    parser.add_argument(
+        "--coupling",
+        type=int,
+        default=None,
+        metavar="M",
+        help="chain and tree modes: draw the first M continuations both one sequence at a "
+        "time and batched (same seeds); if every pair is identical, draw the rest batched "
+        "(much faster at large N) and add the coupling term ln(2/δ)/M (about) to the TV "
+        "bound; if a pair differs, draw everything one at a time (default: 0; --matrix: "
+        "N/10 from N = 10,000 on)",
+    )
     parser.add_argument("--test", choices=["chi2", "g"], default="chi2", help="the test")
     parser.add_argument("--seed", type=int, default=0, help="base of the generators' seeds")
     parser.add_argument(
@@ -142,6 +154,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=300,
         help="--matrix: N per prompt on the default model (0 skips it)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=None,
+        help="--matrix: cells run in this many worker processes, one thread each (default: "
+        "one per core); the results do not depend on it",
     )
     parser.add_argument("--out", type=Path, default=None, help="write check.json and check.md here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -198,6 +217,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         method=args.test,
         seed=args.seed,
         reference=args.reference,
+        coupling=args.coupling or 0,
     )
 
 
@@ -356,22 +376,13 @@ def run_matrix_command(args: argparse.Namespace) -> int:
     )
     from speculative.exactness.tiny import TINY_PROMPTS
     from speculative.hardware import cpu_info
-    from speculative.pipeline import load_target
 
     folder = tiny_folder()
-    loaded: dict[tuple[str, str], Any] = {}
-
-    def targets_for(name: str):
-        def get(runtime: str) -> Any:
-            if (name, runtime) not in loaded:
-                spec = str(folder) if name == "tiny" else name
-                precision = "fp32" if name == "tiny" else "auto"
-                loaded[(name, runtime)] = load_target(spec, runtime, precision)
-            return loaded[(name, runtime)]
-
-        return get
-
-    base = replace(CheckConfig(), gamma=2, samples=args.matrix_samples, seed=args.seed)
+    jobs = args.jobs or available_cores()
+    coupling = default_coupling(args.matrix_samples) if args.coupling is None else args.coupling
+    base = replace(
+        CheckConfig(), gamma=2, samples=args.matrix_samples, seed=args.seed, coupling=coupling
+    )
     plans = [("tiny", tiny_drafters(folder), [list(TINY_PROMPTS[0])], base, SAMPLINGS)]
     if args.default_samples > 0:
         default_base = replace(base, samples=args.default_samples, pilot=min(100, base.pilot))
@@ -381,7 +392,9 @@ def run_matrix_command(args: argparse.Namespace) -> int:
         cells_total = len(drafters) * len(GRID_MODES) * len(samplings)
         bar = tqdm(total=cells_total, desc=f"matrix {name}", unit="cell", file=sys.stderr,
                    disable=args.no_progress)  # fmt: skip
-        get = targets_for(name)
+        get = functools.partial(load_target_on, *_section_model(name, folder))
+        if jobs == 1:
+            get = functools.cache(get)  # one process: load each runtime's target once
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # steadiest on a shared machine; batches are small here
         if prompts is None:
@@ -392,7 +405,7 @@ def run_matrix_command(args: argparse.Namespace) -> int:
             bar.update(1)
 
         with bar:
-            cells = run_matrix(get, drafters, prompts, config, GRID_MODES, samplings, advance)
+            cells = run_matrix(get, drafters, prompts, config, GRID_MODES, samplings, advance, jobs)
         torch.set_num_threads(threads)
         all_cells.append((name, cells))
         exact_law = any(c.report is not None and c.report.reference == "exact law" for c in cells)
@@ -403,7 +416,7 @@ def run_matrix_command(args: argparse.Namespace) -> int:
             (args.out / "exactness.partial.md").write_text("\n".join(sections))
     command = (
         f"speculative check --matrix --matrix-samples {args.matrix_samples} "
-        f"--default-samples {args.default_samples} --out DIR"
+        f"--default-samples {args.default_samples} --jobs {jobs} --out DIR"
     )
     text = matrix_markdown(sections, cpu_info().summary(), command, base)
     print(text)
@@ -417,6 +430,34 @@ def run_matrix_command(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({name: [c.to_dict() for c in cells] for name, cells in all_cells})
     return EXIT_NOT_EXACT if failed else 0
+
+
+def load_target_on(spec: str, precision: str, runtime: str) -> Any:
+    """``load_target`` with the runtime last, for ``functools.partial`` (module level, so
+    that the matrix's worker processes can unpickle it)."""
+    from speculative.pipeline import load_target
+
+    return load_target(spec, runtime, precision)
+
+
+def _section_model(name: str, folder: Path) -> tuple[str, str]:
+    """A matrix section's model and precision: the tiny fixture at fp32, the default model
+    at its own precision."""
+    return (str(folder), "fp32") if name == "tiny" else (name, "auto")
+
+
+def default_coupling(samples: int) -> int:
+    """--matrix's M: a tenth of N from N = 10,000 on (then the coupling term, about
+    7.6 / M, is small beside the sample's own margin); none below, where drawing one
+    sequence at a time is quick anyway."""
+    return samples // 10 if samples >= 10_000 else 0
+
+
+def available_cores() -> int:
+    """The cores this process may run on."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _section_title(name: str) -> str:
@@ -447,7 +488,21 @@ def _section_note(name: str, config: Any, exact_law: bool) -> str:
         "bonus token drawn from the wrong row. 'min p' is the smallest Holm-adjusted p-value "
         f"of the speculative sample against {reference} (exact cells: large); 'control min "
         "p' the same for the control (must be < 0.001). The TV bound is for the binned joint "
-        "distributions of the first 1–3 tokens."
+        "distributions of the first 1–3 tokens." + _coupling_note(config)
+    )
+
+
+def _coupling_note(config: Any) -> str:
+    if config.coupling == 0:
+        return ""
+    return (
+        f" Chain and tree cells are coupled (`--coupling {config.coupling}`): the first "
+        f"{config.coupling:,} continuations are drawn both one sequence at a time and by the "
+        "batched engine with the same seeds; when every pair is identical the rest are drawn "
+        "batched, and the TV bound (each part at δ/2) adds 1 − (δ/2)^(1/M), the bound on "
+        "P(the two engines differ), since TV ≤ P(X ≠ Y) for any coupling. A drafter whose "
+        "drafts differ between the two engines (one that learns across generations, or "
+        "primes its cache from the target only when alone) is drawn one sequence at a time."
     )
 
 

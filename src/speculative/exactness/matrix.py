@@ -3,8 +3,10 @@ markdown table (docs/exactness.md)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -87,17 +89,26 @@ class Cell:
         }
 
 
-def run_matrix(
-    targets: Callable[[str], Any],
+Loader = Callable[[str], Any]  # runtime -> a loaded target (picklable for jobs > 1)
+
+
+@dataclass(frozen=True)
+class PlannedCell:
+    """One cell of the grid before it runs: where it sits, what it checks."""
+
+    index: int
+    drafter: Drafter
+    label: str
+    config: CheckConfig
+
+
+def plan_matrix(
     drafters: Sequence[Drafter],
-    prompts: Sequence[Sequence[int]],
     base: CheckConfig,
     modes: Sequence[str] = GRID_MODES,
     samplings: Sequence[tuple[str, float, int, float]] = SAMPLINGS,
-    on_cell: Callable[[Cell], None] = lambda cell: None,
-) -> list[Cell]:
-    """One check per (drafter, mode, sampling); ``targets(runtime)`` gives the loaded
-    target for a runtime."""
+) -> list[PlannedCell]:
+    """The grid's cells in table order: drafter, then mode, then sampling setting."""
     cells = []
     for drafter in drafters:
         for mode in modes:
@@ -106,10 +117,92 @@ def run_matrix(
                     base, drafter=drafter.spec, mode=mode, temperature=temperature,
                     top_k=top_k, top_p=top_p,
                 )  # fmt: skip
-                cell = _run_cell(targets(drafter.runtime), drafter, config, label, prompts)
-                cells.append(cell)
-                on_cell(cell)
+                cells.append(PlannedCell(len(cells), drafter, label, config))
     return cells
+
+
+def run_matrix(
+    targets: Loader,
+    drafters: Sequence[Drafter],
+    prompts: Sequence[Sequence[int]],
+    base: CheckConfig,
+    modes: Sequence[str] = GRID_MODES,
+    samplings: Sequence[tuple[str, float, int, float]] = SAMPLINGS,
+    on_cell: Callable[[Cell], None] = lambda cell: None,
+    jobs: int = 1,
+) -> list[Cell]:
+    """One check per (drafter, mode, sampling), in table order; ``targets(runtime)`` loads
+    the target for a runtime (once per runtime and process).
+
+    ``jobs`` > 1 runs the cells in that many worker processes (spawned, one thread each;
+    ``targets`` must then be picklable, e.g. a ``functools.partial`` of a module-level
+    loader). Every continuation's generator is seeded from the cell's configuration alone,
+    so the cells' results do not depend on ``jobs`` (only their seconds do)."""
+    planned = plan_matrix(drafters, base, modes, samplings)
+    if jobs <= 1:
+        loaded: dict[str, Any] = {}
+        return [_announce(_run_planned(targets, loaded, c, prompts), on_cell) for c in planned]
+    done: dict[int, Cell] = {}
+    with _pool(jobs) as pool:
+        futures = [
+            pool.submit(run_cells, targets, group, prompts)
+            for group in sorted(_groups(planned), key=_expected_cost, reverse=True)
+        ]
+        for future in as_completed(futures):
+            for index, cell in future.result():
+                done[index] = _announce(cell, on_cell)
+    return [done[c.index] for c in planned]
+
+
+def run_cells(
+    targets: Loader, cells: Sequence[PlannedCell], prompts: Sequence[Sequence[int]]
+) -> list[tuple[int, Cell]]:
+    """Run planned cells one after another (a worker's task), each runtime's target
+    loaded once; (index, cell) pairs."""
+    loaded: dict[str, Any] = {}
+    return [(c.index, _run_planned(targets, loaded, c, prompts)) for c in cells]
+
+
+def _run_planned(
+    targets: Loader, loaded: dict[str, Any], c: PlannedCell, prompts: Sequence[Sequence[int]]
+) -> Cell:
+    runtime = c.drafter.runtime
+    if runtime not in loaded:
+        loaded[runtime] = targets(runtime)
+    return _run_cell(loaded[runtime], c.drafter, c.config, c.label, prompts)
+
+
+def _announce(cell: Cell, on_cell: Callable[[Cell], None]) -> Cell:
+    on_cell(cell)
+    return cell
+
+
+def _groups(planned: Sequence[PlannedCell]) -> list[list[PlannedCell]]:
+    """The workers' tasks: one per (drafter, mode), so that a task loads its target once."""
+    groups: dict[tuple[str, str], list[PlannedCell]] = {}
+    for c in planned:
+        groups.setdefault((c.drafter.label, c.config.mode), []).append(c)
+    return list(groups.values())
+
+
+def _expected_cost(group: Sequence[PlannedCell]) -> tuple[bool, bool]:
+    """Longest tasks first, so that the workers finish together: transformers before
+    native (slower forwards), trees before chains (larger passes)."""
+    c = group[0]
+    return (c.drafter.runtime == "hf", c.config.mode.startswith("tree"))
+
+
+def _pool(jobs: int) -> ProcessPoolExecutor:
+    """Worker processes that start clean (spawn: no copied torch or OpenMP state) and run
+    one thread each, so that ``jobs`` of them share the cores without oversubscription."""
+    context = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread)
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _run_cell(target, drafter, config, label, prompts) -> Cell:
@@ -143,12 +236,22 @@ def cell_row(cell: Cell) -> str:
         n = f"{r.prompts}×{r.config.greedy_length} tok"
         tv, p_spec, p_ctl = "identical" if r.exact else "differs", "–", "–"
     else:
-        n = f"{r.prompts}×{r.config.samples}"
+        n = f"{r.prompts}×{r.config.samples}{_drawn_how(r)}"
         tv = f"{r.tv_bound:.3f}"
         p_spec, p_ctl = _fmt_p(r.min_p(r.comparisons)), _fmt_p(r.min_p(r.control))
     verdict = "exact" if r.exact else f"**NOT EXACT** ({r.failing})"
     control = "detected" if r.control_detected else "**not detected**"
     return f"{head} {n} | {tv} | {p_spec} | {p_ctl} | {control} | {cell.seconds:.1f} | {verdict} |"
+
+
+def _drawn_how(report: CheckReport) -> str:
+    """How a coupled cell's sample was drawn (see ``CheckConfig.coupling``)."""
+    c = report.coupling
+    if c is None:
+        return ""
+    if c.differs is None:
+        return f" (batched twin, first {c.redrawn:,} identical alone)"
+    return f" (alone: the batched twin differs at #{c.differs[1]})"
 
 
 TABLE_HEAD = (

@@ -33,6 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -68,6 +69,10 @@ class CheckConfig:
     power: float = 0.99
     max_batch: int = 32
     seed: int = 0
+    # chain and tree modes: draw the N speculative continuations with the batched engine
+    # and redraw the first `coupling` of them one sequence at a time (0: draw all N one at
+    # a time); see draw_speculative
+    coupling: int = 0
     # "auto": the target's exact law where it can be enumerated (small vocabularies), else
     # a sample of the target's own sampling; "exact" or "sampled" to insist
     reference: str = "auto"
@@ -81,6 +86,8 @@ class CheckConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.samples < 1 or (self.length or 1) < 1 or self.greedy_length < 1:
             raise ValueError("samples and lengths must be >= 1")
+        if self.coupling < 0:
+            raise ValueError(f"coupling must be >= 0, got {self.coupling}")
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
         if self.reference not in REFERENCES:
@@ -91,6 +98,11 @@ class CheckConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def tree_mode(self) -> str:
+        """The mode's token trees: "static", "dynamic" or "off" (chains)."""
+        return self.mode.removeprefix("tree-") if self.mode.startswith("tree") else "off"
 
     @property
     def horizon(self) -> int:
@@ -148,29 +160,111 @@ def draw(
     return _draw_single(target, config, way, prompts, indices, length, tick, drafted)
 
 
+@dataclass(frozen=True)
+class Coupling:
+    """How a chain or tree sample was drawn (:func:`draw_speculative`): ``redrawn``
+    continuations of each prompt drawn both by the batched engine and one sequence at a
+    time, with the same seeds; ``differs`` is the first (prompt, index) whose two draws
+    differ (then the whole sample was drawn one sequence at a time)."""
+
+    redrawn: int
+    differs: tuple[int, int] | None = None
+
+    def bound(self, delta: float) -> float:
+        """Upper bound at confidence 1 − δ on P(the two draws differ), from ``redrawn``
+        identical pairs (Clopper–Pearson for zero differences: 1 − δ^(1/m)). For any
+        coupling TV(P, Q) ≤ P(X ≠ Y), so it bounds the TV between the law of the
+        one-at-a-time engine and that of the batched one."""
+        return 1.0 - delta ** (1.0 / self.redrawn)
+
+
+def draw_speculative(
+    target: Any,
+    config: CheckConfig,
+    prompts: Sequence[Sequence[int]],
+    n: int,
+    length: int,
+    tick: Tick = lambda n: None,
+    drafted: Counter | None = None,
+) -> tuple[list[list[tuple[int, ...]]], Coupling | None]:
+    """The N speculative continuations of each prompt, and how they were drawn.
+
+    With ``config.coupling`` = m > 0 in a chain or tree mode (and a target with per-row
+    cache slots), the first m continuations are drawn twice with the same seeds: by the
+    mode's own one-sequence engine and by the batched engine (rows of the mode's chains or
+    trees). When every pair is token for token identical, the remaining N − m are drawn by
+    the batched engine only: the two engines are coupled through the seeds, and
+    :meth:`Coupling.bound` bounds the TV between their laws. At the first pair that
+    differs (a drafter that learns across generations, or a model drafter that primes from
+    the target's cache only when alone) the rest is drawn one sequence at a time."""
+    from speculative.models.base import SupportsBatchRows
+
+    drafted = Counter() if drafted is None else drafted
+    m = min(config.coupling, n)
+    if m == 0 or config.mode == "batch" or not isinstance(target.lm, SupportsBatchRows):
+        return draw(target, config, "speculative", prompts, range(n), length, tick, drafted), None
+    way, first, rest = "speculative", range(m), range(m, n)
+    counts = {"alone": Counter(), "batched": Counter()}
+    alone = _draw_single(target, config, way, prompts, first, length, tick, counts["alone"])
+    twin = _draw_batch(target, config, way, prompts, first, length, tick, counts["batched"])
+    differs = _first_difference(twin, alone)
+    if differs is None:
+        more = _draw_batch(target, config, way, prompts, rest, length, tick, counts["batched"])
+        kept = "batched", twin
+    else:
+        more = _draw_single(target, config, way, prompts, rest, length, tick, counts["alone"])
+        kept = "alone", alone
+    drafted[way] += counts[kept[0]][way]
+    rows = [a + b for a, b in zip(kept[1], more, strict=True)]
+    return rows, Coupling(m, differs)
+
+
+def _first_difference(a: list[list[tuple]], b: list[list[tuple]]) -> tuple[int, int] | None:
+    """The first (prompt, index) at which two draws of the same continuations differ."""
+    for p, (rows_a, rows_b) in enumerate(zip(a, b, strict=True)):
+        for i, (row_a, row_b) in enumerate(zip(rows_a, rows_b, strict=True)):
+            if row_a != row_b:
+                return p, i
+    return None
+
+
 def _stop(target: Any, length: int) -> Any:
     from speculative.engine import StopCriteria
 
     return StopCriteria(max_new_tokens=length, eos_token_ids=target.eos_token_ids)
 
 
-def _draw_single(target, config, way, prompts, indices, length, tick, drafted):
-    from speculative.engine import SpeculativeEngine
+def _rules(config: CheckConfig, way: str) -> tuple[Any, Any]:
+    """The (chain, tree) verifiers a way runs: the control's broken ones, the rules under
+    test for the speculative sample (None: the engine's exact ones)."""
+    if way == "control":
+        return accept_all, accept_all_tree
+    if way == "speculative":
+        return config.verifier, config.tree_verifier
+    return None, None
+
+
+def _drafter_and_tree(config: CheckConfig, way: str, target: Any) -> tuple[Any, Any]:
+    """A fresh drafter for ``way`` (None for the reference) and its tree strategy (None
+    for chains), the tree verified by the way's rule."""
     from speculative.pipeline import build_drafter, make_tree_round
 
     drafter = None if way == "reference" else build_drafter(config.drafter, target)
     if way != "reference" and drafter is None:
         raise ValueError("the check needs a drafter (--draft none has nothing to check)")
-    tree_mode = config.mode.removeprefix("tree-") if config.mode.startswith("tree") else "off"
-    tree = make_tree_round(tree_mode, drafter)
-    chain_verifier = config.verifier if way == "speculative" else None
-    if way == "control":
-        chain_verifier = accept_all
-    tree_verifier = accept_all_tree if way == "control" else config.tree_verifier
+    tree = make_tree_round(config.tree_mode, drafter)
+    tree_verifier = _rules(config, way)[1]
     if tree is not None and tree_verifier is not None:
         tree.verifier = tree_verifier
+    return drafter, tree
+
+
+def _draw_single(target, config, way, prompts, indices, length, tick, drafted):
+    from speculative.engine import SpeculativeEngine
+
+    drafter, tree = _drafter_and_tree(config, way, target)
     engine = SpeculativeEngine(
-        target.lm, drafter, _gamma(config.gamma), tree, verifier=chain_verifier
+        target.lm, drafter, _gamma(config.gamma), tree, verifier=_rules(config, way)[0]
     )
     params, stop = config.sampling(), _stop(target, length)
     out: list[list[tuple[int, ...]]] = []
@@ -187,21 +281,18 @@ def _draw_single(target, config, way, prompts, indices, length, tick, drafted):
 
 
 def _draw_batch(target, config, way, prompts, indices, length, tick, drafted):
+    """The batched engine, one row per continuation (``config.max_batch`` at a time),
+    each with its own generator and drafter, drafting the mode's chains or trees."""
     from speculative.engine import BatchEngine, BatchRequest
     from speculative.models.base import SupportsBatchRows
-    from speculative.pipeline import build_drafter
 
     if not isinstance(target.lm, SupportsBatchRows):
         raise ValueError(
             f"batch mode needs per-row cache slots, which the {target.runtime} runtime lacks "
             "(use the native runtime)"
         )
-    verifier = accept_all if way == "control" else None
-    if way == "speculative":
-        verifier = config.verifier
-    engine = BatchEngine(target.lm, config.max_batch, verifier=verifier)
-    spec = "none" if way == "reference" else config.drafter
-    pool = [build_drafter(spec, target) for _ in range(config.max_batch)]
+    engine = BatchEngine(target.lm, config.max_batch, verifier=_rules(config, way)[0])
+    pool = [_drafter_and_tree(config, way, target) for _ in range(config.max_batch)]
     params, stop = config.sampling(), _stop(target, length)
     queue = [(p, i) for p in range(len(prompts)) for i in indices]
     queue.reverse()
@@ -210,16 +301,16 @@ def _draw_batch(target, config, way, prompts, indices, length, tick, drafted):
     while queue or engine.rows:
         while queue and len(engine.rows) < config.max_batch:
             p, i = key = queue.pop()
-            drafter = pool.pop()
+            drafter, tree = pooled = pool.pop()
             generator = torch.Generator().manual_seed(_seed(config, way, p, i))
             request = BatchRequest(
-                prompts[p], params, stop, generator, drafter, _gamma(config.gamma)
+                prompts[p], params, stop, generator, drafter, _gamma(config.gamma), tree=tree
             )
-            owners[engine.add(request)] = (key, drafter)
+            owners[engine.add(request)] = (key, pooled)
         engine.step()
         for row_id in [r for r in owners if r in engine.finished]:
-            key, drafter = owners.pop(row_id)
-            pool.append(drafter)
+            key, pooled = owners.pop(row_id)
+            pool.append(pooled)
             result = engine.finished.pop(row_id)
             drafted[way] += result.stats.drafted_tokens
             results[key] = tuple(result.token_ids)
@@ -278,14 +369,16 @@ class Comparison:
         }
 
 
-def _token(row: tuple[int | str, ...], j: int) -> int | str:
-    return row[j] if j < len(row) else END
+def padded(rows: Sequence[tuple[int, ...]], length: int) -> list[tuple[int | str, ...]]:
+    """Continuations as the law writes them: exactly ``length`` entries, :data:`END` after
+    a continuation that stopped early."""
+    return [r[:length] if len(r) >= length else r + (END,) * (length - len(r)) for r in rows]
 
 
 @dataclass(frozen=True)
 class Statistic:
-    """One compared quantity of a prompt's continuations: ``key(row)`` over the rows for
-    which ``given(row)`` holds (all of them when None)."""
+    """One compared quantity of a prompt's continuations (padded to L: :func:`padded`):
+    ``key(row)`` over the rows for which ``given(row)`` holds (all of them when None)."""
 
     name: str
     position: int
@@ -294,7 +387,8 @@ class Statistic:
     given: Callable[[tuple], bool] | None = None
 
     def counts(self, rows: Sequence[tuple]) -> Counter:
-        return Counter(self.key(r) for r in rows if self.given is None or self.given(r))
+        kept = rows if self.given is None else filter(self.given, rows)
+        return Counter(map(self.key, kept))
 
     def law(self, law: Law) -> dict[Hashable, float]:
         """This statistic's exact law (conditioned on ``given``, renormalized)."""
@@ -309,20 +403,16 @@ def statistics(length: int, first_tokens: Sequence[int | str]) -> list[Statistic
     """The joints of the first k tokens (k = 1..3), the marginal of each later position,
     and position 2 given each of ``first_tokens``."""
     found = [
-        Statistic("x1" if k == 1 else f"x1..x{k}", k, True,
-                  lambda r, k=k: tuple(_token(r, j) for j in range(k)))
+        Statistic("x1" if k == 1 else f"x1..x{k}", k, True, lambda r, k=k: r[:k])
         for k in range(1, min(length, 3) + 1)
-    ]  # fmt: skip
-    found += [
-        Statistic(f"x{j + 1}", j + 1, False, lambda r, j=j: _token(r, j)) for j in range(1, length)
     ]
+    found += [Statistic(f"x{j + 1}", j + 1, False, itemgetter(j)) for j in range(1, length)]
     if length >= 2:
         found += [
-            Statistic(f"x2 | x1={t}", 2, False, lambda r: _token(r, 1),
-                      lambda r, t=t: _token(r, 0) == t)
+            Statistic(f"x2 | x1={t}", 2, False, itemgetter(1), lambda r, t=t: r[0] == t)
             for t in first_tokens
             if t != END
-        ]  # fmt: skip
+        ]
     return found
 
 
@@ -333,17 +423,22 @@ def comparisons(
     config: CheckConfig,
     conditional_top: int = 2,
     min_conditional: int = 100,
+    tv_alpha: float | None = None,
 ) -> list[Comparison]:
-    """Every comparison of one run, Holm-adjusted, with the joint TV bounds. ``ref`` per
-    prompt: a sample (list of continuations) or the exact law (a :data:`Law` dict)."""
+    """Every comparison of one run, Holm-adjusted, with the joint TV bounds (at confidence
+    1 − ``tv_alpha``, default ``config.alpha``, simultaneously). ``ref`` per prompt: a
+    sample (list of continuations) or the exact law (a :data:`Law` dict)."""
     found: list[Comparison] = []
-    for p, (reference, rows) in enumerate(zip(ref, other, strict=True)):
+    first_token = itemgetter(0)
+    for p, (reference, drawn) in enumerate(zip(ref, other, strict=True)):
         exact = isinstance(reference, dict)
+        rows = padded(drawn, length)
         if exact:
-            first = marginal(reference, lambda r: _token(r, 0))
+            first = marginal(reference, first_token)
             top = sorted(first, key=lambda t: -first[t])[:conditional_top]
         else:
-            pooled = Counter(_token(r, 0) for r in [*reference, *rows])
+            reference = padded(reference, length)
+            pooled = Counter(map(first_token, [*reference, *rows]))
             top = [t for t, _ in pooled.most_common(conditional_top)]
         for statistic in statistics(length, top):
             counts = statistic.counts(rows)
@@ -364,10 +459,11 @@ def comparisons(
                                     table, test, tv_hat))  # fmt: skip
     adjusted = stats.holm([c.test.p_value for c in found])
     joints = sum(c.joint for c in found)
+    alpha = config.alpha if tv_alpha is None else tv_alpha
     for c, p_adj in zip(found, adjusted, strict=True):
         c.p_adjusted = p_adj
         if c.joint:
-            c.tv_bound = c.tv_upper_bound(config.alpha / joints)
+            c.tv_bound = c.tv_upper_bound(alpha / joints)
     return found
 
 
@@ -411,6 +507,7 @@ class CheckReport:
     required_samples: int | None = None  # pilot's estimate of the N the control needs
     reference: str = "sampled"  # "exact law" when the continuations met the target's law
     control_samples: int = 0  # control continuations per prompt it was tested on
+    coupling: Coupling | None = None  # how a chain or tree sample was drawn (batched twin)
 
     @property
     def verdict(self) -> str:
@@ -420,6 +517,19 @@ class CheckReport:
             return "exact (greedy: token-for-token identical on every prompt)"
         confidence = 100 * (1 - self.config.alpha)
         return f"exact (TV ≤ {self.tv_bound:.3f} at {confidence:g}%)"
+
+    def _coupling_dict(self) -> dict[str, Any] | None:
+        if self.coupling is None:
+            return None
+        c = self.coupling
+        return {"redrawn": c.redrawn, "differs": c.differs, "bound": self.coupling_bound}
+
+    @property
+    def coupling_bound(self) -> float | None:
+        """The coupling term of the TV bound (None: the sample is the mode's own draw)."""
+        if self.coupling is None or self.coupling.differs is not None:
+            return None
+        return self.coupling.bound(self.config.alpha / 2)
 
     def min_p(self, which: list[Comparison]) -> float | None:
         return min((c.p_adjusted for c in which), default=None)
@@ -449,6 +559,7 @@ class CheckReport:
             "required_samples": self.required_samples,
             "reference": self.reference,
             "control_samples": self.control_samples,
+            "coupling": self._coupling_dict(),
             "seconds": self.seconds,
             "comparisons": [x.to_dict() for x in self.comparisons],
             "control_comparisons": [x.to_dict() for x in self.control],
@@ -459,12 +570,14 @@ class CheckReport:
 
 def total_draws(config: CheckConfig, prompts: int, exact: bool = False) -> int:
     """Continuations a check draws (for a progress bar): against the exact law, the
-    speculative sample and the control's pilot (more only if the pilot misses it)."""
+    speculative sample and the control's pilot (more only if the pilot misses it); a
+    coupled sample's first m twice."""
     if config.greedy:
         return 3 * prompts
+    redrawn = 0 if config.mode == "batch" else min(config.coupling, config.samples)
     if exact:
-        return prompts * (config.samples + min(config.pilot, config.samples))
-    return 3 * prompts * config.samples
+        return prompts * (config.samples + min(config.pilot, config.samples) + redrawn)
+    return prompts * (3 * config.samples + redrawn)
 
 
 def uses_exact_law(target: Any, config: CheckConfig) -> bool:
@@ -567,7 +680,7 @@ def _sampling_check(target, config, prompts, tick) -> CheckReport:
     required = pilot_requirement(comparisons(ref, ctl, length, config), pilot, config)
     if pilot < n and (required is None or required > n):
         raise _too_weak(n, pilot, required)
-    spec = draw(target, config, "speculative", prompts, range(n), length, tick, drafted)
+    spec, coupling = draw_speculative(target, config, prompts, n, length, tick, drafted)
     require_drafts(drafted, config)
     rest = range(pilot, n)
     if rest:
@@ -577,15 +690,32 @@ def _sampling_check(target, config, prompts, tick) -> CheckReport:
         ):
             for a, b in zip(rows, more, strict=True):
                 a.extend(b)
-    found = comparisons(ref, spec, length, config)
+    found = comparisons(ref, spec, length, config, tv_alpha=_sample_alpha(config, coupling))
     control = comparisons(ref, ctl, length, config)
     failing = _failing(found, config.alpha)
     return _report(
         target, config, prompts, exact=failing is None,
         control_detected=any(c.p_adjusted < config.alpha for c in control),
-        tv_bound=max(c.tv_bound for c in found if c.joint), failing=failing,
+        tv_bound=_tv_bound(found, config, coupling), failing=failing,
         comparisons=found, control=control, required_samples=required, control_samples=n,
+        coupling=coupling,
     )  # fmt: skip
+
+
+def _sample_alpha(config: CheckConfig, coupling: Coupling | None) -> float:
+    """The TV bound's level for the sample itself: all of α, or half when the other half
+    goes to the coupling of a batched twin."""
+    coupled = coupling is not None and coupling.differs is None
+    return config.alpha / 2 if coupled else config.alpha
+
+
+def _tv_bound(found: list[Comparison], config: CheckConfig, coupling: Coupling | None) -> float:
+    """The cell's TV bound at 1 − α: the largest joint's, plus P(twin ≠ mode) when the
+    sample is the batched twin's (both hold together with probability ≥ 1 − α)."""
+    bound = max(c.tv_bound for c in found if c.joint)
+    if coupling is not None and coupling.differs is None:
+        bound += coupling.bound(config.alpha / 2)
+    return bound
 
 
 def _too_weak(n: int, pilot: int, required: int | None) -> ControlTooWeak:
@@ -628,13 +758,13 @@ def _fit_check(target, config, prompts, laws: list[Law], tick) -> CheckReport:
             rows.extend(more)
         control = comparisons(laws, ctl, length, config)
         detected = any(c.p_adjusted < config.alpha for c in control)
-    spec = draw(target, config, "speculative", prompts, range(n), length, tick, drafted)
+    spec, coupling = draw_speculative(target, config, prompts, n, length, tick, drafted)
     require_drafts(drafted, config)
-    found = comparisons(laws, spec, length, config)
+    found = comparisons(laws, spec, length, config, tv_alpha=_sample_alpha(config, coupling))
     failing = _failing(found, config.alpha)
     return _report(
         target, config, prompts, exact=failing is None, control_detected=detected,
-        tv_bound=max(c.tv_bound for c in found if c.joint), failing=failing,
+        tv_bound=_tv_bound(found, config, coupling), failing=failing,
         comparisons=found, control=control, required_samples=required,
-        reference="exact law", control_samples=len(ctl[0]),
+        reference="exact law", control_samples=len(ctl[0]), coupling=coupling,
     )  # fmt: skip
