@@ -35,10 +35,11 @@ import torch
 
 from speculative.bench.prompts import load_prompts
 from speculative.drafters.eagle import EagleDrafter
+from speculative.drafters.registry import build_drafter
 from speculative.engine import SpeculativeEngine, StopCriteria
 from speculative.models.session import ModelSession
-from speculative.pipeline import build_drafter, encode_prompt, load_target
 from speculative.sampling import SamplingParams
+from speculative.targets import encode_prompt, load_target
 from speculative.training.features import Sequence_
 from speculative.training.trainer import collate, predictions
 

@@ -28,7 +28,7 @@ from revision import source_at  # scripts/revision.py, beside this script
 from speculative.hardware import cpu_info
 from speculative.models.base import RowInput
 from speculative.models.native import ckernels
-from speculative.pipeline import load_target
+from speculative.targets import load_target
 
 
 def baseline_source(revision: str) -> Path:

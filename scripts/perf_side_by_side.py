@@ -29,12 +29,13 @@ from revision import source_at  # scripts/revision.py, beside this script
 import speculative.engine.loop as loop
 from speculative.drafters.eagle import EagleDrafter
 from speculative.drafters.medusa import MedusaDrafter
-from speculative.drafters.registry import load_trained_head
+from speculative.drafters.registry import build_drafter, load_trained_head
 from speculative.engine import SpeculativeEngine, StopCriteria
 from speculative.engine.costs import drafter_cost, forward_ms, round_overheads
 from speculative.hardware import cpu_info
-from speculative.pipeline import DEFAULT_PROMPT, build_drafter, encode_prompt, load_target
+from speculative.pipeline import DEFAULT_PROMPT
 from speculative.sampling import SamplingParams
+from speculative.targets import encode_prompt, load_target
 
 MODULES = ("__init__", "params", "probs", "verify", "tree", "reference")
 SETTINGS = (SamplingParams(0.0), SamplingParams(0.8, top_p=0.95))

@@ -19,9 +19,11 @@ import time
 import torch
 
 from speculative.bench.prompts import load_prompts
+from speculative.drafters.registry import build_drafter
 from speculative.engine import SpeculativeEngine, StopCriteria
-from speculative.pipeline import build_drafter, encode_prompt, load_target, make_tree_round
+from speculative.engine.tree import make_tree_round
 from speculative.sampling import SamplingParams
+from speculative.targets import encode_prompt, load_target
 
 CONFIGS = [  # (label, drafter, gamma, tree)
     ("plain", "none", 1, "off"),

@@ -8,10 +8,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from speculative.pipeline import load_target
 from speculative.server import ServerConfig, create_app
 from speculative.server.background import BackgroundServer, serve_in_background
 from speculative.server.state import build_state
+from speculative.targets import load_target
 from tiny import save_tiny, tiny_tokenizer
 
 API_KEY = "sk-test-key"

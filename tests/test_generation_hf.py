@@ -14,10 +14,12 @@ from scipy import stats
 import broken
 from speculative.cli.main import main
 from speculative.drafters import DraftModelDrafter
+from speculative.drafters.registry import build_drafter
 from speculative.engine import SpeculativeEngine, StopCriteria
 from speculative.models.loading import VocabularyMismatchError
-from speculative.pipeline import Speculator, build_drafter, load_target
+from speculative.pipeline import Speculator
 from speculative.sampling import SamplingParams
+from speculative.targets import load_target
 from tiny import save_tiny, tiny_loaded, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -22,8 +22,8 @@ from speculative.heads.store import HeadMismatch, load_head
 from speculative.models.base import SupportsHiddenStates
 from speculative.models.markov import MarkovLM
 from speculative.models.session import ModelSession, SlotPool
-from speculative.pipeline import load_target
 from speculative.sampling import SamplingParams
+from speculative.targets import load_target
 from speculative.training.train_draft import TrainDraftOptions, train_draft
 from tiny import WORDS, save_tiny
 
@@ -459,7 +459,7 @@ def test_gamma_auto_hands_auto_the_measured_curve_and_a_cap():
     from speculative.drafters.auto import prior_shape
     from speculative.drafters.ngram import PromptLookupDrafter
     from speculative.engine import AdaptiveGamma
-    from speculative.pipeline import AUTO_LENGTH_CAP, make_gamma_policy
+    from speculative.engine.gamma import AUTO_LENGTH_CAP, make_gamma_policy
 
     curve = {1: 1.0, 2: 1.05, 3: 1.3, 4: 1.6, 5: 2.0}  # steeper than the default prior
     drafter = AutoDrafter(head=None)  # type: ignore[arg-type]  # only its timings are used

@@ -119,7 +119,8 @@ def test_one_gamma_parser_for_generate_speculator_and_bench():
     """ "heuristic" is accepted (or anything else refused) alike everywhere."""
     from speculative.bench import parse_gamma_choices
     from speculative.cli.main import build_parser
-    from speculative.pipeline import Speculator, make_gamma_policy, parse_gamma
+    from speculative.engine.gamma import make_gamma_policy, parse_gamma
+    from speculative.pipeline import Speculator
 
     assert [parse_gamma(v) for v in ("3", 3, "auto", "heuristic")] == [3, 3, "auto", "heuristic"]
     assert isinstance(make_gamma_policy("heuristic"), HeuristicGamma)

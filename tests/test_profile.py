@@ -7,8 +7,10 @@ import json
 import pytest
 
 from speculative.cli.main import main
+from speculative.drafters.registry import build_drafter
 from speculative.engine import AdaptiveGamma
-from speculative.pipeline import Speculator, build_drafter, load_target
+from speculative.pipeline import Speculator
+from speculative.targets import load_target
 from tiny import save_tiny
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -11,7 +11,8 @@ import pytest
 
 from server_helpers import tiny_chat_folder
 from speculative.batch_jobs import BatchJob, RowDecoder
-from speculative.pipeline import Speculator, load_target
+from speculative.pipeline import Speculator
+from speculative.targets import load_target
 from speculative.training.selfdistill import (
     SAMPLED_EVERY,
     answer_prompts,

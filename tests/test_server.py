@@ -177,10 +177,10 @@ def test_a_loaded_server_does_all_model_work_on_one_thread(
     thread: torch and the kernels share libgomp, which keeps a worker pool per thread that
     starts parallel work, and two pools on 2 cores made decoding 3.5x slower. Control: a
     state built on this thread (the scheduler then decodes on its own) is caught."""
-    from speculative.pipeline import load_target
     from speculative.server import ServerConfig, create_app, load_state
     from speculative.server.background import serve_in_background
     from speculative.server.state import build_state
+    from speculative.targets import load_target
 
     config = ServerConfig(target=str(folder), drafts=("self-int4", "none"), gamma="auto")
     body = {"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
@@ -503,10 +503,11 @@ def test_default_model_greedy_equals_generate() -> None:
     (byte-level BPE, non-ASCII) arrives without broken characters."""
     from speculative.drafters.registry import build_drafter
     from speculative.models.loading import resolve_model
-    from speculative.pipeline import Speculator, load_target
+    from speculative.pipeline import Speculator
     from speculative.server import ServerConfig, create_app
     from speculative.server.background import serve_in_background
     from speculative.server.state import build_state
+    from speculative.targets import load_target
 
     try:
         resolve_model("default")

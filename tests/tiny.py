@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from speculative.models.hf import HFCausalLM
-from speculative.pipeline import LoadedModel, hf_loaded
+from speculative.targets import LoadedModel, hf_loaded
 
 WORDS = [
     "the", "a", "cat", "dog", "sat", "ran", "on", "mat", "rug",

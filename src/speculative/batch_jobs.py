@@ -49,8 +49,9 @@ class RowDecoder:
         """``loaded``: an already loaded target (a :class:`LoadedModel`) instead of the
         job's target, runtime and precision."""
         from speculative.engine.batch import BatchEngine
+        from speculative.engine.gamma import parse_gamma
         from speculative.models.base import SupportsBatchRows
-        from speculative.pipeline import load_target, parse_gamma
+        from speculative.targets import load_target
 
         self.job = job
         self.gamma = parse_gamma(job.gamma)
@@ -75,9 +76,11 @@ class RowDecoder:
 
     def request(self, record: Record) -> Any:
         """The engine's :class:`BatchRequest` for one record (record values over the job's)."""
+        from speculative.drafters.registry import build_drafter
         from speculative.engine.batch import BatchRequest
-        from speculative.pipeline import build_drafter, encode_prompt, make_gamma_policy
+        from speculative.engine.gamma import make_gamma_policy
         from speculative.sampling import SamplingParams
+        from speculative.targets import encode_prompt
 
         job, loaded = self.job, self.loaded
         ids = encode_prompt(

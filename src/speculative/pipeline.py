@@ -1,6 +1,8 @@
-"""Build a target and a drafter from names, and generate text with them.
+"""The facade: a target and a drafter from their names, and text generated with them.
 
-This is the library's front door for real models::
+This is the library's front door for real models (the parts behind it: targets in
+:mod:`speculative.targets`, drafters by name in :mod:`speculative.drafters.registry`, γ and
+tree settings in :mod:`speculative.engine`)::
 
     from speculative import Speculator
     spec = Speculator.load(target="default", draft="ngram")
@@ -21,70 +23,33 @@ Drafter names (``draft=``):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from speculative.drafters import Drafter
-from speculative.drafters.base import ChoosesDraftLength, draft_model_of
-from speculative.drafters.tree import TREE_MODES, SupportsTreeShape, TreeDrafter, TreeShape
+from speculative.drafters.base import draft_model_of
+from speculative.drafters.registry import build_drafter
+from speculative.drafters.tree import TREE_MODES
 from speculative.engine import (
     DEFAULT_TREE_BUDGET,
-    AdaptiveGamma,
-    GammaPolicy,
     GenerationStats,
-    HeuristicGamma,
     Round,
     SpeculativeEngine,
     StopCriteria,
-    TreeRound,
     budget_from_verify_cost,
 )
-from speculative.models.base import CausalLM
+from speculative.engine.gamma import make_gamma_policy, parse_gamma
+from speculative.engine.tree import make_tree_round
 from speculative.sampling import SamplingParams
+from speculative.targets import LoadedModel, encode_prompt, load_target
 
 DEFAULT_PROMPT = (
     "Explain in a short paragraph why the sky is blue, then list three everyday "
     "examples of light scattering."
 )
-
-
-@dataclass
-class LoadedModel:
-    """A causal LM plus what is needed to talk to it in text.
-
-    make_variant: builds the same model at another precision ("bf16", "int8", ...), used by
-    the ``self-<precision>`` drafters; ``None`` when the runtime cannot.
-    """
-
-    lm: CausalLM
-    tokenizer: Any
-    name: str
-    eos_token_ids: frozenset[int] = frozenset()
-    runtime: str = "hf"
-    precision: str = "fp32"
-    make_variant: Callable[[str], CausalLM] | None = None
-    backend: str = "torch"  # native runtime: "kernels" (C decoder) or "torch"
-    # the stream whose state the model's cache now holds (see GenerationStream.__iter__)
-    cache_owner: object | None = field(default=None, repr=False, compare=False)
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of ``token_ids`` (special tokens left out)."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    def stop_criteria(
-        self, max_new_tokens: int, stop: Sequence[str] = (), ignore_eos: bool = False
-    ) -> StopCriteria:
-        """Stop after ``max_new_tokens``, at the model's end-of-sequence tokens (unless
-        ``ignore_eos``) and at the first of the ``stop`` strings."""
-        return StopCriteria(
-            max_new_tokens=max_new_tokens,
-            eos_token_ids=frozenset() if ignore_eos else self.eos_token_ids,
-            stop_strings=tuple(stop),
-            decode=self.decode if stop else None,
-        )
 
 
 @dataclass
@@ -104,237 +69,6 @@ class GenerationOutput:
             "prompt_tokens": self.prompt_tokens,
             "stats": self.stats.to_dict(),
         }
-
-
-def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    """End-of-sequence ids from the tokenizer and the model's (generation) config."""
-    ids: set[int] = set()
-    sources = [getattr(tokenizer, "eos_token_id", None)]
-    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        sources.append(getattr(config, "eos_token_id", None))
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(int(v) for v in value)
-    return frozenset(ids)
-
-
-RUNTIMES = ("auto", "native", "hf")
-HF_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def load_target(
-    spec: str = "default",
-    runtime: str = "auto",
-    precision: str = "auto",
-    native_backend: str = "auto",
-) -> LoadedModel:
-    """Load a target model by name, folder, .gguf file or hub id (offline-aware).
-
-    runtime: "native" (this package's Llama-family runtime), "hf" (transformers), or
-    "auto" (native when the architecture is supported, else hf).
-    precision: "auto" (the model's own: a Q4 GGUF runs int4 as stored, a bfloat16
-    checkpoint bf16, anything else fp32); fp32 or bf16 on both runtimes; int8 and int4
-    (weight-only) on native. Speculative decoding is exact with respect to the target at
-    this precision.
-    native_backend: the native runtime's decoder: "kernels" (C), "torch", or "auto"
-    (the kernels when they build here).
-    """
-    from speculative.models.loading import resolve_model, stored_precision
-
-    if runtime not in RUNTIMES:
-        raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
-    resolved = resolve_model(spec)
-    if runtime == "auto":
-        runtime = "native" if native_supports(resolved.path) else "hf"
-    if precision == "auto":
-        precision = stored_precision(resolved)
-        if runtime == "hf" and precision not in HF_PRECISIONS:
-            precision = "fp32"  # transformers runs the file's values in float32
-    if runtime == "native":
-        return _load_native_target(resolved, precision, native_backend)
-    return _load_hf_target(resolved, precision)
-
-
-def native_supports(folder: Any) -> bool:
-    """Whether the native runtime implements the architecture in ``folder/config.json``."""
-    from speculative.models.native.config import SUPPORTED_MODEL_TYPES
-
-    return _read_config(folder).get("model_type") in SUPPORTED_MODEL_TYPES
-
-
-def _load_hf_target(resolved: Any, precision: str) -> LoadedModel:
-    from speculative.models.hf import load_hf_model
-
-    dtype = HF_PRECISIONS.get(precision)
-    if dtype is None:
-        raise ValueError(
-            f"precision {precision!r} needs the native runtime; the hf runtime has "
-            f"{', '.join(HF_PRECISIONS)}"
-        )
-    hf = load_hf_model(resolved, dtype=dtype)
-    if hf.tokenizer is None:
-        raise ValueError(f"model '{resolved.name}' ships no tokenizer; text generation needs one")
-    return hf_loaded(hf, precision)
-
-
-def hf_loaded(hf: Any, precision: str = "fp32", eos: frozenset[int] | None = None) -> LoadedModel:
-    """Wrap an :class:`~speculative.models.hf.HFCausalLM` (its tokenizer attached)."""
-
-    def variant(other: str) -> CausalLM:
-        if other not in HF_PRECISIONS:
-            raise ValueError(f"the hf runtime has no {other!r} precision")
-        return hf.to_dtype(HF_PRECISIONS[other])
-
-    return LoadedModel(
-        lm=hf,
-        tokenizer=hf.tokenizer,
-        name=hf.name,
-        eos_token_ids=eos_ids(hf.model, hf.tokenizer) if eos is None else eos,
-        runtime="hf",
-        precision=precision,
-        make_variant=variant,
-    )
-
-
-def _load_native_target(resolved: Any, precision: str, backend: str) -> LoadedModel:
-    from speculative.models.loading import load_tokenizer
-    from speculative.models.native import PRECISIONS, load_native
-
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    tokenizer = load_tokenizer(resolved)
-    if tokenizer is None:
-        raise ValueError(f"model '{resolved.name}' ships no tokenizer; text generation needs one")
-
-    def variant(other: str) -> CausalLM:
-        # int4 runs a GGUF's Q4 weights exactly as stored; other precisions load the
-        # converted float folder (much faster to read than the GGUF).
-        source = resolved.source_gguf if other == "int4" and resolved.source_gguf else resolved.path
-        return load_native(source, precision=other, backend=backend)
-
-    lm = variant(precision)
-    config = _read_config(resolved.path)
-    ids = eos_ids(None, tokenizer) | _config_eos(config)
-    return LoadedModel(
-        lm=lm,
-        tokenizer=tokenizer,
-        name=resolved.name,
-        eos_token_ids=ids,
-        runtime="native",
-        precision=precision,
-        make_variant=variant,
-        backend=lm.backend,
-    )
-
-
-def _read_config(folder: Any) -> dict[str, Any]:
-    import json
-    from pathlib import Path
-
-    path = Path(folder) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _config_eos(config: dict[str, Any]) -> frozenset[int]:
-    value = config.get("eos_token_id")
-    if isinstance(value, int):
-        return frozenset({value})
-    if isinstance(value, list):
-        return frozenset(int(v) for v in value)
-    return frozenset()
-
-
-def build_drafter(spec: str | None, target: LoadedModel) -> Drafter | None:
-    """A drafter for ``target`` from its name (see :mod:`speculative.drafters.registry`)."""
-    from speculative.drafters.registry import build_drafter as from_registry
-
-    return from_registry(spec, target)
-
-
-def encode_prompt(
-    tokenizer: Any,
-    prompt: str | None = None,
-    messages: Sequence[dict[str, str]] | None = None,
-    chat: bool | None = None,
-) -> list[int]:
-    """Token ids for a prompt; ``chat`` (default: when the tokenizer has a chat template)
-    wraps it as a user message and adds the assistant generation prompt."""
-    if messages is None:
-        if prompt is None or not prompt.strip():
-            raise ValueError("the prompt is empty")
-        messages = [{"role": "user", "content": prompt}]
-    elif not messages:
-        raise ValueError("messages is empty")
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    use_chat = has_template if chat is None else chat
-    if use_chat and not has_template:
-        raise ValueError("--chat needs a tokenizer with a chat template; this one has none")
-    if use_chat:
-        text = tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
-        )
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    text = "\n".join(m["content"] for m in messages)
-    return list(tokenizer(text)["input_ids"])
-
-
-GAMMA_SCHEDULES = ("auto", "heuristic")
-AUTO_LENGTH_CAP = 8  # "auto" γ for a drafter that chooses its own length: its cap
-
-
-def make_gamma_policy(
-    gamma: int | str,
-    c: float = 0.3,
-    verify_cost: dict[int, float] | None = None,
-    drafter: object | None = None,
-) -> GammaPolicy | int:
-    """An int, ``"auto"`` (:class:`AdaptiveGamma` with the given cost estimates) or
-    ``"heuristic"`` (:class:`HeuristicGamma`, transformers' +2/−1 schedule). With a
-    measured ``verify_cost``, "auto" hands a drafter that chooses its own draft length
-    (:class:`ChoosesDraftLength`) the curve, and caps it at AUTO_LENGTH_CAP instead."""
-    gamma = parse_gamma(gamma)
-    if gamma == "auto" and verify_cost and isinstance(drafter, ChoosesDraftLength):
-        drafter.use_verify_cost(verify_cost)
-        return max(1, min(AUTO_LENGTH_CAP, max(verify_cost) - 1))
-    if gamma == "auto":
-        return AdaptiveGamma(c=c, verify_cost=verify_cost or {1: 1.0, 2: 1.8})
-    if gamma == "heuristic":
-        return HeuristicGamma()
-    return gamma
-
-
-def parse_gamma(gamma: int | str) -> int | str:
-    """Validate a γ setting, the one parser of generate, demo, check, bench and
-    :class:`Speculator`: an integer >= 1 (also as text), "auto" or "heuristic"."""
-    if isinstance(gamma, str) and gamma.strip() in GAMMA_SCHEDULES:
-        return gamma.strip()
-    if isinstance(gamma, str):
-        try:
-            gamma = int(gamma)
-        except ValueError:
-            raise ValueError(
-                f"gamma must be an integer >= 1, 'auto' or 'heuristic', got {gamma!r}"
-            ) from None
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise ValueError(f"gamma must be an integer >= 1, 'auto' or 'heuristic', got {gamma!r}")
-    return gamma
-
-
-def make_tree_round(
-    mode: str, drafter: Drafter | None, budget: int = DEFAULT_TREE_BUDGET
-) -> TreeRound | None:
-    """The tree strategy for ``--tree off|static|dynamic`` (None: chains of γ tokens)."""
-    if mode not in TREE_MODES:
-        raise ValueError(f"tree must be one of {', '.join(TREE_MODES)}, got {mode!r}")
-    if mode == "off" or drafter is None:
-        return None
-    if not isinstance(drafter, TreeDrafter):
-        raise ValueError(f"the '{drafter.name}' drafter cannot draft trees; use tree 'off'")
-    if isinstance(drafter, SupportsTreeShape):
-        drafter.set_tree_shape(TreeShape(mode))
-    return TreeRound(drafter, budget)
 
 
 class Speculator:

@@ -35,12 +35,13 @@ import torch
 from tqdm import tqdm
 
 from speculative.bench.prompts import BenchPrompt
+from speculative.drafters.registry import build_drafter
 from speculative.engine import BatchEngine, BatchRequest, LoadAwareGamma, StopCriteria
 from speculative.engine.costs import rows_verify_cost
 from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
 from speculative.models.base import PadsBatchRows, SupportsBatchRows
-from speculative.pipeline import LoadedModel, build_drafter, encode_prompt, load_target
 from speculative.sampling import SamplingParams
+from speculative.targets import LoadedModel, encode_prompt, load_target
 
 Loader = Callable[[str, str, str], LoadedModel]
 GREEDY = SamplingParams(temperature=0.0)

@@ -24,10 +24,11 @@ from speculative.engine import (
     SpeculativeEngine,
     StopCriteria,
 )
+from speculative.engine.gamma import make_gamma_policy, parse_gamma
 from speculative.engine.tree import TreeRound
 from speculative.models.base import CausalLM
-from speculative.pipeline import LoadedModel, make_gamma_policy, parse_gamma
 from speculative.sampling import SamplingParams
+from speculative.targets import LoadedModel
 
 PLAIN = "plain"
 OURS = "speculative"
@@ -83,7 +84,7 @@ class GammaChoice:
 
 def parse_gamma_choices(values: Sequence[str]) -> list[GammaChoice]:
     """``["2", "4", "auto", "heuristic"]`` → choices, each parsed by
-    :func:`speculative.pipeline.parse_gamma` (the one γ parser); ValueError otherwise."""
+    :func:`speculative.engine.gamma.parse_gamma` (the one γ parser); ValueError otherwise."""
     choices = []
     for value in dict.fromkeys(v.strip() for v in values):
         parsed = parse_gamma(value)

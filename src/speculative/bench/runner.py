@@ -30,10 +30,11 @@ from speculative.bench.methods import (
 from speculative.bench.prompts import BenchPrompt
 from speculative.drafters import Drafter
 from speculative.drafters.base import draft_model_of
+from speculative.drafters.registry import build_drafter
 from speculative.engine import GenerationStats
 from speculative.engine.costs import TargetCosts, drafter_cost, verify_cost_curve
-from speculative.pipeline import LoadedModel, build_drafter, encode_prompt, load_target
 from speculative.sampling import SamplingParams
+from speculative.targets import LoadedModel, encode_prompt, load_target
 
 Loader = Callable[[str, str, str], LoadedModel]
 
@@ -233,8 +234,7 @@ def tree_methods(
     """The drafter with token trees of each shape in ``settings.trees`` (none for a drafter
     that drafts chains only); the budget comes from the measured verify-cost curve."""
     from speculative.drafters.tree import TreeDrafter
-    from speculative.engine.tree import budget_from_verify_cost
-    from speculative.pipeline import make_tree_round
+    from speculative.engine.tree import budget_from_verify_cost, make_tree_round
 
     if not isinstance(drafter, TreeDrafter):
         return []

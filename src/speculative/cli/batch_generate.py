@@ -65,7 +65,7 @@ def done_indices(out: Path) -> set[int]:
 
 
 def job_from_args(args: argparse.Namespace) -> BatchJob:
-    from speculative.pipeline import parse_gamma
+    from speculative.engine.gamma import parse_gamma
 
     return BatchJob(
         target=args.target,

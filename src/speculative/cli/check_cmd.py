@@ -180,7 +180,7 @@ def tiny_folder() -> Path:
 
 def load_check_target(name: str, runtime: str, precision: str) -> tuple[Any, list[list[int]]]:
     """The loaded target and its prompts as token ids (tiny: the fixture's own)."""
-    from speculative.pipeline import load_target
+    from speculative.targets import load_target
 
     if name == "tiny":
         import torch
@@ -195,14 +195,14 @@ def load_check_target(name: str, runtime: str, precision: str) -> tuple[Any, lis
 
 
 def encode_prompts(target: Any, texts: list[str]) -> list[list[int]]:
-    from speculative.pipeline import encode_prompt
+    from speculative.targets import encode_prompt
 
     return [encode_prompt(target.tokenizer, text) for text in texts]
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
+    from speculative.engine.gamma import parse_gamma
     from speculative.exactness import CheckConfig
-    from speculative.pipeline import parse_gamma
 
     mode = "batch" if args.batch else ("chain" if args.tree == "off" else f"tree-{args.tree}")
     return CheckConfig(
@@ -435,7 +435,7 @@ def run_matrix_command(args: argparse.Namespace) -> int:
 def load_target_on(spec: str, precision: str, runtime: str) -> Any:
     """``load_target`` with the runtime last, for ``functools.partial`` (module level, so
     that the matrix's worker processes can unpickle it)."""
-    from speculative.pipeline import load_target
+    from speculative.targets import load_target
 
     return load_target(spec, runtime, precision)
 

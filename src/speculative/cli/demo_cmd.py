@@ -56,7 +56,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from speculative.pipeline import Speculator, build_drafter, load_target, parse_gamma
+    from speculative.drafters.registry import build_drafter
+    from speculative.engine.gamma import parse_gamma
+    from speculative.pipeline import Speculator
+    from speculative.targets import load_target
 
     gamma = parse_gamma(args.gamma)
     print(f"loading target '{args.target}' ...", file=sys.stderr)

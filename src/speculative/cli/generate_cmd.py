@@ -201,7 +201,8 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def load_speculator(args: argparse.Namespace):
-    from speculative.pipeline import Speculator, parse_gamma
+    from speculative.engine.gamma import parse_gamma
+    from speculative.pipeline import Speculator
 
     gamma = parse_gamma(args.gamma)
     return Speculator.load(
@@ -241,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     if not prompt.strip():
         raise CliError("the prompt is empty")
-    from speculative.pipeline import parse_gamma
+    from speculative.engine.gamma import parse_gamma
     from speculative.sampling import SamplingParams
 
     parse_gamma(args.gamma)  # validate before loading anything

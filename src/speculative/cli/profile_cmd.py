@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from speculative.drafters.base import draft_model_of
+    from speculative.drafters.registry import build_drafter
     from speculative.engine.costs import (
         drafter_cost,
         interleaved_forward_ms,
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         probe_context,
     )
     from speculative.hardware import cpu_info
-    from speculative.pipeline import build_drafter, load_target
+    from speculative.targets import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -185,8 +186,9 @@ def measure_overheads(target: object, drafters: dict, args: argparse.Namespace) 
     """Round overheads of plain decoding and each drafter, greedy and top-p, on the
     default prompt (empty with --overhead-tokens 0)."""
     from speculative.engine.costs import round_overheads
-    from speculative.pipeline import DEFAULT_PROMPT, encode_prompt
+    from speculative.pipeline import DEFAULT_PROMPT
     from speculative.sampling import SamplingParams
+    from speculative.targets import encode_prompt
 
     if args.overhead_tokens <= 0:
         return []

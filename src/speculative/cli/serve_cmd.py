@@ -107,7 +107,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def gamma_setting(text: str) -> int | str:
     """The project's one γ parser; serving takes an integer or "auto" (load-aware per row)."""
-    from speculative.pipeline import parse_gamma
+    from speculative.engine.gamma import parse_gamma
 
     try:
         gamma = parse_gamma(text)

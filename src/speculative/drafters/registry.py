@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from speculative.drafters.base import Drafter
 
 if TYPE_CHECKING:
-    from speculative.pipeline import LoadedModel
+    from speculative.targets import LoadedModel
 
 Factory = Callable[[str, "LoadedModel"], Drafter | None]
 
@@ -165,7 +165,7 @@ def _auto(argument: str, target: LoadedModel) -> Drafter:
 def _draft_model(name: str, target: LoadedModel) -> Drafter:
     from speculative.drafters.model import DraftModelDrafter
     from speculative.models.loading import check_vocab_compatible
-    from speculative.pipeline import load_target
+    from speculative.targets import load_target
 
     vocab = target.lm.vocab_size
     draft = load_target(name, target.runtime)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from speculative.drafters.base import ChoosesDraftLength
 from speculative.theory import (
     VerifyCost,
     decayed_average,
@@ -286,3 +287,45 @@ class LoadAwareGamma:
             if rate > best_rate:
                 best, best_rate = list(gammas), rate
         return best
+
+
+GAMMA_SCHEDULES = ("auto", "heuristic")
+AUTO_LENGTH_CAP = 8  # "auto" γ for a drafter that chooses its own length: its cap
+
+
+def make_gamma_policy(
+    gamma: int | str,
+    c: float = 0.3,
+    verify_cost: dict[int, float] | None = None,
+    drafter: object | None = None,
+) -> GammaPolicy | int:
+    """An int, ``"auto"`` (:class:`AdaptiveGamma` with the given cost estimates) or
+    ``"heuristic"`` (:class:`HeuristicGamma`, transformers' +2/−1 schedule). With a
+    measured ``verify_cost``, "auto" hands a drafter that chooses its own draft length
+    (:class:`ChoosesDraftLength`) the curve, and caps it at AUTO_LENGTH_CAP instead."""
+    gamma = parse_gamma(gamma)
+    if gamma == "auto" and verify_cost and isinstance(drafter, ChoosesDraftLength):
+        drafter.use_verify_cost(verify_cost)
+        return max(1, min(AUTO_LENGTH_CAP, max(verify_cost) - 1))
+    if gamma == "auto":
+        return AdaptiveGamma(c=c, verify_cost=verify_cost or {1: 1.0, 2: 1.8})
+    if gamma == "heuristic":
+        return HeuristicGamma()
+    return gamma
+
+
+def parse_gamma(gamma: int | str) -> int | str:
+    """Validate a γ setting, the one parser of generate, demo, check, bench and
+    :class:`Speculator`: an integer >= 1 (also as text), "auto" or "heuristic"."""
+    if isinstance(gamma, str) and gamma.strip() in GAMMA_SCHEDULES:
+        return gamma.strip()
+    if isinstance(gamma, str):
+        try:
+            gamma = int(gamma)
+        except ValueError:
+            raise ValueError(
+                f"gamma must be an integer >= 1, 'auto' or 'heuristic', got {gamma!r}"
+            ) from None
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+        raise ValueError(f"gamma must be an integer >= 1, 'auto' or 'heuristic', got {gamma!r}")
+    return gamma

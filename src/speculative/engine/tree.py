@@ -17,7 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from speculative.drafters.base import Drafter
-from speculative.drafters.tree import DraftTree, TreeDrafter
+from speculative.drafters.tree import (
+    TREE_MODES,
+    DraftTree,
+    SupportsTreeShape,
+    TreeDrafter,
+    TreeShape,
+)
 from speculative.engine.stats import GenerationStats
 from speculative.sampling import SamplingParams, logits_to_probs, one_hot_argmax
 from speculative.sampling.tree import TreeVerifyResult, verify_tree, verify_tree_greedy
@@ -85,3 +91,18 @@ class TreeRound:
         process = one_hot_argmax if params.greedy else lambda x: logits_to_probs(x, params)
         target_probs = process(logits)  # [n + 1, vocab]
         return self.verifier(tree.tokens, tree.parents, tree.q, target_probs, generator, False)
+
+
+def make_tree_round(
+    mode: str, drafter: Drafter | None, budget: int = DEFAULT_TREE_BUDGET
+) -> TreeRound | None:
+    """The tree strategy for ``--tree off|static|dynamic`` (None: chains of γ tokens)."""
+    if mode not in TREE_MODES:
+        raise ValueError(f"tree must be one of {', '.join(TREE_MODES)}, got {mode!r}")
+    if mode == "off" or drafter is None:
+        return None
+    if not isinstance(drafter, TreeDrafter):
+        raise ValueError(f"the '{drafter.name}' drafter cannot draft trees; use tree 'off'")
+    if isinstance(drafter, SupportsTreeShape):
+        drafter.set_tree_shape(TreeShape(mode))
+    return TreeRound(drafter, budget)

@@ -137,7 +137,7 @@ def _seed(config: CheckConfig, way: str, prompt: int, index: int) -> int:
 
 
 def _gamma(gamma: int | str) -> Any:
-    from speculative.pipeline import make_gamma_policy
+    from speculative.engine.gamma import make_gamma_policy
 
     return make_gamma_policy(gamma)
 
@@ -247,7 +247,8 @@ def _rules(config: CheckConfig, way: str) -> tuple[Any, Any]:
 def _drafter_and_tree(config: CheckConfig, way: str, target: Any) -> tuple[Any, Any]:
     """A fresh drafter for ``way`` (None for the reference) and its tree strategy (None
     for chains), the tree verified by the way's rule."""
-    from speculative.pipeline import build_drafter, make_tree_round
+    from speculative.drafters.registry import build_drafter
+    from speculative.engine.tree import make_tree_round
 
     drafter = None if way == "reference" else build_drafter(config.drafter, target)
     if way != "reference" and drafter is None:
@@ -614,7 +615,7 @@ def run_check(
     prompts: Sequence[Sequence[int]],
     tick: Tick = lambda n: None,
 ) -> CheckReport:
-    """Run one check on a loaded target (a :class:`~speculative.pipeline.LoadedModel`).
+    """Run one check on a loaded target (a :class:`~speculative.targets.LoadedModel`).
     Raises :class:`ControlTooWeak` when N cannot detect the negative control."""
     started = time.perf_counter()
     if config.greedy:

@@ -193,7 +193,7 @@ async def _serve(
 
 
 async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepared:
-    from speculative.pipeline import encode_prompt
+    from speculative.targets import encode_prompt
 
     payload = await _read_json(request, state.config.max_body_bytes)
     model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from speculative.drafters.base import Drafter
 from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
 from speculative.models.base import SupportsBatchRows
-from speculative.pipeline import LoadedModel
 from speculative.server.compute import ComputeThread
+from speculative.targets import LoadedModel
 
 NONE = "none"
 
@@ -176,7 +176,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
 def load_state(config: ServerConfig, compute: ComputeThread | None = None) -> ServerState:
     """Load the target named in ``config`` and build the state, on ``compute`` (a new
     :class:`ComputeThread` when None), the thread that will also run its rounds."""
-    from speculative.pipeline import load_target
+    from speculative.targets import load_target
 
     config.check()  # before loading anything
     compute = compute or ComputeThread()

@@ -145,7 +145,7 @@ def turn_marker(tokenizer: Any) -> int | None:
 
 def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
     """Run the whole pipeline; returns the report (also written to OUT/report.json)."""
-    from speculative.pipeline import load_target
+    from speculative.targets import load_target
 
     if options.method not in METHODS:
         raise ValueError(f"unknown method {options.method!r}; choose one of {', '.join(METHODS)}")

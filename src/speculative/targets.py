@@ -1,0 +1,221 @@
+"""Targets by name: load a model on a runtime and precision, with what is needed to talk
+to it in text (tokenizer, end-of-sequence ids, chat prompts).
+
+    from speculative.targets import load_target, encode_prompt
+    target = load_target("default")  # the GGUF's int4 on the native runtime
+    ids = encode_prompt(target.tokenizer, "Why is the sky blue?")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from speculative.engine.stopping import StopCriteria
+from speculative.models.base import CausalLM
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM plus what is needed to talk to it in text.
+
+    make_variant: builds the same model at another precision ("bf16", "int8", ...), used by
+    the ``self-<precision>`` drafters; ``None`` when the runtime cannot.
+    """
+
+    lm: CausalLM
+    tokenizer: Any
+    name: str
+    eos_token_ids: frozenset[int] = frozenset()
+    runtime: str = "hf"
+    precision: str = "fp32"
+    make_variant: Callable[[str], CausalLM] | None = None
+    backend: str = "torch"  # native runtime: "kernels" (C decoder) or "torch"
+    # the stream whose state the model's cache now holds (see GenerationStream.__iter__)
+    cache_owner: object | None = field(default=None, repr=False, compare=False)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` (special tokens left out)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def stop_criteria(
+        self, max_new_tokens: int, stop: Sequence[str] = (), ignore_eos: bool = False
+    ) -> StopCriteria:
+        """Stop after ``max_new_tokens``, at the model's end-of-sequence tokens (unless
+        ``ignore_eos``) and at the first of the ``stop`` strings."""
+        return StopCriteria(
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=frozenset() if ignore_eos else self.eos_token_ids,
+            stop_strings=tuple(stop),
+            decode=self.decode if stop else None,
+        )
+
+
+def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """End-of-sequence ids from the tokenizer and the model's (generation) config."""
+    ids: set[int] = set()
+    sources = [getattr(tokenizer, "eos_token_id", None)]
+    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        sources.append(getattr(config, "eos_token_id", None))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+RUNTIMES = ("auto", "native", "hf")
+HF_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def load_target(
+    spec: str = "default",
+    runtime: str = "auto",
+    precision: str = "auto",
+    native_backend: str = "auto",
+) -> LoadedModel:
+    """Load a target model by name, folder, .gguf file or hub id (offline-aware).
+
+    runtime: "native" (this package's Llama-family runtime), "hf" (transformers), or
+    "auto" (native when the architecture is supported, else hf).
+    precision: "auto" (the model's own: a Q4 GGUF runs int4 as stored, a bfloat16
+    checkpoint bf16, anything else fp32); fp32 or bf16 on both runtimes; int8 and int4
+    (weight-only) on native. Speculative decoding is exact with respect to the target at
+    this precision.
+    native_backend: the native runtime's decoder: "kernels" (C), "torch", or "auto"
+    (the kernels when they build here).
+    """
+    from speculative.models.loading import resolve_model, stored_precision
+
+    if runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+    resolved = resolve_model(spec)
+    if runtime == "auto":
+        runtime = "native" if native_supports(resolved.path) else "hf"
+    if precision == "auto":
+        precision = stored_precision(resolved)
+        if runtime == "hf" and precision not in HF_PRECISIONS:
+            precision = "fp32"  # transformers runs the file's values in float32
+    if runtime == "native":
+        return _load_native_target(resolved, precision, native_backend)
+    return _load_hf_target(resolved, precision)
+
+
+def native_supports(folder: Any) -> bool:
+    """Whether the native runtime implements the architecture in ``folder/config.json``."""
+    from speculative.models.native.config import SUPPORTED_MODEL_TYPES
+
+    return _read_config(folder).get("model_type") in SUPPORTED_MODEL_TYPES
+
+
+def _load_hf_target(resolved: Any, precision: str) -> LoadedModel:
+    from speculative.models.hf import load_hf_model
+
+    dtype = HF_PRECISIONS.get(precision)
+    if dtype is None:
+        raise ValueError(
+            f"precision {precision!r} needs the native runtime; the hf runtime has "
+            f"{', '.join(HF_PRECISIONS)}"
+        )
+    hf = load_hf_model(resolved, dtype=dtype)
+    if hf.tokenizer is None:
+        raise ValueError(f"model '{resolved.name}' ships no tokenizer; text generation needs one")
+    return hf_loaded(hf, precision)
+
+
+def hf_loaded(hf: Any, precision: str = "fp32", eos: frozenset[int] | None = None) -> LoadedModel:
+    """Wrap an :class:`~speculative.models.hf.HFCausalLM` (its tokenizer attached)."""
+
+    def variant(other: str) -> CausalLM:
+        if other not in HF_PRECISIONS:
+            raise ValueError(f"the hf runtime has no {other!r} precision")
+        return hf.to_dtype(HF_PRECISIONS[other])
+
+    return LoadedModel(
+        lm=hf,
+        tokenizer=hf.tokenizer,
+        name=hf.name,
+        eos_token_ids=eos_ids(hf.model, hf.tokenizer) if eos is None else eos,
+        runtime="hf",
+        precision=precision,
+        make_variant=variant,
+    )
+
+
+def _load_native_target(resolved: Any, precision: str, backend: str) -> LoadedModel:
+    from speculative.models.loading import load_tokenizer
+    from speculative.models.native import PRECISIONS, load_native
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    tokenizer = load_tokenizer(resolved)
+    if tokenizer is None:
+        raise ValueError(f"model '{resolved.name}' ships no tokenizer; text generation needs one")
+
+    def variant(other: str) -> CausalLM:
+        # int4 runs a GGUF's Q4 weights exactly as stored; other precisions load the
+        # converted float folder (much faster to read than the GGUF).
+        source = resolved.source_gguf if other == "int4" and resolved.source_gguf else resolved.path
+        return load_native(source, precision=other, backend=backend)
+
+    lm = variant(precision)
+    config = _read_config(resolved.path)
+    ids = eos_ids(None, tokenizer) | _config_eos(config)
+    return LoadedModel(
+        lm=lm,
+        tokenizer=tokenizer,
+        name=resolved.name,
+        eos_token_ids=ids,
+        runtime="native",
+        precision=precision,
+        make_variant=variant,
+        backend=lm.backend,
+    )
+
+
+def _read_config(folder: Any) -> dict[str, Any]:
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _config_eos(config: dict[str, Any]) -> frozenset[int]:
+    value = config.get("eos_token_id")
+    if isinstance(value, int):
+        return frozenset({value})
+    if isinstance(value, list):
+        return frozenset(int(v) for v in value)
+    return frozenset()
+
+
+def encode_prompt(
+    tokenizer: Any,
+    prompt: str | None = None,
+    messages: Sequence[dict[str, str]] | None = None,
+    chat: bool | None = None,
+) -> list[int]:
+    """Token ids for a prompt; ``chat`` (default: when the tokenizer has a chat template)
+    wraps it as a user message and adds the assistant generation prompt."""
+    if messages is None:
+        if prompt is None or not prompt.strip():
+            raise ValueError("the prompt is empty")
+        messages = [{"role": "user", "content": prompt}]
+    elif not messages:
+        raise ValueError("messages is empty")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    use_chat = has_template if chat is None else chat
+    if use_chat and not has_template:
+        raise ValueError("--chat needs a tokenizer with a chat template; this one has none")
+    if use_chat:
+        text = tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = "\n".join(m["content"] for m in messages)
+    return list(tokenizer(text)["input_ids"])
