@@ -371,8 +371,8 @@ def _binned(report) -> list:
 def test_a_coupled_sample_is_the_modes_own_and_a_learning_drafter_is_drawn_alone(
     native, tiny: Path, mode: str
 ) -> None:
-    """Coupling draws a chain or tree sample with the batched engine after checking the
-    first m against the one-sequence engine: the n-gram (and head) drafts do not depend
+    """Coupling draws a chain or tree sample with the batched engine after checking m of
+    the N against the one-sequence engine: the n-gram (and head) drafts do not depend
     on earlier generations, so the sample is bit for bit the mode's own (the same binned
     counts) and the bound adds the coupling term. The negative control: self-int4 primes
     its cache from the target only when alone, so its drafts differ from the batched
@@ -422,7 +422,7 @@ def test_matrix_in_worker_processes_equals_the_matrix_in_one(native, tiny: Path)
 @pytest.mark.slow
 def test_check_bounds_tv_within_0_02_against_the_exact_law(native) -> None:
     """The TV ≤ 0.02 (99.9%) goal on one chain cell, n-gram at T = 1 (~35 s): 60,000
-    continuations against the enumerated law (two samples would need 4×), the first 6,000
+    continuations against the enumerated law (two samples would need 4×), 6,000 of them
     drawn one sequence at a time and by the batched engine, identical, the rest batched;
     the bound includes the coupling term."""
     config = CheckConfig("ngram", gamma=2, samples=60_000, coupling=6_000)

@@ -132,8 +132,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="M",
-        help="chain and tree modes: draw the first M continuations both one sequence at a "
-        "time and batched (same seeds); if every pair is identical, draw the rest batched "
+        help="chain and tree modes: draw M of the N continuations (evenly spread) both one "
+        "sequence at a time and batched (same seeds); if every pair is identical, draw the "
+        "rest batched "
         "(much faster at large N) and add the coupling term ln(2/δ)/M (about) to the TV "
         "bound; if a pair differs, draw everything one at a time (default: 0; --matrix: "
         "N/10 from N = 10,000 on)",
@@ -496,9 +497,10 @@ def _coupling_note(config: Any) -> str:
     if config.coupling == 0:
         return ""
     return (
-        f" Chain and tree cells are coupled (`--coupling {config.coupling}`): the first "
-        f"{config.coupling:,} continuations are drawn both one sequence at a time and by the "
-        "batched engine with the same seeds; when every pair is identical the rest are drawn "
+        f" Chain and tree cells are coupled (`--coupling {config.coupling}`): "
+        f"{config.coupling:,} of the N continuations, evenly spread, are drawn both one "
+        "sequence at a time and by the batched engine with the same seeds; when every pair "
+        "is identical the rest are drawn "
         "batched, and the TV bound (each part at δ/2) adds 1 − (δ/2)^(1/M), the bound on "
         "P(the two engines differ), since TV ≤ P(X ≠ Y) for any coupling. A drafter whose "
         "drafts differ between the two engines (one that learns across generations, or "

@@ -250,7 +250,7 @@ def _drawn_how(report: CheckReport) -> str:
     if c is None:
         return ""
     if c.differs is None:
-        return f" (batched twin, first {c.redrawn:,} identical alone)"
+        return f" (batched twin; {c.redrawn:,} of them identical alone)"
     return f" (alone: the batched twin differs at #{c.differs[1]})"
 
 

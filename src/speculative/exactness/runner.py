@@ -147,7 +147,7 @@ def draw(
     config: CheckConfig,
     way: str,
     prompts: Sequence[Sequence[int]],
-    indices: range,
+    indices: Sequence[int],
     length: int,
     tick: Tick = lambda n: None,
     drafted: Counter | None = None,
@@ -164,8 +164,8 @@ def draw(
 class Coupling:
     """How a chain or tree sample was drawn (:func:`draw_speculative`): ``redrawn``
     continuations of each prompt drawn both by the batched engine and one sequence at a
-    time, with the same seeds; ``differs`` is the first (prompt, index) whose two draws
-    differ (then the whole sample was drawn one sequence at a time)."""
+    time, with the same seeds; ``differs`` is the first (prompt, continuation index) whose
+    two draws differ (then the whole sample was drawn one sequence at a time)."""
 
     redrawn: int
     differs: tuple[int, int] | None = None
@@ -190,33 +190,48 @@ def draw_speculative(
     """The N speculative continuations of each prompt, and how they were drawn.
 
     With ``config.coupling`` = m > 0 in a chain or tree mode (and a target with per-row
-    cache slots), the first m continuations are drawn twice with the same seeds: by the
-    mode's own one-sequence engine and by the batched engine (rows of the mode's chains or
-    trees). When every pair is token for token identical, the remaining N − m are drawn by
-    the batched engine only: the two engines are coupled through the seeds, and
-    :meth:`Coupling.bound` bounds the TV between their laws. At the first pair that
-    differs (a drafter that learns across generations, or a model drafter that primes from
-    the target's cache only when alone) the rest is drawn one sequence at a time."""
+    cache slots), m continuations spread evenly over the N are drawn twice with the same
+    seeds: by the mode's own one-sequence engine and by the batched engine (rows of the
+    mode's chains or trees). When every pair is token for token identical, the others are
+    drawn by the batched engine only: the two engines are coupled through the seeds, and
+    :meth:`Coupling.bound` bounds the TV between their laws (the m spread over the N, so
+    that the bound holds for the whole sample even if a drafter changed over the run). At
+    a pair that differs (a drafter that learns across generations, or a model drafter
+    that primes from the target's cache only when alone) the others are drawn one
+    sequence at a time as well."""
     from speculative.models.base import SupportsBatchRows
 
     drafted = Counter() if drafted is None else drafted
     m = min(config.coupling, n)
     if m == 0 or config.mode == "batch" or not isinstance(target.lm, SupportsBatchRows):
         return draw(target, config, "speculative", prompts, range(n), length, tick, drafted), None
-    way, first, rest = "speculative", range(m), range(m, n)
+    way, chosen = "speculative", spread(n, m)
+    others = sorted(set(range(n)) - set(chosen))
     counts = {"alone": Counter(), "batched": Counter()}
-    alone = _draw_single(target, config, way, prompts, first, length, tick, counts["alone"])
-    twin = _draw_batch(target, config, way, prompts, first, length, tick, counts["batched"])
+    alone = _draw_single(target, config, way, prompts, chosen, length, tick, counts["alone"])
+    twin = _draw_batch(target, config, way, prompts, chosen, length, tick, counts["batched"])
     differs = _first_difference(twin, alone)
     if differs is None:
-        more = _draw_batch(target, config, way, prompts, rest, length, tick, counts["batched"])
+        more = _draw_batch(target, config, way, prompts, others, length, tick, counts["batched"])
         kept = "batched", twin
     else:
-        more = _draw_single(target, config, way, prompts, rest, length, tick, counts["alone"])
+        more = _draw_single(target, config, way, prompts, others, length, tick, counts["alone"])
         kept = "alone", alone
+        differs = differs[0], chosen[differs[1]]
     drafted[way] += counts[kept[0]][way]
-    rows = [a + b for a, b in zip(kept[1], more, strict=True)]
+    rows = [_in_order(chosen, a, others, b) for a, b in zip(kept[1], more, strict=True)]
     return rows, Coupling(m, differs)
+
+
+def spread(n: int, m: int) -> list[int]:
+    """m of the indices 0..n−1, evenly spaced (0 first)."""
+    return [j * n // m for j in range(m)]
+
+
+def _in_order(first: list[int], a: list[tuple], second: list[int], b: list[tuple]) -> list[tuple]:
+    """Rows drawn for two disjoint index lists, back in index order."""
+    merged = dict(zip(first, a, strict=True)) | dict(zip(second, b, strict=True))
+    return [merged[i] for i in sorted(merged)]
 
 
 def _first_difference(a: list[list[tuple]], b: list[list[tuple]]) -> tuple[int, int] | None:
