@@ -58,7 +58,16 @@ Verdict: "exact (TV ≤ ε at 99.9%)" (exit 0) or "NOT EXACT" with the failing p
 (exit 1). Modes: chains (default), --tree static|dynamic, --batch (the batched engine: one
 row per continuation; native or transformers runtime). --matrix runs the grid drafters × modes ×
 sampling settings on a tiny in-process test model, then on the default model at a
-smaller N, and writes docs/exactness.md-style markdown (--out).
+smaller N, and writes docs/exactness.md-style markdown (--out); its cells run in one
+worker process per core (--jobs).
+
+Coupling (--coupling M). For a large N, a chain or tree sample can be drawn by the
+batched engine, whose rows share target passes: M of the N continuations are drawn both
+ways with the same seeds and must be token for token identical. Since TV(P, Q) ≤ P(X ≠ Y)
+for any coupling of X ~ P and Y ~ Q, M identical pairs bound the TV between the two
+engines by 1 − (δ/2)^(1/M) at confidence 1 − δ/2, and that term is added to the sample's
+own bound (taken at δ/2). A drafter whose drafts differ between the engines is drawn one
+sequence at a time instead.
 """
 
 DEFAULT_PROMPTS = (
@@ -133,11 +142,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="M",
         help="chain and tree modes: draw M of the N continuations (evenly spread) both one "
-        "sequence at a time and batched (same seeds); if every pair is identical, draw the "
-        "rest batched "
-        "(much faster at large N) and add the coupling term ln(2/δ)/M (about) to the TV "
-        "bound; if a pair differs, draw everything one at a time (default: 0; --matrix: "
-        "N/10 from N = 10,000 on)",
+        "sequence at a time and batched, with the same seeds; if every pair is identical, "
+        "draw the rest batched (much faster at large N) and add the coupling term, about "
+        "ln(2/δ)/M, to the TV bound; if a pair differs, draw everything one at a time "
+        "(default: 0; --matrix: N/10 from N = 10,000 on)",
     )
     parser.add_argument("--test", choices=["chi2", "g"], default="chi2", help="the test")
     parser.add_argument("--seed", type=int, default=0, help="base of the generators' seeds")
