@@ -385,3 +385,78 @@ def test_mixed_workload_with_cancellations_leaks_no_slot(folder: Path) -> None:
             assert result.token_ids == alone[: len(result.token_ids)]
         else:
             assert result.token_ids == alone
+
+
+def _shared_prompt_specs() -> list[RowSpec]:
+    """Rows whose prompts open with the same 20 tokens (a system prompt), then differ."""
+    base = _ids(40, 71)[0].tolist()
+    system, greedy = base[:20], SamplingParams(temperature=0)
+    warm = SamplingParams(temperature=0.9, top_p=0.95)
+    tails = [base[20:24], base[24:27], base[27:33], base[33:35], base[20:24]]
+    kinds = [("ngram", 3, greedy), ("none", 0, warm), ("self-int4", 2, warm),
+             ("ngram", 4, warm), ("self-int4", 3, greedy)]  # fmt: skip
+    lengths = [14, 5, 9, 12, 6]  # rows end at different rounds: a live row holds the prompt
+    return [
+        RowSpec(system + tail, kind, gamma, params, seed, StopCriteria(max_new_tokens=n))
+        for seed, (tail, (kind, gamma, params), n) in enumerate(zip(tails, kinds, lengths,
+                                                                    strict=True))
+    ]  # fmt: skip
+
+
+def _fed_tokens(target: NativeLlama, monkeypatch) -> list[int]:
+    """Counts the tokens of every target pass (prompt chunks and rounds)."""
+    fed: list[int] = []
+    original = target.forward_rows
+
+    def counting(rows):
+        fed.append(sum(row.input_ids.numel() for row in rows))
+        return original(rows)
+
+    monkeypatch.setattr(target, "forward_rows", counting)
+    return fed
+
+
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_rows_sharing_a_prompt_prefix_copy_it_and_stay_exact(
+    folder: Path, backend: str, monkeypatch
+) -> None:
+    """A row that joins while another row holds the same prompt opening copies those
+    cache positions instead of prefilling them (SharesSlotPrefix), and every row is still
+    exactly its single-sequence run; fewer tokens go through the passes. Negative control:
+    a copy that only claims the positions (no keys or values moved) changes the rows that
+    adopted them."""
+    _backend(backend)
+    specs = _shared_prompt_specs()
+
+    def run(model: NativeLlama) -> tuple[list[list[int]], int]:
+        fed = _fed_tokens(model, monkeypatch)
+        engine = BatchEngine(model, max_batch=2)  # later rows join while others are live
+        results = engine.run(_request(spec, folder, backend) for spec in specs)
+        return [r.token_ids for r in results], sum(fed)
+
+    shared, fed_shared = run(load_native(folder, max_length=96, backend=backend, max_slots=2))
+    alone = [_alone(spec, folder, backend)[0] for spec in specs]
+    assert shared == alone
+    unshared_model = load_native(folder, max_length=96, backend=backend, max_slots=2)
+    unshared_model.__class__ = _NoPrefixSharing
+    unshared, fed_unshared = run(unshared_model)
+    assert unshared == alone
+    assert fed_shared <= fed_unshared - 3 * 19  # at least three rows copied 19 positions
+    broken = load_native(folder, max_length=96, backend=backend, max_slots=2)
+    broken.__class__ = _ClaimsPrefixOnly
+    outputs, _ = run(broken)
+    assert outputs[0] == alone[0]  # the first row prefilled itself
+    assert outputs != alone
+
+
+class _NoPrefixSharing(NativeLlama):
+    copy_slot_prefix = None  # not a SharesSlotPrefix: every row prefills its own prompt
+
+
+class _ClaimsPrefixOnly(NativeLlama):
+    def copy_slot_prefix(self, source: int, target: int, length: int) -> None:
+        """Claims the positions without their keys and values (the slot zeroed: a reused
+        slot may still hold the same prompt from its last row)."""
+        for cache in (self.decoder.k_cache, self.decoder.v_cache):
+            cache.narrow(self.decoder.slot_dim, target, 1).zero_()
+        self._slot_lengths[target] = length

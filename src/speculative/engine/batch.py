@@ -246,7 +246,7 @@ class BatchEngine:
             raise ValueError(f"the batch is full ({self.max_batch} rows)")
         state = new_state(request.prompt_ids, self.max_length, stats)
         reads = provides(request.drafter, ReadsTargetFeatures)
-        session = self.pool.open(features=reads)  # raises when no slot is free
+        session = self.pool.open(features=reads, prompt=request.prompt_ids)  # raises when full
         if request.drafter is not None:
             request.drafter.reset()
         gamma = request.gamma

@@ -229,6 +229,19 @@ class SupportsHiddenStates(Protocol):
 
 
 @runtime_checkable
+class SharesSlotPrefix(Protocol):
+    """A :class:`SupportsBatchRows` model that can start a slot from another slot's first
+    positions: a row whose prompt begins as a live row's did copies those keys and values
+    instead of prefilling them (prefix sharing: a shared system prompt, or the many
+    continuations of one prompt that ``speculative check`` draws)."""
+
+    def copy_slot_prefix(self, source: int, target: int, length: int) -> None:
+        """Make the empty slot ``target`` hold ``source``'s first ``length`` positions,
+        bit for bit."""
+        ...
+
+
+@runtime_checkable
 class SupportsBatchRowFeatures(Protocol):
     """A :class:`SupportsBatchRows` model that also returns every row's features (as
     :class:`SupportsHiddenStates` does for one sequence): drafting heads then draft for

@@ -23,6 +23,7 @@ from speculative.capabilities import provides
 from speculative.models.base import (
     CausalLM,
     RowInput,
+    SharesSlotPrefix,
     SkipsOutputHead,
     SupportsBatchRowFeatures,
     SupportsBatchRows,
@@ -349,6 +350,7 @@ class SlotSession:
         self.model = model
         self.slot = model.acquire_slot()
         self.cached: list[int] = []
+        self.prompt_prefix: list[int] = []  # the prompt tokens its prefill feeds (shareable)
         self._pending: _Pending | None = None
         self._tree: list[int] | None = None  # tree tokens fed after ``cached``, not committed
         self._features = FeatureStore() if features else None
@@ -364,6 +366,25 @@ class SlotSession:
         if self._features is None:
             return None
         return self._features.view(len(self.cached))
+
+    def shareable(self, prefix: Sequence[int], features: bool) -> int:
+        """How many first positions of ``prefix`` another slot may copy from this one:
+        prompt positions (computed by prefill passes, as the copy's own prefill would
+        compute them) already cached, with their features when ``features``."""
+        n = common_prefix_length(self.prompt_prefix, prefix)
+        n = min(n, common_prefix_length(self.cached, prefix))
+        if features:
+            n = min(n, self._features.length if self._features is not None else 0)
+        return n
+
+    def adopt_prefix(self, donor: SlotSession, length: int) -> None:
+        """Start this (empty) slot from ``donor``'s first ``length`` positions: keys,
+        values and features copied, not computed."""
+        self.model.copy_slot_prefix(donor.slot, self.slot, length)
+        self.cached = donor.cached[:length]
+        if self._features is not None:
+            assert donor.features is not None
+            self._features.append(0, donor.features[:length])
 
     def take_features(self, features: torch.Tensor) -> None:
         """The features [k, hidden] of the planned row, from the pool's pass (before
@@ -487,9 +508,10 @@ class RowPool(Protocol):
         import from the model's single-sequence cache)."""
         ...
 
-    def open(self, features: bool = False) -> RowSession:
+    def open(self, features: bool = False, prompt: Sequence[int] = ()) -> RowSession:
         """A new row's session; ValueError when no room is left. ``features``: the row's
-        drafter reads the target's features (a pool may compute them only for such rows)."""
+        drafter reads the target's features (a pool may compute them only for such rows).
+        ``prompt``: the row's prompt (a pool may start the cache from a live row's)."""
         ...
 
     def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
@@ -510,11 +532,30 @@ class SlotPool:
         self.gives_features = provides(model, SupportsBatchRowFeatures)
         self._sessions: dict[int, SlotSession] = {}  # by slot: the row that owns it now
 
-    def open(self, features: bool = False) -> SlotSession:
+    def open(self, features: bool = False, prompt: Sequence[int] = ()) -> SlotSession:
+        """A session on a free slot. With a model that shares slot prefixes, a prompt
+        whose first tokens a live row's prefill already cached starts from a copy of them
+        (bit for bit what its own prefill would compute: the kernels' results do not
+        depend on the other rows or tokens of a pass)."""
         wanted = features and self.gives_features
         session = SlotSession(self.model, wanted)  # raises when no slot is free
+        session.prompt_prefix = list(prompt[:-1])
+        donor, length = self._donor(session.prompt_prefix, wanted)
+        if donor is not None:
+            session.adopt_prefix(donor, length)
         self._sessions[session.slot] = session
         return session
+
+    def _donor(self, prefix: list[int], features: bool) -> tuple[SlotSession | None, int]:
+        """The live session with the most of ``prefix`` to share, and how much."""
+        if not prefix or not provides(self.model, SharesSlotPrefix):
+            return None, 0
+        best, length = None, 0
+        for session in self._sessions.values():
+            n = session.shareable(prefix, features)
+            if n > length:
+                best, length = session, n
+        return best, length
 
     def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
         """One pass for every row; features only when some row of it keeps them."""
@@ -539,7 +580,7 @@ class SinglePool:
     def __init__(self, session: ModelSession) -> None:
         self.session = session
 
-    def open(self, features: bool = False) -> ModelSession:
+    def open(self, features: bool = False, prompt: Sequence[int] = ()) -> ModelSession:
         self.session.keep_features(features)
         return self.session
 

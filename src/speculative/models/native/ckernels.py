@@ -613,10 +613,13 @@ class KernelDecoder(DecoderBase):
         cfg = self.config
         return (batch, cfg.num_layers, cfg.num_kv_heads, self._model.max_length, cfg.head_dim)
 
-    def copy_cache_from(self, source: KernelDecoder, length: int) -> None:
-        """Copy positions [0, length) of ``source``'s first sequence into this first one."""
-        self.k_cache[:1, :, :, :length] = source.k_cache[:1, :, :, :length]
-        self.v_cache[:1, :, :, :length] = source.v_cache[:1, :, :, :length]
+    def copy_cache_from(
+        self, source: KernelDecoder, length: int, source_slot: int = 0, target_slot: int = 0
+    ) -> None:
+        """See :meth:`DecoderBase.copy_cache_from`."""
+        s, t = source_slot, target_slot
+        self.k_cache[t, :, :, :length] = source.k_cache[s, :, :, :length]
+        self.v_cache[t, :, :, :length] = source.v_cache[s, :, :, :length]
 
     def keep_slots(self, first: int, slots: list[int], cache_slot: int | None = None) -> None:
         """Move cache slots ``slots`` (increasing, >= first) to first, first + 1, ... of

@@ -123,8 +123,11 @@ class DecoderBase:
     def cache_shape(self, batch: int) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def copy_cache_from(self, source: DecoderBase, length: int) -> None:
-        """Copy slots [0, length) of ``source``'s cache (same layout, batch of one)."""
+    def copy_cache_from(
+        self, source: DecoderBase, length: int, source_slot: int = 0, target_slot: int = 0
+    ) -> None:
+        """Copy positions [0, length) of ``source``'s sequence ``source_slot`` (same
+        layout; ``source`` may be this decoder) into this one's ``target_slot``."""
         raise NotImplementedError
 
     def keep_slots(self, first: int, slots: list[int], cache_slot: int | None = None) -> None:

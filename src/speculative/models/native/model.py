@@ -163,6 +163,16 @@ class NativeLlama:
                 return slot
         raise ValueError(f"no free cache slot: all {self._max_slots} are in use")
 
+    def copy_slot_prefix(self, source: int, target: int, length: int) -> None:
+        """See :class:`~speculative.models.base.SharesSlotPrefix`."""
+        if self.slot_length(target) != 0 or source == target:
+            raise ValueError(f"slot {target} must be another, empty slot")
+        held = self.slot_length(source)
+        if not 0 < length <= held:
+            raise ValueError(f"slot {source} holds {held} positions, not {length}")
+        self.decoder.copy_cache_from(self.decoder, length, source, target)
+        self._slot_lengths[target] = length
+
     def release_slot(self, slot: int) -> None:
         self._check_slot(slot)
         del self._slot_lengths[slot]

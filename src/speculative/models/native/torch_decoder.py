@@ -114,12 +114,15 @@ class TorchDecoder(DecoderBase):
         cfg = self.config
         return (cfg.num_layers, batch, self._chunks, cfg.num_kv_heads, KEY_CHUNK, cfg.head_dim)
 
-    def copy_cache_from(self, source: TorchDecoder, length: int) -> None:
-        """Copy positions [0, length) of ``source``'s first sequence into this first one."""
+    def copy_cache_from(
+        self, source: TorchDecoder, length: int, source_slot: int = 0, target_slot: int = 0
+    ) -> None:
+        """See :meth:`DecoderBase.copy_cache_from`."""
+        s, t = source_slot, target_slot
         for first in range(0, length, KEY_CHUNK):
             chunk, last = first // KEY_CHUNK, min(KEY_CHUNK, length - first)
-            self.k_cache[:, :1, chunk, :, :last] = source.k_cache[:, :1, chunk, :, :last]
-            self.v_cache[:, :1, chunk, :, :last] = source.v_cache[:, :1, chunk, :, :last]
+            self.k_cache[:, t, chunk, :, :last] = source.k_cache[:, s, chunk, :, :last]
+            self.v_cache[:, t, chunk, :, :last] = source.v_cache[:, s, chunk, :, :last]
 
     def keep_slots(self, first: int, slots: list[int], cache_slot: int | None = None) -> None:
         """Move cache slots ``slots`` (increasing, >= first) to first, first + 1, ... of
