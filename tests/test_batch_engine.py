@@ -441,12 +441,34 @@ def test_rows_sharing_a_prompt_prefix_copy_it_and_stay_exact(
     unshared_model.__class__ = _NoPrefixSharing
     unshared, fed_unshared = run(unshared_model)
     assert unshared == alone
-    assert fed_shared <= fed_unshared - 3 * 19  # at least three rows copied 19 positions
+    assert fed_shared <= fed_unshared - 3 * 20  # rows 3-5 started from the 20 shared positions
     broken = load_native(folder, max_length=96, backend=backend, max_slots=2)
     broken.__class__ = _ClaimsPrefixOnly
     outputs, _ = run(broken)
     assert outputs[0] == alone[0]  # the first row prefilled itself
     assert outputs != alone
+
+
+def test_rows_after_finished_rows_reuse_their_retained_prompt(folder: Path, monkeypatch) -> None:
+    """Rows that run in lockstep (the same prompt and length: `check`'s batches) leave
+    together; the next rows start from the prompt positions their finished slots still
+    hold, and stay exact. A single-sequence pass on the model ends the retention."""
+    backend = _backend("kernels")
+    prompt, warm = _ids(40, 81)[0].tolist()[:24], SamplingParams(temperature=1.0)
+    specs = [RowSpec(prompt, "ngram", 2, warm, seed, StopCriteria(6)) for seed in range(6)]
+    alone = [_alone(spec, folder, backend)[0] for spec in specs]
+    fed = {}
+    for name, cls in (("shared", NativeLlama), ("unshared", _NoPrefixSharing)):
+        model = load_native(folder, max_length=96, backend=backend, max_slots=2)
+        model.__class__ = cls
+        counts = _fed_tokens(model, monkeypatch)
+        engine = BatchEngine(model, max_batch=2)
+        results = engine.run(_request(spec, folder, backend) for spec in specs)
+        assert [r.token_ids for r in results] == alone
+        fed[name] = sum(counts)
+    assert fed["shared"] == fed["unshared"] - 4 * 23  # rows 3-6: 23 prompt positions kept
+    assert model.retained(0) > 0 and model.forward(torch.tensor([[1]])) is not None
+    assert model.retained(0) == 0
 
 
 class _NoPrefixSharing(NativeLlama):

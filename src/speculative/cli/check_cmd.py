@@ -103,8 +103,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--batch",
         action="store_true",
         help="use the batched engine (one row per continuation, 32 at a time; native or "
-        "transformers runtime). The default single-sequence engine is faster here: it keeps "
-        "the shared prompt in its cache, where every batch row prefills it again",
+        "transformers runtime). On the native runtime, rows start from the prompt positions "
+        "other rows' slots hold (prefix sharing), which makes it the faster mode at the "
+        "default model's int4; transformers rows prefill the prompt each",
     )
     parser.add_argument(
         "--temperature", type=non_negative_float, default=1.0, help="0: greedy identity check"

@@ -233,11 +233,18 @@ class SharesSlotPrefix(Protocol):
     """A :class:`SupportsBatchRows` model that can start a slot from another slot's first
     positions: a row whose prompt begins as a live row's did copies those keys and values
     instead of prefilling them (prefix sharing: a shared system prompt, or the many
-    continuations of one prompt that ``speculative check`` draws)."""
+    continuations of one prompt that ``speculative check`` draws), also from a finished
+    row's slot until it is written again."""
 
     def copy_slot_prefix(self, source: int, target: int, length: int) -> None:
-        """Make the empty slot ``target`` hold ``source``'s first ``length`` positions,
-        bit for bit."""
+        """Make the empty, acquired slot ``target`` hold the first ``length`` positions of
+        ``source`` (a live slot, or one whose last owner's positions are :meth:`retained`;
+        ``target`` itself then needs no copy), bit for bit."""
+        ...
+
+    def retained(self, slot: int) -> int:
+        """Positions of a released slot (or a re-acquired one not yet written) that still
+        hold its last owner's keys and values: a later row may start from them."""
         ...
 
 

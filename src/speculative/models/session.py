@@ -351,6 +351,7 @@ class SlotSession:
         self.slot = model.acquire_slot()
         self.cached: list[int] = []
         self.prompt_prefix: list[int] = []  # the prompt tokens its prefill feeds (shareable)
+        self.released = False
         self._pending: _Pending | None = None
         self._tree: list[int] | None = None  # tree tokens fed after ``cached``, not committed
         self._features = FeatureStore() if features else None
@@ -375,6 +376,8 @@ class SlotSession:
         n = min(n, common_prefix_length(self.cached, prefix))
         if features:
             n = min(n, self._features.length if self._features is not None else 0)
+        if self.released:  # what the slot still holds of this row
+            n = min(n, self.model.retained(self.slot))
         return n
 
     def adopt_prefix(self, donor: SlotSession, length: int) -> None:
@@ -438,12 +441,11 @@ class SlotSession:
         self.cached.extend(tree[i] for i in nodes)
 
     def release(self) -> None:
-        """Free the slot at once (the session cannot be used afterwards)."""
+        """Free the slot at once (the session cannot be used afterwards; what it cached
+        stays readable, for a later row to share while the slot retains it)."""
         self.model.release_slot(self.slot)
-        self.cached = []
+        self.released = True
         self._tree = None
-        if self._features is not None:
-            self._features.forget()
 
     def _rewind(self, context: Sequence[int]) -> list[int]:
         if len(context) == 0:
@@ -534,7 +536,8 @@ class SlotPool:
 
     def open(self, features: bool = False, prompt: Sequence[int] = ()) -> SlotSession:
         """A session on a free slot. With a model that shares slot prefixes, a prompt
-        whose first tokens a live row's prefill already cached starts from a copy of them
+        whose first tokens a row's prefill already cached (a live row, or a finished one
+        whose slot still holds them) starts from a copy of them
         (bit for bit what its own prefill would compute: the kernels' results do not
         depend on the other rows or tokens of a pass)."""
         wanted = features and self.gives_features
@@ -547,7 +550,8 @@ class SlotPool:
         return session
 
     def _donor(self, prefix: list[int], features: bool) -> tuple[SlotSession | None, int]:
-        """The live session with the most of ``prefix`` to share, and how much."""
+        """The session (live, or finished with its slot's positions retained) with the
+        most of ``prefix`` to share, and how much."""
         if not prefix or not provides(self.model, SharesSlotPrefix):
             return None, 0
         best, length = None, 0

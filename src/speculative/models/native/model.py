@@ -104,6 +104,9 @@ class NativeLlama:
         self._batch = 0
         self._max_slots = max_slots
         self._slot_lengths: dict[int, int] = {}  # acquired slots (``forward_rows``)
+        # released (or re-acquired, not yet written) slots: positions still holding their
+        # last owner's keys and values (SharesSlotPrefix.retained)
+        self._retained: dict[int, int] = {}
 
     # ---- protocol -------------------------------------------------------------------
     @property
@@ -165,17 +168,24 @@ class NativeLlama:
 
     def copy_slot_prefix(self, source: int, target: int, length: int) -> None:
         """See :class:`~speculative.models.base.SharesSlotPrefix`."""
-        if self.slot_length(target) != 0 or source == target:
-            raise ValueError(f"slot {target} must be another, empty slot")
-        held = self.slot_length(source)
+        if self.slot_length(target) != 0:
+            raise ValueError(f"slot {target} must be empty")
+        live = source in self._slot_lengths and source != target
+        held = self._slot_lengths[source] if live else self.retained(source)
         if not 0 < length <= held:
             raise ValueError(f"slot {source} holds {held} positions, not {length}")
-        self.decoder.copy_cache_from(self.decoder, length, source, target)
+        if source != target:  # a slot's own leftovers need no copy
+            self.decoder.copy_cache_from(self.decoder, length, source, target)
+        self._retained.pop(target, None)
         self._slot_lengths[target] = length
+
+    def retained(self, slot: int) -> int:
+        """See :class:`~speculative.models.base.SharesSlotPrefix`."""
+        return self._retained.get(slot, 0)
 
     def release_slot(self, slot: int) -> None:
         self._check_slot(slot)
-        del self._slot_lengths[slot]
+        self._retained[slot] = self._slot_lengths.pop(slot)
 
     def slot_length(self, slot: int) -> int:
         self._check_slot(slot)
@@ -225,6 +235,7 @@ class NativeLlama:
         logits = self.decoder.forward_segments(hidden, segments)  # [wanted, vocab]
         for segment in segments:
             self._slot_lengths[segment.slot] = segment.start + segment.rows
+            self._retained.pop(segment.slot, None)  # written: the last owner's data is gone
         return list(logits.split([segment.logit_rows for segment in segments])), hidden
 
     def _segment(self, row: RowInput) -> Segment:
@@ -383,6 +394,7 @@ class NativeLlama:
         taken = sorted(s for s in self._slot_lengths if s < batch)
         if taken:
             raise ValueError(f"cache slot {taken[0]} is held by a batch row (forward_rows)")
+        self._retained.clear()  # the single sequence writes slots [0, batch)
         if batch == self._batch:
             return
         if self._length:
