@@ -402,7 +402,8 @@ def _without_seconds(cell) -> dict:
 def test_matrix_in_worker_processes_equals_the_matrix_in_one(native, tiny: Path) -> None:
     """``jobs`` moves cells into spawned worker processes (each loads the target itself,
     in whatever order the pool runs them); every cell's report, its p-values, TV bound
-    and control included, is the one the single process gives, and in table order."""
+    and control included, is the one the single process gives, and in table order; each
+    cell is announced as it ends; a worker's error is raised, not waited on."""
     drafters = [d for d in tiny_drafters(tiny) if d.label in ("ngram", "eagle")]
     config = CheckConfig(gamma=2, samples=300, pilot=100)
     loader = functools.partial(load_target_on, str(tiny), "fp32")
@@ -417,6 +418,10 @@ def test_matrix_in_worker_processes_equals_the_matrix_in_one(native, tiny: Path)
     reseeded = run_matrix(loader, drafters, PROMPTS, replace(config, seed=1), ("chain",),
                           SAMPLINGS[1:2], jobs=2)  # fmt: skip
     assert _without_seconds(reseeded[0])["report"] != _without_seconds(pooled[1])["report"]
+    # a worker's error reaches the caller (no wait for cells that never come)
+    missing = functools.partial(load_target_on, str(tiny / "missing"), "fp32")
+    with pytest.raises(Exception, match="does not exist"):
+        run_matrix(missing, drafters, PROMPTS, config, ("chain",), SAMPLINGS[1:2], jobs=2)
 
 
 @pytest.mark.slow

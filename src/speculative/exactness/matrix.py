@@ -4,9 +4,10 @@ markdown table (docs/exactness.md)."""
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -143,24 +144,48 @@ def run_matrix(
         loaded: dict[str, Any] = {}
         return [_announce(_run_planned(targets, loaded, c, prompts), on_cell) for c in planned]
     done: dict[int, Cell] = {}
-    with _pool(jobs) as pool:
+    context = multiprocessing.get_context("spawn")
+    with _pool(jobs, context) as pool, context.Manager() as manager:
+        finished = manager.Queue()  # each cell as it ends (a task holds several)
         futures = [
-            pool.submit(run_cells, targets, group, prompts)
+            pool.submit(run_cells, targets, group, prompts, finished)
             for group in sorted(_groups(planned), key=_expected_cost, reverse=True)
         ]
-        for future in as_completed(futures):
-            for index, cell in future.result():
-                done[index] = _announce(cell, on_cell)
+        while len(done) < len(planned):
+            try:
+                index, cell = finished.get(timeout=1.0)
+            except queue.Empty:
+                _raise_from_workers(futures)
+                continue
+            done[index] = _announce(cell, on_cell)
+        _raise_from_workers(futures)
     return [done[c.index] for c in planned]
 
 
 def run_cells(
-    targets: Loader, cells: Sequence[PlannedCell], prompts: Sequence[Sequence[int]]
+    targets: Loader,
+    cells: Sequence[PlannedCell],
+    prompts: Sequence[Sequence[int]],
+    finished: Any = None,
 ) -> list[tuple[int, Cell]]:
     """Run planned cells one after another (a worker's task), each runtime's target
-    loaded once; (index, cell) pairs."""
+    loaded once; (index, cell) pairs, each also put on ``finished`` (a queue) as soon as
+    it ends."""
     loaded: dict[str, Any] = {}
-    return [(c.index, _run_planned(targets, loaded, c, prompts)) for c in cells]
+    out = []
+    for c in cells:
+        out.append((c.index, _run_planned(targets, loaded, c, prompts)))
+        if finished is not None:
+            finished.put(out[-1])
+    return out
+
+
+def _raise_from_workers(futures: Sequence[Future]) -> None:
+    """A worker's exception, raised here (the cells it did not finish never arrive)."""
+    for future in futures:
+        error = future.exception() if future.done() else None
+        if error is not None:
+            raise error
 
 
 def _run_planned(
@@ -192,10 +217,9 @@ def _expected_cost(group: Sequence[PlannedCell]) -> tuple[bool, bool]:
     return (c.drafter.runtime == "hf", c.config.mode.startswith("tree"))
 
 
-def _pool(jobs: int) -> ProcessPoolExecutor:
+def _pool(jobs: int, context: Any) -> ProcessPoolExecutor:
     """Worker processes that start clean (spawn: no copied torch or OpenMP state) and run
     one thread each, so that ``jobs`` of them share the cores without oversubscription."""
-    context = multiprocessing.get_context("spawn")
     return ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread)
 
 
