@@ -16,7 +16,7 @@ import torch
 from scipy import stats as scipy_stats
 
 import broken
-from speculative.cli.check_cmd import load_target_on
+from speculative.cli.check_cmd import default_coupling, load_target_on
 from speculative.cli.main import main
 from speculative.exactness import CheckConfig, ControlTooWeak, run_check, stats
 from speculative.exactness.controls import accept_all, accept_all_tree
@@ -318,6 +318,12 @@ def test_cli_check_json_and_report(tiny: Path, tmp_path: Path, monkeypatch, caps
     assert payload["verdict"].startswith("exact (TV ≤")
     assert (tmp_path / "check.md").read_text().startswith("# speculative check")
     assert payload["reference"] == "exact law" and payload["control_samples"] == 200
+    assert payload["coupling"] is None  # N = 300: drawn one sequence at a time
+    coupled = ["check", "--target", "tiny", "--samples", "300", "--length", "2", "--coupling",
+               "100", "--prompt", "the cat sat on the mat the cat", "--no-progress"]  # fmt: skip
+    assert main(coupled) == 0
+    assert "coupling: 100 of the N drawn by both engines, identical" in capsys.readouterr().out
+    assert [default_coupling(n) for n in (500, 9_999, 10_000, 60_000)] == [0, 0, 1_000, 6_000]
     assert main(["check", "--target", "tiny", "--samples", "3", "--no-progress"]) == 2
     assert "negative control was not detected" in capsys.readouterr().err
     too_long = ["check", "--target", "tiny", "--length", "6", "--reference", "exact"]

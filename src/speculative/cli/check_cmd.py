@@ -146,7 +146,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "sequence at a time and batched, with the same seeds; if every pair is identical, "
         "draw the rest batched (much faster at large N) and add the coupling term, about "
         "ln(2/δ)/M, to the TV bound; if a pair differs, draw everything one at a time "
-        "(default: 0; --matrix: N/10 from N = 10,000 on)",
+        "(default: N/10 from N = 10,000 on, else 0)",
     )
     parser.add_argument("--test", choices=["chi2", "g"], default="chi2", help="the test")
     parser.add_argument("--seed", type=int, default=0, help="base of the generators' seeds")
@@ -227,7 +227,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         method=args.test,
         seed=args.seed,
         reference=args.reference,
-        coupling=args.coupling or 0,
+        coupling=default_coupling(args.samples) if args.coupling is None else args.coupling,
     )
 
 
@@ -307,9 +307,26 @@ def print_report(report: Any) -> None:
             f"  control ({CONTROL_NAME}): min p (Holm) {report.min_p(report.control):.3g} · "
             f"pilot says N ≥ {report.required_samples} detects it"
         )
+        if report.coupling is not None:
+            print(f"  {coupling_line(report)}")
     detected = "detected" if report.control_detected else "NOT detected"
     print(f"negative control: {detected} · {report.seconds:.1f} s")
     print(f"verdict: {report.verdict}")
+
+
+def coupling_line(report: Any) -> str:
+    """How a coupled sample was drawn, and what the coupling added to the bound."""
+    c = report.coupling
+    if c.differs is not None:
+        prompt, index = c.differs
+        return (
+            f"coupling: continuation {index} of prompt {prompt} differs between the "
+            "one-sequence and batched engines; every continuation was drawn one at a time"
+        )
+    return (
+        f"coupling: {c.redrawn} of the N drawn by both engines, identical; the rest batched "
+        f"(+{report.coupling_bound:.4f} in the TV bound)"
+    )
 
 
 def sample_sizes(report: Any) -> str:
@@ -349,6 +366,7 @@ def report_markdown(report: Any) -> str:
             f"- {sample_sizes(report)}, {report.prompts} prompts, "
             f"L = {c.horizon}; {c.method} tests, Holm-corrected; TV bound at "
             f"{100 * (1 - c.alpha):g}% (simultaneous over the joint statistics)",
+            *([f"- {coupling_line(report)}"] if report.coupling is not None else []),
             "",
             "| prompt | statistic | bins | p (Holm) | control p (Holm) | TV̂ | TV bound |",
             "|---|---|---|---|---|---|---|",
@@ -457,9 +475,9 @@ def _section_model(name: str, folder: Path) -> tuple[str, str]:
 
 
 def default_coupling(samples: int) -> int:
-    """--matrix's M: a tenth of N from N = 10,000 on (then the coupling term, about
-    7.6 / M, is small beside the sample's own margin); none below, where drawing one
-    sequence at a time is quick anyway."""
+    """--coupling's default M: a tenth of N from N = 10,000 on (then the coupling term,
+    about 7.6 / M, is small beside the sample's own margin); none below, where drawing
+    one sequence at a time is quick anyway."""
     return samples // 10 if samples >= 10_000 else 0
 
 
