@@ -12,6 +12,7 @@ from speculative.cli.common import (
     Formatter,
     add_json_flag,
     emit_json,
+    every_core,
     non_negative_float,
     positive_int,
     probability,
@@ -78,13 +79,6 @@ class ModeDefaults:
 FULL = ModeDefaults(None, 128, ("2", "4", "auto", "heuristic"), 3, 7, 16)
 QUICK = ModeDefaults(1, 128, ("4", "auto", "heuristic"), 1, 3, 8)
 DEFAULT_DRAFTERS = ["ngram", "self-int4", "eagle", "auto"]  # those that can pay
-
-
-def every_core() -> int:
-    """CPUs this process may run on."""
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

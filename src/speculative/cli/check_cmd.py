@@ -15,6 +15,7 @@ from speculative.cli.common import (
     Formatter,
     add_json_flag,
     emit_json,
+    every_core,
     non_negative_float,
     positive_int,
     probability,
@@ -404,9 +405,11 @@ def run_matrix_command(args: argparse.Namespace) -> int:
     )
     from speculative.exactness.tiny import TINY_PROMPTS
     from speculative.hardware import cpu_info
+    from speculative.models.loading import load_tokenizer
+    from speculative.targets import encode_prompt
 
     folder = tiny_folder()
-    jobs = args.jobs or available_cores()
+    jobs = args.jobs or every_core()
     coupling = default_coupling(args.matrix_samples) if args.coupling is None else args.coupling
     base = replace(
         CheckConfig(), gamma=2, samples=args.matrix_samples, seed=args.seed, coupling=coupling
@@ -421,12 +424,10 @@ def run_matrix_command(args: argparse.Namespace) -> int:
         bar = tqdm(total=cells_total, desc=f"matrix {name}", unit="cell", file=sys.stderr,
                    disable=args.no_progress)  # fmt: skip
         get = functools.partial(load_target_on, *_section_model(name, folder))
-        if jobs == 1:
-            get = functools.cache(get)  # one process: load each runtime's target once
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # steadiest on a shared machine; batches are small here
         if prompts is None:
-            prompts = encode_prompts(get("native"), list(DEFAULT_PROMPTS)[:1])
+            prompts = [encode_prompt(load_tokenizer(name), DEFAULT_PROMPTS[0])]
 
         def advance(cell, bar=bar):
             bar.set_postfix_str(f"{cell.drafter.label} {cell.mode} {cell.sampling}")
@@ -479,13 +480,6 @@ def default_coupling(samples: int) -> int:
     about 7.6 / M, is small beside the sample's own margin); none below, where drawing
     one sequence at a time is quick anyway."""
     return samples // 10 if samples >= 10_000 else 0
-
-
-def available_cores() -> int:
-    """The cores this process may run on."""
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _section_title(name: str) -> str:

@@ -70,8 +70,8 @@ class CheckConfig:
     max_batch: int = 32
     seed: int = 0
     # chain and tree modes: draw the N speculative continuations with the batched engine
-    # and redraw the first `coupling` of them one sequence at a time (0: draw all N one at
-    # a time); see draw_speculative
+    # and `coupling` of them (evenly spread) one sequence at a time too (0: draw all N one
+    # at a time); see draw_speculative
     coupling: int = 0
     # "auto": the target's exact law where it can be enumerated (small vocabularies), else
     # a sample of the target's own sampling; "exact" or "sampled" to insist
@@ -543,9 +543,7 @@ class CheckReport:
     @property
     def coupling_bound(self) -> float | None:
         """The coupling term of the TV bound (None: the sample is the mode's own draw)."""
-        if self.coupling is None or self.coupling.differs is not None:
-            return None
-        return self.coupling.bound(self.config.alpha / 2)
+        return coupling_term(self.coupling, self.config.alpha)
 
     def min_p(self, which: list[Comparison]) -> float | None:
         return min((c.p_adjusted for c in which), default=None)
@@ -587,7 +585,7 @@ class CheckReport:
 def total_draws(config: CheckConfig, prompts: int, exact: bool = False) -> int:
     """Continuations a check draws (for a progress bar): against the exact law, the
     speculative sample and the control's pilot (more only if the pilot misses it); a
-    coupled sample's first m twice."""
+    coupled sample's m redrawn ones twice."""
     if config.greedy:
         return 3 * prompts
     redrawn = 0 if config.mode == "batch" else min(config.coupling, config.samples)
@@ -718,20 +716,26 @@ def _sampling_check(target, config, prompts, tick) -> CheckReport:
     )  # fmt: skip
 
 
+def coupling_term(coupling: Coupling | None, alpha: float) -> float | None:
+    """What a batched twin adds to a TV bound at 1 − α: P(twin ≠ mode) at 1 − α/2 (the
+    sample's own bound takes the other α/2); None when the sample is the mode's own draw."""
+    if coupling is None or coupling.differs is not None:
+        return None
+    return coupling.bound(alpha / 2)
+
+
 def _sample_alpha(config: CheckConfig, coupling: Coupling | None) -> float:
     """The TV bound's level for the sample itself: all of α, or half when the other half
     goes to the coupling of a batched twin."""
-    coupled = coupling is not None and coupling.differs is None
+    coupled = coupling_term(coupling, config.alpha) is not None
     return config.alpha / 2 if coupled else config.alpha
 
 
 def _tv_bound(found: list[Comparison], config: CheckConfig, coupling: Coupling | None) -> float:
-    """The cell's TV bound at 1 − α: the largest joint's, plus P(twin ≠ mode) when the
+    """The cell's TV bound at 1 − α: the largest joint's, plus the coupling term when the
     sample is the batched twin's (both hold together with probability ≥ 1 − α)."""
     bound = max(c.tv_bound for c in found if c.joint)
-    if coupling is not None and coupling.differs is None:
-        bound += coupling.bound(config.alpha / 2)
-    return bound
+    return bound + (coupling_term(coupling, config.alpha) or 0.0)
 
 
 def _too_weak(n: int, pilot: int, required: int | None) -> ControlTooWeak:
