@@ -559,6 +559,8 @@ class SlotPool:
             n = session.shareable(prefix, features)
             if n > length:
                 best, length = session, n
+                if length == len(prefix):  # no session can share more
+                    break
         return best, length
 
     def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
