@@ -262,3 +262,61 @@ def test_roofline_names_the_binding_limit(
     assert by_compute["4"]["multiply_adds"] > 4 * work["int8_macs"]
     floor = by_compute["1"]["compute_floor_ms"]
     assert by_compute["1"]["over_floor"] == pytest.approx(1.0 / floor)
+
+
+# ---- weights on transparent huge pages -------------------------------------------------
+
+
+def test_weights_placed_on_huge_pages_give_the_same_bits(
+    isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """place_on_huge_pages copies packed weights into one 2 MiB-aligned arena and points
+    the layers at the copies: the layers' outputs are bitwise those of the original
+    tensors. Below 2 MiB in all, or with $SPECULATIVE_HUGE_PAGES=0, nothing moves."""
+    from speculative.models.native import hugepages
+
+    library = load_kernels(isa=isa)
+    layers = [_layer("int4", 4096, 1024), _layer("int8dot", 1024, 1024), _layer("fp32")]
+    x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(1))
+    x_small = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
+    inputs = [x, x, x_small]
+    before = [layer(library, v, threads=2) for layer, v in zip(layers, inputs, strict=True)]
+    originals = [layer.weight for layer in layers]
+    arena = hugepages.place_on_huge_pages(layers)
+    assert arena is not None
+    start = arena.data_ptr() + (-arena.data_ptr() % hugepages.HUGE_PAGE_BYTES)
+    end = arena.data_ptr() + arena.numel()
+    assert layers[0].weight.data_ptr() == start  # the first weight opens a huge page
+    for layer, original, v, out in zip(layers, originals, inputs, before, strict=True):
+        assert start <= layer.weight.data_ptr() < end and layer.weight.data_ptr() % 64 == 0
+        assert torch.equal(layer.weight, original)
+        assert torch.equal(layer(library, v, threads=2), out)
+    assert hugepages.place_on_huge_pages([_layer("int4")]) is None  # too small to gain
+    monkeypatch.setenv(hugepages.ENV, "0")
+    moved = _layer("int4", 4096, 1024)
+    kept = moved.weight
+    assert hugepages.place_on_huge_pages([moved]) is None and moved.weight is kept
+
+
+def test_an_advised_arena_gets_huge_pages_and_an_unadvised_one_does_not() -> None:
+    """Where the kernel offers transparent huge pages, the arena's advice is what puts its
+    pages on 2 MiB frames (read back from /proc/self/smaps); in the 'madvise' mode an
+    arena without the advice (the control) gets none."""
+    from speculative.models.native import hugepages
+
+    mode = hugepages.thp_mode()
+    if mode not in ("madvise", "always"):
+        pytest.skip(f"transparent huge pages are {mode or 'unavailable'} on this kernel")
+    size = 8 * hugepages.HUGE_PAGE_BYTES
+    held = {}
+    for advise in (True, False):
+        raw, offset = hugepages.huge_page_arena(size, advise=advise)
+        raw[offset : offset + size].fill_(1)  # first touch: the pages are allocated now
+        held[advise] = hugepages.huge_page_bytes(raw.data_ptr() + offset), raw
+    if held[True][0] is None:
+        pytest.skip("/proc/self/smaps is not readable here")
+    if held[True][0] == 0:
+        pytest.skip("the kernel granted no huge page (memory too fragmented to compact)")
+    assert held[True][0] >= hugepages.HUGE_PAGE_BYTES
+    if mode == "madvise":
+        assert held[False][0] == 0

@@ -32,6 +32,7 @@ import torch
 
 from speculative.models.native.config import NativeConfig
 from speculative.models.native.decoder_base import DecoderBase, PackedLayer, Segment
+from speculative.models.native.hugepages import huge_page_bytes, place_on_huge_pages
 from speculative.models.native.layers import LayerWeights, lm_head_precision
 from speculative.models.native.linear import tensor_bytes
 from speculative.models.native.loading import Weight
@@ -586,12 +587,18 @@ class KernelDecoder(DecoderBase):
         if precision == "int4" and head_format == "int8":
             head_format = "int8dot"  # the int4 model runs its int8 head with integer dots
         self.lm_head = KernelLinear.pack(head, None, head_format)
+        # every weight streamed per step in one arena on 2 MiB pages (values unchanged)
+        linears = [
+            x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+        self._weight_arena = place_on_huge_pages([*linears, self.lm_head])
         self._cos = rotations.real.contiguous()  # [max_length, head_dim / 2]
         self._sin = rotations.imag.contiguous()
         self._library = library
         self.isa = library_isa(library)  # "avx2" or "avx512"
         self.library = library
         self.kernels = {"layers": f"C {self.isa} ({precision})", "lm_head": f"C {head_format}"}
+        self.kernels["weights"] = self._weight_pages()
         model = kernel_model(
             hidden=config.hidden_size,
             heads=config.num_heads,
@@ -607,6 +614,15 @@ class KernelDecoder(DecoderBase):
         )
         self._layer_array, self._model = model.layer_array, model.struct
         self._causal_only = torch.zeros(1, dtype=torch.uint8)  # mask stand-in: none given
+
+    def _weight_pages(self) -> str:
+        """Where the packed weights live: how much of them on transparent huge pages."""
+        if self._weight_arena is None:
+            return "4 KiB pages"
+        on_huge = huge_page_bytes(self.lm_head.weight.data_ptr())
+        if on_huge is None:
+            return "huge-page arena (THP state unknown)"
+        return f"huge-page arena, {on_huge / 2**20:.0f} MiB on 2 MiB pages"
 
     def cache_shape(self, batch: int) -> tuple[int, ...]:
         """[batch, layers, kv_heads, max_length, head_dim]."""
