@@ -10,6 +10,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 import torch
 
+from speculative.models.native.hugepages import zeros_on_huge_pages
 from speculative.models.native.layers import LayerWeights
 from speculative.models.native.linear import tensor_bytes
 from speculative.models.native.loading import Weight
@@ -112,7 +113,7 @@ class DecoderBase:
         if batch == self._batch:
             return
         shape = self.cache_shape(batch)
-        k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+        k_cache, v_cache = zeros_on_huge_pages(shape), zeros_on_huge_pages(shape)
         kept = min(batch, self._batch)
         for new, old in ((k_cache, self.k_cache), (v_cache, self.v_cache)):
             if kept:

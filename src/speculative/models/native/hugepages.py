@@ -13,7 +13,7 @@ translations. Placement changes no value: the packed bytes are copied as they ar
 
 from __future__ import annotations
 
-import ctypes
+import mmap
 import os
 import sys
 from collections.abc import Sequence
@@ -23,7 +23,6 @@ from typing import Protocol
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20
-MADV_HUGEPAGE = 14  # linux/mman.h
 ENV = "SPECULATIVE_HUGE_PAGES"
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 ALIGN = 64  # each tensor in the arena starts on a cache line
@@ -53,23 +52,19 @@ def thp_mode() -> str | None:
     return None
 
 
-def _madvise(address: int, length: int, advice: int) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    return libc.madvise(address, length, advice) == 0
-
-
 def huge_page_arena(nbytes: int, advise: bool = True) -> tuple[torch.Tensor, int]:
     """(storage [nbytes + 2 MiB] uint8, offset of its first 2 MiB boundary): ``nbytes``
     from ``offset`` on lie on whole huge pages, advised for THP (when ``advise``) before
-    anything touches them."""
-    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)  # untouched pages
+    anything touches them. The storage is a fresh anonymous mapping, never memory that
+    malloc hands back after others used it: pages touched before the advice stay 4 KiB."""
+    length = nbytes + HUGE_PAGE_BYTES
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # shared memory would be shmem: no THP
+    region = mmap.mmap(-1, length, flags=private)  # the tensor below keeps it alive
+    raw = torch.frombuffer(region, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
-    if advise:
-        span = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-        span = min(span, raw.numel() - offset) // 4096 * 4096
-        _madvise(raw.data_ptr() + offset, span, MADV_HUGEPAGE)
+    if advise and hasattr(mmap, "MADV_HUGEPAGE"):
+        span = min(-(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES, length - offset)
+        region.madvise(mmap.MADV_HUGEPAGE, offset, span // mmap.PAGESIZE * mmap.PAGESIZE)
     return raw, offset
 
 
@@ -89,6 +84,20 @@ def place_on_huge_pages(owners: Sequence[HasPackedWeight]) -> torch.Tensor | Non
         owner.weight = view
         at += -(-size // ALIGN) * ALIGN
     return raw
+
+
+def zeros_on_huge_pages(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``torch.zeros(shape, dtype)`` on huge pages where placement is on and the tensor
+    fills at least one (a KV cache, read in long runs by attention); else torch.zeros."""
+    count = 1
+    for n in shape:
+        count *= n
+    nbytes = count * torch.empty(0, dtype=dtype).element_size()
+    if not huge_pages_wanted() or nbytes < HUGE_PAGE_BYTES:
+        return torch.zeros(*shape, dtype=dtype)
+    raw, at = huge_page_arena(nbytes)
+    zeros = raw[at : at + nbytes].view(dtype).view(*shape)
+    return zeros.zero_()
 
 
 def huge_page_bytes(address: int) -> int | None:
