@@ -453,7 +453,7 @@ static inline void q4_panel8(const uint8_t *blocks, int groups, int in, const Qu
     for (int g = 0; g < groups; g++) {
         const uint8_t *block = blocks + (size_t)g * Q4_BLOCK_BYTES;
         for (int b = 0; b < Q4_BLOCK_BYTES; b += 64)
-            _mm_prefetch((const char *)block + PREFETCH_BYTES + b, _MM_HINT_T0);
+            _mm_prefetch((const char *)block + PREFETCH_BYTES + b, _MM_HINT_T1);
         __m256i u[8];
         for (int c = 0; c < 4; c++) {
             const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 32 * c));
@@ -496,8 +496,8 @@ static inline __attribute__((always_inline)) __m512i vnni_dot16(const __m512i u[
 static inline __attribute__((always_inline)) void prefetch_two(const void *a, const void *b,
                                                                int bytes) {
     for (int i = 0; i < bytes; i += 64) {
-        _mm_prefetch((const char *)a + PREFETCH_BYTES + i, _MM_HINT_T0);
-        _mm_prefetch((const char *)b + PREFETCH_BYTES + i, _MM_HINT_T0);
+        _mm_prefetch((const char *)a + PREFETCH_BYTES + i, _MM_HINT_T1);
+        _mm_prefetch((const char *)b + PREFETCH_BYTES + i, _MM_HINT_T1);
     }
 }
 
@@ -589,7 +589,7 @@ static inline void q8d_panel8(const int8_t *blocks, int groups, int in, const Qu
     for (int g = 0; g < groups; g++) {
         const int8_t *block = blocks + (size_t)g * Q8D_BLOCK_BYTES;
         for (int b = 0; b < Q8D_BLOCK_BYTES; b += 64)
-            _mm_prefetch((const char *)block + PREFETCH_BYTES + b, _MM_HINT_T0);
+            _mm_prefetch((const char *)block + PREFETCH_BYTES + b, _MM_HINT_T1);
         __m256i a[8];
         for (int j = 0; j < 8; j++) a[j] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(block + 32 * j)));
         for (int r = 0; r < rows; r++) {

@@ -51,13 +51,15 @@ class MachinePeaks:
 
 def measure_peaks(library: Any, threads: int, repeats: int = 7) -> MachinePeaks:
     """Best of ``repeats`` runs of each microbenchmark (a shared machine only slows them)."""
-    import torch
 
     from speculative.models.native.ckernels import library_isa
+    from speculative.models.native.hugepages import zeros_on_huge_pages
 
     fma = max(library.spec_peak_fma(threads, 2_000_000) for _ in range(repeats))
     int8 = max(library.spec_peak_int8(threads, 200_000) for _ in range(repeats))
-    buffer = torch.ones(64 * 1024 * 1024)  # 256 MB, written so every page is real
+    # 256 MB, written so every page is real, on the pages the weights live on (2 MiB ones
+    # unless SPECULATIVE_HUGE_PAGES=0: a 4 KiB-page stream reads about 20 % slower here)
+    buffer = zeros_on_huge_pages((64 * 1024 * 1024,)).fill_(1.0)
     read = max(
         library.spec_read_bandwidth(buffer.data_ptr(), buffer.numel(), threads)
         for _ in range(repeats)
