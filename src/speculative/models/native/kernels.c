@@ -204,7 +204,7 @@ static inline __attribute__((always_inline)) void prefetch_next_tile(const char 
                                                                      size_t count) {
     if (!next) return;
     for (size_t b = (from + 63) & ~(size_t)63; b < from + count; b += 64)
-        _mm_prefetch(next + b, _MM_HINT_T0);
+        _mm_prefetch(next + b, _MM_HINT_T1);
 }
 
 /* One register tile: NV vectors of 8 outputs (NV / 2 consecutive panels starting at w0)
