@@ -1,4 +1,5 @@
-"""Weights on transparent huge pages: one 2 MiB-aligned arena, advised before first touch.
+"""Weights and KV caches on transparent huge pages: 2 MiB-aligned arenas, advised before
+first touch.
 
 A decode step streams every weight once (about 100 MB for the default int4 model). On
 4 KiB pages that stream crosses a page, and often a TLB miss, every 4 KiB; a software
@@ -8,7 +9,9 @@ works under the common ``madvise`` setting of
 ``/sys/kernel/mm/transparent_hugepage/enabled``) the same stream needs 512 times fewer
 translations. Placement changes no value: the packed bytes are copied as they are.
 
-``$SPECULATIVE_HUGE_PAGES=0`` turns the placement off (4 KiB pages, as torch allocates).
+The KV cache (:func:`zeros_on_huge_pages`), which attention reads in long runs, is
+allocated the same way. ``$SPECULATIVE_HUGE_PAGES=0`` turns the placement off (4 KiB
+pages, as torch allocates).
 """
 
 from __future__ import annotations

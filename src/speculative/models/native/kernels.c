@@ -166,7 +166,9 @@ static void exp_inplace(float *v, int n) {
 #define ROW_BLOCK 6      /* token rows per register tile (at most; row blocks are balanced) */
 #define PANEL_GROUP 4    /* panels whose weights stay in cache while all row blocks sweep them */
 #ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 8192 /* how far the software prefetch runs ahead in a weight stream */
+#define PREFETCH_BYTES 8192 /* how far the software prefetch runs ahead in a weight stream
+                               * (into L2, _MM_HINT_T1: an L1 prefetch holds one of the few L1
+                               * miss buffers for a DRAM round trip; measured 0.82-0.91x at k = 1) */
 #endif
 #ifndef ROW_PANEL
 #define ROW_PANEL 48     /* rows per sweep over the weights: a panel of x stays in cache */

@@ -51,7 +51,6 @@ class MachinePeaks:
 
 def measure_peaks(library: Any, threads: int, repeats: int = 7) -> MachinePeaks:
     """Best of ``repeats`` runs of each microbenchmark (a shared machine only slows them)."""
-
     from speculative.models.native.ckernels import library_isa
     from speculative.models.native.hugepages import zeros_on_huge_pages
 
