@@ -96,6 +96,8 @@ def test_profile_reports_the_round_overhead(tmp_path, capsys):
             row["overhead_ms"] / data["decode_ms_per_token"]
         )
     assert rows[("none", "greedy")]["draft_ms"] == 0  # plain decoding drafts nothing
+    # the tiny model's weights fill no 2 MiB page: they stay where torch put them
+    assert data["kernels"]["weights"] == "4 KiB pages"
     assert main([*args, "--overhead-tokens", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["round_overhead"] == []
 

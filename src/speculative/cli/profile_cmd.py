@@ -201,8 +201,14 @@ def measure_overheads(target: object, drafters: dict, args: argparse.Namespace) 
 
 
 def kernels_of(lm: object) -> dict[str, str]:
-    """Which kernels run a native model's layers (empty for other runtimes)."""
-    return dict(getattr(getattr(lm, "decoder", None), "kernels", {}))
+    """Which kernels run a native model's layers, and (C kernels) on which pages their
+    weights live (empty for other runtimes)."""
+    decoder = getattr(lm, "decoder", None)
+    kernels = dict(getattr(decoder, "kernels", {}))
+    pages = getattr(decoder, "weight_pages", None)
+    if pages is not None:
+        kernels["weights"] = pages()
+    return kernels
 
 
 def kernel_roofline(

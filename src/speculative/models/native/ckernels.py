@@ -598,7 +598,6 @@ class KernelDecoder(DecoderBase):
         self.isa = library_isa(library)  # "avx2" or "avx512"
         self.library = library
         self.kernels = {"layers": f"C {self.isa} ({precision})", "lm_head": f"C {head_format}"}
-        self.kernels["weights"] = self._weight_pages()
         model = kernel_model(
             hidden=config.hidden_size,
             heads=config.num_heads,
@@ -615,8 +614,9 @@ class KernelDecoder(DecoderBase):
         self._layer_array, self._model = model.layer_array, model.struct
         self._causal_only = torch.zeros(1, dtype=torch.uint8)  # mask stand-in: none given
 
-    def _weight_pages(self) -> str:
-        """Where the packed weights live: how much of them on transparent huge pages."""
+    def weight_pages(self) -> str:
+        """Where the packed weights live: how much of them on transparent huge pages (reads
+        /proc/self/smaps, tens of milliseconds: asked by ``profile``, not at load)."""
         if self._weight_arena is None:
             return "4 KiB pages"
         on_huge = huge_page_bytes(self.lm_head.weight.data_ptr())
