@@ -298,6 +298,31 @@ def test_weights_placed_on_huge_pages_give_the_same_bits(
     assert hugepages.place_on_huge_pages([moved]) is None and moved.weight is kept
 
 
+def test_a_kernel_that_refuses_the_advice_leaves_a_working_arena(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where madvise(MADV_HUGEPAGE) fails (a kernel built without THP answers EINVAL), the
+    arena is still usable memory on ordinary pages: loading must not fail over it."""
+    import mmap
+
+    from speculative.models.native import hugepages
+
+    refused = []
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args: object) -> None:
+            refused.append(args)
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(hugepages.mmap, "mmap", Refusing)
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("this platform's mmap has no MADV_HUGEPAGE")
+    raw, offset = hugepages.huge_page_arena(4 * hugepages.HUGE_PAGE_BYTES)
+    assert refused  # the advice was asked for and refused
+    raw[offset : offset + 1024].fill_(7)
+    assert int(raw[offset + 1023]) == 7
+
+
 def test_an_advised_arena_gets_huge_pages_and_an_unadvised_one_does_not() -> None:
     """Where the kernel offers transparent huge pages, the arena's advice is what puts its
     pages on 2 MiB frames (read back from /proc/self/smaps); in the 'madvise' mode an

@@ -16,6 +16,7 @@ pages, as torch allocates).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import sys
@@ -67,7 +68,9 @@ def huge_page_arena(nbytes: int, advise: bool = True) -> tuple[torch.Tensor, int
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     if advise and hasattr(mmap, "MADV_HUGEPAGE"):
         span = min(-(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES, length - offset)
-        region.madvise(mmap.MADV_HUGEPAGE, offset, span // mmap.PAGESIZE * mmap.PAGESIZE)
+        # a kernel without THP refuses the advice (EINVAL): the arena stays on 4 KiB pages
+        with contextlib.suppress(OSError):
+            region.madvise(mmap.MADV_HUGEPAGE, offset, span // mmap.PAGESIZE * mmap.PAGESIZE)
     return raw, offset
 
 
