@@ -17,6 +17,7 @@ pages, as torch allocates).
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import sys
@@ -79,26 +80,23 @@ def place_on_huge_pages(owners: Sequence[HasPackedWeight]) -> torch.Tensor | Non
     copy (a view of the arena, which keeps it alive); returns the arena, or None when
     placement is off (:func:`huge_pages_wanted`) or nothing is large enough to gain."""
     sizes = [o.weight.numel() * o.weight.element_size() for o in owners]
-    total = sum(-(-n // ALIGN) * ALIGN for n in sizes)
-    if not huge_pages_wanted() or total < HUGE_PAGE_BYTES:
+    slots = [-(-n // ALIGN) * ALIGN for n in sizes]  # each size rounded up to a cache line
+    if not huge_pages_wanted() or sum(slots) < HUGE_PAGE_BYTES:
         return None
-    raw, at = huge_page_arena(total)
-    for owner, size in zip(owners, sizes, strict=True):
+    raw, at = huge_page_arena(sum(slots))
+    for owner, size, slot in zip(owners, sizes, slots, strict=True):
         weight = owner.weight.contiguous()
         view = raw[at : at + size].view(weight.dtype).view(weight.shape)
         view.copy_(weight)
         owner.weight = view
-        at += -(-size // ALIGN) * ALIGN
+        at += slot
     return raw
 
 
 def zeros_on_huge_pages(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``torch.zeros(shape, dtype)`` on huge pages where placement is on and the tensor
     fills at least one (a KV cache, read in long runs by attention); else torch.zeros."""
-    count = 1
-    for n in shape:
-        count *= n
-    nbytes = count * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not huge_pages_wanted() or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(*shape, dtype=dtype)
     raw, at = huge_page_arena(nbytes)
