@@ -74,6 +74,11 @@ class CpuInfo:
         return " · ".join(parts)
 
 
+def affinity_cpus() -> int | None:
+    """CPUs this process may run on, where the OS says (None elsewhere)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo"), sysfs: Path | None = None) -> CpuInfo:
     """Describe this machine's CPU (Linux; elsewhere the fields it cannot read are empty)."""
     fields = _first_processor(cpuinfo)
@@ -83,7 +88,7 @@ def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo"), sysfs: Path | None = None) -
         model=fields.get("model name") or _platform_processor(),
         vendor=fields.get("vendor_id", ""),
         family=fields.get("cpu family", ""),
-        logical_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0,
+        logical_cpus=affinity_cpus() or 0,
         isa=tuple(flag for flag in ISA_FLAGS if flag in flags),
         caches=_caches(sysfs),
         torch_capability=_torch_capability(),

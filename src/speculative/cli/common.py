@@ -92,7 +92,9 @@ def probability(text: str) -> float:
 
 
 def every_core() -> int:
-    """CPUs this process may run on."""
+    """CPUs this process may run on (all the machine's where the OS does not say)."""
     import os
 
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from speculative.hardware import affinity_cpus
+
+    return affinity_cpus() or os.cpu_count() or 1
