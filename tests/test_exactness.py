@@ -16,9 +16,9 @@ import torch
 from scipy import stats as scipy_stats
 
 import broken
-from speculative.cli.check_cmd import default_coupling, load_target_on
+from speculative.cli.check_cmd import default_coupling, load_target_on, section_coupling
 from speculative.cli.main import main
-from speculative.exactness import CheckConfig, ControlTooWeak, run_check, stats
+from speculative.exactness import CheckConfig, ControlTooWeak, SharedDraws, run_check, runner, stats
 from speculative.exactness.controls import accept_all, accept_all_tree
 from speculative.exactness.matrix import GRID_MODES, SAMPLINGS, run_matrix, tiny_drafters
 from speculative.exactness.runner import Coupling
@@ -324,6 +324,9 @@ def test_cli_check_json_and_report(tiny: Path, tmp_path: Path, monkeypatch, caps
     assert main(coupled) == 0
     assert "coupling: 100 of the N drawn by both engines, identical" in capsys.readouterr().out
     assert [default_coupling(n) for n in (500, 9_999, 10_000, 60_000)] == [0, 0, 1_000, 6_000]
+    # the matrix: each section's own N decides, unless --coupling is given
+    assert [section_coupling(n, None) for n in (100, 60_000)] == [0, 6_000]
+    assert section_coupling(100, 6_000) == 6_000
     assert main(["check", "--target", "tiny", "--samples", "3", "--no-progress"]) == 2
     assert "negative control was not detected" in capsys.readouterr().err
     too_long = ["check", "--target", "tiny", "--length", "6", "--reference", "exact"]
@@ -395,6 +398,50 @@ def test_a_coupled_sample_is_the_modes_own_and_a_learning_drafter_is_drawn_alone
             assert twin.tv_bound > alone.tv_bound + twin.coupling_bound
         else:
             assert twin.coupling_bound is None and twin.tv_bound == alone.tv_bound
+
+
+def _counting_batched_draws(monkeypatch) -> Counter:
+    """Count the speculative continuations the batched engine draws (per mode asked)."""
+    drawn: Counter = Counter()
+    draw_batch = runner._draw_batch
+
+    def counted(target, config, way, prompts, indices, *rest):
+        if way == "speculative":
+            drawn[config.mode] += len(indices) * len(prompts)
+        return draw_batch(target, config, way, prompts, indices, *rest)
+
+    monkeypatch.setattr(runner, "_draw_batch", counted)
+    return drawn
+
+
+def test_a_chain_check_and_a_batch_check_share_one_batched_sample(native, monkeypatch) -> None:
+    """A coupled chain check and a batch check of the same drafter and seeds need the same
+    batched sample. With one SharedDraws the chain check draws it whole (its twin's M
+    rows, then all N) and the batch check draws none, takes it from the store; both
+    reports are the ones drawn without sharing (same binned counts, bound and coupling).
+    Negative control: a stored sample altered at one of the twin's continuations changes
+    the batch check's report, and the chain check refuses it (it finds the twin's rows
+    changed) and draws its own batched rows: its report stays the unshared one."""
+    n, m = 300, 30
+    chain = CheckConfig("ngram", gamma=2, samples=n, pilot=100, coupling=m)
+    batch = replace(chain, mode="batch")
+    unshared = [run_check(native, c, PROMPTS) for c in (chain, batch)]
+    drawn = _counting_batched_draws(monkeypatch)
+    shared = SharedDraws()
+    reports = [run_check(native, c, PROMPTS, shared=shared) for c in (chain, batch)]
+    for report, alone in zip(reports, unshared, strict=True):
+        assert _binned(report) == _binned(alone)
+        assert (report.tv_bound, report.coupling) == (alone.tv_bound, alone.coupling)
+    assert reports[0].coupling == Coupling(m)
+    assert drawn == {"chain": m, "batch": n} and shared.reused == 1
+    # the control: alter the stored sample at continuation 0 (one of the twin's)
+    ((rows, _),) = shared._samples.values()
+    rows[0][0] = tuple(reversed(rows[0][0])) if len(set(rows[0][0])) > 1 else (1,)
+    assert _binned(run_check(native, batch, PROMPTS, shared=shared)) != _binned(unshared[1])
+    drawn.clear()
+    refused = run_check(native, chain, PROMPTS, shared=shared)
+    assert _binned(refused) == _binned(unshared[0]) and refused.coupling == Coupling(m)
+    assert drawn == {"chain": n}  # the twin's M, then the other N − M
 
 
 def _without_seconds(cell) -> dict:

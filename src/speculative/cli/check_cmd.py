@@ -410,13 +410,16 @@ def run_matrix_command(args: argparse.Namespace) -> int:
 
     folder = tiny_folder()
     jobs = args.jobs or every_core()
-    coupling = default_coupling(args.matrix_samples) if args.coupling is None else args.coupling
+    coupling = section_coupling(args.matrix_samples, args.coupling)
     base = replace(
         CheckConfig(), gamma=2, samples=args.matrix_samples, seed=args.seed, coupling=coupling
     )
     plans = [("tiny", tiny_drafters(folder), [list(TINY_PROMPTS[0])], base, SAMPLINGS)]
     if args.default_samples > 0:
-        default_base = replace(base, samples=args.default_samples, pilot=min(100, base.pilot))
+        default_base = replace(
+            base, samples=args.default_samples, pilot=min(100, base.pilot),
+            coupling=section_coupling(args.default_samples, args.coupling),
+        )  # fmt: skip
         plans.append(("default", default_drafters(), None, default_base, DEFAULT_SAMPLINGS))
     sections, all_cells = [], []
     for name, drafters, prompts, config, samplings in plans:
@@ -443,8 +446,9 @@ def run_matrix_command(args: argparse.Namespace) -> int:
         if args.out is not None:  # each section as soon as it is done
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "exactness.partial.md").write_text("\n".join(sections))
+    explicit = "" if args.coupling is None else f"--coupling {args.coupling} "
     command = (
-        f"speculative check --matrix --matrix-samples {args.matrix_samples} "
+        f"speculative check --matrix --matrix-samples {args.matrix_samples} {explicit}"
         f"--default-samples {args.default_samples} --jobs {jobs} --out DIR"
     )
     text = matrix_markdown(sections, cpu_info().summary(), command, base)
@@ -480,6 +484,12 @@ def default_coupling(samples: int) -> int:
     about 7.6 / M, is small beside the sample's own margin); none below, where drawing
     one sequence at a time is quick anyway."""
     return samples // 10 if samples >= 10_000 else 0
+
+
+def section_coupling(samples: int, explicit: int | None) -> int:
+    """A matrix section's M: --coupling where given (both sections), else the default for
+    the section's own N (the default model's smaller N draws one sequence at a time)."""
+    return default_coupling(samples) if explicit is None else explicit
 
 
 def _section_title(name: str) -> str:

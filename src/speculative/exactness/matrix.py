@@ -12,7 +12,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from speculative.exactness.runner import CheckConfig, CheckReport, ControlTooWeak, run_check
+from speculative.exactness.runner import (
+    CheckConfig,
+    CheckReport,
+    ControlTooWeak,
+    SharedDraws,
+    run_check,
+)
 
 # (label, temperature, top_k, top_p)
 SAMPLINGS: tuple[tuple[str, float, int, float], ...] = (
@@ -142,7 +148,11 @@ def run_matrix(
     planned = plan_matrix(drafters, base, modes, samplings)
     if jobs <= 1:
         loaded: dict[str, Any] = {}
-        return [_announce(_run_planned(targets, loaded, c, prompts), on_cell) for c in planned]
+        shared = {_task(c): SharedDraws() for c in planned}
+        return [
+            _announce(_run_planned(targets, loaded, c, prompts, shared[_task(c)]), on_cell)
+            for c in planned
+        ]
     done: dict[int, Cell] = {}
     context = multiprocessing.get_context("spawn")
     with _pool(jobs, context) as pool, context.Manager() as manager:
@@ -169,12 +179,13 @@ def run_cells(
     finished: Any = None,
 ) -> list[tuple[int, Cell]]:
     """Run planned cells one after another (a worker's task), each runtime's target
-    loaded once; (index, cell) pairs, each also put on ``finished`` (a queue) as soon as
-    it ends."""
+    loaded once and batched samples shared among them (:class:`SharedDraws`); (index,
+    cell) pairs, each also put on ``finished`` (a queue) as soon as it ends."""
     loaded: dict[str, Any] = {}
+    shared = SharedDraws()
     out = []
     for c in cells:
-        out.append((c.index, _run_planned(targets, loaded, c, prompts)))
+        out.append((c.index, _run_planned(targets, loaded, c, prompts, shared)))
         if finished is not None:
             finished.put(out[-1])
     return out
@@ -189,12 +200,16 @@ def _raise_from_workers(futures: Sequence[Future]) -> None:
 
 
 def _run_planned(
-    targets: Loader, loaded: dict[str, Any], c: PlannedCell, prompts: Sequence[Sequence[int]]
+    targets: Loader,
+    loaded: dict[str, Any],
+    c: PlannedCell,
+    prompts: Sequence[Sequence[int]],
+    shared: SharedDraws | None = None,
 ) -> Cell:
     runtime = c.drafter.runtime
     if runtime not in loaded:
         loaded[runtime] = targets(runtime)
-    return _run_cell(loaded[runtime], c.drafter, c.config, c.label, prompts)
+    return _run_cell(loaded[runtime], c.drafter, c.config, c.label, prompts, shared)
 
 
 def _announce(cell: Cell, on_cell: Callable[[Cell], None]) -> Cell:
@@ -202,11 +217,17 @@ def _announce(cell: Cell, on_cell: Callable[[Cell], None]) -> Cell:
     return cell
 
 
+def _task(c: PlannedCell) -> tuple[str, str]:
+    """The task a cell runs in: its drafter's trees, or its drafter's chain and batch
+    cells together (they draw the same batched samples: :class:`SharedDraws`)."""
+    return c.drafter.label, "trees" if c.config.mode.startswith("tree") else "chains"
+
+
 def _groups(planned: Sequence[PlannedCell]) -> list[list[PlannedCell]]:
-    """The workers' tasks: one per (drafter, mode), so that a task loads its target once."""
+    """The workers' tasks (:func:`_task`), each loading its target once."""
     groups: dict[tuple[str, str], list[PlannedCell]] = {}
     for c in planned:
-        groups.setdefault((c.drafter.label, c.config.mode), []).append(c)
+        groups.setdefault(_task(c), []).append(c)
     return list(groups.values())
 
 
@@ -229,10 +250,10 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _run_cell(target, drafter, config, label, prompts) -> Cell:
+def _run_cell(target, drafter, config, label, prompts, shared=None) -> Cell:
     started = time.perf_counter()
     try:
-        report = run_check(target, config, prompts)
+        report = run_check(target, config, prompts, shared=shared)
     except ControlTooWeak as exc:
         return Cell(drafter, config.mode, label, time.perf_counter() - started,
                     problem=f"control not detected: {exc}")  # fmt: skip

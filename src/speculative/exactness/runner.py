@@ -32,7 +32,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import Any
 
@@ -178,6 +178,59 @@ class Coupling:
         return 1.0 - delta ** (1.0 / self.redrawn)
 
 
+Rows = list[list[tuple[int, ...]]]  # [prompt][continuation] -> its tokens
+
+
+class SharedDraws:
+    """Batched speculative samples drawn in this process, kept for the checks that draw
+    the very same ones. A chain check's batched twin of all N continuations is, seed for
+    seed, the batch-mode check's sample: the same drafter, γ, sampling settings, seeds and
+    batched engine (chains, one row per continuation). A matrix task that holds both cells
+    of a drafter (:mod:`.matrix`) draws it once. Apart, the chain cell draws M alone, M as
+    its batched twin and N − M more batched, and the batch cell N: 2N + M in all. Shared,
+    the chain cell draws its M and M, then all N batched, and the batch cell none: N + 2M.
+    Only full samples (continuations 0..N−1, drawn in order) are kept, so a row never
+    comes from a batch of other neighbours than the batch cell's own."""
+
+    def __init__(self) -> None:
+        self._samples: dict[Hashable, tuple[Rows, int]] = {}
+        self.reused = 0  # samples served from the store
+
+    def batched(
+        self,
+        target: Any,
+        config: CheckConfig,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        length: int,
+        tick: Tick = lambda n: None,
+    ) -> tuple[Rows, int]:
+        """Continuations 0..n−1 of each prompt drawn speculatively by the batched engine
+        with chains (drawn on the first request, from the store after it), and how many
+        tokens were drafted for them."""
+        key = _batched_key(target, config, prompts, n, length)
+        if key in self._samples:
+            self.reused += 1
+            tick(n * len(prompts))
+        else:
+            drafted: Counter = Counter()
+            way, as_batch = "speculative", replace(config, mode="batch")
+            rows = _draw_batch(target, as_batch, way, prompts, range(n), length, tick, drafted)
+            self._samples[key] = rows, drafted[way]
+        rows, count = self._samples[key]
+        return [list(r) for r in rows], count
+
+
+def _batched_key(
+    target: Any, config: CheckConfig, prompts: Sequence[Sequence[int]], n: int, length: int
+) -> Hashable:
+    """What decides a batched chain sample: the target, every setting of the check but its
+    mode and sizes, the prompts, N and L."""
+    settings = replace(config, mode="batch", samples=n, coupling=0, pilot=0, length=length)
+    model = (target.name, target.runtime, target.precision)
+    return model, settings, tuple(tuple(p) for p in prompts)
+
+
 def draw_speculative(
     target: Any,
     config: CheckConfig,
@@ -186,6 +239,7 @@ def draw_speculative(
     length: int,
     tick: Tick = lambda n: None,
     drafted: Counter | None = None,
+    shared: SharedDraws | None = None,
 ) -> tuple[list[list[tuple[int, ...]]], Coupling | None]:
     """The N speculative continuations of each prompt, and how they were drawn.
 
@@ -198,19 +252,33 @@ def draw_speculative(
     that the bound holds for the whole sample even if a drafter changed over the run). At
     a pair that differs (a drafter that learns across generations, or a model drafter
     that primes from the target's cache only when alone) the others are drawn one
-    sequence at a time as well."""
+    sequence at a time as well.
+
+    ``shared`` keeps full batched chain samples for other checks of this process (see
+    :class:`SharedDraws`): a batch-mode sample comes from it, and a coupled chain sample
+    whose pairs are identical takes its batched part from it, once the twin's rows are
+    found inside it unchanged."""
     from speculative.models.base import SupportsBatchRows
 
     drafted = Counter() if drafted is None else drafted
-    m = min(config.coupling, n)
+    way, m = "speculative", min(config.coupling, n)
+    if config.mode == "batch" and shared is not None:
+        rows, count = shared.batched(target, config, prompts, n, length, tick)
+        drafted[way] += count
+        return rows, None
     if m == 0 or config.mode == "batch" or not isinstance(target.lm, SupportsBatchRows):
-        return draw(target, config, "speculative", prompts, range(n), length, tick, drafted), None
-    way, chosen = "speculative", spread(n, m)
+        return draw(target, config, way, prompts, range(n), length, tick, drafted), None
+    chosen = spread(n, m)
     others = sorted(set(range(n)) - set(chosen))
     counts = {"alone": Counter(), "batched": Counter()}
     alone = _draw_single(target, config, way, prompts, chosen, length, tick, counts["alone"])
     twin = _draw_batch(target, config, way, prompts, chosen, length, tick, counts["batched"])
     differs = _first_difference(twin, alone)
+    if differs is None and shared is not None and config.tree_mode == "off":
+        full, count = shared.batched(target, config, prompts, n, length, tick)
+        if _first_difference(_picked(full, chosen), twin) is None:
+            drafted[way] += count
+            return full, Coupling(m)
     if differs is None:
         more = _draw_batch(target, config, way, prompts, others, length, tick, counts["batched"])
         kept = "batched", twin
@@ -232,6 +300,11 @@ def _in_order(first: list[int], a: list[tuple], second: list[int], b: list[tuple
     """Rows drawn for two disjoint index lists, back in index order."""
     merged = dict(zip(first, a, strict=True)) | dict(zip(second, b, strict=True))
     return [merged[i] for i in sorted(merged)]
+
+
+def _picked(rows: Rows, indices: Sequence[int]) -> Rows:
+    """The continuations ``indices`` of each prompt's rows."""
+    return [[prompt_rows[i] for i in indices] for prompt_rows in rows]
 
 
 def _first_difference(a: list[list[tuple]], b: list[list[tuple]]) -> tuple[int, int] | None:
@@ -627,14 +700,17 @@ def run_check(
     config: CheckConfig,
     prompts: Sequence[Sequence[int]],
     tick: Tick = lambda n: None,
+    shared: SharedDraws | None = None,
 ) -> CheckReport:
     """Run one check on a loaded target (a :class:`~speculative.targets.LoadedModel`).
-    Raises :class:`ControlTooWeak` when N cannot detect the negative control."""
+    Raises :class:`ControlTooWeak` when N cannot detect the negative control. ``shared``:
+    batched samples this check may take from, and leaves for, the process's other checks
+    (:class:`SharedDraws`); the report is the same with or without it."""
     started = time.perf_counter()
     if config.greedy:
         report = _greedy_check(target, config, prompts, tick)
     else:
-        report = _sampling_check(target, config, prompts, tick)
+        report = _sampling_check(target, config, prompts, tick, shared)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -681,10 +757,10 @@ def _greedy_check(target, config, prompts, tick) -> CheckReport:
     )  # fmt: skip
 
 
-def _sampling_check(target, config, prompts, tick) -> CheckReport:
+def _sampling_check(target, config, prompts, tick, shared=None) -> CheckReport:
     laws = exact_laws(target, config, prompts)
     if laws is not None:
-        return _fit_check(target, config, prompts, laws, tick)
+        return _fit_check(target, config, prompts, laws, tick, shared)
     n, length = config.samples, config.horizon
     pilot = min(config.pilot, n)
     drafted: Counter = Counter()
@@ -694,7 +770,7 @@ def _sampling_check(target, config, prompts, tick) -> CheckReport:
     required = pilot_requirement(comparisons(ref, ctl, length, config), pilot, config)
     if pilot < n and (required is None or required > n):
         raise _too_weak(n, pilot, required)
-    spec, coupling = draw_speculative(target, config, prompts, n, length, tick, drafted)
+    spec, coupling = draw_speculative(target, config, prompts, n, length, tick, drafted, shared)
     require_drafts(drafted, config)
     rest = range(pilot, n)
     if rest:
@@ -758,7 +834,7 @@ def _failing(found: list[Comparison], alpha: float) -> str | None:
     )
 
 
-def _fit_check(target, config, prompts, laws: list[Law], tick) -> CheckReport:
+def _fit_check(target, config, prompts, laws: list[Law], tick, shared=None) -> CheckReport:
     """The sampling check against the target's exact law: the speculative sample and the
     control are each tested against the law itself (no reference sample is drawn). The
     control is tested on its pilot, and drawn up to N only if the pilot misses it."""
@@ -778,7 +854,7 @@ def _fit_check(target, config, prompts, laws: list[Law], tick) -> CheckReport:
             rows.extend(more)
         control = comparisons(laws, ctl, length, config)
         detected = any(c.p_adjusted < config.alpha for c in control)
-    spec, coupling = draw_speculative(target, config, prompts, n, length, tick, drafted)
+    spec, coupling = draw_speculative(target, config, prompts, n, length, tick, drafted, shared)
     require_drafts(drafted, config)
     found = comparisons(laws, spec, length, config, tv_alpha=_sample_alpha(config, coupling))
     failing = _failing(found, config.alpha)
