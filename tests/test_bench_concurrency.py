@@ -98,3 +98,37 @@ def test_setups_take_every_position_in_turn():
     for position in range(3):
         assert sorted(order[position] for order in orders) == sorted(setups)
     assert rotated(setups, 3) == setups
+
+
+def test_the_load_aware_policy_of_each_batch_size_gets_that_shape_of_pass(
+    tiny_target, prompts_text, single_thread, monkeypatch
+) -> None:
+    """A round of B rows drafting k tokens each is a pass of B rows, not of B·k rows: one
+    row's tokens share its cache reads and attention. So each batch size's load-aware
+    policy gets a curve measured over B sequences (at B = 1 a single sequence's k tokens:
+    with the 8-row curve it priced one row's drafts as 8 rows' and hardly drafted, 1.04×
+    against 1.41× on the default model), and the report keeps its 8-row curve."""
+    import speculative.bench.concurrency as concurrency
+
+    measured: dict[int, int] = {}  # id(curve) -> the rows it was measured over
+    given: list[int] = []  # the rows of each load-aware policy's curve
+    measure, policy = concurrency.rows_verify_cost, concurrency.LoadAwareGamma
+
+    def recorded(model, context, points, repeats, rows, clock):
+        curve = measure(model, context, points, repeats, rows, clock)
+        measured[id(curve)] = rows
+        return curve
+
+    def load_aware(curve):
+        given.append(measured[id(curve)])
+        return policy(curve)
+
+    monkeypatch.setattr(concurrency, "rows_verify_cost", recorded)
+    monkeypatch.setattr(concurrency, "LoadAwareGamma", load_aware)
+    settings = ConcurrencySettings(
+        target=str(tiny_target), runtimes=("native",), concurrency=(1, 2, 4),
+        max_new_tokens=4, chat=False, progress=False, curve_repeats=1, peers=False,
+    )  # fmt: skip
+    run = run_concurrency(settings, parse_prompts(prompts_text))
+    assert given == [1, 2, 4]
+    assert measured[id(run.verify_cost["native"])] == 8

@@ -8,8 +8,9 @@ by side on the same prompts:
 - ``plain``: plain batched decoding (every row γ = 0);
 - ``γ=G``: speculation with the drafter at a fixed γ;
 - ``load-aware``: :class:`~speculative.engine.gamma.LoadAwareGamma` picks every row's γ
-  (at most ``max_gamma``) each round from the measured batched verify-cost curve
-  T(n)/T(1), each row's running α and the drafter's measured cost;
+  (at most ``max_gamma``) each round from the verify-cost curve T(n)/T(1) measured on
+  passes of the batch's own shape (n tokens over B rows), each row's running α and the
+  drafter's measured cost;
 
 and, where transformers can load the target, its padded batched ``generate()`` as a peer.
 Setups are interleaved per repeat (drift on a shared machine hits all alike); each cell is
@@ -242,14 +243,18 @@ def run_concurrency(
     clock = CLOCKS[settings.clock]
     largest = max(settings.concurrency)
     ids = {rt: batch_prompts(t, prompts, settings.chat, largest) for rt, t in setups.items()}
-    curves = {}
+    curves, policy_curves = {}, {}
     for runtime, target in setups.items():
         context = ids[runtime][0][:64]
         model: Any = target.lm  # SupportsBatchRows, checked above
-        rows = 1 if isinstance(model, PadsBatchRows) else 8  # n = the positions computed
         curves[runtime] = rows_verify_cost(
-            model, context, CURVE_POINTS, settings.curve_repeats, rows, clock
+            model, context, CURVE_POINTS, settings.curve_repeats, _curve_rows(model, 8), clock
         )
+        for batch in settings.concurrency:  # the load-aware policy's: its batches' shape
+            policy_curves[runtime, batch] = rows_verify_cost(
+                model, context, CURVE_POINTS, settings.curve_repeats,
+                _curve_rows(model, batch), clock,
+            )  # fmt: skip
     peer = _peer_model(settings, setups, loader) if settings.peers else None
     pad = min(next(iter(setups.values())).eos_token_ids, default=0)
     labels = [PLAIN, f"{settings.drafter} γ={settings.gamma}", f"{settings.drafter} load-aware"]
@@ -266,7 +271,7 @@ def run_concurrency(
                 configs = [
                     (PLAIN, 0, None),
                     (labels[1], settings.gamma, None),
-                    (labels[2], settings.max_gamma, LoadAwareGamma(curves[runtime])),
+                    (labels[2], settings.max_gamma, LoadAwareGamma(policy_curves[runtime, batch])),
                 ]
                 for label, gamma, load in rotated(configs, repeat):
                     record = run_engine_batch(
@@ -294,6 +299,14 @@ def run_concurrency(
         "target pass ÷ wall time of the decode steps (the rest: drafting and Python)",
     ]
     return ConcurrencyRun(settings, cells, curves, prompt_tokens, notes)
+
+
+def _curve_rows(model: Any, batch: int) -> int:
+    """The sequences a measured pass of n tokens is spread over, for batches of ``batch``
+    rows: ``batch`` (B rows with about n / B tokens each, a round's shape: one row's k
+    tokens share its cache reads and attention, B rows' do not), or 1 on a runtime that
+    pads every row to the longest (n = the positions computed)."""
+    return 1 if isinstance(model, PadsBatchRows) else batch
 
 
 def rotated(items: Sequence[Any], repeat: int) -> list[Any]:
