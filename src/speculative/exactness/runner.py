@@ -705,7 +705,9 @@ def run_check(
     """Run one check on a loaded target (a :class:`~speculative.targets.LoadedModel`).
     Raises :class:`ControlTooWeak` when N cannot detect the negative control. ``shared``:
     batched samples this check may take from, and leaves for, the process's other checks
-    (:class:`SharedDraws`); the report is the same with or without it."""
+    (:class:`SharedDraws`). The report is the same with or without it wherever a batched
+    row does not depend on its neighbours (the native runtime, bitwise); on the
+    transformers runtime a padded pass can round a row differently."""
     started = time.perf_counter()
     if config.greedy:
         report = _greedy_check(target, config, prompts, tick)
