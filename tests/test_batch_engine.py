@@ -9,7 +9,7 @@ bitwise for greedy, the same seeded sample for sampling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -197,9 +197,9 @@ def test_load_aware_rows_draft_for_their_situation_and_stay_exact(folder: Path) 
     seen: list[float] = []
 
     class Recording(LoadAwareGamma):
-        def choose(self, rows, extra_tokens=0, padded=None):
+        def choose(self, rows, extra_tokens=0, padded=None, extra_rows=0):
             seen.extend(r.alpha for r in rows)
-            return super().choose(rows, extra_tokens, padded)
+            return super().choose(rows, extra_tokens, padded, extra_rows)
 
     specs = [s for s in _specs() if s.params.greedy and s.drafter == "ngram"] * 3
     target = load_native(folder, max_length=96, backend=backend)
@@ -210,6 +210,32 @@ def test_load_aware_rows_draft_for_their_situation_and_stay_exact(folder: Path) 
     keys = set(engine.situations.counts)
     assert keys and all(name == "ngram" and cls in (1, 2, 3, 4, 8) for name, cls in keys)
     assert len(set(seen)) > 2  # the α follows the situations, not one running value
+
+
+def test_load_aware_rounds_count_joining_rows_as_rows_of_the_pass(folder: Path) -> None:
+    """A row that joins while another decodes feeds its prompt in the same pass: the
+    policy is told its tokens and that it is one more row."""
+    backend = _backend("kernels")
+    asked: list[tuple[int, int, int]] = []  # (decoding rows, extra rows, extra tokens)
+
+    class Recording(LoadAwareGamma):
+        def choose(self, rows, extra_tokens=0, padded=None, extra_rows=0):
+            asked.append((len(rows), extra_rows, extra_tokens))
+            return super().choose(rows, extra_tokens, padded, extra_rows)
+
+    spec = next(s for s in _specs() if s.params.greedy and s.drafter == "ngram")
+    base = _ids(30, 51)[0].tolist()
+    joiners = [replace(spec, prompt=base[18:24]), replace(spec, prompt=base[24:30])]
+    target = load_native(folder, max_length=96, backend=backend)
+    engine = BatchEngine(target, max_batch=3, load=Recording({1: 1.0, 8: 1.0, 16: 2.0}))
+    engine.add(_request(spec, folder, backend))
+    engine.step()  # the first row's prefill pass
+    engine.step()
+    asked.clear()
+    for joiner in joiners:
+        engine.add(_request(joiner, folder, backend))
+    engine.step()
+    assert asked and all(a == (1, 2, 5 + 5) for a in asked)  # all but each last token
 
 
 def test_load_aware_rows_look_situations_up_only_when_a_draft_can_pay(
@@ -254,6 +280,99 @@ def test_load_aware_gamma_shrinks_as_the_batch_grows() -> None:
     measured = LoadAwareGamma({1: 1.0, 4: 1.15, 8: 1.5, 16: 1.9, 32: 3.0, 64: 5.5})
     means = [sum(measured.choose([RowLoad(0.8, 8)] * b)) / b for b in (1, 4, 16, 64)]
     assert means == sorted(means, reverse=True) and means[-1] == 0  # past 64: extrapolated
+
+
+def test_load_aware_gamma_prices_a_pass_by_its_rows_and_its_tokens() -> None:
+    """T(r, n) = K(n) + R(r) − K(r): one row's drafts ride in the flat part of K even where
+    every extra row costs half a step. Pricing every token as a row (the rows curve as
+    the only curve, what a single curve in tokens does at high load) drafts nothing; a
+    steep K drafts nothing either; at one row the pass costs K alone."""
+    tokens = lambda n: max(1.0, n / 8)  # noqa: E731  K: flat up to 8 tokens
+    rows = lambda r: 1.0 + 0.5 * (r - 1)  # noqa: E731  R: each row half a step
+    load = LoadAwareGamma(tokens, rows_cost=rows)
+    four = [RowLoad(alpha=0.7, max_gamma=6)] * 4
+    assert load.pass_cost(1, 6) == load.cost(6) == 1.0
+    assert load.pass_cost(4, 8) == pytest.approx(2.5) and load.pass_cost(4, 16) == 3.5
+    assert sum(load.choose(four)) >= 4  # the drafts fit in K's flat part
+    assert sum(LoadAwareGamma(rows).choose(four)) == 0  # tokens priced as rows: none
+    steep = LoadAwareGamma(lambda n: float(n), rows_cost=rows)
+    assert sum(steep.choose(four)) == 0
+    noisy = LoadAwareGamma(tokens, rows_cost=lambda r: 0.5)  # rows "cheaper" than tokens
+    assert noisy.row_cost(4) == 0.0 and noisy.pass_cost(4, 4) == 1.0
+
+
+def _choose_reference(load, rows, extra_tokens=0, padded=None, extra_rows=0) -> list[int]:
+    """LoadAwareGamma.choose as first written: every one of the Σ max γ draft additions
+    walked, the row to draft found by a scan over all rows."""
+    gammas = [0] * len(rows)
+    tokens = float(len(rows))
+    lengths = [r.fed for r in rows]
+    per_row = load.row_cost(len(rows) + extra_rows)
+
+    def pass_cost() -> float:
+        if padded is None:
+            return load.cost(sum(lengths) + extra_tokens) + per_row
+        return load.cost(padded([*lengths, extra_tokens] if extra_tokens else lengths)) + per_row
+
+    drafting = 0.0
+    best, best_rate = list(gammas), tokens / pass_cost() * (1 + load.margin)
+    gains = [(r.alpha if r.max_gamma > 0 else -1.0) for r in rows]
+    for _ in range(sum(r.max_gamma for r in rows)):
+        i = max(range(len(rows)), key=gains.__getitem__)
+        tokens, drafting = tokens + gains[i], drafting + rows[i].cost
+        lengths[i] += 1
+        if gammas[i] == 0:
+            drafting += rows[i].call_cost
+        gammas[i] += 1
+        gains[i] = gains[i] * rows[i].alpha if gammas[i] < rows[i].max_gamma else -1.0
+        rate = tokens / (pass_cost() + drafting)
+        if rate > best_rate:
+            best, best_rate = list(gammas), rate
+    return best
+
+
+def test_load_aware_choice_equals_the_full_walk_and_stops_early() -> None:
+    """The policy's choice (drafts taken from a heap, stopped once every gain left cannot
+    beat the best rate at the round's current cost) equals the full walk's on random
+    batches: ties, α of 0 and 1, rows that cannot draft, zero costs, noisy curves,
+    joining rows and padded passes. The stop is what makes it cheap: on a loaded batch
+    where drafts do not pay it prices a few passes, not one per draft the rows could add."""
+    import random
+
+    rng = random.Random(7)
+    for trial in range(400):
+        points = sorted(rng.sample(range(2, 200), rng.randint(1, 6)))
+        curve = {1: 1.0, **{n: 1.0 + rng.uniform(0.0, 0.12) * n for n in points}}
+        rows_curve = {r: 1.0 + rng.uniform(0.0, 0.4) * (r - 1) for r in range(1, 25)}
+        load = LoadAwareGamma(
+            curve, margin=rng.choice([0.0, 0.05]), rows_cost=rng.choice([None, rows_curve])
+        )
+        rows = [
+            RowLoad(
+                alpha=rng.choice([0.0, 0.3, 0.5, 0.5, 0.8, 1.0, rng.random()]),
+                max_gamma=rng.choice([0, 1, 3, 8]),
+                fed=rng.choice([1, 1, 2]),
+                cost=rng.choice([0.0, 0.005, rng.uniform(0.0, 0.3)]),
+                call_cost=rng.choice([0.0, 0.01]),
+            )
+            for _ in range(rng.randint(1, 20))
+        ]
+        extra = rng.choice([(0, 0), (1, 7), (2, 30)])
+        padded = rng.choice([None, lambda lengths: len(lengths) * max(lengths)])
+        expected = _choose_reference(load, rows, extra[1], padded, extra[0])
+        assert load.choose(rows, extra[1], padded, extra[0]) == expected, trial
+    priced: list[int] = []
+
+    def counted(lengths) -> int:
+        priced.append(1)
+        return sum(lengths)
+
+    steep = LoadAwareGamma({1: 1.0, 8: 1.8, 16: 3.2, 64: 11.0}, rows_cost={1: 1.0, 16: 4.0})
+    loaded = [RowLoad(alpha=0.5, max_gamma=8)] * 16
+    assert steep.choose(loaded, padded=counted) == [0] * 16
+    assert len(priced) < 40  # against 1 + 128 for the full walk
+    assert _choose_reference(steep, loaded, padded=counted) == [0] * 16
+    assert len(priced) > 128
 
 
 def test_engine_refuses_a_model_without_slots(folder: Path) -> None:

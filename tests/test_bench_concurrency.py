@@ -11,6 +11,7 @@ from speculative.bench.concurrency import (
     PLAIN,
     ConcurrencySettings,
     concurrency_markdown,
+    concurrency_payload,
     run_concurrency,
 )
 from speculative.bench.prompts import parse_prompts
@@ -100,35 +101,45 @@ def test_setups_take_every_position_in_turn():
     assert rotated(setups, 3) == setups
 
 
-def test_the_load_aware_policy_of_each_batch_size_gets_that_shape_of_pass(
+def test_every_load_aware_policy_prices_a_pass_by_its_rows_and_its_tokens(
     tiny_target, prompts_text, single_thread, monkeypatch
 ) -> None:
     """A round of B rows drafting k tokens each is a pass of B rows, not of B·k rows: one
-    row's tokens share its cache reads and attention. So each batch size's load-aware
-    policy gets a curve measured over B sequences (at B = 1 a single sequence's k tokens:
-    with the 8-row curve it priced one row's drafts as 8 rows' and hardly drafted, 1.04×
-    against 1.41× on the default model), and the report keeps its 8-row curve."""
+    row's tokens share its cache reads and attention. Every batch size's load-aware policy
+    gets the pass-cost model the engine and server use, T(r, n) = K(n) + R(r) − K(r), with
+    K measured on one row of n tokens and R on r rows of one token, up to the largest B
+    (one 8-row curve for all B priced one row's drafts at B = 1 as 8 rows': 1.04× against
+    1.41× on the default model). The report keeps its 8-row curve, and the JSON gives the
+    model's two curves."""
     import speculative.bench.concurrency as concurrency
+    import speculative.engine.costs as costs
 
     measured: dict[int, int] = {}  # id(curve) -> the rows it was measured over
-    given: list[int] = []  # the rows of each load-aware policy's curve
-    measure, policy = concurrency.rows_verify_cost, concurrency.LoadAwareGamma
+    policies: list = []
+    measure = costs.rows_verify_cost
 
     def recorded(model, context, points, repeats, rows, clock):
         curve = measure(model, context, points, repeats, rows, clock)
         measured[id(curve)] = rows
         return curve
 
-    def load_aware(curve):
-        given.append(measured[id(curve)])
-        return policy(curve)
+    class Recorded(concurrency.LoadAwareGamma):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            policies.append(self)
 
+    monkeypatch.setattr(costs, "rows_verify_cost", recorded)
     monkeypatch.setattr(concurrency, "rows_verify_cost", recorded)
-    monkeypatch.setattr(concurrency, "LoadAwareGamma", load_aware)
+    monkeypatch.setattr(concurrency, "LoadAwareGamma", Recorded)
     settings = ConcurrencySettings(
         target=str(tiny_target), runtimes=("native",), concurrency=(1, 2, 4),
         max_new_tokens=4, chat=False, progress=False, curve_repeats=1, peers=False,
     )  # fmt: skip
     run = run_concurrency(settings, parse_prompts(prompts_text))
-    assert given == [1, 2, 4]
+    assert len(policies) == 3  # one per batch size
+    for policy in policies:
+        assert measured[id(policy.verify_cost)] == 1 and max(policy.verify_cost) == 128
+        assert measured[id(policy.rows_cost)] == 4 and sorted(policy.rows_cost) == [1, 2, 3, 4]
     assert measured[id(run.verify_cost["native"])] == 8
+    model = concurrency_payload(run)["pass_costs"]["native"]
+    assert model["rows"]["1"] == model["tokens"]["1"] == 1.0 and len(model["rows"]) == 4

@@ -186,6 +186,9 @@ def test_a_loaded_server_does_all_model_work_on_one_thread(
     body = {"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
     seen = _record_model_threads(monkeypatch)
     state = load_state(config)
+    costs = state.pass_costs  # the load-aware policy's: one row's tokens and rows of one
+    assert costs is not None and sorted(costs.rows) == list(range(1, config.max_batch + 1))
+    assert max(costs.tokens) == 64 and costs.tokens[1] == costs.rows[1] == 1.0  # 8 rows × 9
     with serve_in_background(create_app(state)) as server:
         body["model"] = state.model_id
         assert http(server.url + "/v1/completions", "POST", body, key=None)[0] == 200

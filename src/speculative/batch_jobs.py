@@ -63,16 +63,16 @@ class RowDecoder:
         self.engine = BatchEngine(self.loaded.lm, max_batch=job.batch_size, load=self._load())
 
     def _load(self) -> Any:
-        """--gamma auto: per-row γ for the load, from the measured verify-cost curve."""
+        """--gamma auto: per-row γ for the load, from the measured pass-cost curves."""
         if self.gamma != "auto":
             return None
-        from speculative.engine.costs import probe_context, verify_cost_curve
-        from speculative.engine.gamma import LoadAwareGamma
+        from speculative.engine.costs import pass_cost_curves, probe_context
+        from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA, LoadAwareGamma
 
-        lm = self.loaded.lm
-        return LoadAwareGamma(
-            verify_cost_curve(lm, probe_context(lm.vocab_size), 16, 2).verify_cost
-        )
+        lm, rows = self.loaded.lm, self.job.batch_size
+        context = probe_context(lm.vocab_size)
+        costs = pass_cost_curves(lm, context, rows, rows * (LOAD_AWARE_MAX_GAMMA + 1), 2)
+        return LoadAwareGamma(costs.tokens, rows_cost=costs.rows)
 
     def request(self, record: Record) -> Any:
         """The engine's :class:`BatchRequest` for one record (record values over the job's)."""

@@ -8,9 +8,10 @@ by side on the same prompts:
 - ``plain``: plain batched decoding (every row γ = 0);
 - ``γ=G``: speculation with the drafter at a fixed γ;
 - ``load-aware``: :class:`~speculative.engine.gamma.LoadAwareGamma` picks every row's γ
-  (at most ``max_gamma``) each round from the verify-cost curve T(n)/T(1) measured on
-  passes of the batch's own shape (n tokens over B rows), each row's running α and the
-  drafter's measured cost;
+  (at most ``max_gamma``) each round from the pass-cost model the engine and the server
+  use, T(r, n) = K(n) + R(r) − K(r) (K: n tokens in one row, R: r rows of one token,
+  both measured here once per runtime), each row's running α and the drafter's measured
+  cost;
 
 and, where transformers can load the target, its padded batched ``generate()`` as a peer.
 Setups are interleaved per repeat (drift on a shared machine hits all alike); each cell is
@@ -38,7 +39,7 @@ from tqdm import tqdm
 from speculative.bench.prompts import BenchPrompt
 from speculative.drafters.registry import build_drafter
 from speculative.engine import BatchEngine, BatchRequest, LoadAwareGamma, StopCriteria
-from speculative.engine.costs import rows_verify_cost
+from speculative.engine.costs import PassCostCurves, pass_cost_curves, rows_verify_cost
 from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
 from speculative.models.base import PadsBatchRows, SupportsBatchRows
 from speculative.sampling import SamplingParams
@@ -94,9 +95,10 @@ class Cell:
 class ConcurrencyRun:
     settings: ConcurrencySettings
     cells: list[Cell]
-    verify_cost: dict[str, dict[int, float]]  # runtime -> T(n)/T(1) of a batched pass
+    verify_cost: dict[str, dict[int, float]]  # runtime -> T(n)/T(1) of an 8-row pass
     prompt_tokens: list[int]
     notes: list[str] = field(default_factory=list)
+    pass_costs: dict[str, PassCostCurves] = field(default_factory=dict)  # the policy's
 
 
 @dataclass
@@ -243,20 +245,17 @@ def run_concurrency(
     clock = CLOCKS[settings.clock]
     largest = max(settings.concurrency)
     ids = {rt: batch_prompts(t, prompts, settings.chat, largest) for rt, t in setups.items()}
-    curves, policy_curves = {}, {}
+    curves, pass_costs = {}, {}
     for runtime, target in setups.items():
         context = ids[runtime][0][:64]
         model: Any = target.lm  # SupportsBatchRows, checked above
-        shapes = sorted({_curve_rows(model, b) for b in (8, *settings.concurrency)})
-        by_rows = {  # each pass shape measured once
-            rows: rows_verify_cost(
-                model, context, CURVE_POINTS, settings.curve_repeats, rows, clock
-            )
-            for rows in shapes
-        }
-        curves[runtime] = by_rows[_curve_rows(model, 8)]  # the report's
-        for batch in settings.concurrency:  # the load-aware policy's: its batches' shape
-            policy_curves[runtime, batch] = by_rows[_curve_rows(model, batch)]
+        repeats = settings.curve_repeats
+        curves[runtime] = rows_verify_cost(  # the report's
+            model, context, CURVE_POINTS, repeats, _report_rows(model), clock
+        )
+        pass_costs[runtime] = pass_cost_curves(  # the load-aware policy's
+            model, context, largest, CURVE_POINTS[-1], repeats, clock
+        )
     peer = _peer_model(settings, setups, loader) if settings.peers else None
     pad = min(next(iter(setups.values())).eos_token_ids, default=0)
     labels = [PLAIN, f"{settings.drafter} γ={settings.gamma}", f"{settings.drafter} load-aware"]
@@ -273,7 +272,7 @@ def run_concurrency(
                 configs = [
                     (PLAIN, 0, None),
                     (labels[1], settings.gamma, None),
-                    (labels[2], settings.max_gamma, LoadAwareGamma(policy_curves[runtime, batch])),
+                    (labels[2], settings.max_gamma, _load_aware(pass_costs[runtime])),
                 ]
                 for label, gamma, load in rotated(configs, repeat):
                     record = run_engine_batch(
@@ -300,15 +299,18 @@ def run_concurrency(
         f"); torch threads: {torch.get_num_threads()}; 'in forward': wall time inside the "
         "target pass ÷ wall time of the decode steps (the rest: drafting and Python)",
     ]
-    return ConcurrencyRun(settings, cells, curves, prompt_tokens, notes)
+    return ConcurrencyRun(settings, cells, curves, prompt_tokens, notes, pass_costs)
 
 
-def _curve_rows(model: Any, batch: int) -> int:
-    """The sequences a measured pass of n tokens is spread over, for batches of ``batch``
-    rows: ``batch`` (B rows with about n / B tokens each, a round's shape: one row's k
-    tokens share its cache reads and attention, B rows' do not), or 1 on a runtime that
-    pads every row to the longest (n = the positions computed)."""
-    return 1 if isinstance(model, PadsBatchRows) else batch
+def _load_aware(costs: PassCostCurves) -> LoadAwareGamma:
+    return LoadAwareGamma(costs.tokens, rows_cost=costs.rows)
+
+
+def _report_rows(model: Any) -> int:
+    """The sequences the report's pass of n tokens is spread over: 8 (about n / 8 tokens
+    each, a round's shape at B = 8), or 1 on a runtime that pads every row to the longest
+    (n = the positions computed)."""
+    return 1 if isinstance(model, PadsBatchRows) else 8
 
 
 def rotated(items: Sequence[Any], repeat: int) -> list[Any]:
@@ -407,8 +409,19 @@ def concurrency_terminal(run: ConcurrencyRun) -> str:
     lines = [text_table(HEADER, table_rows(run))]
     for runtime, curve in run.verify_cost.items():
         points = ", ".join(f"{n}: {v:.2f}" for n, v in curve.items())
-        lines.append(f"{runtime}: T(n)/T(1) of one batched pass: {points}")
+        lines.append(f"{runtime}: T(n)/T(1) of one pass of n tokens over 8 rows: {points}")
+    for runtime, costs in run.pass_costs.items():
+        for name, curve in _model_curves(costs):
+            points = ", ".join(f"{n}: {v:.2f}" for n, v in curve.items())
+            lines.append(f"{runtime}: {name}: {points}")
     return "\n".join(lines)
+
+
+def _model_curves(costs: PassCostCurves) -> list[tuple[str, dict[int, float]]]:
+    return [
+        ("K(n)/T(1), n tokens in one row", costs.tokens),
+        ("R(r)/T(1), r rows of one token", costs.rows),
+    ]
 
 
 def concurrency_markdown(run: ConcurrencyRun) -> str:
@@ -424,13 +437,23 @@ def concurrency_markdown(run: ConcurrencyRun) -> str:
         "",
         markdown_table(HEADER, table_rows(run)),
         "",
-        "T(n)/T(1) of one batched pass of n tokens (the load-aware policy's input):",
+        "T(n)/T(1) of one pass of n tokens over 8 rows:",
         "",
     ]
     for runtime, curve in run.verify_cost.items():
         header = ["runtime", *map(str, curve)]
         lines.append(markdown_table(header, [[runtime, *(f"{v:.2f}" for v in curve.values())]]))
         lines.append("")
+    if run.pass_costs:
+        lines += [
+            "The load-aware policy's pass-cost model, T(r, n) = K(n) + R(r) − K(r):",
+            "",
+        ]
+    for runtime, costs in run.pass_costs.items():
+        for name, curve in _model_curves(costs):
+            header = [f"{runtime}: {name}", *map(str, curve)]
+            lines.append(markdown_table(header, [["", *(f"{v:.2f}" for v in curve.values())]]))
+            lines.append("")
     lines += [f"- {note}" for note in run.notes]
     return "\n".join(lines) + "\n"
 
@@ -441,6 +464,7 @@ def concurrency_payload(run: ConcurrencyRun) -> dict[str, Any]:
         "settings": asdict(run.settings),
         "cells": [asdict(c) for c in run.cells],
         "verify_cost": {rt: {str(n): v for n, v in c.items()} for rt, c in run.verify_cost.items()},
+        "pass_costs": {rt: c.to_dict() for rt, c in run.pass_costs.items()},
         "prompt_tokens": run.prompt_tokens,
         "notes": run.notes,
     }

@@ -5,9 +5,10 @@ Decodes a file of prompts with the batched engine: one JSON object a line with
 ``max_new_tokens`` and ``stop`` (the command-line values are the defaults). Writes one
 line per prompt to ``--out`` in input order (``index``, ``text``, ``token_ids``,
 ``finish_reason``, ``stats``); lines already there are skipped, so a crashed run resumes.
-``--gamma auto`` chooses every row's γ for the load (:class:`LoadAwareGamma`, from a
-verify-cost curve measured at start). ``--ray [ADDRESS] --workers N`` spreads the rows over
-N Ray actors (:mod:`speculative.scaleout.ray_batch`), each running the same
+``--gamma auto`` chooses every row's γ for the load (:class:`LoadAwareGamma`, from the
+pass-cost curves, one row's tokens and rows of one token, measured at start).
+``--ray [ADDRESS] --workers N`` spreads the rows over N Ray actors
+(:mod:`speculative.scaleout.ray_batch`), each running the same
 :class:`~speculative.batch_jobs.RowDecoder` as the local job.
 """
 

@@ -289,7 +289,7 @@ class BatchEngine:
                 self._start_decoding(row)
         chunks = [(row, self._prefill_chunk(row)) for row in rows if not row.decoding]
         chunk_tokens = sum(chunk.input_ids.numel() for _, chunk in chunks)
-        planned = self._propose([row for row in rows if row.decoding], chunk_tokens)
+        planned = self._propose([row for row in rows if row.decoding], chunk_tokens, len(chunks))
         inputs = [chunk for _, chunk in chunks] + [p.proposal.request for p in planned]
         outputs, seconds = self._forward(inputs)
         for (row, _), logits in zip(chunks, outputs[: len(chunks)], strict=True):
@@ -342,10 +342,12 @@ class BatchEngine:
         self.target_passes += 1
         return outputs, seconds
 
-    def _propose(self, rows: list[BatchRow], extra_tokens: int = 0) -> list[_Planned]:
+    def _propose(
+        self, rows: list[BatchRow], extra_tokens: int = 0, extra_rows: int = 0
+    ) -> list[_Planned]:
         wanted = [self._own_gamma(row) for row in rows]
         if self.load is not None and rows:
-            wanted = self._load_gammas(self.load, rows, wanted, extra_tokens)
+            wanted = self._load_gammas(self.load, rows, wanted, extra_tokens, extra_rows)
         planned = []
         for row, gamma in zip(rows, wanted, strict=True):
             started, calls = time.perf_counter(), row.state.stats.draft_calls
@@ -356,7 +358,12 @@ class BatchEngine:
         return planned
 
     def _load_gammas(
-        self, load: LoadAwareGamma, rows: list[BatchRow], wanted: list[int], extra_tokens: int
+        self,
+        load: LoadAwareGamma,
+        rows: list[BatchRow],
+        wanted: list[int],
+        extra_tokens: int,
+        extra_rows: int,
     ) -> list[int]:
         """The load-aware policy's γ per row. It is asked first with each row's most
         optimistic α (the best of its drafter's situations, :meth:`_best_alpha`): when
@@ -368,10 +375,10 @@ class BatchEngine:
             for row, g in zip(rows, wanted, strict=True)
         ]
         hopes = [RowLoad(self._best_alpha(row), *k) for row, k in zip(rows, known, strict=True)]
-        if not any(load.choose(hopes, extra_tokens, padded)):
+        if not any(load.choose(hopes, extra_tokens, padded, extra_rows)):
             return [0] * len(rows)
         loads = [RowLoad(self._load_alpha(row), *k) for row, k in zip(rows, known, strict=True)]
-        return load.choose(loads, extra_tokens, padded)
+        return load.choose(loads, extra_tokens, padded, extra_rows)
 
     def _best_alpha(self, row: BatchRow) -> float:
         """An upper bound of :meth:`_load_alpha` without looking the situation up."""

@@ -247,6 +247,42 @@ def rows_verify_cost(
     return {n: statistics.median(t) / base for n, t in times.items()}
 
 
+TOKEN_POINTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+@dataclass(frozen=True)
+class PassCostCurves:
+    """The two measured curves of a batched pass's cost ``T(r, n) = K(n) + R(r) − K(r)``
+    (:class:`~speculative.engine.gamma.LoadAwareGamma`), each ÷ its own T(1)."""
+
+    tokens: dict[int, float]  # n -> K(n)/T(1): n tokens in one row
+    rows: dict[int, float]  # r -> R(r)/T(1): r rows of one token each
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "tokens": {str(n): v for n, v in self.tokens.items()},
+            "rows": {str(r): v for r, v in self.rows.items()},
+        }
+
+
+def pass_cost_curves(
+    model: SupportsBatchRows,
+    context: Sequence[int],
+    max_rows: int,
+    max_tokens: int = 128,
+    repeats: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+) -> PassCostCurves:
+    """K(n) for n up to ``max_tokens`` (one row) and R(r) for r = 1..``max_rows`` (one token
+    a row), each after ``context`` (:func:`rows_verify_cost`)."""
+    points = [n for n in TOKEN_POINTS if n <= max_tokens] or [1]
+    tokens = rows_verify_cost(model, context, points, repeats, 1, clock)
+    if max_rows <= 1:
+        return PassCostCurves(tokens, {1: 1.0})
+    rows = rows_verify_cost(model, context, range(1, max_rows + 1), repeats, max_rows, clock)
+    return PassCostCurves(tokens, rows)
+
+
 # ---- time per round outside the forwards ----------------------------------------------
 
 TARGET_CALLS = ("forward", "forward_with_hidden", "forward_tree", "forward_from")

@@ -4,6 +4,7 @@ output distribution, only the speed."""
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -218,6 +219,14 @@ class LoadAwareGamma:
     row speculates; as the batch fills the flat region, γ shrinks continuously, down to
     0 (plain batched decoding) when a draft no longer pays for its share of the pass.
 
+    The pass of r rows and n tokens costs ``T(r, n) = K(n) + R(r) − K(r)`` (in decode
+    steps): ``K`` (``verify_cost``) is measured on one row of n tokens, ``R``
+    (``rows_cost``) on r rows of one token each. Weights stream once per pass whatever its
+    shape, so ``K(n)`` prices the n tokens; what r rows add beyond one row of r tokens
+    (their own caches' reads and attention, per-row work) is ``R(r) − K(r)``, taken as
+    independent of how the tokens are spread. Without ``rows_cost`` a pass costs
+    ``K(n)``, as if every token were one row's.
+
     Never a loss: speculation must be predicted to beat plain batched decoding by
     ``margin`` (a fraction of its rate), because its inputs are noisy estimates (a
     measured curve, running α and costs) and a wrong "small gain" is a real loss; and the
@@ -225,68 +234,110 @@ class LoadAwareGamma:
     fewer must not make drafts look free).
     """
 
-    verify_cost: VerifyCost
+    verify_cost: VerifyCost  # K(n)/T(1): n tokens in one row
     margin: float = 0.05
-    _costs: dict[int, float] = field(default_factory=dict, repr=False)  # n -> T(n)/T(1)
+    rows_cost: VerifyCost | None = None  # R(r)/T(1): r rows of one token each
+    _costs: dict[int, float] = field(default_factory=dict, repr=False)  # n -> K(n)/T(1)
 
     def __post_init__(self) -> None:
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0, got {self.margin}")
 
     def cost(self, n: int) -> float:
-        """T(n)/T(1), non-decreasing in n (the running maximum of the curve from 1 to n),
+        """K(n)/T(1), non-decreasing in n (the running maximum of the curve from 1 to n),
         cached; past the last measured point of a mapping, extended along the line
         through its last two points (not flat)."""
         if n not in self._costs:
             known = max((m for m in self._costs if m < n), default=0)
             running = self._costs.get(known, 0.0)
             for m in range(known + 1, n + 1):  # filled from 1 up: every m < n is cached
-                running = max(running, self._lookup(m))
+                running = max(running, _extended(self.verify_cost, m))
                 self._costs[m] = running
         return self._costs[n]
 
-    def _lookup(self, n: int) -> float:
-        curve = self.verify_cost
-        if callable(curve) or len(curve) < 2 or n <= max(curve):
-            return verify_cost_at(curve, n)
-        a, b = sorted(curve)[-2:]
-        slope = (curve[b] - curve[a]) / (b - a)
-        return curve[b] + slope * (n - b)
+    def row_cost(self, rows: int) -> float:
+        """What ``rows`` rows of one token cost beyond one row of ``rows`` tokens,
+        ``R(r) − K(r)`` (never negative: noise must not make rows look cheaper than
+        tokens); 0 without a measured ``rows_cost``."""
+        if self.rows_cost is None or rows <= 1:
+            return 0.0
+        return max(0.0, _extended(self.rows_cost, rows) - self.cost(rows))
+
+    def pass_cost(self, rows: int, tokens: int) -> float:
+        """``T(r, n)/T(1)``: a pass of ``tokens`` tokens over ``rows`` rows."""
+        return self.cost(tokens) + self.row_cost(rows)
 
     def choose(
         self,
         rows: list[RowLoad],
         extra_tokens: int = 0,
         padded: Callable[[Sequence[int]], int] | None = None,
+        extra_rows: int = 0,
     ) -> list[int]:
         """Every row's γ; ``extra_tokens``: other tokens in the same pass (prefill chunks
-        of joining rows), which make the pass dearer but emit nothing. ``padded``: the
-        pass computes ``padded(row lengths)`` positions (a runtime that pads every row to
-        the longest); None: the total tokens."""
-        gammas = [0] * len(rows)
+        of ``extra_rows`` joining rows), which make the pass dearer but emit nothing.
+        ``padded``: the pass computes ``padded(row lengths)`` positions (a runtime that
+        pads every row to the longest); None: the total tokens."""
         tokens = float(len(rows))  # Σ E_i(0): each row emits one token without drafts
         lengths = [r.fed for r in rows]
+        total = sum(lengths) + extra_tokens
+        per_row = self.row_cost(len(rows) + extra_rows)  # the same whatever the drafts
 
         def pass_cost() -> float:
             if padded is None:
-                return self.cost(sum(lengths) + extra_tokens)
-            return self.cost(padded([*lengths, extra_tokens] if extra_tokens else lengths))
+                return self.cost(total) + per_row
+            positions = padded([*lengths, extra_tokens] if extra_tokens else lengths)
+            return self.cost(positions) + per_row
 
-        drafting = 0.0  # Σ c_i γ_i
-        best, best_rate = list(gammas), tokens / pass_cost() * (1 + self.margin)
-        gains = [(r.alpha if r.max_gamma > 0 else -1.0) for r in rows]  # α_i^(γ_i + 1)
-        for _ in range(sum(r.max_gamma for r in rows)):
-            i = max(range(len(rows)), key=gains.__getitem__)
-            tokens, drafting = tokens + gains[i], drafting + rows[i].cost
+        # the next draft of each row that can draft, most likely accepted first (ties:
+        # the first row); a row's next gain is α_i^(γ_i + 1)
+        queue = [(-r.alpha, i) for i, r in enumerate(rows) if r.max_gamma > 0]
+        heapq.heapify(queue)
+        # every gain still to come, Σ_i Σ_{g ≥ 1} α_i^g over the drafts a row has left
+        unclaimed = sum(_geometric(rows[i].alpha, rows[i].max_gamma) for _, i in queue)
+        never_cheaper = all(r.cost >= 0 and r.call_cost >= 0 for r in rows)
+        drafting, cost = 0.0, pass_cost()  # Σ c_i γ_i (+ call costs); the round's cost
+        best_rate, picks, best_picks = tokens / cost * (1 + self.margin), [], 0
+        while queue:
+            # a round's cost never falls as drafts are added, so no later allocation can
+            # emit more than every gain left over this cost: stop when that cannot win
+            if never_cheaper and (tokens + unclaimed) * (1 + 1e-9) < best_rate * cost:
+                break
+            negative_gain, i = heapq.heappop(queue)
+            gain, row = -negative_gain, rows[i]
+            tokens, unclaimed = tokens + gain, unclaimed - gain
+            drafting += row.cost
+            if lengths[i] == row.fed:  # the row's first draft: its propose call too
+                drafting += row.call_cost
             lengths[i] += 1
-            if gammas[i] == 0:
-                drafting += rows[i].call_cost
+            total += 1
+            picks.append(i)
+            if lengths[i] - row.fed < row.max_gamma:
+                heapq.heappush(queue, (-(gain * row.alpha), i))
+            cost = pass_cost() + drafting
+            if tokens / cost > best_rate:
+                best_rate, best_picks = tokens / cost, len(picks)
+        gammas = [0] * len(rows)
+        for i in picks[:best_picks]:
             gammas[i] += 1
-            gains[i] = gains[i] * rows[i].alpha if gammas[i] < rows[i].max_gamma else -1.0
-            rate = tokens / (pass_cost() + drafting)
-            if rate > best_rate:
-                best, best_rate = list(gammas), rate
-        return best
+        return gammas
+
+
+def _geometric(alpha: float, count: int) -> float:
+    """α + α² + … + α^count."""
+    if alpha >= 1.0:
+        return float(count)
+    return alpha * (1.0 - alpha**count) / (1.0 - alpha)
+
+
+def _extended(curve: VerifyCost, n: int) -> float:
+    """The curve at n; past the last measured point of a mapping, extended along the line
+    through its last two points (not flat)."""
+    if callable(curve) or len(curve) < 2 or n <= max(curve):
+        return verify_cost_at(curve, n)
+    a, b = sorted(curve)[-2:]
+    slope = (curve[b] - curve[a]) / (b - a)
+    return curve[b] + slope * (n - b)
 
 
 GAMMA_SCHEDULES = ("auto", "heuristic")

@@ -66,7 +66,8 @@ def create_app(state: ServerState) -> FastAPI:
     """The app over an already loaded :class:`ServerState` (one batched engine, one
     scheduler thread, one metrics registry per app)."""
     metrics = ServerMetrics()
-    load = None if state.verify_cost is None else LoadAwareGamma(state.verify_cost)
+    costs = state.pass_costs
+    load = None if costs is None else LoadAwareGamma(costs.tokens, rows_cost=costs.rows)
     engine = BatchEngine(state.loaded.lm, max_batch=state.config.max_batch, load=load)
     scheduler = Scheduler(engine, metrics, state.config.max_waiting, compute=state.compute)
     metrics.attach(scheduler)
@@ -330,7 +331,7 @@ def _model_card(state: ServerState) -> dict[str, Any]:
             "drafters": state.drafter_names(),
             "default_draft": state.default_draft,
             "gamma": state.row_gamma,
-            "gamma_policy": "load-aware" if state.verify_cost is not None else "fixed",
+            "gamma_policy": "load-aware" if state.pass_costs is not None else "fixed",
             "max_batch": state.config.max_batch,
         },
     }

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from speculative.drafters.base import Drafter
+from speculative.engine.costs import PassCostCurves
 from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
 from speculative.models.base import SupportsBatchRows
 from speculative.server.compute import ComputeThread
@@ -95,7 +96,7 @@ class ServerState:
     config: ServerConfig
     loaded: LoadedModel
     pools: dict[str, DrafterPool] = field(default_factory=dict)
-    verify_cost: dict[int, float] | None = None  # T(k)/T(1), measured for γ "auto"
+    pass_costs: PassCostCurves | None = None  # measured for γ "auto": its policy's input
     # the thread that loaded the target and runs its rounds (None: the scheduler's own)
     compute: ComputeThread | None = None
 
@@ -157,11 +158,12 @@ def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
         )
     reserve_slots(loaded.lm, config.max_batch)
     state = ServerState(config, loaded)
-    if config.gamma == "auto":  # the verify-cost curve the load-aware policy needs
-        from speculative.engine.costs import probe_context, verify_cost_curve
+    if config.gamma == "auto":  # the pass-cost curves the load-aware policy needs
+        from speculative.engine.costs import pass_cost_curves, probe_context
 
         context = probe_context(loaded.lm.vocab_size)
-        state.verify_cost = verify_cost_curve(loaded.lm, context, 16, 2).verify_cost
+        max_tokens = config.max_batch * (LOAD_AWARE_MAX_GAMMA + 1)
+        state.pass_costs = pass_cost_curves(loaded.lm, context, config.max_batch, max_tokens, 2)
     for name in config.drafts:
         if name == NONE:
             continue
