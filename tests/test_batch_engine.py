@@ -177,17 +177,49 @@ def test_load_aware_gamma_keeps_greedy_rows_exact(folder: Path) -> None:
 
 
 def test_situation_acceptance_pools_rows_per_situation() -> None:
-    from speculative.engine.batch import SituationAcceptance
+    """Per situation and draft position: long matches, all kept, rate near 1 at every
+    position; 1-token matches, whose first draft always fails, near 0 at the first
+    position and, never reached after it, the first position's estimate after it; a
+    lookup that found nothing counts as a first draft not kept; an unseen situation
+    gives the row's own rates; the best rates bound every situation's."""
+    from speculative.engine.batch import ALPHA_PRIOR, POSITIONS, SituationAcceptance
 
     shared = SituationAcceptance(decay=1.0)
-    assert shared.alpha(("ngram", 8), prior=0.6) == pytest.approx(0.6)  # unseen: the prior
+    own = (0.5,) * POSITIONS
+    assert shared.alphas(("ngram", 8), own) == own  # unseen: the row's own
     for _ in range(10):
         shared.record(("ngram", 8), drafted=6, num_accepted=6)  # long matches: all kept
         shared.record(("ngram", 1), drafted=4, num_accepted=0)  # 1-token: first rejected
-    shared.record(("ngram", 1), drafted=0, num_accepted=0)  # no drafts: nothing learnt
-    assert shared.alpha(("ngram", 8), prior=0.6) > 0.95
-    assert shared.alpha(("ngram", 1), prior=0.6) == pytest.approx(1.2 / 12)  # 0 of 10 + prior
-    assert shared.counts[("ngram", 8)] == (60.0, 60.0) and shared.counts[("ngram", 1)] == (0, 10)
+    shared.record(("ngram", 1), drafted=0, num_accepted=0)  # none asked: nothing learnt
+    long, short = shared.alphas(("ngram", 8), own), shared.alphas(("ngram", 1), own)
+    assert min(long[:6]) > 0.9 and long[6] == long[5]  # position 7: never reached
+    assert short[0] == pytest.approx(ALPHA_PRIOR * 2 / 12)  # 0 of 10 + the prior
+    assert short[1:] == (short[0],) * (POSITIONS - 1)  # unreached: the one before
+    assert shared.counts[("ngram", 1)].reached[:2] == [10, 0]
+    for _ in range(4):  # asked for 3 drafts, the lookup found no match: nothing emitted
+        shared.record(("ngram", 0), drafted=0, num_accepted=0, asked=3)
+    assert shared.counts[("ngram", 0)].reached[:2] == [4.0, 0.0]
+    assert shared.alphas(("ngram", 0), own)[0] == pytest.approx(ALPHA_PRIOR * 2 / 6)
+    best = shared.best_alphas("ngram", own)
+    assert best == tuple(map(max, long, own))
+    shared.record(("ngram", 1), drafted=4, num_accepted=4)  # a record refreshes the caches
+    assert shared.alphas(("ngram", 1), own)[0] > short[0]
+
+
+def test_load_aware_values_a_copy_by_its_acceptance_per_position() -> None:
+    """A copying drafter's first token is often wrong and the rest then right (n-gram
+    rows on the bench's prompts: 0.48, 0.87, 0.92, 0.83 per position): with its rates
+    per position the policy drafts six tokens of it; one α of 0.48 for every position
+    would stop after two drafts."""
+    curve = {1: 1.0, 9: 1.8}  # each token 0.1 of a step
+    copy = RowLoad(alpha=0.48, max_gamma=8, alphas=(0.48, 0.87, 0.92, 0.83))
+    flat = RowLoad(alpha=0.48, max_gamma=8)
+    load = LoadAwareGamma(curve)
+    assert load.choose([copy]) == [6] and load.choose([flat]) == [2]
+    assert copy.rate(7) == 0.83 and flat.rate(7) == 0.48
+    assert copy.gains() == pytest.approx(
+        sum(0.48 * 0.87 * 0.92 * 0.83**k for k in range(6)) + 0.48 + 0.48 * 0.87
+    )
 
 
 def test_load_aware_rows_draft_for_their_situation_and_stay_exact(folder: Path) -> None:
@@ -207,8 +239,8 @@ def test_load_aware_rows_draft_for_their_situation_and_stay_exact(folder: Path) 
     results = engine.run(_request(spec, folder, backend) for spec in specs)
     for spec, result in zip(specs, results, strict=True):
         assert result.token_ids == _alone(spec, folder, backend)[0]
-    keys = set(engine.situations.counts)
-    assert keys and all(name == "ngram" and cls in (1, 2, 3, 4, 8) for name, cls in keys)
+    keys = set(engine.situations.counts)  # 0: no match (asked, nothing drafted)
+    assert keys and all(name == "ngram" and cls in (0, 1, 2, 3, 4, 8) for name, cls in keys)
     assert len(set(seen)) > 2  # the α follows the situations, not one running value
 
 
@@ -236,6 +268,84 @@ def test_load_aware_rounds_count_joining_rows_as_rows_of_the_pass(folder: Path) 
         engine.add(_request(joiner, folder, backend))
     engine.step()
     assert asked and all(a == (1, 2, 5 + 5) for a in asked)  # all but each last token
+
+
+def test_load_aware_policy_is_told_every_pass_the_engine_ran(folder: Path) -> None:
+    """The engine reports each pass to the policy as the rows saw it: how many rows, how
+    many tokens (prefill chunks of joining rows included) and seconds timed around the
+    pool's own call; rows stay exact."""
+    import time
+
+    from speculative.models.session import SlotPool
+
+    backend = _backend("kernels")
+    ran: list[tuple[int, int, float]] = []
+    told: list[tuple[int, int, float]] = []
+
+    class TimedPool(SlotPool):
+        def forward_rows(self, rows):
+            started = time.perf_counter()
+            outputs = super().forward_rows(rows)
+            seconds = time.perf_counter() - started
+            ran.append((len(rows), sum(r.input_ids.numel() for r in rows), seconds))
+            return outputs
+
+    class Recording(LoadAwareGamma):
+        def observe(self, rows, tokens, seconds):
+            told.append((rows, tokens, seconds))
+            super().observe(rows, tokens, seconds)
+
+    specs = [s for s in _specs() if s.params.greedy]
+    target = load_native(folder, max_length=96, backend=backend, max_slots=2)
+    load = Recording({1: 1.0, 4: 1.05, 8: 1.6})
+    engine = BatchEngine(target, max_batch=2, load=load, prefill_chunk=5, pool=TimedPool(target))
+    results = engine.run(_request(spec, folder, backend) for spec in specs)
+    for spec, result in zip(specs, results, strict=True):
+        assert result.token_ids == _alone(spec, folder, backend)[0]
+    assert [t[:2] for t in told] == [r[:2] for r in ran] and len(told) == engine.target_passes
+    assert all(t[2] >= r[2] for t, r in zip(told, ran, strict=True))  # timed around it
+    assert {r for r, _, _ in told} == {1, 2} and any(n > 2 * r for r, n, _ in told)
+    kept = {(r, n) for r, n, _ in told if n <= 16 * r}  # prefill-sized passes: not kept
+    assert kept == load.times.shapes()
+
+
+@pytest.mark.parametrize("draining", [True, False])
+def test_a_draining_batch_drafts_only_for_its_rows_furthest_from_their_end(
+    folder: Path, draining: bool
+) -> None:
+    """While nothing waits to join, only the rows with the most tokens left are offered
+    their γ (a row ahead would end sooner without the batch ending sooner); rows stay
+    exact. The control (not draining) offers a row ahead its γ too."""
+    backend = _backend("kernels")
+    offered: list[list[int]] = []
+
+    class Recording(LoadAwareGamma):
+        def choose(self, rows, extra_tokens=0, padded=None, extra_rows=0):
+            offered.append([r.max_gamma for r in rows])
+            return super().choose(rows, extra_tokens, padded, extra_rows)
+
+    base = _specs()[0]  # greedy n-gram rows on repetitive prompts: drafts get accepted
+    specs = [base, replace(base, prompt=base.prompt[:9]), replace(base, prompt=base.prompt[3:])]
+    target = load_native(folder, max_length=96, backend=backend, max_slots=3)
+    engine = BatchEngine(target, max_batch=3, load=Recording({1: 1.0, 16: 1.0}))
+    ids = [engine.add(_request(spec, folder, backend)) for spec in specs]
+    engine.draining = draining
+    ahead_offered = False
+    while engine.rows:
+        left = [
+            spec.stop.max_new_tokens - len(engine.rows[i].state.generated)
+            for i, spec in zip(ids, specs, strict=True)
+            if i in engine.rows and engine.rows[i].decoding
+        ]
+        count = len(offered)
+        engine.step()
+        for gammas in offered[count:]:
+            if len(gammas) == len(left):
+                ahead = [g for g, rest in zip(gammas, left, strict=True) if rest < max(left)]
+                ahead_offered |= any(ahead)
+    for spec, i in zip(specs, ids, strict=True):
+        assert engine.finished[i].token_ids == _alone(spec, folder, backend)[0]
+    assert ahead_offered is not draining
 
 
 def test_load_aware_rows_look_situations_up_only_when_a_draft_can_pay(
@@ -301,22 +411,96 @@ def test_load_aware_gamma_prices_a_pass_by_its_rows_and_its_tokens() -> None:
     assert noisy.row_cost(4) == 0.0 and noisy.pass_cost(4, 4) == 1.0
 
 
+def test_load_aware_prices_passes_as_the_engine_ran_them() -> None:
+    """Observed passes correct the start-up curves both ways. A flat curve makes four
+    rows' drafts look free; a pass of 5 tokens over 4 rows seen to cost 1.3× the plain
+    pass is priced so, and every larger one at least so; once the larger passes are seen
+    to cost what they do, the drafts stop. A steep
+    curve (K(2) = 2) stops one row's drafts; seen passes of 2 and 3 tokens at 1.05× and
+    1.1× bring them back. Prices never fall as tokens are added, fewer than
+    ``PassTimes.min_count`` passes of a shape are not trusted, and prefill-sized passes
+    are left to the model."""
+    four = [RowLoad(alpha=0.3, max_gamma=4)] * 4
+    flat = LoadAwareGamma({1: 1.0, 16: 1.0}, rows_cost={1: 1.0, 4: 1.2})
+    assert sum(flat.choose(four)) > 0
+    for _ in range(3):
+        flat.observe(4, 4, 0.010)
+        flat.observe(4, 5, 0.013)
+    assert flat.pass_cost(4, 5) / flat.pass_cost(4, 4) == pytest.approx(1.3)
+    assert flat.pass_cost(4, 9) == pytest.approx(flat.pass_cost(4, 5))  # model adds nothing
+    assert flat.pass_cost(3, 5) == flat.model_cost(3, 5)  # another row count: the model
+    assert sum(flat.choose(four)) > 0  # 16 drafts still look free past 5 tokens
+    for _ in range(3):  # each token beyond the rows' own costs 0.3 of a plain pass
+        for n in (6, 8, 12, 20):
+            flat.observe(4, n, 0.010 * (1 + 0.3 * (n - 4)))
+    assert flat.choose(four) == [0, 0, 0, 0]
+
+    one = [RowLoad(alpha=0.8, max_gamma=4)]
+    steep = LoadAwareGamma({1: 1.0, 2: 2.0, 8: 8.0})
+    assert steep.choose(one) == [0]
+    for i, seconds in enumerate((0.010, 0.0105, 0.011, 0.0104, 0.0106)):
+        steep.observe(1, 1, seconds)
+        steep.observe(1, 2, seconds * 1.05)
+        steep.observe(1, 3, seconds * 1.02)  # cheaper than a smaller shape (noise)
+        if i + 1 < steep.times.min_count:  # too few passes of each shape: not trusted
+            assert steep.choose(one) == [0]
+    assert steep.pass_cost(1, 2) == pytest.approx(1.05)
+    assert steep.pass_cost(1, 3) == pytest.approx(1.05)  # priced as the smaller one
+    assert steep.pass_cost(1, 4) == pytest.approx(1.02 + 4.0 - 3.0)  # + the model's step
+    assert steep.choose(one) == [2]
+    steep.observe(1, 40, 1.0)  # prefill-sized: 40 tokens for one row
+    assert 40 not in steep.times.medians(1)
+
+
+def test_observed_prices_are_the_running_maximum_of_the_nearest_observation() -> None:
+    """Against a slow twin: from the smallest observed shape m₀ on, T(r, n) is the running
+    maximum over n' <= n of (what the nearest observed m <= n' measured, scaled so that
+    m₀ costs what the model says, plus the model's increment from m to n')."""
+    import functools
+    import random
+
+    rng = random.Random(5)
+    for _ in range(200):
+        load = LoadAwareGamma({1: 1.0, 4: rng.uniform(1.0, 1.5), 32: rng.uniform(2.0, 6.0)})
+        rows = rng.randint(1, 4)
+        for _ in range(rng.randint(0, 40)):
+            load.observe(rows, rows + rng.randint(0, 20), rng.uniform(0.01, 0.03))
+        medians = load.times.medians(rows)
+        model = functools.partial(load.model_cost, rows)
+        for n in range(1, 40):
+            if len(medians) < 2 or n < min(medians):
+                expected = model(n)
+            else:
+                first = min(medians)
+                scale = model(first) / medians[first]
+                expected = max(
+                    medians[m] * scale + model(k) - model(m)
+                    for k in range(first, n + 1)
+                    for m in [max(m for m in medians if m <= k)]
+                )
+            assert load.pass_cost(rows, n) == pytest.approx(expected)
+
+
 def _choose_reference(load, rows, extra_tokens=0, padded=None, extra_rows=0) -> list[int]:
     """LoadAwareGamma.choose as first written: every one of the Σ max γ draft additions
     walked, the row to draft found by a scan over all rows."""
     gammas = [0] * len(rows)
     tokens = float(len(rows))
     lengths = [r.fed for r in rows]
-    per_row = load.row_cost(len(rows) + extra_rows)
+    width = len(rows) + extra_rows
 
     def pass_cost() -> float:
         if padded is None:
-            return load.cost(sum(lengths) + extra_tokens) + per_row
-        return load.cost(padded([*lengths, extra_tokens] if extra_tokens else lengths)) + per_row
+            return load.pass_cost(width, sum(lengths) + extra_tokens)
+        return load.pass_cost(width, padded([*lengths, extra_tokens] if extra_tokens else lengths))
 
     drafting = 0.0
     best, best_rate = list(gammas), tokens / pass_cost() * (1 + load.margin)
-    gains = [(r.alpha if r.max_gamma > 0 else -1.0) for r in rows]
+    def kept(row: RowLoad, position: int) -> float:
+        rates = row.alphas or (row.alpha,)
+        return rates[min(position, len(rates) - 1)]
+
+    gains = [(kept(r, 0) if r.max_gamma > 0 else -1.0) for r in rows]
     for _ in range(sum(r.max_gamma for r in rows)):
         i = max(range(len(rows)), key=gains.__getitem__)
         tokens, drafting = tokens + gains[i], drafting + rows[i].cost
@@ -324,7 +508,7 @@ def _choose_reference(load, rows, extra_tokens=0, padded=None, extra_rows=0) -> 
         if gammas[i] == 0:
             drafting += rows[i].call_cost
         gammas[i] += 1
-        gains[i] = gains[i] * rows[i].alpha if gammas[i] < rows[i].max_gamma else -1.0
+        gains[i] = gains[i] * kept(rows[i], gammas[i]) if gammas[i] < rows[i].max_gamma else -1.0
         rate = tokens / (pass_cost() + drafting)
         if rate > best_rate:
             best, best_rate = list(gammas), rate
@@ -334,9 +518,11 @@ def _choose_reference(load, rows, extra_tokens=0, padded=None, extra_rows=0) -> 
 def test_load_aware_choice_equals_the_full_walk_and_stops_early() -> None:
     """The policy's choice (drafts taken from a heap, stopped once every gain left cannot
     beat the best rate at the round's current cost) equals the full walk's on random
-    batches: ties, α of 0 and 1, rows that cannot draft, zero costs, noisy curves,
-    joining rows and padded passes. The stop is what makes it cheap: on a loaded batch
-    where drafts do not pay it prices a few passes, not one per draft the rows could add."""
+    batches: ties, α of 0 and 1, acceptance per position, rows that cannot draft, zero
+    costs, noisy curves, joining rows, padded passes and prices corrected by observed
+    passes. The stop is
+    what makes it cheap: on a loaded batch where drafts do not pay it prices a few
+    passes, not one per draft the rows could add."""
     import random
 
     rng = random.Random(7)
@@ -347,6 +533,9 @@ def test_load_aware_choice_equals_the_full_walk_and_stops_early() -> None:
         load = LoadAwareGamma(
             curve, margin=rng.choice([0.0, 0.05]), rows_cost=rng.choice([None, rows_curve])
         )
+        for _ in range(rng.choice([0, 30])):  # passes the engine ran, some under the model
+            width = rng.randint(1, 20)
+            load.observe(width, width + rng.randint(0, 12), rng.uniform(0.005, 0.02))
         rows = [
             RowLoad(
                 alpha=rng.choice([0.0, 0.3, 0.5, 0.5, 0.8, 1.0, rng.random()]),
@@ -354,6 +543,7 @@ def test_load_aware_choice_equals_the_full_walk_and_stops_early() -> None:
                 fed=rng.choice([1, 1, 2]),
                 cost=rng.choice([0.0, 0.005, rng.uniform(0.0, 0.3)]),
                 call_cost=rng.choice([0.0, 0.01]),
+                alphas=rng.choice([(), tuple(rng.random() for _ in range(rng.randint(1, 8)))]),
             )
             for _ in range(rng.randint(1, 20))
         ]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from speculative.drafters.ngram import (
+    ContextIndex,
     Match,
     PromptLookupDrafter,
     best_match,
@@ -204,6 +205,32 @@ def test_best_match_is_the_longest_then_most_recent_earlier_occurrence(seed: int
         found = best_match(context, cap)
         expected = _best_match_reference(context, cap)
         assert (None if found is None else (found.length, found.end)) == expected, context
+
+
+def test_context_index_answers_as_best_match_over_the_window_as_the_context_grows():
+    """The n-gram drafter's index over a growing context gives best_match's answer on the
+    last ``window`` tokens (its end an index of the whole context), as tokens are appended
+    across calls and when another context replaces the indexed one."""
+    rng = random.Random(3)
+    for _ in range(2000):
+        index, context = ContextIndex(), []
+        for _ in range(rng.randint(1, 6)):
+            if rng.random() < 0.2:  # another sequence
+                context = [rng.randrange(4) for _ in range(rng.randrange(0, 8))]
+            context = context + [rng.randrange(rng.choice([2, 3, 5])) for _ in range(9)]
+            cap, least, window = (
+                rng.choice([1, 2, 5, 16]),
+                rng.choice([1, 2]),
+                rng.choice([0, 3, 7, 20]),
+            )
+            found = index.best_match(context, cap, least, window)
+            recent = context[-window:] if window else context
+            expected = best_match(recent, cap, least)
+            shift = len(context) - len(recent)
+            assert (None if found is None else (found.length, found.end)) == (
+                None if expected is None else (expected.length, expected.end + shift)
+            )
+            assert index.tokens == context
 
 
 def test_best_match_prefers_a_longer_older_copy_and_drafts_what_followed_it():

@@ -120,6 +120,7 @@ class RowDecoder:
             while queue and len(engine.rows) < engine.max_batch:
                 index, record = queue.pop()
                 record_of[engine.add(self.request(record))] = (index, record)
+            engine.draining = not queue  # the job's last rows: its end is theirs
             engine.step()
             for row_id in [r for r in engine.finished if r in record_of]:
                 index, record = record_of.pop(row_id)

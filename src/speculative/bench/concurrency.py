@@ -10,8 +10,10 @@ by side on the same prompts:
 - ``load-aware``: :class:`~speculative.engine.gamma.LoadAwareGamma` picks every row's γ
   (at most ``max_gamma``) each round from the pass-cost model the engine and the server
   use, T(r, n) = K(n) + R(r) − K(r) (K: n tokens in one row, R: r rows of one token,
-  both measured here once per runtime), each row's running α and the drafter's measured
-  cost;
+  both measured here once per runtime, then corrected by the passes each run makes),
+  each row's running acceptance per position and the drafter's measured cost; as the
+  batch is closed (nothing waits to join, ``BatchEngine.draining``), only the rows
+  furthest from their end may draft;
 
 and, where transformers can load the target, its padded batched ``generate()`` as a peer.
 Setups are interleaved per repeat (drift on a shared machine hits all alike); each cell is
@@ -127,6 +129,7 @@ def run_engine_batch(
     """One closed batch to completion; the prefill pass is excluded from tokens and time.
     ``clock`` times the batch (the share in the target pass is always wall time)."""
     engine = BatchEngine(target.lm, max_batch=len(prompts), load=load)
+    engine.draining = True  # a closed batch: nothing joins, its end is its last row's
     stop = StopCriteria(max_new_tokens=max_new_tokens)  # no EOS: every row emits the budget
     for ids in prompts:
         row_drafter = build_drafter(drafter, target) if gamma and drafter else None

@@ -36,9 +36,11 @@ from speculative.drafters.base import (
     SupportsPriming,
 )
 from speculative.engine.gamma import (
+    LOAD_AWARE_MAX_GAMMA,
     FixedGamma,
     GammaPolicy,
     LoadAwareGamma,
+    PositionCounts,
     RowLoad,
     SupportsCostFeedback,
     SupportsSituations,
@@ -81,36 +83,64 @@ ALPHA_PRIOR_WEIGHT = 2.0  # ... and weight in pseudo-drafts
 COST_DECAY = 0.8  # running means of measured seconds: weight of the previous value
 
 
+POSITIONS = LOAD_AWARE_MAX_GAMMA  # draft positions whose acceptance the load policy learns
+CHAINED_PRIOR = (ALPHA_PRIOR, *[-1.0] * (POSITIONS - 1))  # later positions: the one before
+
+
 @dataclass
 class SituationAcceptance:
-    """Per-token acceptance per (drafter, round situation), shared by every row of one
-    engine: the load-aware policy's α for a row whose drafter says what situation its
-    round is in (:class:`~speculative.drafters.base.SupportsDraftSituation`, n-gram
-    lookup: the match's length class). A row's first rounds then start from what earlier
-    rows measured in the same situation instead of a fixed prior, and a row after a
-    1-token match is not drafted for as if it were after a 10-token one. Counts of
-    examined and accepted draft positions, exponentially decayed per recorded round."""
+    """Acceptance per draft position per (drafter, round situation), shared by every row
+    of one engine: the load-aware policy's acceptance for a row whose drafter says what
+    situation its round is in (:class:`~speculative.drafters.base.SupportsDraftSituation`,
+    n-gram lookup: the match's length class). A row's first rounds then start from what
+    earlier rows measured in the same situation instead of a fixed prior, and a row after
+    a 1-token match is not drafted for as if it were after a 10-token one. Per position
+    (P(draft g kept | drafts 1..g−1 kept)), because a copying drafter's first token is
+    its risk: after it, the copy usually holds. Counts of examined and accepted positions,
+    exponentially decayed per recorded round; rates are cached until the next record."""
 
     decay: float = 0.95
-    counts: dict[Hashable, tuple[float, float]] = field(default_factory=dict)  # (acc, seen)
+    counts: dict[Hashable, PositionCounts] = field(default_factory=dict)
+    _rates: dict[Hashable, tuple[float, ...]] = field(default_factory=dict, repr=False)
+    _best: dict[Hashable, tuple[float, ...]] = field(default_factory=dict, repr=False)
 
-    def alpha(self, key: Hashable, prior: float, weight: float = ALPHA_PRIOR_WEIGHT) -> float:
-        accepted, examined = self.counts.get(key, (0.0, 0.0))
-        return (accepted + prior * weight) / (examined + weight)
+    def alphas(self, key: Hashable, own: tuple[float, ...]) -> tuple[float, ...]:
+        """The situation's acceptance per position (Beta prior: ALPHA_PRIOR at the first
+        position, each later one starting from the one before); ``own`` (the row's) where
+        the situation was never recorded."""
+        if key not in self.counts:
+            return own
+        if key not in self._rates:
+            self._rates[key] = tuple(self.counts[key].rates(CHAINED_PRIOR, ALPHA_PRIOR_WEIGHT))
+        return self._rates[key]
 
-    def best_alpha(self, drafter: str, prior: float) -> float:
-        """The largest α :meth:`alpha` gives any situation of ``drafter`` (a situation
-        never recorded gives ``prior``)."""
-        recorded = (self.alpha(key, prior) for key in self.counts if key[0] == drafter)
-        return max([prior, *recorded])
+    def best_alphas(self, drafter: str, own: tuple[float, ...]) -> tuple[float, ...]:
+        """Position by position, the largest acceptance of ``own`` and of every recorded
+        situation of ``drafter``: its gains bound every situation's from above."""
+        if drafter not in self._best:
+            best = [0.0] * POSITIONS
+            for key in self.counts:
+                if _drafter_of(key) == drafter:
+                    best = list(map(max, best, self.alphas(key, own)))
+            self._best[drafter] = tuple(best)
+        return tuple(map(max, self._best[drafter], own))
 
-    def record(self, key: Hashable, drafted: int, num_accepted: int) -> None:
-        if drafted == 0:
+    def record(self, key: Hashable, drafted: int, num_accepted: int, asked: int = 0) -> None:
+        """A round in situation ``key``: ``asked`` drafts wanted, ``drafted`` proposed,
+        ``num_accepted`` kept. A round that asked and got no draft (an n-gram lookup
+        without a match) counts as the first position examined and not accepted:
+        drafting in that situation emits nothing more than plain decoding."""
+        if drafted == 0 and asked == 0:
             return
-        accepted, examined = self.counts.get(key, (0.0, 0.0))
-        kept = min(num_accepted, drafted)
-        seen = min(drafted, kept + 1)  # positions examined: the first rejection ends them
-        self.counts[key] = (accepted * self.decay + kept, examined * self.decay + seen)
+        counts = self.counts.setdefault(key, PositionCounts.empty(POSITIONS))
+        counts.record(max(drafted, 1), num_accepted if drafted else 0, self.decay)
+        self._rates.pop(key, None)
+        self._best.pop(_drafter_of(key), None)
+
+
+def _drafter_of(key: Hashable) -> Hashable:
+    """The drafter of a (drafter, situation) key."""
+    return key[0] if isinstance(key, tuple) and key else key
 
 
 @dataclass
@@ -156,12 +186,18 @@ class BatchRow:
             rounds=self.rounds,
         )
 
-    def alpha(self) -> float:
-        """Running per-token acceptance estimate (Beta prior + this row's examined drafts)."""
-        stats = self.state.stats
-        prior = ALPHA_PRIOR * ALPHA_PRIOR_WEIGHT
-        counts = stats.positions
-        return (sum(counts.accepted) + prior) / (sum(counts.reached) + ALPHA_PRIOR_WEIGHT)
+    def alphas(self) -> tuple[float, ...]:
+        """Running acceptance per draft position (Beta prior: ALPHA_PRIOR at the first,
+        each later position starting from the one before) from this row's rounds."""
+        counts = self.state.stats.positions
+        rates, rate = [], ALPHA_PRIOR
+        for i in range(POSITIONS):
+            reached, kept = (
+                (counts.reached[i], counts.accepted[i]) if i < len(counts.reached) else (0, 0)
+            )
+            rate = (kept + rate * ALPHA_PRIOR_WEIGHT) / (reached + ALPHA_PRIOR_WEIGHT)
+            rates.append(rate)
+        return tuple(rates)
 
     def prefill_left(self) -> int:
         """Prompt tokens (all but the last) not yet in the row's cache."""
@@ -174,6 +210,7 @@ class _Planned:
     row: BatchRow
     proposal: Proposal
     propose_seconds: float = 0.0  # this round's drafting time
+    asked: int = 0  # the γ the row was asked to draft
 
 
 def new_state(
@@ -228,6 +265,9 @@ class BatchEngine:
         self.forward_seconds = 0.0  # time spent inside the target passes
         self.step_seconds: float | None = None  # running estimate of T(1), in seconds
         self.situations = SituationAcceptance()  # the load policy's α by situation
+        # nothing waits to join (run() sets it once its queue is empty): the batch's end is
+        # its last row's, so the load policy drafts only for the rows furthest from theirs
+        self.draining = False
         self._next_id = 0
         # greedy checks read the argmax the target's forward took, where it takes one
         self._fused_argmax = target if provides(target, SupportsFusedArgmax) else None
@@ -309,6 +349,7 @@ class BatchEngine:
         while queue or self.rows:
             while queue and len(self.rows) < self.max_batch:
                 ids.append(self.add(queue.pop(0)))
+            self.draining = not queue
             self.step()
         return [self.finished[i] for i in ids]
 
@@ -337,7 +378,7 @@ class BatchEngine:
         started = time.perf_counter()
         outputs = self.pool.forward_rows(inputs)
         seconds = time.perf_counter() - started
-        self._measure_pass(seconds, sum(r.input_ids.numel() for r in inputs))
+        self._measure_pass(seconds, inputs)
         self.forward_seconds += seconds
         self.target_passes += 1
         return outputs, seconds
@@ -346,6 +387,8 @@ class BatchEngine:
         self, rows: list[BatchRow], extra_tokens: int = 0, extra_rows: int = 0
     ) -> list[_Planned]:
         wanted = [self._own_gamma(row) for row in rows]
+        if self.load is not None and self.draining and rows:
+            wanted = self._furthest_behind(rows, wanted)
         if self.load is not None and rows:
             wanted = self._load_gammas(self.load, rows, wanted, extra_tokens, extra_rows)
         planned = []
@@ -354,7 +397,7 @@ class BatchEngine:
             proposal = self._proposal(row, gamma)
             seconds = time.perf_counter() - started
             self._measure_propose(row, seconds, calls)
-            planned.append(_Planned(row, proposal, seconds))
+            planned.append(_Planned(row, proposal, seconds, gamma))
         return planned
 
     def _load_gammas(
@@ -366,7 +409,7 @@ class BatchEngine:
         extra_rows: int,
     ) -> list[int]:
         """The load-aware policy's γ per row. It is asked first with each row's most
-        optimistic α (the best of its drafter's situations, :meth:`_best_alpha`): when
+        optimistic acceptance (the best of its situations, :meth:`_best_alphas`): when
         even that drafts nothing (the batch fills the kernels' flat region), no row's
         situation is looked up (an n-gram search over its context, per row and round)."""
         padded = self._padded
@@ -374,26 +417,53 @@ class BatchEngine:
             (g, self._fed(row), *self._draft_costs(row))
             for row, g in zip(rows, wanted, strict=True)
         ]
-        hopes = [RowLoad(self._best_alpha(row), *k) for row, k in zip(rows, known, strict=True)]
+        own = [row.alphas() for row in rows]
+        hopes = [
+            _row_load(self._best_alphas(row, a), k)
+            for row, a, k in zip(rows, own, known, strict=True)
+        ]
         if not any(load.choose(hopes, extra_tokens, padded, extra_rows)):
             return [0] * len(rows)
-        loads = [RowLoad(self._load_alpha(row), *k) for row, k in zip(rows, known, strict=True)]
+        loads = [
+            _row_load(self._load_alphas(row, a), k)
+            for row, a, k in zip(rows, own, known, strict=True)
+        ]
         return load.choose(loads, extra_tokens, padded, extra_rows)
 
-    def _best_alpha(self, row: BatchRow) -> float:
-        """An upper bound of :meth:`_load_alpha` without looking the situation up."""
-        if row.situated is None:
-            return row.alpha()
-        return self.situations.best_alpha(row.situated.name, row.alpha())
+    def _furthest_behind(self, rows: list[BatchRow], wanted: list[int]) -> list[int]:
+        """While nothing waits to join, the batch ends when the row with the most tokens
+        left (of its budget) ends: a row ahead of it emits its tokens sooner without
+        ending the batch sooner, and its drafts make every pass dearer, so it keeps γ 0.
+        A closed batch then never ends later than plain batched decoding's would for a
+        draft the policy got right; its rows' own speeds are no longer the aim."""
+        left = {row.row_id: self._tokens_left(row) for row in self.rows.values()}
+        last = max(left.values())
+        return [g if left[row.row_id] == last else 0 for row, g in zip(rows, wanted, strict=True)]
 
-    def _load_alpha(self, row: BatchRow) -> float:
-        """The α the load policy drafts for: this round's situation's, pooled over rows,
-        where the row's drafter says its situation; else the row's own running α."""
+    def _tokens_left(self, row: BatchRow) -> int:
+        """Tokens the row may still emit: its budget, capped by the model's length."""
+        state = row.state
+        left = row.request.stop.max_new_tokens - len(state.generated)
+        if self.max_length is not None:
+            left = min(left, self.max_length - len(state.sequence))
+        return left
+
+    def _best_alphas(self, row: BatchRow, own: tuple[float, ...]) -> tuple[float, ...]:
+        """An upper bound of :meth:`_load_alphas`, position by position, without looking
+        the situation up."""
+        if row.situated is None:
+            return own
+        return self.situations.best_alphas(row.situated.name, own)
+
+    def _load_alphas(self, row: BatchRow, own: tuple[float, ...]) -> tuple[float, ...]:
+        """The acceptance per position the load policy drafts for: this round's
+        situation's, pooled over rows, where the row's drafter says its situation; else
+        the row's own (``own``)."""
         drafter = row.situated
         if drafter is None:
-            return row.alpha()
+            return own
         row.situation = (drafter.name, drafter.draft_situation(row.state.sequence))
-        return self.situations.alpha(row.situation, row.alpha())
+        return self.situations.alphas(row.situation, own)
 
     def _own_gamma(self, row: BatchRow) -> int:
         request, policy = row.request, row.gamma_policy
@@ -441,12 +511,18 @@ class BatchEngine:
         per_call = (row.propose_seconds or 0.0) / self.step_seconds
         return per_step, per_call
 
-    def _measure_pass(self, seconds: float, tokens: int) -> None:
-        """Update the running T(1) estimate from a pass of ``tokens`` tokens."""
-        if self.load is None or tokens > 4 * self.max_batch * 16:  # skip prefill-sized passes
+    def _measure_pass(self, seconds: float, inputs: list[RowInput]) -> None:
+        """Tell the load policy the pass's shape and seconds, and update the running T(1)
+        estimate from it."""
+        if self.load is None:
+            return
+        lengths = [row.input_ids.numel() for row in inputs]
+        tokens = sum(lengths) if self._padded is None else self._padded(lengths)
+        self.load.observe(len(inputs), tokens, seconds)
+        if tokens > 4 * self.max_batch * 16:  # skip prefill-sized passes
             return
         self.step_seconds = decayed_average(
-            self.step_seconds, seconds / self.load.cost(tokens), COST_DECAY
+            self.step_seconds, seconds / self.load.pass_cost(len(inputs), tokens), COST_DECAY
         )
 
     @staticmethod
@@ -481,7 +557,7 @@ class BatchEngine:
         if request.drafter is not None and proposal.tree is None:
             row.gamma_policy.update(proposal.drafted, num_accepted)
             if row.situation is not None:
-                self.situations.record(row.situation, proposal.drafted, num_accepted)
+                self.situations.record(row.situation, proposal.drafted, num_accepted, planned.asked)
                 row.situation = None
         round_ = commit_tokens(
             row.state, request.drafter, self.max_length, proposal.drafted, emitted,
@@ -494,6 +570,12 @@ class BatchEngine:
             row.session.release()
             self.finished[row.row_id] = row.result()
         return round_
+
+
+def _row_load(alphas: tuple[float, ...], known: tuple[int, int, float, float]) -> RowLoad:
+    """What the load policy knows of a row: its acceptance per position and ``known``
+    (its own γ, fed tokens, draft cost per step and per call)."""
+    return RowLoad(alphas[0], *known, alphas=alphas)
 
 
 def _feed_back_costs(planned: _Planned, pass_seconds: float) -> None:

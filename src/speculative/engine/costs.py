@@ -216,7 +216,9 @@ def rows_verify_cost(
 ) -> dict[int, float]:
     """T(n)/T(1) of one batched pass (``forward_rows``) of n tokens spread over ``rows``
     sequences (1..⌈n/rows⌉ tokens each, as in a batched round), each after ``context``;
-    the n values are interleaved and every slot is rolled back after each pass.
+    every slot is rolled back after each pass. Each repeat sweeps the n values, starting
+    one further along each time (no n always follows the largest), and divides by its own
+    T(smallest n); the ratio is the median over repeats (drift between repeats cancels).
     ``clock``: e.g. ``time.process_time`` on one thread when other jobs share the cores."""
     if repeats < 1 or not points or min(points) < 1 or not context:
         raise ValueError("need repeats >= 1, token counts n >= 1 and a context")
@@ -224,9 +226,12 @@ def rows_verify_cost(
     slots = [model.acquire_slot() for _ in range(rows)]
     try:
         model.forward_rows([RowInput(s, torch.tensor(list(context))) for s in slots])
-        times: dict[int, list[float]] = {n: [] for n in points}
+        ratios: dict[int, list[float]] = {n: [] for n in points}
+        order = sorted(set(points))
         for repeat in range(repeats + 1):  # the first round warms up
-            for n in points:
+            times: dict[int, float] = {}
+            shift = repeat % len(order)
+            for n in [*order[shift:], *order[:shift]]:
                 sizes = [n // rows + (i < n % rows) for i in range(rows)]
                 batch = [
                     RowInput(s, torch.tensor(probe[:k]))
@@ -238,13 +243,14 @@ def rows_verify_cost(
                 elapsed = clock() - started
                 for row in batch:
                     model.rollback_slot(row.slot, row.input_ids.numel())
-                if repeat:
-                    times[n].append(elapsed)
+                times[n] = elapsed
+            if repeat:
+                for n in order:
+                    ratios[n].append(times[n] / times[order[0]])
     finally:
         for s in slots:
             model.release_slot(s)
-    base = statistics.median(times[min(points)])
-    return {n: statistics.median(t) / base for n, t in times.items()}
+    return {n: statistics.median(r) for n, r in ratios.items()}
 
 
 TOKEN_POINTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128)

@@ -4,7 +4,9 @@ output distribution, only the speed."""
 
 from __future__ import annotations
 
+import bisect
 import heapq
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -201,16 +203,65 @@ class RowLoad:
     fed: int = 1  # tokens the row feeds besides its drafts (the last token, catch-up)
     cost: float = 0.0  # c: one draft step of the row's drafter ÷ one target step
     call_cost: float = 0.0  # a propose call's fixed cost ÷ one target step (paid if γ > 0)
+    # acceptance of draft position 1, 2, … given every one before it was kept (a position
+    # past the last takes the last); empty: ``alpha`` at every position
+    alphas: tuple[float, ...] = ()
+
+    def rate(self, position: int) -> float:
+        """P(the draft at ``position`` (0-based) is kept | every one before it was)."""
+        if not self.alphas:
+            return self.alpha
+        return self.alphas[min(position, len(self.alphas) - 1)]
+
+    def gains(self) -> float:
+        """Σ_{g=1..max_gamma} P(the first g drafts are all kept): every gain it can add."""
+        total, gain = 0.0, 1.0
+        if not self.alphas:
+            return _geometric(self.alpha, self.max_gamma)
+        for position in range(self.max_gamma):
+            gain *= self.rate(position)
+            total += gain
+        return total
 
 
 LOAD_AWARE_MAX_GAMMA = 8  # a row's own γ cap under the load-aware policy (it picks up to it)
+OBSERVED_TOKENS_PER_ROW = 16  # passes the load-aware policy learns its prices from: up to
+# this many tokens a row on average (drafts and small trees, not prefill)
+
+
+@dataclass
+class PassTimes:
+    """Seconds of the target passes an engine ran, by shape (rows, tokens): the median of
+    each shape's last ``window`` passes, trusted from ``min_count`` passes on."""
+
+    window: int = 9
+    min_count: int = 3
+    _recent: dict[tuple[int, int], deque[float]] = field(default_factory=dict, repr=False)
+    _medians: dict[int, dict[int, float]] = field(default_factory=dict, repr=False)  # r -> n ->
+
+    def record(self, rows: int, tokens: int, seconds: float) -> None:
+        recent = self._recent.setdefault((rows, tokens), deque(maxlen=self.window))
+        recent.append(seconds)
+        if len(recent) >= self.min_count:
+            self._medians.setdefault(rows, {})[tokens] = sorted(recent)[len(recent) // 2]
+
+    def shapes(self) -> set[tuple[int, int]]:
+        """Every (rows, tokens) recorded."""
+        return set(self._recent)
+
+    def medians(self, rows: int) -> dict[int, float]:
+        """tokens -> median seconds of the trusted shapes of ``rows`` rows."""
+        return self._medians.get(rows, {})
 
 
 @dataclass
 class LoadAwareGamma:
     """Per-row γ for one batched round, chosen for the load.
 
-    Maximizes the expected emitted tokens per unit of time of the whole round,
+    Maximizes the expected emitted tokens per unit of time of the whole round
+    (E_i(γ) = 1 + Σ_{g ≤ γ} P(the row's first g drafts are all kept), from its acceptance
+    per position: a drafter that copies, like n-gram lookup, is often wrong at its first
+    token and then right at the next ones, which one α for every position would miss),
     ``Σ E_i(γ_i) / (T(n)/T(1) + Σ c_i γ_i + Σ_{γ_i > 0} f_i)`` with ``n`` = every token of
     the pass (each row's fed tokens plus its drafts), ``T`` the measured verify-cost curve
     and ``f_i`` the fixed cost of a row's propose call (e.g. an n-gram lookup). Drafts are
@@ -227,6 +278,17 @@ class LoadAwareGamma:
     independent of how the tokens are spread. Without ``rows_cost`` a pass costs
     ``K(n)``, as if every token were one row's.
 
+    The passes the engine runs correct the model (:meth:`observe`): curves measured at
+    start, in a few seconds on a short context and back to back, are noisy (K(4) from
+    0.95 to 1.26 between two starts on one machine) and can price a decoding pass's extra
+    tokens well under what they cost once contexts grow and passes alternate with
+    drafting and verification (the default model at B = 2: one token more cost 1.11× the
+    plain pass where the start-up curves said 1.00×), or well over. Among the shapes of r
+    rows seen at least ``PassTimes.min_count`` times, the one with fewest tokens, m₀, is
+    priced by the model and sets the scale; a pass of n ≥ m₀ tokens then costs what the
+    nearest observed shape m ≤ n measured plus the model's increment from m to n, made
+    non-decreasing in n.
+
     Never a loss: speculation must be predicted to beat plain batched decoding by
     ``margin`` (a fraction of its rate), because its inputs are noisy estimates (a
     measured curve, running α and costs) and a wrong "small gain" is a real loss; and the
@@ -237,7 +299,9 @@ class LoadAwareGamma:
     verify_cost: VerifyCost  # K(n)/T(1): n tokens in one row
     margin: float = 0.05
     rows_cost: VerifyCost | None = None  # R(r)/T(1): r rows of one token each
+    times: PassTimes = field(default_factory=PassTimes)  # the passes run (observe)
     _costs: dict[int, float] = field(default_factory=dict, repr=False)  # n -> K(n)/T(1)
+    _row_costs: dict[int, float] = field(default_factory=dict, repr=False)  # r -> row_cost
 
     def __post_init__(self) -> None:
         if self.margin < 0:
@@ -258,14 +322,54 @@ class LoadAwareGamma:
     def row_cost(self, rows: int) -> float:
         """What ``rows`` rows of one token cost beyond one row of ``rows`` tokens,
         ``R(r) − K(r)`` (never negative: noise must not make rows look cheaper than
-        tokens); 0 without a measured ``rows_cost``."""
+        tokens), cached; 0 without a measured ``rows_cost``."""
         if self.rows_cost is None or rows <= 1:
             return 0.0
-        return max(0.0, _extended(self.rows_cost, rows) - self.cost(rows))
+        if rows not in self._row_costs:
+            self._row_costs[rows] = max(0.0, _extended(self.rows_cost, rows) - self.cost(rows))
+        return self._row_costs[rows]
+
+    def model_cost(self, rows: int, tokens: int) -> float:
+        """``T(r, n)/T(1)`` of the measured curves alone: ``tokens`` tokens over ``rows``."""
+        return self.cost(tokens) + self.row_cost(rows)
 
     def pass_cost(self, rows: int, tokens: int) -> float:
-        """``T(r, n)/T(1)``: a pass of ``tokens`` tokens over ``rows`` rows."""
-        return self.cost(tokens) + self.row_cost(rows)
+        """``T(r, n)/T(1)``: a pass of ``tokens`` tokens over ``rows`` rows, the model
+        corrected by the passes observed (:meth:`observe`)."""
+        return self._priced(rows)(tokens)
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        """A pass the engine ran: ``rows`` rows, ``tokens`` tokens (the positions computed,
+        on a runtime that pads), ``seconds`` long. Passes of more than
+        ``OBSERVED_TOKENS_PER_ROW`` tokens a row (prefill) are left to the model."""
+        if tokens <= rows * OBSERVED_TOKENS_PER_ROW:
+            self.times.record(rows, tokens, seconds)
+
+    def _priced(self, rows: int) -> Callable[[int], float]:
+        """n -> T(rows, n)/T(1): the model below the smallest observed shape m₀ (which it
+        prices, setting the observations' scale); from m₀ on, the nearest observed shape
+        m <= n as measured plus the model's increment from m to n, never below what any
+        smaller n costs (the model is non-decreasing, so each stretch between observed
+        shapes peaks at its end: one running maximum per observed shape)."""
+        medians = self.times.medians(rows)
+        if len(medians) < 2:  # no ratio observed yet
+            return lambda n: self.model_cost(rows, n)
+        shapes = sorted(medians)
+        scale = self.model_cost(rows, shapes[0]) / medians[shapes[0]]  # T(1) units per s
+        offsets = [medians[m] * scale - self.model_cost(rows, m) for m in shapes]
+        floors, floor = [], 0.0  # floors[i]: the most any n < shapes[i] costs
+        for i, m in enumerate(shapes):
+            floors.append(floor)
+            ends = shapes[i + 1] - 1 if i + 1 < len(shapes) else m
+            floor = max(floor, self.model_cost(rows, ends) + offsets[i])
+
+        def priced(n: int) -> float:
+            at = bisect.bisect_right(shapes, n) - 1  # the largest observed m <= n
+            if at < 0:
+                return self.model_cost(rows, n)
+            return max(floors[at], self.model_cost(rows, n) + offsets[at])
+
+        return priced
 
     def choose(
         self,
@@ -281,20 +385,20 @@ class LoadAwareGamma:
         tokens = float(len(rows))  # Σ E_i(0): each row emits one token without drafts
         lengths = [r.fed for r in rows]
         total = sum(lengths) + extra_tokens
-        per_row = self.row_cost(len(rows) + extra_rows)  # the same whatever the drafts
+        priced = self._priced(len(rows) + extra_rows)  # n -> T(r, n)/T(1) this round
 
         def pass_cost() -> float:
             if padded is None:
-                return self.cost(total) + per_row
-            positions = padded([*lengths, extra_tokens] if extra_tokens else lengths)
-            return self.cost(positions) + per_row
+                return priced(total)
+            return priced(padded([*lengths, extra_tokens] if extra_tokens else lengths))
 
         # the next draft of each row that can draft, most likely accepted first (ties:
-        # the first row); a row's next gain is α_i^(γ_i + 1)
-        queue = [(-r.alpha, i) for i, r in enumerate(rows) if r.max_gamma > 0]
+        # the first row); a row's next gain is P(its first γ_i + 1 drafts are all kept),
+        # α_i^(γ_i + 1) where acceptance does not depend on the position
+        queue = [(-r.rate(0), i) for i, r in enumerate(rows) if r.max_gamma > 0]
         heapq.heapify(queue)
-        # every gain still to come, Σ_i Σ_{g ≥ 1} α_i^g over the drafts a row has left
-        unclaimed = sum(_geometric(rows[i].alpha, rows[i].max_gamma) for _, i in queue)
+        # every gain still to come, Σ_i Σ_{g ≥ 1} P(g drafts kept) over the drafts left
+        unclaimed = sum(rows[i].gains() for _, i in queue)
         never_cheaper = all(r.cost >= 0 and r.call_cost >= 0 for r in rows)
         drafting, cost = 0.0, pass_cost()  # Σ c_i γ_i (+ call costs); the round's cost
         best_rate, picks, best_picks = tokens / cost * (1 + self.margin), [], 0
@@ -312,8 +416,9 @@ class LoadAwareGamma:
             lengths[i] += 1
             total += 1
             picks.append(i)
-            if lengths[i] - row.fed < row.max_gamma:
-                heapq.heappush(queue, (-(gain * row.alpha), i))
+            drafted = lengths[i] - row.fed
+            if drafted < row.max_gamma:
+                heapq.heappush(queue, (-(gain * row.rate(drafted)), i))
             cost = pass_cost() + drafting
             if tokens / cost > best_rate:
                 best_rate, best_picks = tokens / cost, len(picks)
