@@ -387,7 +387,7 @@ class BatchEngine:
         self, rows: list[BatchRow], extra_tokens: int = 0, extra_rows: int = 0
     ) -> list[_Planned]:
         wanted = [self._own_gamma(row) for row in rows]
-        if self.load is not None and self.draining and rows:
+        if self.load is not None and self.draining and len(self.rows) > 1:
             wanted = self._furthest_behind(rows, wanted)
         if self.load is not None and rows:
             wanted = self._load_gammas(self.load, rows, wanted, extra_tokens, extra_rows)
@@ -408,22 +408,24 @@ class BatchEngine:
         extra_tokens: int,
         extra_rows: int,
     ) -> list[int]:
-        """The load-aware policy's γ per row. It is asked first with each row's most
-        optimistic acceptance (the best of its situations, :meth:`_best_alphas`): when
-        even that drafts nothing (the batch fills the kernels' flat region), no row's
-        situation is looked up (an n-gram search over its context, per row and round)."""
+        """The load-aware policy's γ per row. Several rows are asked first with each row's
+        most optimistic acceptance (the best of its situations, :meth:`_best_alphas`):
+        when even that drafts nothing (the batch fills the kernels' flat region), no
+        row's situation is looked up (an n-gram search over its context, per row and
+        round)."""
         padded = self._padded
         known = [
             (g, self._fed(row), *self._draft_costs(row))
             for row, g in zip(rows, wanted, strict=True)
         ]
         own = [row.alphas() for row in rows]
-        hopes = [
-            _row_load(self._best_alphas(row, a), k)
-            for row, a, k in zip(rows, own, known, strict=True)
-        ]
-        if not any(load.choose(hopes, extra_tokens, padded, extra_rows)):
-            return [0] * len(rows)
+        if len(rows) > 1:  # one row: its lookup costs what the check would
+            hopes = [
+                _row_load(self._best_alphas(row, a), k)
+                for row, a, k in zip(rows, own, known, strict=True)
+            ]
+            if not any(load.choose(hopes, extra_tokens, padded, extra_rows)):
+                return [0] * len(rows)
         loads = [
             _row_load(self._load_alphas(row, a), k)
             for row, a, k in zip(rows, own, known, strict=True)

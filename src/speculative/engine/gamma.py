@@ -238,10 +238,12 @@ class PassTimes:
     min_count: int = 3
     _recent: dict[tuple[int, int], deque[float]] = field(default_factory=dict, repr=False)
     _medians: dict[int, dict[int, float]] = field(default_factory=dict, repr=False)  # r -> n ->
+    _counts: dict[int, int] = field(default_factory=dict, repr=False)  # r -> passes recorded
 
     def record(self, rows: int, tokens: int, seconds: float) -> None:
         recent = self._recent.setdefault((rows, tokens), deque(maxlen=self.window))
         recent.append(seconds)
+        self._counts[rows] = self._counts.get(rows, 0) + 1
         if len(recent) >= self.min_count:
             self._medians.setdefault(rows, {})[tokens] = sorted(recent)[len(recent) // 2]
 
@@ -252,6 +254,10 @@ class PassTimes:
     def medians(self, rows: int) -> dict[int, float]:
         """tokens -> median seconds of the trusted shapes of ``rows`` rows."""
         return self._medians.get(rows, {})
+
+    def count(self, rows: int) -> int:
+        """Passes of ``rows`` rows recorded."""
+        return self._counts.get(rows, 0)
 
 
 @dataclass
@@ -300,6 +306,11 @@ class LoadAwareGamma:
     margin: float = 0.05
     rows_cost: VerifyCost | None = None  # R(r)/T(1): r rows of one token each
     times: PassTimes = field(default_factory=PassTimes)  # the passes run (observe)
+    refresh: int = 8  # a row count's prices are rebuilt after this many of its passes
+    # r -> (its passes and trusted shapes when built, n -> T(r, n)/T(1))
+    _prices: dict[int, tuple[int, int, Callable[[int], float]]] = field(
+        default_factory=dict, repr=False
+    )
     _costs: dict[int, float] = field(default_factory=dict, repr=False)  # n -> K(n)/T(1)
     _row_costs: dict[int, float] = field(default_factory=dict, repr=False)  # r -> row_cost
 
@@ -346,6 +357,17 @@ class LoadAwareGamma:
             self.times.record(rows, tokens, seconds)
 
     def _priced(self, rows: int) -> Callable[[int], float]:
+        """n -> T(rows, n)/T(1) (:meth:`_prices_of`), rebuilt once a shape of ``rows`` rows
+        is newly trusted or ``refresh`` more of its passes were observed (a round prices
+        tens of passes: one build serves many rounds)."""
+        count, shapes = self.times.count(rows), len(self.times.medians(rows))
+        built = self._prices.get(rows)
+        if built is None or built[1] != shapes or count - built[0] >= self.refresh:
+            built = (count, shapes, self._prices_of(rows))
+            self._prices[rows] = built
+        return built[2]
+
+    def _prices_of(self, rows: int) -> Callable[[int], float]:
         """n -> T(rows, n)/T(1): the model below the smallest observed shape m₀ (which it
         prices, setting the observations' scale); from m₀ on, the nearest observed shape
         m <= n as measured plus the model's increment from m to n, never below what any
