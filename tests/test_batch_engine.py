@@ -434,6 +434,10 @@ def test_load_aware_prices_passes_as_the_engine_ran_them() -> None:
         for n in (6, 8, 12, 20):
             flat.observe(4, n, 0.010 * (1 + 0.3 * (n - 4)))
     assert flat.choose(four) == [0, 0, 0, 0]
+    assert flat.pass_cost(4, 5) / flat.pass_cost(4, 4) == pytest.approx(1.3)
+    for _ in range(flat.refresh):  # the passes of 5 tokens got dearer: priced so
+        flat.observe(4, 5, 0.020)  # once ``refresh`` passes of 4 rows came in
+    assert flat.pass_cost(4, 5) / flat.pass_cost(4, 4) == pytest.approx(2.0)
 
     one = [RowLoad(alpha=0.8, max_gamma=4)]
     steep = LoadAwareGamma({1: 1.0, 2: 2.0, 8: 8.0})
