@@ -377,6 +377,41 @@ def test_load_aware_rows_look_situations_up_only_when_a_draft_can_pay(
         assert bool(sum(r.stats.drafted_tokens for r in results)) == looked_up
 
 
+def test_hopeless_rounds_skip_the_policy_until_the_batch_changes(folder: Path) -> None:
+    """Where even the most optimistic acceptance drafts nothing, the next rounds with as
+    many rows decode plain without asking the policy: it is asked in about one round of
+    ``HopelessRounds.rounds + 1``, again at once when a row joins or leaves, and rows stay
+    exact. The control (drafts that ride free) is asked every round."""
+    from speculative.engine.batch import HopelessRounds
+
+    skips = HopelessRounds(rounds=2)
+    skips.start(rows=3)
+    assert [skips.skip(3), skips.skip(3), skips.skip(3)] == [True, True, False]
+    skips.start(rows=3)
+    assert not skips.skip(2) and not skips.skip(3)  # a row left: ask again
+
+    backend = _backend("kernels")
+    asked: list[int] = []
+
+    class Counting(LoadAwareGamma):
+        def choose(self, rows, extra_tokens=0, padded=None, extra_rows=0):
+            asked.append(len(rows))
+            return super().choose(rows, extra_tokens, padded, extra_rows)
+
+    spec = next(s for s in _specs() if s.params.greedy and s.drafter == "ngram")
+    target = load_native(folder, max_length=96, backend=backend)
+    for curve, every_round in ((lambda n: float(n), False), ({1: 1.0, 32: 1.0}, True)):
+        asked.clear()
+        engine = BatchEngine(target, max_batch=2, load=Counting(curve))
+        results = engine.run(_request(spec, folder, backend) for _ in range(2))
+        assert [r.token_ids for r in results] == [_alone(spec, folder, backend)[0]] * 2
+        rounds = engine.target_passes - 1  # two rows decoding in every pass but the first
+        if every_round:
+            assert len(asked) == 2 * rounds  # the optimistic check, then the choice
+        else:
+            assert 0 < len(asked) <= rounds // 3 + 1
+
+
 def test_load_aware_gamma_shrinks_as_the_batch_grows() -> None:
     """Flat verify cost up to 8 tokens, linear past it: the policy speculates while drafts
     ride in the flat part and backs off to plain decoding when the batch fills it."""

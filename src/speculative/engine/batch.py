@@ -144,6 +144,30 @@ def _drafter_of(key: Hashable) -> Hashable:
 
 
 @dataclass
+class HopelessRounds:
+    """Rounds decoded plain without asking the load policy: after even every row's most
+    optimistic acceptance drafted nothing (the batch fills the kernels' flat region),
+    the next ``rounds`` rounds with as many rows skip the policy's work (row rates, a
+    choice), which costs a few per cent of a pass there; a row joining or leaving asks
+    again at once."""
+
+    rounds: int = 3
+    left: int = 0
+    rows: int = 0  # the batch's rows when the policy last found nothing to draft
+
+    def start(self, rows: int) -> None:
+        self.left, self.rows = self.rounds, rows
+
+    def skip(self, rows: int) -> bool:
+        """Whether this round (of ``rows`` rows) decodes plain without asking."""
+        if self.left == 0 or rows != self.rows:
+            self.left = 0
+            return False
+        self.left -= 1
+        return True
+
+
+@dataclass
 class BatchRequest:
     """One sequence to decode in a batch, with everything that is its own."""
 
@@ -268,6 +292,7 @@ class BatchEngine:
         # nothing waits to join (run() sets it once its queue is empty): the batch's end is
         # its last row's, so the load policy drafts only for the rows furthest from theirs
         self.draining = False
+        self._hopeless = HopelessRounds()
         self._next_id = 0
         # greedy checks read the argmax the target's forward took, where it takes one
         self._fused_argmax = target if provides(target, SupportsFusedArgmax) else None
@@ -387,9 +412,11 @@ class BatchEngine:
         self, rows: list[BatchRow], extra_tokens: int = 0, extra_rows: int = 0
     ) -> list[_Planned]:
         wanted = [self._own_gamma(row) for row in rows]
+        if self.load is not None and self._hopeless.skip(len(self.rows)):
+            wanted = [0] * len(rows)
         if self.load is not None and self.draining and len(self.rows) > 1:
             wanted = self._furthest_behind(rows, wanted)
-        if self.load is not None and rows:
+        if self.load is not None and any(wanted):
             wanted = self._load_gammas(self.load, rows, wanted, extra_tokens, extra_rows)
         planned = []
         for row, gamma in zip(rows, wanted, strict=True):
@@ -425,6 +452,7 @@ class BatchEngine:
                 for row, a, k in zip(rows, own, known, strict=True)
             ]
             if not any(load.choose(hopes, extra_tokens, padded, extra_rows)):
+                self._hopeless.start(len(self.rows))
                 return [0] * len(rows)
         loads = [
             _row_load(self._load_alphas(row, a), k)
