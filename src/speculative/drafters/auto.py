@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speculative.drafters.base import Draft, Drafter, ReadsTargetFeatures, SupportsPriming
-from speculative.drafters.ngram import SITUATION_CLASSES, best_match, match_situation
+from speculative.drafters.ngram import SITUATION_CLASSES, ContextIndex, match_situation
 from speculative.models.session import FeatureSource, ModelSession
 from speculative.sampling import SamplingParams
 from speculative.theory import decayed_average, expected_tokens
@@ -131,14 +131,16 @@ def best_length(estimate: Estimate, cap: int, verify: VerifyTimes) -> Choice:
     return best
 
 
-def longest_match(context: Sequence[int], gamma: int) -> tuple[int, list[int]]:
+def longest_match(
+    index: ContextIndex, context: Sequence[int], gamma: int
+) -> tuple[int, list[int]]:
     """(the match's length class, up to ``gamma`` tokens that followed it) for the
-    longest earlier match of the context's end (class 0 and no tokens: none)."""
-    recent = context[-WINDOW:]
-    match = best_match(recent, MAX_NGRAM)
+    longest earlier match of the context's end within WINDOW tokens (class 0 and no
+    tokens: none), found with ``index`` (kept for the sequence across rounds)."""
+    match = index.best_match(context, MAX_NGRAM, 1, WINDOW)
     if match is None or gamma < 1:
         return 0, []
-    return match_situation(match), [int(t) for t in recent[match.end : match.end + gamma]]
+    return match_situation(match), index.tokens[match.end : match.end + gamma]
 
 
 @dataclass
@@ -163,6 +165,7 @@ class AutoDrafter:
         self._pending: _Pending | None = None
         self.choices = {"ngram": 0, "head": 0, "none": 0}
         self._since_head = 0
+        self.index = ContextIndex()  # the sequence drafted for, for the n-gram lookup
 
     @property
     def forward_calls(self) -> int:
@@ -172,6 +175,7 @@ class AutoDrafter:
         self.head.reset()
         self._pending = None
         self._since_head = 0
+        self.index = ContextIndex()
 
     def prime(self, target: ModelSession) -> None:
         if isinstance(self.head, SupportsPriming):
@@ -208,7 +212,7 @@ class AutoDrafter:
         generator: torch.Generator,
     ) -> Draft:
         started = time.perf_counter()
-        situation, follow = longest_match(context, gamma)
+        situation, follow = longest_match(self.index, context, gamma)
         choice = self.choose(situation, len(follow), gamma)
         chosen: Estimate | None = None
         if choice.option == "ngram":
