@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import queue
 import sys
 from pathlib import Path
 
@@ -115,17 +116,27 @@ def test_worker_hands_over_every_row_then_done(job) -> None:
     folder, _ = job
     items = list(enumerate(RECORDS))
     worker = _worker(folder / "tiny", max_new_tokens=10, batch_size=2)
+    assert worker.decoder is not None
+    engine, passes_at_put = worker.decoder.engine, []
+
+    class Recording(queue.Queue):  # the target passes run when each item is handed over
+        def put(self, item, block=True, timeout=None):
+            passes_at_put.append(engine.target_passes)
+            super().put(item, block, timeout)
+
+    worker.lines = Recording()
     worker.start(items)
-    taken, done, calls = [], False, 0
+    taken, done = [], False
     while not done:
         lines, done = worker.take()
         taken += lines
-        calls += 1
     local = list(RowDecoder(worker.job).run(items))
     assert sorted(line["index"] for line in taken) == list(range(5))
     by_index = {line["index"]: line["token_ids"] for line in taken}
     assert [by_index[line["index"]] for line in local] == [line["token_ids"] for line in local]
-    assert calls >= 2  # lines come as rows finish, not all at the end
+    # lines come as rows finish, not all at the end: the first is handed over while
+    # passes for the other rows are still to run (a wait in take() cannot change this)
+    assert len(passes_at_put) == 6 and passes_at_put[0] < passes_at_put[4]
 
 
 def test_worker_error_reaches_take(job) -> None:
