@@ -44,6 +44,7 @@ from speculative.engine.gamma import (
     RowLoad,
     SupportsCostFeedback,
     SupportsSituations,
+    smoothed_rates,
 )
 from speculative.engine.round import (
     DecodeState,
@@ -214,13 +215,7 @@ class BatchRow:
         """Running acceptance per draft position (Beta prior: ALPHA_PRIOR at the first,
         each later position starting from the one before) from this row's rounds."""
         counts = self.state.stats.positions
-        rates, rate = [], ALPHA_PRIOR
-        for i in range(POSITIONS):
-            reached, kept = (
-                (counts.reached[i], counts.accepted[i]) if i < len(counts.reached) else (0, 0)
-            )
-            rate = (kept + rate * ALPHA_PRIOR_WEIGHT) / (reached + ALPHA_PRIOR_WEIGHT)
-            rates.append(rate)
+        rates = smoothed_rates(counts.reached, counts.accepted, CHAINED_PRIOR, ALPHA_PRIOR_WEIGHT)
         return tuple(rates)
 
     def prefill_left(self) -> int:

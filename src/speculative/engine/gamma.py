@@ -66,15 +66,24 @@ class PositionCounts:
             self.accepted[i] += float(i < num_accepted)
 
     def rates(self, priors: Sequence[float], weight: float) -> list[float]:
-        """Beta-smoothed acceptance per position; ``priors[i]`` is position i's prior (a
-        negative one: the estimate of position i − 1, so an unreached position inherits
-        what was learnt before it)."""
-        rates, previous = [], 0.0
-        for a, r, prior in zip(self.accepted, self.reached, priors, strict=True):
-            mean = previous if prior < 0 else prior
-            previous = (a + mean * weight) / (r + weight)
-            rates.append(previous)
-        return rates
+        """Beta-smoothed acceptance per position (:func:`smoothed_rates`)."""
+        return smoothed_rates(self.reached, self.accepted, priors, weight)
+
+
+def smoothed_rates(
+    reached: Sequence[float], accepted: Sequence[float], priors: Sequence[float], weight: float
+) -> list[float]:
+    """Beta-smoothed acceptance at each of ``len(priors)`` positions from the counts of
+    rounds that reached and accepted it (positions past the counts: none); ``priors[i]``
+    is position i's prior (a negative one: the estimate of position i − 1, so an
+    unreached position inherits what was learnt before it)."""
+    rates, previous = [], 0.0
+    for i, prior in enumerate(priors):
+        mean = previous if prior < 0 else prior
+        r, a = (reached[i], accepted[i]) if i < len(reached) else (0, 0)
+        previous = (a + mean * weight) / (r + weight)
+        rates.append(previous)
+    return rates
 
 
 @dataclass
