@@ -535,6 +535,7 @@ def _choose_reference(load, rows, extra_tokens=0, padded=None, extra_rows=0) -> 
 
     drafting = 0.0
     best, best_rate = list(gammas), tokens / pass_cost() * (1 + load.margin)
+
     def kept(row: RowLoad, position: int) -> float:
         rates = row.alphas or (row.alpha,)
         return rates[min(position, len(rates) - 1)]

@@ -593,6 +593,10 @@ def _same_row(got: RowProbs, want: RowProbs) -> bool:
     return same_ids and torch.equal(torch.from_numpy(got.values), torch.from_numpy(want.values))
 
 
+# (temperature, top_p); T = 0.1 puts most of a row's tail below e^-80 of the top
+SEARCH_SETTINGS = ((0.8, 0.95), (1.0, 0.9), (0.5, 0.5), (1.3, 0.99), (0.1, 0.9))
+
+
 @pytest.mark.parametrize("vocab", [49152, 1001])
 def test_kernel_nucleus_is_the_sampling_layers_nucleus(vocab: int) -> None:
     """spec_nucleus's answer is the sampling layer's top-p row: the same nucleus (float64
@@ -610,7 +614,7 @@ def test_kernel_nucleus_is_the_sampling_layers_nucleus(vocab: int) -> None:
         for _ in range(6):
             row = torch.randn(vocab, generator=generator) * scale
             row[7] = row[3]  # an exact tie
-            for temperature, top_p in ((0.8, 0.95), (1.0, 0.9), (0.5, 0.5), (1.3, 0.99)):
+            for temperature, top_p in SEARCH_SETTINGS:
                 got = search(row, temperature, top_p)
                 asked += 1
                 if got is None:
@@ -660,6 +664,34 @@ def test_kernel_nucleus_declines_where_its_cut_is_uncertain() -> None:
     assert search(flat, 1.0, 0.9) is None  # ~37k members
     broad = torch.linspace(0.0, 3.0, 3000)
     assert _same_row(search(broad, 1.0, 0.8), _sampling_row(broad, 1.0, 0.8))  # 1.4k members
+
+
+def test_kernel_nucleus_answers_a_wide_row_by_its_cut_bucket() -> None:
+    """Rows like a language model's on open text: a few likely tokens over a broad band of
+    thousands, with the cut inside the band, which lies within two widening steps of the top
+    (the first row) or just beyond them (the second: the search must widen). Either way the
+    candidates outnumber NUCLEUS_MAX, so a search that sorts every candidate must decline;
+    spec_nucleus sorts only the bucket holding the cut and answers with the sampling
+    layer's row, bit for bit, at several top_p."""
+    from speculative.models.native.ckernels import NUCLEUS_MAX, KernelNucleus, load_kernels
+
+    require_kernels()
+    search = KernelNucleus(load_kernels())
+    generator = torch.Generator().manual_seed(5)
+    near = torch.full((49152,), -30.0)
+    near[:3] = 6.0
+    near[100:6100] = -2.0 + 2.0 * torch.rand(6000, generator=generator)  # the band
+    near[7000:19000] = -9.0 + 2.0 * torch.rand(12000, generator=generator)  # a third step
+    beyond = torch.full((49152,), -30.0)
+    beyond[5] = 6.0
+    beyond[1000:13000] = -3.5 + 1.1 * torch.rand(12000, generator=generator)  # > 8.32 below
+    for row, top_ps in ((near, (0.5, 0.8, 0.85)), (beyond, (0.45, 0.5))):
+        for top_p in top_ps:
+            want = _sampling_row(row, 1.0, top_p)
+            candidates = int((row >= row.max() - 3 * 4.159).sum())  # within three steps
+            assert candidates > NUCLEUS_MAX and 3 < want.support.size <= NUCLEUS_MAX
+            got = search(row, 1.0, top_p)
+            assert got is not None and _same_row(got, want), top_p
 
 
 def test_nucleus_search_leaves_sampled_generation_unchanged(

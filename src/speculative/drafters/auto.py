@@ -131,9 +131,7 @@ def best_length(estimate: Estimate, cap: int, verify: VerifyTimes) -> Choice:
     return best
 
 
-def longest_match(
-    index: ContextIndex, context: Sequence[int], gamma: int
-) -> tuple[int, list[int]]:
+def longest_match(index: ContextIndex, context: Sequence[int], gamma: int) -> tuple[int, list[int]]:
     """(the match's length class, up to ``gamma`` tokens that followed it) for the
     longest earlier match of the context's end within WINDOW tokens (class 0 and no
     tokens: none), found with ``index`` (kept for the sequence across rounds)."""

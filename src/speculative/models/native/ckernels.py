@@ -85,7 +85,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 12
+ABI_VERSION = 13
 # "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
@@ -166,7 +166,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     library.spec_fused_linear.restype = None
     library.spec_nucleus.argtypes = [pointer, i64, ctypes.c_float, ctypes.c_double]
     library.spec_nucleus.argtypes += [ctypes.c_double, ctypes.c_float, pointer, pointer, i32]
-    library.spec_nucleus.argtypes += [pointer]
+    library.spec_nucleus.argtypes += [pointer, pointer, i64]
     library.spec_nucleus.restype = i32
     library.spec_peak_fma.argtypes = [i32, i64]
     library.spec_peak_fma.restype = ctypes.c_double
@@ -383,6 +383,7 @@ class KernelNucleus:
         count = self.library.spec_nucleus(
             logits.data_ptr(), logits.shape[0], temperature, top_p, NUCLEUS_MARGIN,
             NUCLEUS_GAP, scratch.kept_at, scratch.probs_at, NUCLEUS_MAX, scratch.tempered_at,
+            scratch.entries_at, scratch.capacity,
         )  # fmt: skip
         if count < 0:
             return None
@@ -404,8 +405,11 @@ class _NucleusScratch:
         self.kept = np.empty(NUCLEUS_MAX, dtype=np.int32)  # the members' ids
         self.probs = np.empty(NUCLEUS_MAX, dtype=np.float32)  # and probabilities
         self.tempered = np.empty(vocab, dtype=np.float32)  # the row divided by T
+        # the candidates, one (float32 logit, int32 id, float64 weight) per row entry
+        self.entries = np.empty((vocab, 2), dtype=np.float64)
+        self.capacity = vocab
         self.kept_at, self.probs_at = self.kept.ctypes.data, self.probs.ctypes.data
-        self.tempered_at = self.tempered.ctypes.data
+        self.tempered_at, self.entries_at = self.tempered.ctypes.data, self.entries.ctypes.data
 
 
 @dataclass
@@ -648,8 +652,8 @@ class KernelDecoder(DecoderBase):
 
     def forward_segments(
         self,
-        hidden: torch.Tensor,  # [rows, hidden] float32 embeddings, owned (updated in place);
-        # segment i owns the next segments[i].rows rows
+        hidden: torch.Tensor,  # [rows, hidden] float32 embeddings, owned: updated in place
+        # into the features (final norm applied); segment i owns the next segments[i].rows
         segments: Sequence[Segment],
     ) -> torch.Tensor:  # [sum of logit_rows, vocab]
         """All segments in one spec_forward_batch call: each weight is streamed once for

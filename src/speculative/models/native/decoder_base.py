@@ -138,8 +138,8 @@ class DecoderBase:
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [batch, k, hidden] float32, owned: left holding the final
-        # residual stream (the features before the final norm)
+        hidden: torch.Tensor,  # [batch, k, hidden] float32, owned: left holding the
+        # features (the final residual stream after the final norm)
         start: int,
         positions: torch.Tensor,  # [batch, k] int64
         attention_mask: torch.Tensor | None,  # [k, k] bool or None (causal)
@@ -165,8 +165,8 @@ class DecoderBase:
 
     def forward_segments(
         self,
-        hidden: torch.Tensor,  # [rows, hidden] float32, owned: left holding the final
-        # residual stream; segment i owns the next segments[i].rows rows
+        hidden: torch.Tensor,  # [rows, hidden] float32, owned: left holding the features
+        # (as in forward); segment i owns the next segments[i].rows rows
         segments: Sequence[Segment],
     ) -> torch.Tensor:  # [sum of logit_rows, vocab] float32
         """Append several sequences' new tokens, each to its own cache slot, in one call;

@@ -63,7 +63,7 @@ typedef struct {
     const float *sin;  /* [max_length, head_dim / 2] */
 } Model;
 
-int spec_abi_version(void) { return 12; }
+int spec_abi_version(void) { return 13; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 const char *spec_isa(void) { return "avx512"; }
@@ -109,10 +109,9 @@ static inline __m128 hsum8x4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
     return _mm_unpacklo_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
 }
 
-/* exp(x) for 8 lanes (Cephes-style range reduction, degree-6 polynomial, ~1 ulp). */
-static inline __m256 exp8(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
-    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+/* exp(x) for 8 lanes already in [-87.3, 88.4] (exp8's range): the range reduction and
+ * polynomial of exp8. */
+static inline __m256 exp8_in_range(__m256 x) {
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -127,6 +126,12 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, x2, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* exp(x) for 8 lanes (Cephes-style range reduction, degree-6 polynomial, ~1 ulp). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+    return exp8_in_range(_mm256_max_ps(_mm256_min_ps(x, hi), lo));
 }
 
 /* exp of n floats in place; the tail goes through the same 8-lane code. */
@@ -1215,22 +1220,18 @@ static void attention_batch(const Model *m, const float *qkv, int nseq, const in
 }
 
 /* The rows whose logits are wanted (sequence s: its rows from seq_logits_from[s] on),
- * copied in order to the front of `to` (which may be `x` itself: a row never moves back);
- * returns how many. One thread copies (a few rows of `width` floats) and the rest wait. */
-static int gather_wanted(const float *x, int width, int nseq, const int32_t *seq_rows,
-                         const int32_t *seq_logits_from, float *to) {
-    int out = 0;
+ * copied in order to the front of `to`. One thread copies (a few rows of `width` floats)
+ * and the rest wait. */
+static void gather_wanted(const float *x, int width, int nseq, const int32_t *seq_rows,
+                          const int32_t *seq_logits_from, float *to) {
 #pragma omp single
     {
+        int out = 0;
         for (int s = 0, r0 = 0; s < nseq; r0 += seq_rows[s], s++)
             for (int r = seq_logits_from[s]; r < seq_rows[s]; r++, out++)
-                if (to + (size_t)out * width != x + (size_t)(r0 + r) * width)
-                    memmove(to + (size_t)out * width, x + (size_t)(r0 + r) * width,
-                            (size_t)width * sizeof(float));
+                memcpy(to + (size_t)out * width, x + (size_t)(r0 + r) * width,
+                       (size_t)width * sizeof(float));
     }  /* implicit barrier */
-    int count = 0;
-    for (int s = 0; s < nseq; s++) count += seq_rows[s] - seq_logits_from[s];
-    return count;
 }
 
 /* Append the new tokens of `nseq` sequences in one pass: every linear layer runs once
@@ -1240,7 +1241,8 @@ static int gather_wanted(const float *x, int width, int nseq, const int32_t *seq
  * A row's arithmetic does not depend on the other rows (see the header), so each
  * sequence's logits are bitwise those of a call with that sequence alone.
  * hidden: [rows, hidden] input embeddings of all sequences (sequence s owns seq_rows[s]
- * consecutive rows), updated in place into the residual stream; positions: [rows];
+ * consecutive rows), updated in place: it ends holding the features (the final residual
+ * stream after the final norm; without one, the residual stream); positions: [rows];
  * sequence s appends at cache slots seq_start[s].. of cache slot seq_slot[s], whose
  * layers start at k_cache + seq_slot[s] * slot_floats ([layers, kv_heads, max_length,
  * head_dim] each); mask_offset[s] < 0: causal, else masks + mask_offset[s] holds its
@@ -1290,17 +1292,21 @@ static void forward_batch(const Model *m, float *hidden, int nseq, const int32_t
             silu_mul(gate_up, rows, inter, act);
             linear(&L->down, act, rows, hidden, H, 1, &qx);
         }
-        /* final_norm NULL: the head reads the residual stream itself (a drafting head's
-         * layer, whose output feature goes straight to its output rows) */
+        /* The features: the final norm in place, so the caller's buffer ends holding them
+         * and no norm runs after the pass (its first torch op would run on caches this
+         * pass left cold: ~80 us). final_norm NULL: the head reads the residual stream
+         * itself (a drafting head's layer, whose output feature goes to its output rows). */
+        if (m->final_norm) rms_norm_rows(hidden, m->final_norm, rows, H, m->eps, hidden, H);
         const float *head_input = hidden;
-        if (m->final_norm) {
-            rms_norm(hidden, m->final_norm, rows, H, m->eps, normed);
+        int out = rows;
+        if (seq_logits_from) {
+            out = 0;
+            for (int s = 0; s < nseq; s++) out += seq_rows[s] - seq_logits_from[s];
+        }
+        if (out < rows) {
+            gather_wanted(hidden, H, nseq, seq_rows, seq_logits_from, normed);
             head_input = normed;
         }
-        const int out = seq_logits_from ? gather_wanted(head_input, H, nseq, seq_rows,
-                                                        seq_logits_from, normed)
-                                        : rows;
-        if (out < rows) head_input = normed;
         if (out > 0) {
             linear(&m->lm_head, head_input, out, logits, m->vocab, 0, &qx);
             if (argmax) row_argmax(logits, out, m->vocab, argmax, found);
@@ -1320,7 +1326,7 @@ void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *
 }
 
 /* Append `rows` tokens of one sequence at cache slots start..start+rows-1: a batch of one.
- * hidden: [rows, hidden] input embeddings, updated in place into the residual stream;
+ * hidden: [rows, hidden] input embeddings, updated in place into the features (as above);
  * positions: [rows] RoPE positions; mask: NULL (causal) or [rows, start + rows - mask_base]
  * uint8 (1 = may attend) over cache slots mask_base .. start + rows - 1, the slots before
  * mask_base seen by every row (mask_base = start: a mask among the new rows alone; less: a
@@ -1494,21 +1500,24 @@ double spec_read_bandwidth(const float *buffer, int64_t n, int threads) {
 #define NUCLEUS_MAX 4096                   /* members beyond this: the caller's own path */
 #define NUCLEUS_STEP 4.1588830833596715    /* ln 64: each widening admits 64x less likely */
 #define NUCLEUS_DEPTH 33.271064666877372   /* 8 widenings: e^-33 of the top, never searched */
+#define NUCLEUS_BUCKETS_PER_NAT 8.0f       /* the cut's search sorts one such bucket only */
+#define NUCLEUS_BUCKETS 272                /* > NUCLEUS_DEPTH * NUCLEUS_BUCKETS_PER_NAT */
+/* Tail terms below e^-80 of the top count as e^-80: 49k of them are < 1e-30 of the sum,
+ * and exp8 would return denormals for them, which cost tens of cycles each (at T = 0.1 the
+ * partition pass took 4x as long). */
+#define NUCLEUS_UNDERFLOW -80.0f
 
+/* A candidate: a token at most a few widening steps below the top. */
 typedef struct {
     float x;     /* the tempered logit */
     int32_t id;  /* its token */
+    double w;    /* exp(x - top) */
 } NucleusEntry;
 
 static int nucleus_descending(const void *a, const void *b) {
     const NucleusEntry *u = a, *v = b;
     if (u->x != v->x) return u->x > v->x ? -1 : 1;
     return u->id < v->id ? -1 : 1;
-}
-
-static int ids_ascending(const void *a, const void *b) {
-    const int32_t u = *(const int32_t *)a, v = *(const int32_t *)b;
-    return u < v ? -1 : (u > v);
 }
 
 /* tempered[i] = logits[i] / temperature (float32 division, as torch divides); returns the
@@ -1537,34 +1546,34 @@ static float nucleus_temper(const float *logits, int64_t n, float temperature, f
     return nonfinite ? NAN : m;
 }
 
+/* A tempered logit's bucket: how many eighths of a nat it lies below the top m. A larger
+ * logit never lands in a later bucket (each step is monotone), and equal ones share one. */
+static inline int nucleus_bucket(float x, float m) {
+    const int b = (int)((m - x) * NUCLEUS_BUCKETS_PER_NAT);
+    return b < NUCLEUS_BUCKETS - 1 ? b : NUCLEUS_BUCKETS - 1;
+}
+
 #define NUCLEUS_BLOCK 8  /* vectors summed in float32 before a float64 add */
 
-/* Append (x, id) to `out` while it holds fewer than `cap` entries; count it either way. */
+/* Append (x, id, w) to `out` while it holds fewer than `cap` entries; count it either way. */
 static inline void nucleus_keep(NucleusEntry *out, int64_t cap, int64_t *count, float x,
-                                int64_t id) {
+                                int64_t id, double w) {
     if (*count < cap) {
         out[*count].x = x;
         out[*count].id = (int32_t)id;
+        out[*count].w = w;
     }
     (*count)++;
 }
 
-/* nucleus_keep for the lanes of x[i .. i + 8) set in `mask`, in lane order. */
-static inline void nucleus_keep_lanes(const float *x, int64_t i, int mask, NucleusEntry *out,
-                                      int64_t cap, int64_t *count) {
-    for (; mask; mask &= mask - 1) {
-        const int lane = __builtin_ctz(mask);
-        nucleus_keep(out, cap, count, x[i + lane], i + lane);
-    }
-}
-
-/* The sum over the entries with x < floor of exp(x[i] - m), by exp8 (float32
- * within blocks of NUCLEUS_BLOCK vectors, float64 across), and a gather of the others, as
- * nucleus_gather does, into `out` (their number in *gathered): the caller adds their terms
- * exactly. */
+/* The sum over the entries with x < floor of exp(x[i] - m), by exp8 (float32 within
+ * blocks of NUCLEUS_BLOCK vectors, float64 across), and the others, in id order, into
+ * `out` (at most cap; their number in *gathered, cap + 1 for more) with w unset: the
+ * caller adds their terms exactly. */
 static double nucleus_partition(const float *x, int64_t n, float m, float floor,
                                 NucleusEntry *out, int64_t cap, int64_t *gathered) {
     const __m256 top = _mm256_set1_ps(m), bound = _mm256_set1_ps(floor);
+    const __m256 under = _mm256_set1_ps(NUCLEUS_UNDERFLOW);
     double rest = 0.0;
     int64_t count = 0, i = 0;
     while (i + 8 <= n) {
@@ -1572,9 +1581,13 @@ static double nucleus_partition(const float *x, int64_t n, float m, float floor,
         for (int v = 0; v < NUCLEUS_BLOCK && i + 8 <= n; v++, i += 8) {
             const __m256 value = _mm256_loadu_ps(x + i);
             const __m256 above = _mm256_cmp_ps(value, bound, _CMP_GE_OQ);
-            const __m256 e = exp8(_mm256_sub_ps(value, top));
+            /* value <= m: the difference is in range once raised to the underflow bound */
+            const __m256 e = exp8_in_range(_mm256_max_ps(_mm256_sub_ps(value, top), under));
             block = _mm256_add_ps(block, _mm256_andnot_ps(above, e));
-            nucleus_keep_lanes(x, i, _mm256_movemask_ps(above), out, cap, &count);
+            for (int mask = _mm256_movemask_ps(above); mask; mask &= mask - 1) {
+                const int lane = __builtin_ctz(mask);
+                nucleus_keep(out, cap, &count, x[i + lane], i + lane, 0.0);
+            }
         }
         float lanes[8];
         _mm256_storeu_ps(lanes, block);
@@ -1582,24 +1595,59 @@ static double nucleus_partition(const float *x, int64_t n, float m, float floor,
     }
     for (; i < n; i++) {
         if (x[i] < floor) rest += exp((double)x[i] - (double)m);
-        else nucleus_keep(out, cap, &count, x[i], i);
+        else nucleus_keep(out, cap, &count, x[i], i, 0.0);
     }
     *gathered = count > cap ? cap + 1 : count;
     return rest;
 }
 
-/* The entries with x >= floor, in id order, into `out` (at most `cap`); returns how many
- * there are (more than cap: cap + 1). */
-static int64_t nucleus_gather(const float *x, int64_t n, float floor, NucleusEntry *out,
-                              int64_t cap) {
-    const __m256 bound = _mm256_set1_ps(floor);
-    int64_t count = 0, i = 0;
+/* Appends the entries with lower <= x < upper to `out` (already holding `count`, at most
+ * cap in all), with w the same float32 polynomial term the partition's tail summed them
+ * by, each added to its bucket's mass; returns the new count (cap + 1 for more). */
+static int64_t nucleus_band(const float *x, int64_t n, float m, float lower, float upper,
+                            NucleusEntry *out, int64_t count, int64_t cap, double *mass) {
+    const __m256 top = _mm256_set1_ps(m), low = _mm256_set1_ps(lower);
+    const __m256 high = _mm256_set1_ps(upper);
+    int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        const __m256 above = _mm256_cmp_ps(_mm256_loadu_ps(x + i), bound, _CMP_GE_OQ);
-        nucleus_keep_lanes(x, i, _mm256_movemask_ps(above), out, cap, &count);
+        const __m256 value = _mm256_loadu_ps(x + i);
+        const int mask = _mm256_movemask_ps(_mm256_and_ps(
+            _mm256_cmp_ps(value, low, _CMP_GE_OQ), _mm256_cmp_ps(value, high, _CMP_LT_OQ)));
+        if (!mask) continue;
+        float e[8];
+        _mm256_storeu_ps(e, exp8(_mm256_sub_ps(value, top)));
+        for (int bits = mask; bits; bits &= bits - 1) {
+            const int lane = __builtin_ctz(bits);
+            nucleus_keep(out, cap, &count, x[i + lane], i + lane, e[lane]);
+            mass[nucleus_bucket(x[i + lane], m)] += e[lane];
+        }
     }
     for (; i < n; i++)
-        if (x[i] >= floor) nucleus_keep(out, cap, &count, x[i], i);
+        if (x[i] >= lower && x[i] < upper) {
+            const double w = exp((double)x[i] - (double)m);
+            nucleus_keep(out, cap, &count, x[i], i, w);
+            mass[nucleus_bucket(x[i], m)] += w;
+        }
+    return count > cap ? cap + 1 : count;
+}
+
+/* The ids of the entries with x >= bound, in increasing order, into `ids` (at most cap);
+ * returns how many there are (more than cap: cap + 1). */
+static int64_t nucleus_members(const float *x, int64_t n, float bound, int32_t *ids,
+                               int64_t cap) {
+    const __m256 at = _mm256_set1_ps(bound);
+    int64_t count = 0, i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), at, _CMP_GE_OQ));
+             mask; mask &= mask - 1) {
+            if (count < cap) ids[count] = (int32_t)(i + __builtin_ctz(mask));
+            count++;
+        }
+    for (; i < n; i++)
+        if (x[i] >= bound) {
+            if (count < cap) ids[count] = (int32_t)i;
+            count++;
+        }
     return count > cap ? cap + 1 : count;
 }
 
@@ -1609,64 +1657,90 @@ static int64_t nucleus_gather(const float *x, int64_t n, float floor, NucleusEnt
  * token as probable as the last member is kept too. Writes the members' ids to `kept` in
  * increasing order and their probabilities to `probs` (the nucleus renormalized as the
  * sampling layer does it, _renormalized: exp(x - max) by libm, summed in id order in
- * float64, divided and rounded to float32) and returns their number; `tempered` [n] is
- * scratch.
+ * float64, divided and rounded to float32) and returns their number; `tempered` [n] and
+ * `entries` [cap] are scratch (cap = n never runs out).
  *
- * The masses here sum exact float64 terms over a partition function whose tail (the tokens
- * more than two widening steps below the top) comes from a float32 polynomial: within
- * about 1e-7 of the sampling layer's masses, relatively. So the cut is certain, and the
- * same as the sampling layer's, unless the mass before or through the cut lies within
- * `margin` of top_p, or a token's tempered logit lies less than `gap` below the last
- * member's: then, and for a row with a NaN or infinity or a nucleus of more than max_kept
- * (<= NUCLEUS_MAX) members, it returns -1 and the caller takes its own path. */
+ * No full sort: the candidates (the tokens down to a floor, widened 64x at a time until
+ * they hold top_p) have their masses summed in buckets an eighth of a nat wide, whose
+ * order is the descending order's; only the bucket where the running mass reaches top_p is
+ * sorted. The masses sum float64 terms, exact (libm) within two widening steps of the top,
+ * over a partition function whose tail (the tokens further down) comes from a float32
+ * polynomial, as do the terms of the candidates a widening adds: within about 1e-7 of the
+ * sampling layer's masses, relatively. So the cut is certain, and the same as the sampling
+ * layer's, unless the mass before or through the cut lies within `margin` of top_p, or a
+ * token's tempered logit lies less than `gap` below the last member's: then, and for a row
+ * with a NaN or infinity or a nucleus of more than max_kept (<= NUCLEUS_MAX) members, it
+ * returns -1 and the caller takes its own path. */
 int32_t spec_nucleus(const float *logits, int64_t n, float temperature, double top_p,
                      double margin, float gap, int32_t *kept, float *probs, int32_t max_kept,
-                     float *tempered) {
-    NucleusEntry entries[NUCLEUS_MAX];
-    if (n <= 0 || !(temperature > 0.0f) || max_kept < 1 || max_kept > NUCLEUS_MAX) return -1;
+                     float *tempered, NucleusEntry *entries, int64_t cap) {
+    if (n <= 0 || !(temperature > 0.0f) || max_kept < 1 || max_kept > NUCLEUS_MAX || cap < 1)
+        return -1;
     const float m = nucleus_temper(logits, n, temperature, tempered);
     if (m != m) return -1;
-    /* the first gather comes with the partition pass, two widening steps deep (the median
-     * nucleus of SmolLM2's rows at T = 0.8, top_p = 0.95 is 5 tokens, the 90th percentile
-     * 67, of a median 28 and a 90th percentile 239 within two steps) */
-    int64_t count;
-    double depth = 2 * NUCLEUS_STEP;
+    /* the first candidates come with the partition pass, two widening steps deep (the
+     * median nucleus of SmolLM2's rows at T = 0.8, top_p = 0.95 is 5 tokens, the 90th
+     * percentile 67, of a median 28 and a 90th percentile 239 within two steps) */
+    double depth = 2 * NUCLEUS_STEP, mass[NUCLEUS_BUCKETS] = {0.0}, held = 0.0;
     float floor = (float)((double)m - depth);
-    double z = nucleus_partition(tempered, n, m, floor, entries, max_kept, &count);
-    if (count > max_kept) return -1;
-    for (int64_t j = 0; j < count; j++) z += exp((double)entries[j].x - (double)m);
-    for (;;) {
-        if (count > max_kept) return -1;
-        qsort(entries, (size_t)count, sizeof(NucleusEntry), nucleus_descending);
-        double before = 0.0, through = 0.0;
-        int64_t cut = -1;
-        for (int64_t j = 0; j < count; j++) {
-            before = through;
-            through += exp((double)entries[j].x - (double)m) / z;
-            if (through >= top_p) {
-                cut = j;
-                break;
-            }
-        }
-        if (cut < 0) {  /* the candidates hold less than top_p: widen */
-            depth += NUCLEUS_STEP;
-            if (depth > NUCLEUS_DEPTH) return -1;
-            floor = (float)((double)m - depth);
-            count = nucleus_gather(tempered, n, floor, entries, max_kept);
-            continue;
-        }
-        if (through < top_p + margin || (cut > 0 && before > top_p - margin)) return -1;
-        const float last = entries[cut].x;
-        int64_t members = cut + 1;
-        while (members < count && entries[members].x == last) members++;  /* ties join */
-        const float next = members < count ? entries[members].x : floor;
-        if (!(last - next >= gap)) return -1;
-        for (int64_t j = 0; j < members; j++) kept[j] = entries[j].id;
-        qsort(kept, (size_t)members, sizeof(int32_t), ids_ascending);
-        double total = 0.0;  /* m is the members' largest tempered logit: the top is one */
-        for (int64_t j = 0; j < members; j++) total += exp((double)tempered[kept[j]] - (double)m);
-        for (int64_t j = 0; j < members; j++)
-            probs[j] = (float)(exp((double)tempered[kept[j]] - (double)m) / total);
-        return (int32_t)members;
+    int64_t count;
+    double z = nucleus_partition(tempered, n, m, floor, entries, cap, &count);
+    if (count > cap) return -1;
+    for (int64_t j = 0; j < count; j++) {
+        entries[j].w = exp((double)entries[j].x - (double)m);
+        z += entries[j].w;
+        mass[nucleus_bucket(entries[j].x, m)] += entries[j].w;
     }
+    for (int b = 0; b < NUCLEUS_BUCKETS; b++) held += mass[b];
+    while (held / z < top_p) {  /* the candidates hold less than top_p: widen */
+        depth += NUCLEUS_STEP;
+        if (depth > NUCLEUS_DEPTH) return -1;
+        const float lower = (float)((double)m - depth);
+        count = nucleus_band(tempered, n, m, lower, floor, entries, count, cap, mass);
+        if (count > cap) return -1;
+        floor = lower;
+        held = 0.0;
+        for (int b = 0; b < NUCLEUS_BUCKETS; b++) held += mass[b];
+    }
+    /* the bucket where the running mass reaches top_p, and the mass of those above it */
+    int cut_bucket = 0;
+    double above = 0.0;
+    while (cut_bucket < NUCLEUS_BUCKETS - 1 && (above + mass[cut_bucket]) / z < top_p)
+        above += mass[cut_bucket++];
+    /* its entries to the front, sorted descending, and the walk through them */
+    int64_t in_bucket = 0;
+    for (int64_t j = 0; j < count; j++)
+        if (nucleus_bucket(entries[j].x, m) == cut_bucket) {
+            const NucleusEntry e = entries[in_bucket];
+            entries[in_bucket++] = entries[j];
+            entries[j] = e;
+        }
+    qsort(entries, (size_t)in_bucket, sizeof(NucleusEntry), nucleus_descending);
+    double run = above, before = above;
+    int64_t cut = -1;
+    for (int64_t j = 0; j < in_bucket; j++) {
+        before = run;
+        run += entries[j].w;
+        if (run / z >= top_p) {
+            cut = j;
+            break;
+        }
+    }
+    if (cut < 0) return -1;  /* the bucket's sum and its walk disagree at the last bit */
+    if (run / z < top_p + margin || (before > 0.0 && before / z > top_p - margin)) return -1;
+    const float last = entries[cut].x;
+    while (cut + 1 < in_bucket && entries[cut + 1].x == last) cut++;  /* ties join */
+    float next = floor;  /* the largest logit below the members' (every other is < floor) */
+    if (cut + 1 < in_bucket)
+        next = entries[cut + 1].x;
+    else
+        for (int64_t j = in_bucket; j < count; j++)
+            if (entries[j].x < last && entries[j].x > next) next = entries[j].x;
+    if (!(last - next >= gap)) return -1;
+    const int64_t members = nucleus_members(tempered, n, last, kept, max_kept);
+    if (members > max_kept) return -1;
+    double weight[NUCLEUS_MAX], total = 0.0;  /* m is the members' largest: the top is one */
+    for (int64_t j = 0; j < members; j++) total += weight[j] = exp((double)tempered[kept[j]] - (double)m);
+    for (int64_t j = 0; j < members; j++) probs[j] = (float)(weight[j] / total);
+    return (int32_t)members;
 }

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from speculative.models.base import RowInput, check_keep_slots, check_logits_from
 from speculative.models.native.config import NativeConfig, rope_inverse_frequencies
@@ -216,15 +215,14 @@ class NativeLlama:
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """As :meth:`forward_rows`, with every row's features [k_row, hidden] (the final
         residual stream after the final norm, as :meth:`forward_with_hidden`)."""
-        logits, hidden = self._forward_rows(rows)
+        logits, features = self._forward_rows(rows)  # features: [total, hidden]
         if not rows:
             return []
-        features = self._features(hidden)  # [total, hidden]
         sizes = [row.input_ids.numel() for row in rows]
         return list(zip(logits, features.split(sizes), strict=True))
 
     def _forward_rows(self, rows: Sequence[RowInput]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Per-row logits and the final residual stream [total, hidden] of the pass."""
+        """Per-row logits and the features [total, hidden] of the pass."""
         if not rows:
             return [], torch.empty(0, self.config.hidden_size)
         segments = [self._segment(row) for row in rows]
@@ -320,8 +318,8 @@ class NativeLlama:
         position_ids: torch.Tensor | None = None,  # [k] or [batch, k] int64
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`forward`; also returns [batch, k, hidden] features: both decoders
-        leave the final residual stream in the buffer they were given, so the features
-        cost one final norm."""
+        leave the features in the buffer they were given (the final norm applied in
+        place), so they cost nothing more."""
         logits, features = self.forward_from(input_ids, 0, attention_mask, position_ids, True)
         assert features is not None
         return logits, features
@@ -346,12 +344,7 @@ class NativeLlama:
         states = self.embed[input_ids]  # [batch, k, hidden], updated in place by the decoder
         logits = self.decoder.forward(states, start, positions, attention_mask, logits_from)
         self._length = start + k
-        return logits, self._features(states) if hidden else None
-
-    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The final residual stream [..., hidden] -> features (after the final norm)."""
-        final_norm = self.decoder.final_norm
-        return F.rms_norm(hidden, hidden.shape[-1:], final_norm, self.config.rms_norm_eps)
+        return logits, states if hidden else None
 
     def input_embedding(self) -> torch.Tensor:
         return self.embed  # [vocab, hidden]

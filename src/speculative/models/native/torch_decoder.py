@@ -139,7 +139,7 @@ class TorchDecoder(DecoderBase):
     def forward_segments(
         self,
         hidden: torch.Tensor,  # [rows, hidden] float32 embeddings, owned: left holding the
-        # final residual stream; segment i owns the next segments[i].rows rows
+        # features; segment i owns the next segments[i].rows rows
         segments: Sequence[Segment],
     ) -> torch.Tensor:  # [sum of logit_rows, vocab]
         """One sequence at a time (the reference the C batch is tested against)."""
@@ -153,7 +153,7 @@ class TorchDecoder(DecoderBase):
 
     def _forward_one(
         self,
-        hidden: torch.Tensor,  # [k, hidden], updated in place into the residual stream
+        hidden: torch.Tensor,  # [k, hidden], updated in place into the features
         segment: Segment,
     ) -> torch.Tensor:  # [k, vocab]
         k, start = segment.rows, segment.start
@@ -163,9 +163,9 @@ class TorchDecoder(DecoderBase):
             rows = min(self.row_tile, k - first)
             tile = _Tile.make(start, first, rows, visible, self.row_tile)
             rotation = self.rotations[segment.positions[tile.tokens]].unsqueeze(1)  # [T, 1, d/2]
-            residual = hidden[tile.tokens]  # [T, hidden], a copy
+            residual = hidden[tile.tokens]  # [T, hidden], a copy: left holding the features
             logits[first : first + rows] = self._tile(residual, segment.slot, tile, rotation)
-            hidden[first : first + rows] = residual[:rows]  # the final residual stream
+            hidden[first : first + rows] = residual[:rows]
         return logits
 
     @staticmethod
@@ -185,6 +185,7 @@ class TorchDecoder(DecoderBase):
     def _tile(
         self,
         hidden: torch.Tensor,  # [T, hidden] embeddings (padding: copies), updated in place
+        # into the features (the final residual stream after the final norm)
         b: int,
         tile: _Tile,
         rotation: torch.Tensor,  # [T, 1, head_dim / 2] complex64
@@ -193,8 +194,8 @@ class TorchDecoder(DecoderBase):
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, b, tile, rotation)
         eps = self.config.rms_norm_eps
-        normed = F.rms_norm(hidden, hidden.shape[-1:], self.final_norm, eps)
-        return self.lm_head(normed)[: tile.rows]
+        hidden.copy_(F.rms_norm(hidden, hidden.shape[-1:], self.final_norm, eps))
+        return self.lm_head(hidden)[: tile.rows]
 
     def _layer(
         self,
