@@ -21,10 +21,12 @@ from speculative.sampling import (
 )
 from speculative.sampling.probs import (
     RowProbs,
+    mask_top_k,
     mask_top_p,
     nucleus_probs,
     nucleus_threshold,
     row_probs,
+    top_k_ids,
 )
 
 
@@ -56,6 +58,52 @@ def test_mask_top_p_equals_masked_fill():
     probs32 = torch.softmax(logits, -1)  # a cut on the float32 masses
     cut32 = logits.masked_fill(probs32 < nucleus_threshold(probs32, 1 - 1e-7), float("-inf"))
     assert not torch.equal(mask_top_p(logits, 1 - 1e-7), cut32)
+
+
+def test_top_k_ids_are_the_tokens_mask_top_k_keeps():
+    """The search near the top finds exactly mask_top_k's survivors: ties at the k-th
+    value, -inf entries, fewer finite entries than k, k at or past the vocabulary, and a
+    row spread over hundreds of units (the search widens many times); a row with a NaN or
+    +inf is left to the mask (None). A search that kept exactly k ids would drop the tie."""
+    generator = torch.Generator().manual_seed(12)
+    rows = list(logits_like_a_model(8, 3000, generator) / 0.05)  # T = 0.05: widely spread
+    tie = torch.randn(3000, generator=generator)
+    tie[[10, 11, 12]] = tie.topk(20).values[19]  # three more tokens at the 20th value
+    few = torch.full((3000,), float("-inf"))
+    few[:10] = torch.randn(10, generator=generator)  # 10 finite entries, k = 20
+    rows += [tie, few]
+    for row in rows:
+        for k in (1, 20, 2999, 3000, 5000):
+            want = np.flatnonzero((mask_top_k(row, k) > float("-inf")).numpy())
+            if k >= 3000 or int(torch.isfinite(row).sum()) < k:
+                want = np.arange(3000)  # the k-th largest is -inf (or none): no mask
+            assert np.array_equal(top_k_ids(row.numpy(), k), want), k
+    assert top_k_ids(tie.numpy(), 20).size == 23  # 19 above the 20th value, 4 holding it
+    for bad in (float("nan"), float("inf")):
+        broken = tie.clone()
+        broken[5] = bad
+        assert top_k_ids(broken.numpy(), 20) is None
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_top_k_probs_are_the_masked_softmax_on_the_kept_tokens(top_p):
+    """A top-k row is softmax(mask_top_k(logits / T)) (then its top-p nucleus) to float
+    rounding, with exactly its support, summed over the kept tokens alone; a row with a
+    NaN still takes the masked softmax (and stays NaN for the checks to report). The row
+    without the cut differs (the control)."""
+    generator = torch.Generator().manual_seed(13)
+    logits = logits_like_a_model(8, 3000, generator)
+    params = SamplingParams(temperature=0.7, top_k=30, top_p=top_p)
+    masked = mask_top_k(logits / 0.7, 30)
+    want = torch.softmax(mask_top_p(masked, top_p) if top_p < 1 else masked, -1)
+    got = logits_to_probs(logits, params)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(got, torch.softmax(logits / 0.7, -1), atol=1e-3)
+    if top_p == 1.0:
+        broken = logits[0].clone()
+        broken[9] = float("nan")
+        assert torch.isnan(logits_to_probs(broken, params)).any()
 
 
 def test_nucleus_probs_is_the_masked_softmax_renormalized_on_the_nucleus():

@@ -25,6 +25,7 @@ SMALL_DRAW = 64  # entries up to which a draw runs in plain Python (no numpy cal
 # compiled code reproduces bit for bit (numpy's exp is its own SIMD code on AVX-512 CPUs);
 # larger ones in numpy. The native kernels' NUCLEUS_MAX.
 EXACT_RENORMALIZE_LIMIT = 4096
+TOP_K_DEPTH = 8.0  # the top-k search first looks this far (in tempered logits) below the top
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -36,6 +37,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float()
     if params.greedy:
         return one_hot_argmax(logits)
+    if _cuts_top_k(params, logits.shape[-1]):
+        return _top_k_probs(logits, params)
     logits = tempered(logits, params)
     if params.top_p < 1:
         return nucleus_probs(logits, params.top_p)
@@ -48,6 +51,61 @@ def tempered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     that both see the same bits."""
     logits = logits / params.temperature
     return mask_top_k(logits, params.top_k) if params.top_k else logits
+
+
+def _top_k_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., vocab] float32 raw logits, a top-k cut (and maybe top-p) -> [..., vocab]
+    float32: each row :func:`_top_k_row`'s, scattered into zeros (a row's bits depend on
+    that row only, so the sparse row that verification reads is the same)."""
+    scaled = logits / params.temperature  # [..., vocab], the bits tempered() divides to
+    rows = _as_numpy(scaled).reshape(-1, logits.shape[-1])  # [rows, vocab]
+    out = np.zeros(rows.shape, dtype=np.float32)
+    for index, row in enumerate(rows):
+        found = _top_k_row(row, params)
+        out[index, found.support] = found.values
+    return torch.from_numpy(out).reshape(logits.shape)
+
+
+def _top_k_row(row: np.ndarray, params: SamplingParams) -> RowProbs:
+    """One row's distribution under a top-k cut: the tokens :func:`mask_top_k` keeps (every
+    one at or above the k-th largest tempered logit), then, with top_p < 1, their top-p
+    nucleus (cut on the float64 softmax over them), renormalized as :func:`_renormalized`
+    does: the softmax of the masked row, summed over the tens of kept entries instead of a
+    49k-entry softmax. row: [vocab] float32 tempered logits. A row with a NaN or +inf
+    takes the masked softmax itself (whose NaNs the checks downstream report)."""
+    kept = top_k_ids(row, params.top_k)  # [n] increasing token ids
+    if kept is None:
+        masked = mask_top_k(torch.from_numpy(row), params.top_k)
+        if params.top_p < 1:
+            return _renormalized_nucleus(row, _as_numpy(cut_probs(masked)), params.top_p)
+        return RowProbs(_as_numpy(torch.softmax(masked, dim=-1)))
+    if params.top_p < 1:
+        masses = _as_numpy(cut_probs(torch.from_numpy(row[kept])))  # [n] float64
+        kept = kept[_row_nucleus(masses, params.top_p).kept]
+    return _renormalized(row[kept], kept)
+
+
+def top_k_ids(row: np.ndarray, k: int) -> np.ndarray | None:
+    """[vocab] tempered logits -> the increasing ids of the tokens :func:`mask_top_k`
+    keeps: every one at or above the k-th largest value, ties included (all of them when
+    fewer than k are above -inf). Found among the tokens near the top (TOP_K_DEPTH below
+    it, twice as far each time that holds fewer than k) by a partition of those alone,
+    instead of a top-k over the whole row. None for a row with a NaN or +inf."""
+    if k >= row.size:
+        return np.arange(row.size)
+    top = float(row.max())
+    if not math.isfinite(top):
+        return None
+    if np.count_nonzero(row > -np.inf) < k:
+        return np.arange(row.size)  # the k-th largest is -inf: nothing is masked
+    depth = TOP_K_DEPTH
+    while True:
+        ids = np.flatnonzero(row >= top - depth)  # [m] increasing
+        if ids.size >= k:
+            values = row[ids]
+            kth = np.partition(values, values.size - k)[values.size - k]
+            return ids[values >= kth]
+        depth *= 2
 
 
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -211,7 +269,9 @@ def row_probs(
     if params.greedy:
         best = np.array([int(_as_numpy(logits).argmax())], dtype=np.int64)
         return RowProbs(np.ones(1, dtype=np.float32), best)
-    if params.top_p < 1 and search is not None and not _cuts_top_k(params, logits.shape[-1]):
+    if _cuts_top_k(params, logits.shape[-1]):
+        return _top_k_row(_as_numpy(logits / params.temperature), params)
+    if params.top_p < 1 and search is not None:
         found = search(logits, params.temperature, params.top_p)
         if found is not None:
             return found
