@@ -96,8 +96,6 @@ def top_k_ids(row: np.ndarray, k: int) -> np.ndarray | None:
     top = float(row.max())
     if not math.isfinite(top):
         return None
-    if np.count_nonzero(row > -np.inf) < k:
-        return np.arange(row.size)  # the k-th largest is -inf: nothing is masked
     depth = TOP_K_DEPTH
     while True:
         ids = np.flatnonzero(row >= top - depth)  # [m] increasing
@@ -105,6 +103,8 @@ def top_k_ids(row: np.ndarray, k: int) -> np.ndarray | None:
             values = row[ids]
             kth = np.partition(values, values.size - k)[values.size - k]
             return ids[values >= kth]
+        if depth == TOP_K_DEPTH and np.count_nonzero(row > -np.inf) < k:
+            return np.arange(row.size)  # the k-th largest is -inf: nothing is masked
         depth *= 2
 
 
