@@ -59,11 +59,19 @@ def _top_k_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     that row only, so the sparse row that verification reads is the same)."""
     scaled = logits / params.temperature  # [..., vocab], the bits tempered() divides to
     rows = _as_numpy(scaled).reshape(-1, logits.shape[-1])  # [rows, vocab]
-    out = np.zeros(rows.shape, dtype=np.float32)
+    return _stacked([_top_k_row(row, params) for row in rows], logits.shape)
+
+
+def _stacked(rows: list[RowProbs], shape: torch.Size) -> torch.Tensor:
+    """Rows (sparse or dense) as one [..., vocab] float32 tensor of ``shape``, zeros
+    outside each row's support."""
+    out = np.zeros((len(rows), shape[-1]), dtype=np.float32)  # [rows, vocab]
     for index, row in enumerate(rows):
-        found = _top_k_row(row, params)
-        out[index, found.support] = found.values
-    return torch.from_numpy(out).reshape(logits.shape)
+        if row.support is None:
+            out[index] = row.values
+        else:
+            out[index, row.support] = row.values
+    return torch.from_numpy(out).reshape(shape)
 
 
 def _top_k_row(row: np.ndarray, params: SamplingParams) -> RowProbs:
@@ -158,11 +166,8 @@ def nucleus_probs(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     probs = cut_probs(logits)  # [..., vocab] float64: the nucleus is cut on these
     values = _as_numpy(logits).reshape(-1, logits.shape[-1])  # [rows, vocab]
     probs_rows = _as_numpy(probs).reshape(values.shape)
-    out = np.zeros(values.shape, dtype=np.float32)  # [rows, vocab]
-    for row, p in enumerate(probs_rows):
-        nucleus = _renormalized_nucleus(values[row], p, top_p)
-        out[row, nucleus.support] = nucleus.values
-    return torch.from_numpy(out).reshape(logits.shape)
+    nuclei = [_renormalized_nucleus(v, p, top_p) for v, p in zip(values, probs_rows, strict=True)]
+    return _stacked(nuclei, logits.shape)
 
 
 @dataclass(frozen=True)
