@@ -26,6 +26,9 @@ SMALL_DRAW = 64  # entries up to which a draw runs in plain Python (no numpy cal
 # larger ones in numpy. The native kernels' NUCLEUS_MAX.
 EXACT_RENORMALIZE_LIMIT = 4096
 TOP_K_DEPTH = 8.0  # the top-k search first looks this far (in tempered logits) below the top
+# Rows of up to this many tokens take a top-k cut as the masked softmax over the whole row
+# (one vectorized call for all rows); longer ones renormalize over the kept tokens alone.
+SMALL_TOP_K_ROW = 1024
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -37,7 +40,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float()
     if params.greedy:
         return one_hot_argmax(logits)
-    if _cuts_top_k(params, logits.shape[-1]):
+    if _sparse_top_k(params, logits.shape[-1]):
         return _top_k_probs(logits, params)
     logits = tempered(logits, params)
     if params.top_p < 1:
@@ -274,9 +277,9 @@ def row_probs(
     if params.greedy:
         best = np.array([int(_as_numpy(logits).argmax())], dtype=np.int64)
         return RowProbs(np.ones(1, dtype=np.float32), best)
-    if _cuts_top_k(params, logits.shape[-1]):
+    if _sparse_top_k(params, logits.shape[-1]):
         return _top_k_row(_as_numpy(logits / params.temperature), params)
-    if params.top_p < 1 and search is not None:
+    if params.top_p < 1 and search is not None and not _cuts_top_k(params, logits.shape[-1]):
         found = search(logits, params.temperature, params.top_p)
         if found is not None:
             return found
@@ -294,6 +297,12 @@ def cut_probs(logits: torch.Tensor) -> torch.Tensor:
 
 def _cuts_top_k(params: SamplingParams, vocab: int) -> bool:
     return 0 < params.top_k < vocab
+
+
+def _sparse_top_k(params: SamplingParams, vocab: int) -> bool:
+    """Whether a row's top-k cut keeps its tokens alone (:func:`_top_k_row`): rows of more
+    than SMALL_TOP_K_ROW tokens, where a softmax over all of them costs more."""
+    return vocab > SMALL_TOP_K_ROW and _cuts_top_k(params, vocab)
 
 
 def _renormalized_nucleus(logits: np.ndarray, probs: np.ndarray, top_p: float) -> RowProbs:
