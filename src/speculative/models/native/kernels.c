@@ -542,6 +542,14 @@ static inline void q4_panel16(const uint8_t *blocks, const uint8_t *blocks2, int
 }
 #endif
 
+/* Rows from which the AVX-512 build takes two panels at once (q4_panel16, the same bits as
+ * q4_panel8). One row is streamed faster one panel at a time: a decode step of the default
+ * model took 0.86-0.93x the time that way on Zen 5 (scripts/kernels_side_by_side.py, logits
+ * bitwise equal), and 3-token passes the same time. */
+#ifndef Q4_PANEL16_ROWS
+#define Q4_PANEL16_ROWS 2
+#endif
+
 /* y[r, o] (+)= x[r] . W[o] + bias[o] for q4 W (blocks as described above): quantizes x
  * into qx, then each thread takes a contiguous range of 8-output panels. Per block (8
  * outputs x 32 inputs) the nibbles unpack once; every token row then adds
@@ -562,7 +570,7 @@ static void linear_q4(const Linear *L, const float *x, int rows, float *y, int l
             const uint8_t *blocks = (const uint8_t *)L->weight + (size_t)p * panel_bytes;
             int done = 1;
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-            if (p + 1 < p1) {
+            if (cn >= Q4_PANEL16_ROWS && p + 1 < p1) {
                 q4_panel16(blocks, blocks + panel_bytes, groups, in, qx, c0, cn, acc);
                 done = 2;
             } else
