@@ -19,7 +19,7 @@ from speculative.sampling.params import SamplingParams
 
 PROB_TOLERANCE = 1e-4  # how far a distribution's sum may stray from 1
 NUCLEUS_CUTOFF_STEP = 64.0  # the nucleus search lowers its probability cutoff by this
-SPARSE_SAMPLE_LIMIT = 4096  # positive entries up to which a draw sums only those
+SPARSE_SAMPLE_LIMIT = 4096  # dense rows longer than this draw by the full cumsum
 SMALL_DRAW = 64  # entries up to which a draw runs in plain Python (no numpy call)
 # Nuclei up to this size are renormalized with libm's exp and an in-order float64 sum, which
 # compiled code reproduces bit for bit (numpy's exp is its own SIMD code on AVX-512 CPUs);
@@ -225,11 +225,13 @@ class RowProbs:
         typical nucleus) runs in plain Python: the same float64 additions, one numpy call."""
         if self.values.size <= SMALL_DRAW:
             return self._small_draw(uniform)
-        positive = np.flatnonzero(self.values > 0)  # [m] increasing indices
-        if self.support is None and positive.size > SPARSE_SAMPLE_LIMIT:
+        if self.support is None and self.values.size > SPARSE_SAMPLE_LIMIT:
+            # a dense row (temperature alone): the full cumsum, without first listing its
+            # positive entries (a pass over 49k entries, 20 µs, that found nearly all)
             uniforms = torch.tensor([uniform], dtype=torch.float64)
             dense = torch.from_numpy(self.values).reshape(1, -1)
             return int(sample_from(dense, uniforms)[0])
+        positive = np.flatnonzero(self.values > 0)  # [m] increasing indices
         cdf = np.cumsum(self.values[positive].astype(np.float64))  # [m]
         target = float(np.float64(uniform) * cdf[-1])
         index = int(positive[min(int(np.searchsorted(cdf, target, side="right")), cdf.size - 1)])
