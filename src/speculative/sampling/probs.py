@@ -86,10 +86,7 @@ def _top_k_row(row: np.ndarray, params: SamplingParams) -> RowProbs:
     takes the masked softmax itself (whose NaNs the checks downstream report)."""
     kept = top_k_ids(row, params.top_k)  # [n] increasing token ids
     if kept is None:
-        masked = mask_top_k(torch.from_numpy(row), params.top_k)
-        if params.top_p < 1:
-            return _renormalized_nucleus(row, _as_numpy(cut_probs(masked)), params.top_p)
-        return RowProbs(_as_numpy(torch.softmax(masked, dim=-1)))
+        return _processed_row(mask_top_k(torch.from_numpy(row), params.top_k), params)
     if params.top_p < 1:
         masses = _as_numpy(cut_probs(torch.from_numpy(row[kept])))  # [n] float64
         kept = kept[_row_nucleus(masses, params.top_p).kept]
@@ -285,7 +282,12 @@ def row_probs(
         found = search(logits, params.temperature, params.top_p)
         if found is not None:
             return found
-    logits = tempered(logits, params)
+    return _processed_row(tempered(logits, params), params)
+
+
+def _processed_row(logits: torch.Tensor, params: SamplingParams) -> RowProbs:
+    """[vocab] float32 tempered logits, -inf below any top-k cut -> the row: its top-p
+    nucleus renormalized, or the softmax over the whole row."""
     if params.top_p < 1:
         return _renormalized_nucleus(_as_numpy(logits), _as_numpy(cut_probs(logits)), params.top_p)
     return RowProbs(_as_numpy(torch.softmax(logits, dim=-1)))

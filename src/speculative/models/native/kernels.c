@@ -1748,7 +1748,8 @@ int32_t spec_nucleus(const float *logits, int64_t n, float temperature, double t
     const int64_t members = nucleus_members(tempered, n, last, kept, max_kept);
     if (members > max_kept) return -1;
     double weight[NUCLEUS_MAX], total = 0.0;  /* m is the members' largest: the top is one */
-    for (int64_t j = 0; j < members; j++) total += weight[j] = exp((double)tempered[kept[j]] - (double)m);
+    for (int64_t j = 0; j < members; j++)
+        total += weight[j] = exp((double)tempered[kept[j]] - (double)m);
     for (int64_t j = 0; j < members; j++) probs[j] = (float)(weight[j] / total);
     return (int32_t)members;
 }
