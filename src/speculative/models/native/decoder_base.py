@@ -3,8 +3,9 @@ bytes, cache allocation."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -104,6 +105,26 @@ class DecoderBase:
         return self.lm_head.weight_bytes() + sum(layer.weight_bytes() for layer in self.layers)
 
     slot_dim: int  # the cache slot (sequence) dimension of k_cache / v_cache
+    config: Any  # the NativeConfig of the layers this decoder runs
+
+    def truncated(self, num_layers: int) -> DecoderBase:
+        """A decoder over the SAME packed weights that runs only the first ``num_layers``
+        layers, then the final norm and the output head (early exit), with its own empty
+        cache: the weights are shared, not copied."""
+        if not 1 <= num_layers <= len(self.layers):
+            total = len(self.layers)
+            raise ValueError(f"early exit needs 1 <= layers <= {total}, got {num_layers}")
+        clone = copy.copy(self)
+        clone.config = replace(self.config, num_layers=num_layers)
+        clone.layers = self.layers[:num_layers]
+        clone.kernels = dict(self.kernels)
+        clone._batch = 0
+        clone.k_cache, clone.v_cache = torch.empty(0), torch.empty(0)
+        clone._rebuild()
+        return clone
+
+    def _rebuild(self) -> None:
+        """Refresh what a decoder derives from its layer list (after :meth:`truncated`)."""
 
     def allocate(self, batch: int) -> None:
         """(Re)allocate the cache for ``batch`` sequences; growing keeps what the existing

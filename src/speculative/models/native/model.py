@@ -21,6 +21,7 @@ because of this.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Sequence
 
@@ -153,6 +154,25 @@ class NativeLlama:
         self.decoder.copy_cache_from(source.decoder, length)
         self._length = length
         return True
+
+    # ---- early exit (SupportsEarlyExit) ---------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def early_exit(self, num_layers: int) -> NativeLlama:
+        """A model over the SAME packed weights that runs only the first ``num_layers``
+        layers, then the final norm and the output head; its own empty cache."""
+        total = self.config.num_layers
+        if not 1 <= num_layers <= total:
+            raise ValueError(f"early_exit needs 1 <= num_layers <= {total}, got {num_layers}")
+        clone = copy.copy(self)
+        clone.decoder = self.decoder.truncated(num_layers)
+        clone.config = clone.decoder.config
+        clone.name = f"{self.name}[:{num_layers}/{total} layers]"
+        clone._length, clone._batch = 0, 0
+        clone._slot_lengths, clone._retained = {}, {}
+        return clone
 
     # ---- batch rows (SupportsBatchRows) ---------------------------------------------
     def acquire_slot(self) -> int:
