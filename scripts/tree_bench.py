@@ -33,6 +33,9 @@ CONFIGS = [  # (label, drafter, gamma, tree)
     ("self-int4 dynamic", "self-int4", 3, "dynamic"),
     ("ngram chain γ=4", "ngram", 4, "off"),
     ("ngram tree", "ngram", 4, "static"),
+    ("eagle chain γ=2", "eagle", 2, "off"),
+    ("eagle static", "eagle", 2, "static"),
+    ("eagle dynamic", "eagle", 2, "dynamic"),
 ]
 
 
