@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from speculative.drafters.tree import DraftTree
+from speculative.sampling.probs import sample_from
 from speculative.sampling.reference import verify_tree_reference
 from speculative.sampling.tree import (
     accept_probability,
@@ -252,3 +253,40 @@ def test_sample_without_replacement_respects_support():
     for _ in range(20):
         drawn = sample_without_replacement(q, 3, g)
         assert sorted(drawn) == [1, 3]
+
+
+def _sequential_draws(
+    q: torch.Tensor, count: int, g: torch.Generator, remove: bool = True
+) -> list[int]:
+    """The sibling law by definition: each token by sample_from (torch) from q with the
+    earlier draws zeroed (``remove`` False: the broken rule, draws with replacement)."""
+    weights, drawn = q.double().clone(), []
+    for _ in range(min(count, int((weights > 0).sum()))):
+        uniform = torch.rand(1, generator=g, dtype=torch.float64)
+        drawn.append(int(sample_from(weights.unsqueeze(0), uniform)[0]))
+        if remove:
+            weights[drawn[-1]] = 0.0
+    return drawn
+
+
+def test_sample_without_replacement_is_sequential_inverse_cdf_draws():
+    """The numpy draws are sample_from's, token for token, and leave the generator where
+    the torch draws leave it: wide and narrow rows, zeros, float32 and float64 q. The
+    control: the same comparison catches draws with replacement."""
+    g = torch.Generator().manual_seed(7)
+    caught = 0
+    for trial in range(400):
+        vocab = (5, 20, 300, 49152)[trial % 4]
+        q = torch.softmax(torch.randn(vocab, generator=g) * (trial % 7), -1)
+        if trial % 3 == 0:
+            q[torch.rand(vocab, generator=g) < 0.5] = 0.0
+        if trial % 5 == 0:
+            q = q.double()
+        count = 1 + trial % 6
+        ours, theirs = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        drawn = sample_without_replacement(q, count, ours)
+        assert drawn == _sequential_draws(q, count, theirs)
+        assert torch.equal(ours.get_state(), theirs.get_state())
+        broken = _sequential_draws(q, count, torch.Generator().manual_seed(trial), remove=False)
+        caught += broken != drawn
+    assert caught >= 40

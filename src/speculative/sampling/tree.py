@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from speculative.sampling.probs import check_probs, sample_from
+from speculative.sampling.probs import RowProbs, check_probs, sample_from
 
 EMPTY_RESIDUAL = 1e-12  # residual mass below which a rejection had probability ~0
 
@@ -212,12 +213,14 @@ def sample_without_replacement(
 ) -> list[int]:
     """Up to ``count`` distinct tokens drawn one by one from q ([vocab]) without
     replacement (each draw from q with the earlier draws removed, renormalized): the
-    sibling law :func:`verify_tree` assumes. Fewer when q has fewer nonzero entries."""
-    weights = q.double().clone()
+    sibling law :func:`verify_tree` assumes. Fewer when q has fewer nonzero entries.
+    Each draw is :func:`sample_from`'s token for one float64 uniform from ``generator``,
+    bit for bit (by :meth:`RowProbs.draw`, in numpy: a tenth of the torch calls' time)."""
+    weights = q.detach().numpy().copy()  # [vocab], its own dtype (float64 sums either way)
     drawn: list[int] = []
-    for _ in range(min(count, int((weights > 0).sum()))):
-        uniform = torch.rand(1, generator=generator, dtype=torch.float64)
-        token = int(sample_from(weights.unsqueeze(0), uniform)[0])
+    for _ in range(min(count, int(np.count_nonzero(weights > 0)))):
+        uniform = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
+        token = RowProbs(weights).draw(uniform)
         drawn.append(token)
         weights[token] = 0.0
     return drawn
