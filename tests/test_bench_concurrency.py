@@ -10,8 +10,10 @@ from speculative.bench.concurrency import (
     PEER,
     PLAIN,
     ConcurrencySettings,
+    _Record,
     concurrency_markdown,
     concurrency_payload,
+    in_batches,
     run_concurrency,
 )
 from speculative.bench.prompts import parse_prompts
@@ -51,7 +53,7 @@ def test_every_setup_at_every_batch_size_with_outputs_equal_to_plain(
         assert cell.tokens_per_second > 0 and cell.vs_plain is not None
         if cell.setup != PEER:
             assert cell.identical, cell  # every row of every setup equals plain decoding
-            assert cell.new_tokens == 6 * cell.batch
+            assert cell.new_tokens == 6 * 4  # every B decodes the same 4 prompts
             assert 0 < cell.forward_share <= 1
         if cell.setup == PLAIN:
             assert cell.mean_gamma == 0 and cell.vs_plain == 1.0
@@ -143,3 +145,28 @@ def test_every_load_aware_policy_prices_a_pass_by_its_rows_and_its_tokens(
     assert measured[id(run.verify_cost["native"])] == 8
     model = concurrency_payload(run)["pass_costs"]["native"]
     assert model["rows"]["1"] == model["tokens"]["1"] == 1.0 and len(model["rows"]) == 4
+
+
+def test_every_batch_size_decodes_the_same_prompts_in_closed_batches() -> None:
+    """B = 3 over 7 prompts runs batches of 3, 3 and 1, in order, and merges them: tokens
+    and seconds summed, per-request tokens/s averaged over the 7 requests and mean γ over
+    the rounds (not over the batches: a batch of many rounds weighs more), the forward
+    share over the time."""
+    seen: list[list[int]] = []
+
+    def run(chunk):
+        seen.append([ids[0] for ids in chunk])
+        n = len(chunk)
+        return _Record(tokens=[list(ids) for ids in chunk], new_tokens=10 * n, seconds=float(n),
+                       per_request=float(n), mean_gamma=float(n), passes=2 * n,
+                       forward_share=0.5 if n == 3 else 1.0, rounds=4 * n)  # fmt: skip
+
+    merged = in_batches(run, [[i] for i in range(7)], 3)
+    assert seen == [[0, 1, 2], [3, 4, 5], [6]]
+    assert merged.tokens == [[i] for i in range(7)] and merged.new_tokens == 70
+    assert merged.seconds == 7.0 and merged.passes == 14 and merged.rounds == 28
+    assert merged.per_request == (3 * 3 + 3 * 3 + 1 * 1) / 7
+    assert merged.mean_gamma == (3 * 12 + 3 * 12 + 1 * 4) / 28  # not (3 + 3 + 1) / 3
+    assert merged.forward_share == (0.5 * 3 + 0.5 * 3 + 1.0 * 1) / 7
+    plain = in_batches(lambda chunk: _Record([[0]], 1, 1.0, 1.0, 0.0, 1, None, 0), [[0], [1]], 1)
+    assert plain.mean_gamma == 0.0 and plain.forward_share is None

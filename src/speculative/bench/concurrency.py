@@ -1,9 +1,11 @@
 """`speculative bench --concurrency 1 2 4 8 16`: batched decoding at several batch sizes.
 
-For every batch size B, B prompts of the suite (categories interleaved) are decoded
-together by :class:`~speculative.engine.batch.BatchEngine` (a closed batch: every row
-starts together and emits the same token budget, greedy, no EOS), with three setups side
-by side on the same prompts:
+For every batch size B, the same N prompts of the suite (categories interleaved; N the
+largest B) are decoded by :class:`~speculative.engine.batch.BatchEngine` in consecutive
+closed batches of B rows (every row of a batch starts together and emits the same token
+budget, greedy, no EOS), so every B decodes the same work: at B = 1 that is N single
+generations one after another, not one prompt. Three setups run side by side on the
+same prompts:
 
 - ``plain``: plain batched decoding (every row γ = 0);
 - ``γ=G``: speculation with the drafter at a fixed γ;
@@ -112,6 +114,42 @@ class _Record:
     mean_gamma: float | None = None
     passes: int | None = None
     forward_share: float | None = None  # wall time inside the target pass ÷ wall time
+    rounds: int = 0  # row rounds behind mean_gamma
+
+
+def in_batches(
+    run: Callable[[Sequence[list[int]]], _Record], prompts: Sequence[list[int]], batch: int
+) -> _Record:
+    """``run`` over consecutive closed batches of ``batch`` prompts (the last may be
+    smaller), merged into one record: tokens and seconds summed, per-request tokens/s
+    averaged over the requests, mean γ over the rounds, the forward share over the time."""
+    parts = [run(prompts[i : i + batch]) for i in range(0, len(prompts), batch)]
+    requests = [len(part.tokens) for part in parts]
+    seconds = sum(part.seconds for part in parts)
+    gammas = [part for part in parts if part.mean_gamma is not None]
+    rounds = sum(part.rounds for part in gammas)
+    timed = [part for part in parts if part.forward_share is not None]
+    forward = sum(part.forward_share * part.seconds for part in timed)  # type: ignore[operator]
+    return _Record(
+        tokens=[tokens for part in parts for tokens in part.tokens],
+        new_tokens=sum(part.new_tokens for part in parts),
+        seconds=seconds,
+        per_request=sum(p.per_request * n for p, n in zip(parts, requests, strict=True))
+        / sum(requests),
+        mean_gamma=_mean_gamma(gammas, rounds),
+        passes=sum(part.passes or 0 for part in parts) if parts[0].passes is not None else None,
+        forward_share=forward / seconds if timed and seconds > 0 else None,
+        rounds=rounds,
+    )
+
+
+def _mean_gamma(parts: list[_Record], rounds: int) -> float | None:
+    """The parts' mean γ over all their rounds (0 when they drafted in none)."""
+    if not parts:
+        return None
+    if not rounds:
+        return 0.0
+    return sum(p.mean_gamma * p.rounds for p in parts) / rounds  # type: ignore[operator]
 
 
 # --------------------------------------------------------------------------- our engine
@@ -157,6 +195,7 @@ def run_engine_batch(
         mean_gamma=statistics.mean(gammas) if gammas else 0.0,
         passes=engine.target_passes - passes_before,
         forward_share=(engine.forward_seconds - forward_before) / wall if wall > 0 else None,
+        rounds=len(gammas),
     )
 
 
@@ -271,24 +310,26 @@ def run_concurrency(
         records: dict[tuple[str, str], list[_Record]] = {}
         for repeat in range(settings.repeats):  # setups interleaved: drift hits all alike
             for runtime, target in setups.items():
-                prompts_b = ids[runtime][:batch]
                 configs = [
                     (PLAIN, 0, None),
                     (labels[1], settings.gamma, None),
                     (labels[2], settings.max_gamma, _load_aware(pass_costs[runtime])),
                 ]
                 for label, gamma, load in rotated(configs, repeat):
-                    record = run_engine_batch(
-                        target, prompts_b, settings.drafter, gamma, load,
-                        settings.max_new_tokens, clock,
+                    record = in_batches(
+                        lambda chunk, t=target, g=gamma, load=load: run_engine_batch(
+                            t, chunk, settings.drafter, g, load, settings.max_new_tokens, clock
+                        ),
+                        ids[runtime], batch,
                     )  # fmt: skip
                     records.setdefault((runtime, label), []).append(record)
                     bar.update()
             if peer is not None:
                 runtime = next(iter(setups))
-                record = transformers_batch(
-                    peer, ids[runtime][:batch], settings.max_new_tokens, pad
-                )
+                record = in_batches(
+                    lambda chunk: transformers_batch(peer, chunk, settings.max_new_tokens, pad),
+                    ids[runtime], batch,
+                )  # fmt: skip
                 records.setdefault(("hf", PEER), []).append(record)
                 bar.update()
         cells.extend(_cells(batch, records))
