@@ -337,8 +337,9 @@ def run_concurrency(
     _add_ratios(cells)
     prompt_tokens = [len(p) for p in next(iter(ids.values()))]
     notes = [
-        "closed batches: all rows start together, greedy, exactly max_new_tokens each (no "
-        "EOS); the prefill pass is excluded",
+        f"every B decodes the same {len(prompt_tokens)} prompts in consecutive closed batches "
+        "of B: the rows of a batch start together, greedy, exactly max_new_tokens each (no "
+        "EOS); each batch's prefill pass is excluded",
         f"clock: {settings.clock} ({'process CPU time' if settings.clock == 'cpu' else 'wall'}"
         f"); torch threads: {torch.get_num_threads()}; 'in forward': wall time inside the "
         "target pass ÷ wall time of the decode steps (the rest: drafting and Python)",

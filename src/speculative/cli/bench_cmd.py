@@ -53,10 +53,11 @@ decoding, not the prefill, dominates), γ 4/auto/heuristic, 1 repeat. The full m
 prompts, 128 new tokens, γ 2/4/auto/heuristic, 3 repeats) takes hours on 2 cores; trim it
 with --per-category, --repeats, --max-new-tokens and --gamma.
 
---concurrency B [B ...] switches to batched decoding: for each batch size B, B prompts
-(categories interleaved) are decoded together by the batched engine with plain batched
-decoding, the first drafter at a fixed γ (the first integer --gamma, default 4) and
-load-aware γ (--max-gamma caps it), side by side, plus transformers' padded batched
+--concurrency B [B ...] switches to batched decoding: for each batch size B, the same
+prompts (as many as the largest B, categories interleaved) are decoded B at a time by the
+batched engine (closed batches, one after another) with plain batched decoding, the
+first drafter at a fixed γ (the first integer --gamma, default 4) and load-aware γ
+(--max-gamma caps it), side by side, plus transformers' padded batched
 generate() where it can load the target. Reported: aggregate and per-request tokens/s,
 ratios to plain, the mean γ chosen, target passes, the share of time in the target pass,
 and identity with plain decoding; --out writes concurrency.json and concurrency.md.
