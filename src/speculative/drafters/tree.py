@@ -57,15 +57,11 @@ class DraftTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """[n + 1, n + 1] bool: row/column 0 is the root, i + 1 is node i; entry [a, b]
-        is True iff b is a or an ancestor of a (the tree attention mask)."""
-        n = self.size
-        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        mask[:, 0] = True
-        mask[0, 0] = True
-        for node, parent in enumerate(self.parents.tolist()):
-            mask[node + 1] = mask[parent + 1]
-            mask[node + 1, node + 1] = True
-        return mask
+        is True iff b is a or an ancestor of a (the tree attention mask): the session's
+        mask for a tree after a one-token chain, its root."""
+        from speculative.models.session import tree_attention
+
+        return tree_attention(self.parents.tolist(), 1)[0]
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from a child of the root down to ``node`` (inclusive)."""
