@@ -50,16 +50,17 @@ class _SlotCache:
         """Layer ``index``'s keys and values [1, kv_heads, k, head_dim] at positions
         [length, length + k) (``length`` itself moves once every layer is written)."""
         start, end = self.length, self.length + new_keys.shape[-2]
-        if index == len(self.keys):
-            self.keys.append(new_keys.new_empty(0))
-            self.values.append(new_values.new_empty(0))
         for store, new in ((self.keys, new_keys), (self.values, new_values)):
-            held = store[index]
-            if held.dim() != 4 or end > held.shape[-2]:
+            held = store[index] if index < len(store) else None
+            if held is None or end > held.shape[-2]:
                 grown = new.new_empty((*new.shape[:2], max(end, 2 * self.length, 16), new.shape[3]))
-                if start:
+                if held is not None and start:
                     grown[:, :, :start] = held[:, :, :start]
-                store[index] = held = grown
+                if held is None:
+                    store.append(grown)
+                else:
+                    store[index] = grown
+                held = grown
             held[:, :, start:end] = new
 
 
