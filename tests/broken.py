@@ -51,9 +51,10 @@ def tree_keep_rejected_in_q(tokens, parents, draft_probs, target_probs, generato
     token_list, children = tokens.tolist(), children_lists(parents.tolist())
     path, node = [], -1
     while True:
-        p = target_probs[node + 1].double()
+        p = target_probs[node + 1].double().numpy()  # the rules' numpy float64 rows
         siblings = children[node + 1]
         q = None if draft_probs is None or not siblings else draft_probs[siblings[0]].double()
+        q = None if q is None else q.numpy()
         accepted = None
         for child in siblings:
             if accepts(p, q, token_list[child], uniforms[child]):
@@ -61,7 +62,7 @@ def tree_keep_rejected_in_q(tokens, parents, draft_probs, target_probs, generato
                 break
             p, _ = reject_sibling(p, q, token_list[child])  # BUG: q keeps the rejected token
         if accepted is None:
-            extra = int(sample_from(p.unsqueeze(0), last)[0])
+            extra = int(sample_from(torch.from_numpy(p).unsqueeze(0), last)[0])
             return TreeVerifyResult(path, [token_list[i] for i in path] + [extra])
         path.append(accepted)
         node = accepted

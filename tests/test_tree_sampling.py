@@ -91,7 +91,8 @@ def round_law(
     for draws, prob in draws_list:
         if prune is not None:
             draws = draws[: prune(q0, draws)]
-        p, q, reach = target(prefix), (None if point_mass else q0), prob
+        # the rules take numpy float64 rows, as the verifier walks them
+        p, q, reach = target(prefix).numpy(), (None if point_mass else q0.numpy()), prob
         for x in draws:
             a = accept_probability(p, q, x)
             for rest, pr in round_law(

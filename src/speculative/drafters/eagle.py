@@ -232,8 +232,12 @@ class EagleDrafter(HeadDrafter):
         frontier = [-1]
         for depth in range(len(STATIC_BRANCHING)):
             children = []
-            for parent in frontier[: STATIC_WIDTH[depth]]:
-                probs = draft_distribution(outputs[parent + 1][1], params)  # [N]
+            parents = frontier[: STATIC_WIDTH[depth]]
+            # every parent's row in one call (rows are processed independently)
+            depth_probs = draft_distribution(
+                torch.stack([outputs[parent + 1][1] for parent in parents]), params
+            )  # [parents, N]
+            for parent, probs in zip(parents, depth_probs, strict=True):
                 room = budget - len(tree.tokens)
                 drawn = draw_without_replacement(
                     probs, min(STATIC_BRANCHING[depth], room), params, generator

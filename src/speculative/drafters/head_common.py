@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from speculative.heads.store import TrainedHead
@@ -120,16 +121,20 @@ def draw_without_replacement(
     """Up to ``count`` distinct indices of [N] probs in draw order: the top ``count`` by
     greedy probability, or by Gumbel-top-k (the same law as sequential draws without
     replacement) using ``generator``. Never returns a zero-probability index."""
-    support = int((probs > 0).sum())
-    count = min(count, support)
+    values = probs.detach().numpy()  # [N]
+    support = np.flatnonzero(values > 0)  # [m] increasing indices
+    count = min(count, support.size)
     if count <= 0:
         return torch.empty(0, dtype=torch.long)
     if params.greedy:
         return torch.topk(probs, count).indices
-    uniform = torch.rand(probs.shape, generator=generator, dtype=torch.float64)
-    gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-300)))
-    keys = torch.where(probs > 0, probs.double().log() + gumbel, float("-inf"))
-    return torch.topk(keys, count).indices
+    # one uniform per entry, as many as the row has (the generator advances the same
+    # whatever the support); keys log p + Gumbel on the support alone, in numpy
+    uniform = torch.rand(probs.shape, generator=generator, dtype=torch.float64).numpy()
+    gumbel = -np.log(-np.log(np.maximum(uniform[support], 1e-300)))  # [m]
+    keys = np.log(values[support].astype(np.float64)) + gumbel  # [m]
+    order = np.argsort(-keys, kind="stable")[:count]  # largest key first
+    return torch.from_numpy(support[order])
 
 
 def true_feature_count(target: FeatureSource | None, context: Sequence[int]) -> int:

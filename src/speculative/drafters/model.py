@@ -15,7 +15,8 @@ from speculative.drafters.base import Draft
 from speculative.drafters.tree import AcceptanceCalibration, DraftTree, RankedTree, TreeShape
 from speculative.models.base import CausalLM
 from speculative.models.session import ModelSession
-from speculative.sampling import SamplingParams, logits_to_probs, sample
+from speculative.sampling import SamplingParams, logits_to_probs
+from speculative.sampling.probs import RowProbs
 from speculative.sampling.tree import sample_without_replacement
 
 
@@ -28,6 +29,13 @@ def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
         return logits[..., :vocab]
     pad = logits.new_full((*logits.shape[:-1], vocab - width), float("-inf"))
     return torch.cat([logits, pad], dim=-1)
+
+
+def _draw(q: torch.Tensor, generator: torch.Generator) -> int:
+    """``sample(q[None], generator)``'s token for q [vocab], bit for bit (the same float64
+    uniform; :meth:`RowProbs.draw` in numpy instead of a cumsum over the row in torch)."""
+    uniform = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
+    return RowProbs(q.detach().numpy()).draw(uniform)
 
 
 class DraftModelDrafter:
@@ -79,7 +87,7 @@ class DraftModelDrafter:
         for _ in range(gamma):
             logits = self.session.logits_after(sequence)[:, -1]  # [1, vocab]
             q = logits_to_probs(fit_vocab(logits, self.vocab_size), params)  # [1, vocab]
-            token = int(q.argmax()) if params.greedy else int(sample(q, generator)[0])
+            token = int(q.argmax()) if params.greedy else _draw(q[0], generator)
             tokens.append(token)
             rows.append(q)
             sequence.append(token)
@@ -140,10 +148,10 @@ class DraftModelDrafter:
             if tree.size >= budget or not frontier:
                 break
             rows = self._level_logits(context, tree, [n for n in range(tree.size)])
+            level = torch.stack([fit_vocab(rows[parent], self.vocab_size) for parent in frontier])
+            level_q = logits_to_probs(level, params)  # [frontier, vocab]: rows apart, one call
             next_frontier = []
-            for parent in frontier:
-                logits = fit_vocab(rows[parent], self.vocab_size)  # [vocab]
-                q = logits_to_probs(logits, params)  # [vocab]
+            for parent, logits, q in zip(frontier, level, level_q, strict=True):
                 room = min(width, budget - tree.size)
                 if params.greedy:
                     kids = torch.topk(logits, room).indices.tolist()

@@ -333,8 +333,8 @@ def _renormalized(kept_logits: np.ndarray, kept: np.ndarray) -> RowProbs:
         total = 0.0
         for weight in weights:  # in order (builtin sum() compensates: other bits)
             total += weight
-        probs = np.array([weight / total for weight in weights], dtype=np.float64)
-        return RowProbs(probs.astype(np.float32), kept)
+        # each float64 quotient rounded to float32 (what astype(float32) of them gives)
+        return RowProbs(np.array([weight / total for weight in weights], dtype=np.float32), kept)
     weights = np.exp(kept_logits.astype(np.float64) - float(kept_logits.max()))
     return RowProbs((weights / weights.sum()).astype(np.float32), kept)
 
@@ -372,6 +372,8 @@ def _row_nucleus(row: np.ndarray, top_p: float) -> RowNucleus:
     after another (``np.cumsum`` accumulates in order): member i of the descending order is
     kept while the mass before it, entry i - 1 of the running sum (0 for the first), is
     below top_p."""
+    if row.size <= SMALL_DRAW and row.dtype == np.float64:
+        return _small_row_nucleus(row, top_p)
     cutoff = float(row.max())
     while True:
         cutoff /= NUCLEUS_CUTOFF_STEP
@@ -384,6 +386,24 @@ def _row_nucleus(row: np.ndarray, top_p: float) -> RowNucleus:
             kept = 1 + int(np.count_nonzero(mass[:-1] < top_p))  # the first is always kept
             threshold = ordered[kept - 1]  # >= cutoff: every member is a candidate
             return RowNucleus(threshold, candidates[candidate_probs >= threshold])
+
+
+def _small_row_nucleus(row: np.ndarray, top_p: float) -> RowNucleus:
+    """:func:`_row_nucleus` of a short float64 row (a small vocabulary, a top-k cut) in
+    plain Python floats, bit for bit: the same descending order, the same in-order float64
+    running sum (Python's float addition is the IEEE double addition ``np.cumsum``
+    makes), stopped at the first member whose mass reaches top_p."""
+    values = row.tolist()
+    ordered = sorted(values, reverse=True)
+    mass, kept = 0.0, len(ordered)
+    for index, value in enumerate(ordered[:-1]):
+        mass += value
+        if mass >= top_p:  # the next member's mass before it is not below top_p
+            kept = index + 1
+            break
+    threshold = ordered[kept - 1]
+    members = [i for i, value in enumerate(values) if value >= threshold]
+    return RowNucleus(np.float64(threshold), np.array(members, dtype=np.int64))
 
 
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from speculative.sampling.probs import RowProbs, check_probs, sample_from
+from speculative.sampling.probs import RowProbs, check_probs
 
 EMPTY_RESIDUAL = 1e-12  # residual mass below which a rejection had probability ~0
 
@@ -80,44 +80,45 @@ def check_tree(
         raise ValueError(
             f"draft_probs must be [n={n}, vocab={vocab}], got {tuple(draft_probs.shape)}"
         )
-    if n and (tokens.min() < 0 or tokens.max() >= vocab):
+    # a tree has a handful of nodes: plain Python on lists costs less than torch reductions
+    if any(not 0 <= token < vocab for token in tokens.tolist()):
         raise ValueError(f"tokens must be token ids in [0, {vocab})")
-    if n and not bool((parents < torch.arange(n)).all() and (parents >= -1).all()):
+    if any(not -1 <= parent < node for node, parent in enumerate(parents.tolist())):
         raise ValueError("parents[i] must lie in [-1, i): parents come before children")
 
 
-def accept_probability(p: torch.Tensor, q: torch.Tensor | None, token: int) -> float:
+def accept_probability(p: np.ndarray, q: np.ndarray | None, token: int) -> float:
     """min(1, p(x) / q(x)) for the current p, q ([vocab] float64); one-hot q when None."""
     q_x = 1.0 if q is None else float(q[token])
     p_x = float(p[token])
     return 1.0 if p_x >= q_x else p_x / q_x
 
 
-def accepts(p: torch.Tensor, q: torch.Tensor | None, token: int, uniform: float) -> bool:
+def accepts(p: np.ndarray, q: np.ndarray | None, token: int, uniform: float) -> bool:
     """u < min(1, p/q)  <=>  u * q < p  (no division; q(x) = 0 with p(x) > 0 accepts)."""
     q_x = 1.0 if q is None else float(q[token])
     return uniform * q_x < float(p[token])
 
 
 def reject_sibling(
-    p: torch.Tensor, q: torch.Tensor | None, token: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    p: np.ndarray, q: np.ndarray | None, token: int
+) -> tuple[np.ndarray, np.ndarray | None]:
     """(p, q) for the next sibling after ``token`` was rejected.   p, q: [vocab] float64.
 
     p <- normalize(max(p - q, 0)) (with a one-hot q: p with ``token`` zeroed); q <- q with
     ``token`` removed, renormalized (None stays None: each point-mass sibling is its own q).
     """
     if q is None:
-        leftover = p.clone()
+        leftover = p.copy()
         leftover[token] = 0.0
     else:
-        leftover = torch.clamp(p - q, min=0.0)
+        leftover = np.maximum(p - q, 0.0)
     mass = float(leftover.sum())
     # p == q up to rounding: the rejection had probability ~0; keep p (continuous limit).
     p_next = p if mass <= EMPTY_RESIDUAL else leftover / mass
     if q is None:
         return p_next, None
-    q_next = q.clone()
+    q_next = q.copy()
     q_next[token] = 0.0
     q_mass = float(q_next.sum())
     return p_next, (q_next / q_mass if q_mass > 0 else q_next)
@@ -131,16 +132,20 @@ def verify_tree_from_uniforms(
     accept_uniforms: torch.Tensor,  # [n] in [0, 1): node i's accept test uses entry i
     sample_uniform: float,  # in [0, 1): the recovered or bonus token
 ) -> TreeVerifyResult:
-    """Tree verification driven by explicit uniforms (deterministic given them)."""
+    """Tree verification driven by explicit uniforms (deterministic given them). Rows
+    run in numpy float64 (a tree's walk reads single entries, where torch's per-call
+    cost is tens of times numpy's)."""
     token_list = tokens.tolist()
     children = children_lists(parents.tolist())
     uniforms = accept_uniforms.double().tolist()
+    target = target_probs.detach().numpy()  # [n + 1, vocab]
+    draft = None if draft_probs is None else draft_probs.detach().numpy()  # [n, vocab]
     path: list[int] = []
     node = -1
     while True:
-        p = target_probs[node + 1].double()  # [vocab]
+        p = target[node + 1].astype(np.float64)  # [vocab]
         siblings = children[node + 1]
-        q = None if draft_probs is None or not siblings else draft_probs[siblings[0]].double()
+        q = None if draft is None or not siblings else draft[siblings[0]].astype(np.float64)
         accepted = None
         for child in siblings:
             if accepts(p, q, token_list[child], uniforms[child]):
@@ -148,9 +153,7 @@ def verify_tree_from_uniforms(
                 break
             p, q = reject_sibling(p, q, token_list[child])
         if accepted is None:  # recovered (all siblings rejected) or bonus (a leaf)
-            extra = int(
-                sample_from(p.unsqueeze(0), torch.tensor([sample_uniform], dtype=torch.float64))[0]
-            )
+            extra = RowProbs(p).draw(sample_uniform)  # sample_from's token, bit for bit
             return TreeVerifyResult(path, [token_list[i] for i in path] + [extra])
         path.append(accepted)
         node = accepted
