@@ -34,7 +34,8 @@ class DraftTree:
         n = self.tokens.shape[0]
         if self.parents.shape[0] != n:
             raise ValueError(f"{n} tokens but {self.parents.shape[0]} parents")
-        if n and not bool(((self.parents >= -1) & (self.parents < torch.arange(n))).all()):
+        # a handful of nodes: a Python walk costs less than torch's elementwise ops
+        if any(not -1 <= parent < node for node, parent in enumerate(self.parents.tolist())):
             raise ValueError("parents[i] must lie in [-1, i): parents come before children")
         if self.q is not None and (self.q.dim() != 2 or self.q.shape[0] != n):
             raise ValueError(f"q must be [n={n}, vocab], got {tuple(self.q.shape)}")
