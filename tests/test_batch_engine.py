@@ -412,6 +412,25 @@ def test_hopeless_rounds_skip_the_policy_until_the_batch_changes(folder: Path) -
             assert 0 < len(asked) <= rounds // 3 + 1
 
 
+def test_rows_kept_plain_do_not_price_their_drafter(folder: Path) -> None:
+    """A row's per-call drafting cost is measured only in rounds that asked its drafter:
+    the rounds the load policy keeps it plain (a request row alone, microseconds) must
+    not pull the n-gram lookup's price down. The control, where drafts ride free, does
+    ask the drafter, and measures it."""
+    backend = _backend("kernels")
+    spec = next(s for s in _specs() if s.params.greedy and s.drafter == "ngram")
+    target = load_native(folder, max_length=96, backend=backend)
+    for curve, drafts in ((lambda n: float(n), False), ({1: 1.0, 32: 1.0}, True)):
+        engine = BatchEngine(target, max_batch=2, load=LoadAwareGamma(curve))
+        ids = [engine.add(_request(spec, folder, backend)) for _ in range(2)]
+        for _ in range(4):
+            engine.step()
+        rows = [engine.rows[i] for i in ids]
+        assert all((row.propose_seconds is not None) == drafts for row in rows)
+        for i in ids:
+            engine.cancel(i)
+
+
 def test_load_aware_gamma_shrinks_as_the_batch_grows() -> None:
     """Flat verify cost up to 8 tokens, linear past it: the policy speculates while drafts
     ride in the flat part and backs off to plain decoding when the batch fills it."""

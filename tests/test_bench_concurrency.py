@@ -170,3 +170,21 @@ def test_every_batch_size_decodes_the_same_prompts_in_closed_batches() -> None:
     assert merged.forward_share == (0.5 * 3 + 0.5 * 3 + 1.0 * 1) / 7
     plain = in_batches(lambda chunk: _Record([[0]], 1, 1.0, 1.0, 0.0, 1, None, 0), [[0], [1]], 1)
     assert plain.mean_gamma == 0.0 and plain.forward_share is None
+
+
+def test_vs_plain_pairs_each_repeat_with_plain_decoding_of_the_same_repeat() -> None:
+    """×plain is the median of the per-repeat ratios (here 1.10, 0.96, 0.857 -> 0.96), not
+    the ratio of the medians (60 / 70 = 0.857): a slow repeat for both setups cancels."""
+    from speculative.bench.concurrency import _cells
+
+    def run(tokens_per_second: float) -> _Record:
+        return _Record([[0]], 96, 96 / tokens_per_second, 1.0, 0.0, 1, None, 0)
+
+    records = {
+        ("native", PLAIN): [run(100), run(50), run(70)],
+        ("native", "x"): [run(110), run(48), run(60)],
+    }
+    cells = {c.setup: c for c in _cells(4, records)}
+    assert cells["x"].vs_plain == pytest.approx(48 / 50)
+    assert cells["x"].tokens_per_second == pytest.approx(60)  # the median repeat's rate
+    assert cells[PLAIN].vs_plain == 1.0

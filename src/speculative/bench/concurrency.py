@@ -18,13 +18,15 @@ same prompts:
   furthest from their end may draft;
 
 and, where transformers can load the target, its padded batched ``generate()`` as a peer.
-Setups are interleaved per repeat (drift on a shared machine hits all alike); each cell is
-the median of its repeats. The pass that prefills every prompt is excluded (tokens and
-time); the peer's prefill is taken out as ``t(N tokens) − t(1 token)``. Reported per cell:
-aggregate tokens/s, per-request tokens/s (each row's tokens ÷ the time until it finished),
-the mean γ chosen per round, target passes, the share of decode time spent inside the
-target pass (the rest is drafting and Python overhead), and whether the outputs equal
-plain decoding's token for token.
+Setups are interleaved batch by batch (each closed batch runs under every setup, in a
+rotated order, before the next starts: drift on a shared machine hits all alike); each
+cell is the median of its repeats, and its ×plain the median over the repeats of its
+ratio to plain decoding in the same repeat. The pass that prefills every prompt is
+excluded (tokens and time); the peer's prefill is taken out as ``t(N tokens) −
+t(1 token)``. Reported per cell: aggregate tokens/s, per-request tokens/s (each row's
+tokens ÷ the time until it finished), the mean γ chosen per round, target passes, the
+share of decode time spent inside the target pass (the rest is drafting and Python
+overhead), and whether the outputs equal plain decoding's token for token.
 """
 
 from __future__ import annotations
@@ -123,7 +125,16 @@ def in_batches(
     """``run`` over consecutive closed batches of ``batch`` prompts (the last may be
     smaller), merged into one record: tokens and seconds summed, per-request tokens/s
     averaged over the requests, mean γ over the rounds, the forward share over the time."""
-    parts = [run(prompts[i : i + batch]) for i in range(0, len(prompts), batch)]
+    return merged([run(chunk) for chunk in chunks(prompts, batch)])
+
+
+def chunks(prompts: Sequence[list[int]], batch: int) -> list[Sequence[list[int]]]:
+    """Consecutive closed batches of ``batch`` prompts (the last may be smaller)."""
+    return [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+
+
+def merged(parts: list[_Record]) -> _Record:
+    """Closed batches' records as one (see :func:`in_batches`)."""
     requests = [len(part.tokens) for part in parts]
     seconds = sum(part.seconds for part in parts)
     gammas = [part for part in parts if part.mean_gamma is not None]
@@ -315,14 +326,18 @@ def run_concurrency(
                     (labels[1], settings.gamma, None),
                     (labels[2], settings.max_gamma, _load_aware(pass_costs[runtime])),
                 ]
-                for label, gamma, load in rotated(configs, repeat):
-                    record = in_batches(
-                        lambda chunk, t=target, g=gamma, load=load: run_engine_batch(
-                            t, chunk, settings.drafter, g, load, settings.max_new_tokens, clock
-                        ),
-                        ids[runtime], batch,
-                    )  # fmt: skip
-                    records.setdefault((runtime, label), []).append(record)
+                # every closed batch runs under every setup before the next batch starts
+                # (each batch's order rotated): a setup and plain decoding run seconds
+                # apart, not a whole sweep over the prompts apart
+                parts: dict[str, list[_Record]] = {label: [] for label, _, _ in configs}
+                for index, chunk in enumerate(chunks(ids[runtime], batch)):
+                    for label, gamma, load in rotated(configs, repeat + index):
+                        parts[label].append(
+                            run_engine_batch(target, chunk, settings.drafter, gamma, load,
+                                             settings.max_new_tokens, clock)
+                        )  # fmt: skip
+                for label, _, _ in configs:
+                    records.setdefault((runtime, label), []).append(merged(parts[label]))
                     bar.update()
             if peer is not None:
                 runtime = next(iter(setups))
@@ -368,9 +383,10 @@ def rotated(items: Sequence[Any], repeat: int) -> list[Any]:
 
 
 def _cells(batch: int, records: dict[tuple[str, str], list[_Record]]) -> list[Cell]:
+    first = next((rt for rt, label in records if label == PLAIN), None)
     cells = []
     for (runtime, label), runs in records.items():
-        plain = records.get((runtime, PLAIN))
+        plain = records.get((runtime, PLAIN), records.get((first, PLAIN)))
         mid = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
         seconds = statistics.median(r.seconds for r in runs)
         identical = None
@@ -390,9 +406,24 @@ def _cells(batch: int, records: dict[tuple[str, str], list[_Record]]) -> list[Ce
                 passes=mid.passes,
                 forward_share=forward,
                 identical=identical,
+                vs_plain=_paired_ratio(runs, plain),
             )
         )
     return cells
+
+
+def _paired_ratio(runs: list[_Record], plain: list[_Record] | None) -> float | None:
+    """×plain: the median over the repeats of a run's tokens/s ÷ plain decoding's in the
+    same repeat (the two ran interleaved, so the machine's drift between repeats
+    cancels), rather than a ratio of medians taken from different repeats."""
+    if not plain or len(plain) != len(runs):
+        return None
+    ratios = [
+        (run.new_tokens / run.seconds) / (base.new_tokens / base.seconds)
+        for run, base in zip(runs, plain, strict=True)
+        if run.seconds > 0 and base.seconds > 0 and base.new_tokens > 0
+    ]
+    return statistics.median(ratios) if ratios else None
 
 
 def _per_request(label: str, batch: int, runs: list[_Record], seconds: float) -> float:
@@ -403,15 +434,17 @@ def _per_request(label: str, batch: int, runs: list[_Record], seconds: float) ->
 
 
 def _add_ratios(cells: list[Cell]) -> None:
-    """×plain at the same B (same runtime; the peer against the first runtime's plain)
-    and ×plain at the smallest B."""
+    """×plain at the same B where :func:`_paired_ratio` could not pair the repeats (same
+    runtime; the peer against the first runtime's plain) and ×plain at the smallest B
+    (a ratio of medians: different batch sizes ran at different times)."""
     plain = {(c.runtime, c.batch): c.tokens_per_second for c in cells if c.setup == PLAIN}
     runtimes = [c.runtime for c in cells if c.setup == PLAIN]
     smallest = min((c.batch for c in cells), default=1)
     for cell in cells:
         runtime = cell.runtime if (cell.runtime, cell.batch) in plain else runtimes[0]
         base, first = plain.get((runtime, cell.batch)), plain.get((runtime, smallest))
-        cell.vs_plain = cell.tokens_per_second / base if base else None
+        if cell.vs_plain is None:
+            cell.vs_plain = cell.tokens_per_second / base if base else None
         cell.vs_plain_b1 = cell.tokens_per_second / first if first else None
 
 

@@ -58,8 +58,10 @@ prompts (as many as the largest B, categories interleaved) are decoded B at a ti
 batched engine (closed batches, one after another) with plain batched decoding, the
 first drafter at a fixed γ (the first integer --gamma, default 4) and load-aware γ
 (--max-gamma caps it), side by side, plus transformers' padded batched
-generate() where it can load the target. Reported: aggregate and per-request tokens/s,
-ratios to plain, the mean γ chosen, target passes, the share of time in the target pass,
+generate() where it can load the target. Each closed batch runs under every setup before
+the next batch starts, so a setup and plain decoding run seconds apart; ×plain is the
+median over the repeats of the ratio within a repeat. Reported: aggregate and per-request
+tokens/s, ratios to plain, the mean γ chosen, target passes, the share of time in the target pass,
 and identity with plain decoding; --out writes concurrency.json and concurrency.md.
 e.g. speculative bench --concurrency 1 2 4 8 16 --runtime native --max-new-tokens 32
 """

@@ -409,7 +409,7 @@ class BatchEngine:
         wanted = [self._own_gamma(row) for row in rows]
         if self.load is not None and self._hopeless.skip(len(self.rows)):
             wanted = [0] * len(rows)
-        if self.load is not None and self.draining and len(self.rows) > 1:
+        if self.load is not None and self.draining and len(self.rows) > 1 and any(wanted):
             wanted = self._furthest_behind(rows, wanted)
         if self.load is not None and any(wanted):
             wanted = self._load_gammas(self.load, rows, wanted, extra_tokens, extra_rows)
@@ -418,7 +418,8 @@ class BatchEngine:
             started, calls = time.perf_counter(), row.state.stats.draft_calls
             proposal = self._proposal(row, gamma)
             seconds = time.perf_counter() - started
-            self._measure_propose(row, seconds, calls)
+            if gamma > 0 or row.request.tree is not None:  # the drafter was asked
+                self._measure_propose(row, seconds, calls)
             planned.append(_Planned(row, proposal, seconds, gamma))
         return planned
 
