@@ -179,7 +179,7 @@ class RowProbs:
     test's p(x), the residual max(0, p - q) (zero wherever p is) and the inverse-CDF draw,
     each giving the bits it gives on the dense row."""
 
-    values: np.ndarray  # [n] float32
+    values: np.ndarray  # [n] float32 (float64: a tree verifier's residual rows)
     support: np.ndarray | None = None  # [n] int64 increasing token ids; None: all
 
     def prob(self, token: int) -> np.float32:
