@@ -176,6 +176,30 @@ def test_nucleus_matches_the_full_sort_reference():
     assert kept[0].tolist() == [True, True, True, True, False, False]
 
 
+def test_short_float64_rows_take_the_nucleus_in_python_as_the_full_sort_does():
+    """Rows of at most 64 float64 probabilities (a small vocabulary, a top-k cut) find
+    their nucleus in plain Python: the same threshold as the full-sort reference and
+    every token at or above it, ties at the cut and zero-probability tokens included."""
+    from speculative.sampling.probs import SMALL_DRAW, _row_nucleus
+    from speculative.sampling.reference import nucleus_threshold_reference
+
+    generator = torch.Generator().manual_seed(7)
+    rows = [
+        torch.randn(n, generator=generator, dtype=torch.float64) * scale
+        for n in (1, 2, 5, 20, SMALL_DRAW)
+        for scale in (0.1, 1.0, 4.0)
+    ]
+    rows.append(torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0, -2.0], dtype=torch.float64))  # a tie
+    rows.append(torch.tensor([0.0, float("-inf"), 2.0, float("-inf")], dtype=torch.float64))
+    for logits in rows:
+        probs = torch.softmax(logits, dim=-1).numpy()  # [n] float64
+        for top_p in (0.3, 0.8, 0.95, 1.0):
+            found = _row_nucleus(probs, top_p)
+            want = nucleus_threshold_reference(probs.tolist(), top_p)
+            assert float(found.threshold) == want, (probs.size, top_p)
+            assert found.kept.tolist() == [i for i, p in enumerate(probs) if p >= want]
+
+
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
