@@ -434,17 +434,15 @@ def _per_request(label: str, batch: int, runs: list[_Record], seconds: float) ->
 
 
 def _add_ratios(cells: list[Cell]) -> None:
-    """×plain at the same B where :func:`_paired_ratio` could not pair the repeats (same
-    runtime; the peer against the first runtime's plain) and ×plain at the smallest B
-    (a ratio of medians: different batch sizes ran at different times)."""
+    """×plain at the smallest B (same runtime; the peer against the first runtime's
+    plain): a ratio of medians, as different batch sizes ran at different times (×plain
+    at the same B is :func:`_paired_ratio`'s)."""
     plain = {(c.runtime, c.batch): c.tokens_per_second for c in cells if c.setup == PLAIN}
     runtimes = [c.runtime for c in cells if c.setup == PLAIN]
     smallest = min((c.batch for c in cells), default=1)
     for cell in cells:
         runtime = cell.runtime if (cell.runtime, cell.batch) in plain else runtimes[0]
-        base, first = plain.get((runtime, cell.batch)), plain.get((runtime, smallest))
-        if cell.vs_plain is None:
-            cell.vs_plain = cell.tokens_per_second / base if base else None
+        first = plain.get((runtime, smallest))
         cell.vs_plain_b1 = cell.tokens_per_second / first if first else None
 
 

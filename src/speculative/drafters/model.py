@@ -16,7 +16,7 @@ from speculative.drafters.tree import AcceptanceCalibration, DraftTree, RankedTr
 from speculative.models.base import CausalLM
 from speculative.models.session import ModelSession
 from speculative.sampling import SamplingParams, logits_to_probs
-from speculative.sampling.probs import RowProbs
+from speculative.sampling.probs import sample_row
 from speculative.sampling.tree import sample_without_replacement
 
 
@@ -33,9 +33,10 @@ def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def _draw(q: torch.Tensor, generator: torch.Generator) -> int:
     """``sample(q[None], generator)``'s token for q [vocab], bit for bit (the same float64
-    uniform; :meth:`RowProbs.draw` in numpy instead of a cumsum over the row in torch)."""
+    uniform; :func:`sample_row` sums the positive weights in numpy instead of a cumsum over
+    the row in torch)."""
     uniform = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
-    return RowProbs(q.detach().numpy()).draw(uniform)
+    return sample_row(q, uniform)
 
 
 class DraftModelDrafter:
