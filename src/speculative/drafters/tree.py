@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from speculative.sampling import SamplingParams
+from speculative.sampling.tree import parents_come_first
 
 TREE_MODES = ("off", "static", "dynamic")
 
@@ -34,8 +35,7 @@ class DraftTree:
         n = self.tokens.shape[0]
         if self.parents.shape[0] != n:
             raise ValueError(f"{n} tokens but {self.parents.shape[0]} parents")
-        # a handful of nodes: a Python walk costs less than torch's elementwise ops
-        if any(not -1 <= parent < node for node, parent in enumerate(self.parents.tolist())):
+        if not parents_come_first(self.parents.tolist()):
             raise ValueError("parents[i] must lie in [-1, i): parents come before children")
         if self.q is not None and (self.q.dim() != 2 or self.q.shape[0] != n):
             raise ValueError(f"q must be [n={n}, vocab], got {tuple(self.q.shape)}")

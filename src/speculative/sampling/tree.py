@@ -83,8 +83,14 @@ def check_tree(
     # a tree has a handful of nodes: plain Python on lists costs less than torch reductions
     if any(not 0 <= token < vocab for token in tokens.tolist()):
         raise ValueError(f"tokens must be token ids in [0, {vocab})")
-    if any(not -1 <= parent < node for node, parent in enumerate(parents.tolist())):
+    if not parents_come_first(parents.tolist()):
         raise ValueError("parents[i] must lie in [-1, i): parents come before children")
+
+
+def parents_come_first(parents: list[int]) -> bool:
+    """Whether every parents[i] lies in [-1, i) (the root, or a node before i). A tree has
+    a handful of nodes: a Python walk costs less than torch's elementwise ops."""
+    return all(-1 <= parent < node for node, parent in enumerate(parents))
 
 
 def accept_probability(p: np.ndarray, q: np.ndarray | None, token: int) -> float:
