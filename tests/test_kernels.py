@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from speculative.models.base import RowInput
 from speculative.models.native import load_native
 from speculative.models.native.ckernels import (
     ISA_ENV,
@@ -227,6 +228,65 @@ def test_model_block_equals_single_steps(
         model.rollback(model.cache_length - context)
         block = model.forward(ids[:, context : context + k])
         assert torch.equal(block, steps[:, :k]), f"{isa} {precision} k={k}"
+
+
+@pytest.fixture(scope="module")
+def wide_head_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose heads are 64 wide, as the default model's (the attention's
+    AVX-512 vectors cover a 64-wide head in four)."""
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
+    folder = tmp_path_factory.mktemp("tiny_wide_heads")
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    return folder
+
+
+def _batched_pass_logits(folder: Path, precision: str) -> list[torch.Tensor]:
+    """Logits of three sequences (contexts of 21, 90 and 131 tokens: cached slots in
+    blocks of 8 and 4 and single ones) through one pass of a decode row each, then one of
+    5 tokens each (tiles), then one sequence alone with 7 tokens."""
+    model = load_native(folder, precision, max_length=160, backend="kernels")
+    ids = torch.randint(0, 96, (3, 150), generator=torch.Generator().manual_seed(9))
+    contexts = (21, 90, 131)
+    slots = [model.acquire_slot() for _ in contexts]
+    for slot, row, n in zip(slots, ids, contexts, strict=True):
+        model.forward_rows([RowInput(slot, row[:n])])
+    decode = model.forward_rows(
+        [RowInput(s, row[n : n + 1]) for s, row, n in zip(slots, ids, contexts, strict=True)]
+    )
+    tiles = model.forward_rows(
+        [RowInput(s, row[n + 1 : n + 6]) for s, row, n in zip(slots, ids, contexts, strict=True)]
+    )
+    alone = model.forward_rows([RowInput(slots[0], ids[0, 27:34])])
+    return [*decode, *tiles, *alone]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_isa_paths_give_the_same_forward_bits(
+    wide_head_folder: Path, precision: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whole batched forwards (decode rows, tiles, a single sequence) give the same logits
+    on both libraries: the AVX-512 attention runs the AVX2 one's per-lane arithmetic in
+    16-lane vectors."""
+    _compiler_or_skip()
+    if not _has_avx512():
+        pytest.skip("this CPU cannot run the avx512 kernels: nothing to compare")
+    found = {}
+    for isa in ("avx2", "avx512"):
+        monkeypatch.setenv(ISA_ENV, isa)
+        found[isa] = _batched_pass_logits(wide_head_folder, precision)
+    for a, b in zip(found["avx2"], found["avx512"], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_roofline_names_the_binding_limit(

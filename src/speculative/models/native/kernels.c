@@ -14,7 +14,8 @@
  * k tokens yields bitwise the logits of k single decode steps (speculative verification
  * relies on this), and verifying k tokens reads (and decodes) the weights once. The
  * AVX-512 build runs the same per-lane operations (q4: VNNI integer dots, equal to the
- * AVX2 sums), so both libraries give the same bits.
+ * AVX2 sums; attention: the same lanes in 16-lane vectors), so both libraries give the
+ * same bits.
  *
  * Weight formats: fp32; bf16 (upper half of an fp32); q8 (int8 with one fp32 scale per
  * output row); q4 (4-bit q in 0..15 with an fp16 scale d and minimum m per 32 inputs,
@@ -775,19 +776,23 @@ static void rope_and_store_row(const Model *m, float *row, int64_t position, siz
  * splits its work among the threads and ends in a barrier:
  *   scores   for every (kv group, chunk of ATT_SLOTS slots): the chunk's keys are read from
  *            memory once and dotted with the queries of all the group's heads for all the
- *            tile's rows (then from L1), four slots side by side;
+ *            tile's rows (then from L1), four slots side by side (eight in the AVX-512
+ *            build);
  *   softmax  for every (head, row) pair: max over the visible slots, exp;
- *   values   for every (kv group, 32 dimensions, block of 3 pairs): each value row is read
- *            once for all the block's pairs, their 12 sums held in registers, and each
- *            pair's total of weights summed on the way.
+ *   values   for every (kv group, 32 dimensions (64 in the AVX-512 build), block of 3
+ *            pairs): each value row is read once for all the block's pairs, their 12 sums
+ *            held in registers, and each pair's total of weights summed on the way.
  * A single causal row (a decode step) takes one head per work item instead, the three steps
  * in a row, with no barrier between them (attention_row).
  * A (head, row) pair computes exactly what it would alone: its score for a slot is the same
  * two-chain dot folded by hsum8, its softmax covers its visible slots in slot order (exp is
  * lane-wise), and each output lane is one FMA chain over the visible slots in slot order. So
  * the tile, the thread count and the other rows never change a pair's bits, while keys and
- * values are read once per group and tile instead of once per (head, row). Row r sees cache
- * slots [0, start) and new slot start + j iff mask[r, j] (causal when mask is NULL). */
+ * values are read once per group and tile instead of once per (head, row). The AVX-512
+ * build runs the same lanes 16 to a vector: a score's two 8-lane chains are the two halves
+ * of one 16-lane chain, and two value vectors one; the same bits for half the instructions
+ * (a 5-token pass of the default model at a 1,024-token context: 0.84x the time). Row r sees
+ * cache slots [0, start) and new slot start + j iff mask[r, j] (causal when mask is NULL). */
 #define ATT_ROWS 16   /* rows of a sequence that share one sweep over its keys and values */
 #define ATT_SLOTS 64  /* slots per work item of the score pass */
 
@@ -871,6 +876,57 @@ static inline __attribute__((always_inline)) void attention_values(
     }
 }
 
+#if defined(__AVX512F__)
+/* attention_values with 16-lane vectors (the AVX-512 build): NZ <= 4 zmm per pair, lane i of
+ * vector c holding output dimension j + 16 c + i. Each lane is the same FMA chain over the
+ * same slots in the same order as in attention_values, and total the same scalar chain, so
+ * the same bits, for half the instructions; NP * NZ <= 12 independent chains. */
+static inline __attribute__((always_inline)) void attention_values16(
+    int NP, int NZ, const Model *m, int p0, int tile_rows, int r0, int n, Visible vis,
+    const float *values, int j, const float *weights, int wp0, float *out) {
+    const int d = m->head_dim, heads = m->heads;
+    const float *w = weights + (size_t)(p0 - wp0) * m->max_length;
+    const size_t stride = (size_t)m->max_length;
+    int row[3];
+    float total[3];
+    __m512 acc[3][4];
+    for (int v = 0; v < NP; v++) {
+        row[v] = r0 + (p0 + v) % tile_rows;
+        total[v] = 0.0f;
+        for (int c = 0; c < NZ; c++) acc[v][c] = _mm512_setzero_ps();
+    }
+    const int cached = vis.base < n ? vis.base : n;
+    const float *value = values + j;
+    for (int s = 0; s < cached; s++, value += d) {
+        __m512 vals[4];
+        for (int c = 0; c < NZ; c++) vals[c] = _mm512_loadu_ps(value + 16 * c);
+        for (int v = 0; v < NP; v++) {
+            const float x = w[v * stride + s];
+            total[v] += x;
+            const __m512 weight = _mm512_set1_ps(x);
+            for (int c = 0; c < NZ; c++) acc[v][c] = _mm512_fmadd_ps(weight, vals[c], acc[v][c]);
+        }
+    }
+    for (int s = cached; s < n; s++, value += d) {
+        __m512 vals[4];
+        for (int c = 0; c < NZ; c++) vals[c] = _mm512_loadu_ps(value + 16 * c);
+        for (int v = 0; v < NP; v++) {
+            if (!slot_visible(s, row[v], vis)) continue;
+            const float x = w[v * stride + s];
+            total[v] += x;
+            const __m512 weight = _mm512_set1_ps(x);
+            for (int c = 0; c < NZ; c++) acc[v][c] = _mm512_fmadd_ps(weight, vals[c], acc[v][c]);
+        }
+    }
+    for (int v = 0; v < NP; v++) {
+        const int h = (p0 + v) / tile_rows;
+        const __m512 inv = _mm512_set1_ps(1.0f / total[v]);
+        float *o = out + (size_t)row[v] * heads * d + h * d + j;
+        for (int c = 0; c < NZ; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[v][c], inv));
+    }
+}
+#endif
+
 /* One pair's scores for slots s0 .. s1 - 1 (keys: slot s's key at keys + s * d), written to
  * w[s]: each the same two-chain dot as the pair alone would take (a0 over dimensions j, a1
  * over j + 8, j = 0, 16, ...), folded by hsum8. Four slots run side by side, sharing each
@@ -879,6 +935,24 @@ static inline __attribute__((always_inline)) void attention_values(
 static inline void attention_scores(const float *q, const float *keys, int d, int s0, int s1,
                                     int r, Visible vis, float *w) {
     int s = s0;
+#if defined(__AVX512F__)
+    /* eight slots side by side, one zmm chain each: lanes 0-7 of a chain are a0's, lanes
+     * 8-15 a1's (the same FMAs in the same order), so the same bits */
+    for (; s + 8 <= s1 && s + 8 <= vis.base; s += 8) {
+        __m512 a[8];
+        for (int t = 0; t < 8; t++) a[t] = _mm512_setzero_ps();
+        for (int j = 0; j < d; j += 16) {
+            const __m512 qz = _mm512_loadu_ps(q + j);
+            for (int t = 0; t < 8; t++)
+                a[t] = _mm512_fmadd_ps(qz, _mm512_loadu_ps(keys + (size_t)(s + t) * d + j), a[t]);
+        }
+        __m256 h[8];
+        for (int t = 0; t < 8; t++)
+            h[t] = _mm256_add_ps(_mm512_castps512_ps256(a[t]), _mm512_extractf32x8_ps(a[t], 1));
+        _mm_storeu_ps(w + s, hsum8x4(h[0], h[1], h[2], h[3]));
+        _mm_storeu_ps(w + s + 4, hsum8x4(h[4], h[5], h[6], h[7]));
+    }
+#endif
     for (; s + 4 <= s1 && s + 4 <= vis.base; s += 4) {
         __m256 a0[4], a1[4];
         for (int t = 0; t < 4; t++) a0[t] = a1[t] = _mm256_setzero_ps();
@@ -930,12 +1004,38 @@ static inline void attention_weights(float *w, int n, int r, Visible vis) {
 
 /* Single-row attention (a decode step): one head per work item, no barrier inside (the
  * tile passes would add two per layer); the same per-pair arithmetic as the tile passes. */
-/* attention_values for np (1..3) pairs and nv (2 or 4) vectors of a tile, each shape
- * compiled with its own constants (the value pass of attention() and of
- * attention_tile_group; inlined into both, so each keeps the code it had). */
+/* 8-float vectors of output dimensions per value block of a tile: 64 dimensions (four
+ * zmm) where the AVX-512 build can, else 32 or 16. */
+static inline int value_vectors(int d) {
+#if defined(__AVX512F__)
+    if (d % 64 == 0) return 8;
+#endif
+    return d % 32 ? 2 : 4;
+}
+
+/* attention_values for np (1..3) pairs and nv (value_vectors) 8-float vectors of a tile,
+ * each shape compiled with its own constants (the value pass of attention() and of
+ * attention_tile_group; inlined into both, so each keeps the code it had). The AVX-512
+ * build runs them as nv / 2 zmm (attention_values16: the same bits). */
 static inline __attribute__((always_inline)) void tile_values(int np, int nv, const Model *m, int p0, int tile_rows, int r0, int n,
                         Visible vis, const float *values, int j, const float *weights, int wp0,
                         float *out) {
+#if defined(__AVX512F__)
+    switch (np * 16 + nv) {
+#define VALUES(NP, NZ) attention_values16(NP, NZ, m, p0, tile_rows, r0, n, vis, values, j, \
+                                          weights, wp0, out)
+    case 3 * 16 + 8: VALUES(3, 4); break;
+    case 2 * 16 + 8: VALUES(2, 4); break;
+    case 1 * 16 + 8: VALUES(1, 4); break;
+    case 3 * 16 + 4: VALUES(3, 2); break;
+    case 2 * 16 + 4: VALUES(2, 2); break;
+    case 1 * 16 + 4: VALUES(1, 2); break;
+    case 3 * 16 + 2: VALUES(3, 1); break;
+    case 2 * 16 + 2: VALUES(2, 1); break;
+    default: VALUES(1, 1); break;
+#undef VALUES
+    }
+#else
     switch (np * 8 + nv) {
 #define VALUES(NP, NV) attention_values(NP, NV, m, p0, tile_rows, r0, n, vis, values, j, \
                                         weights, wp0, out)
@@ -947,6 +1047,7 @@ static inline __attribute__((always_inline)) void tile_values(int np, int nv, co
     default: VALUES(1, 2); break;
 #undef VALUES
     }
+#endif
 }
 
 /* Head h of a single causal row (queries qkv, cache slots 0 .. start, the row's own
@@ -960,6 +1061,16 @@ static void attention_head(const Model *m, const float *qkv, int start, const fl
     for (int j = 0; j < d; j += 64) {  /* head_dim is a multiple of 16 */
         const float *values = v_cache + kv_offset;
         /* as pair 0 of a one-row tile: weights at w, output at out + h * d */
+#if defined(__AVX512F__)
+        switch (min_int(64, d - j) / 16) {
+#define VALUES(NZ) attention_values16(1, NZ, m, 0, 1, 0, n, causal(start), values, j, w, 0, out + h * d)
+        case 4: VALUES(4); break;
+        case 3: VALUES(3); break;
+        case 2: VALUES(2); break;
+        default: VALUES(1); break;
+#undef VALUES
+        }
+#else
         switch (min_int(64, d - j) / 8) {
 #define VALUES(NV) attention_values(1, NV, m, 0, 1, 0, n, causal(start), values, j, w, 0, out + h * d)
         case 8: VALUES(8); break;
@@ -968,6 +1079,7 @@ static void attention_head(const Model *m, const float *qkv, int start, const fl
         default: VALUES(2); break;
 #undef VALUES
         }
+#endif
     }
 }
 
@@ -999,7 +1111,7 @@ static void attention_tile_group(const Model *m, const float *qkv, int rows, int
                              w + (size_t)(p - first) * stride);
     for (int p = first; p < first + group_pairs; p++)
         attention_weights(w + (size_t)(p - first) * stride, n, p % R, vis);
-    const int nv = d % 32 ? 2 : 4;
+    const int nv = value_vectors(d);
     for (int j = 0; j < d; j += 8 * nv)
         for (int p0 = first; p0 < first + group_pairs; p0 += 3) {
             tile_values(min_int(3, first + group_pairs - p0), nv, m, p0, R, 0, n, vis, values,
@@ -1037,7 +1149,7 @@ static void attention(const Model *m, const float *qkv, int rows, int start, Vis
         for (int p = 0; p < pairs; p++)
             attention_weights(weights + p * stride, n, r0 + p % R, vis);
         /* items: (kv group, 32 or 16 dimensions, block of 3 pairs) */
-        const int nv = d % 32 ? 2 : 4, blocks = (group_pairs + 2) / 3, dims = d / (8 * nv);
+        const int nv = value_vectors(d), blocks = (group_pairs + 2) / 3, dims = d / (8 * nv);
 #pragma omp for schedule(static)
         for (int item = 0; item < kv * dims * blocks; item++) {
             const int g = item / (dims * blocks), j = (item / blocks) % dims * 8 * nv;
