@@ -200,6 +200,44 @@ def test_short_float64_rows_take_the_nucleus_in_python_as_the_full_sort_does():
             assert found.kept.tolist() == [i for i, p in enumerate(probs) if p >= want]
 
 
+def test_short_rows_in_a_block_take_each_rows_nucleus_bit_for_bit():
+    """A block of short rows (a small vocabulary: the nucleus in whole-array steps) gives
+    every row's float32 bits as that row's own nucleus and renormalization do, for peaked,
+    flat and tied rows, masked tokens, and cuts inside a tie; a block with a NaN takes the
+    per-row path."""
+    from speculative.sampling.probs import (
+        SMALL_DRAW,
+        SMALL_NUCLEI_ROWS,
+        _renormalized_nucleus,
+        cut_probs,
+        nucleus_probs,
+    )
+
+    generator = torch.Generator().manual_seed(11)
+    for vocab in (2, 20, SMALL_DRAW):
+        for scale in (0.1, 1.0, 5.0, 20.0):
+            logits = torch.randn(64 * SMALL_NUCLEI_ROWS, vocab, generator=generator) * scale
+            logits[::3] = logits[::3].round()  # ties, and cuts inside them
+            logits[1::4, vocab // 2] = float("-inf")
+            for top_p in (0.1, 0.5, 0.9, 1 - 1e-7):
+                block = nucleus_probs(logits, top_p)
+                probs = cut_probs(logits).numpy()
+                for row, (values, masses) in enumerate(zip(logits.numpy(), probs, strict=True)):
+                    alone = _renormalized_nucleus(values, masses, top_p)
+                    want = torch.from_numpy(alone.dense(vocab).numpy())
+                    assert torch.equal(block[row], want), (vocab, scale, top_p, row)
+    broken = torch.randn(SMALL_NUCLEI_ROWS, 20, generator=generator)
+    broken[0, 3] = float("nan")
+
+    def outcome(logits: torch.Tensor) -> object:
+        try:
+            return torch.isnan(nucleus_probs(logits, 0.9)).any().item()
+        except ValueError as error:
+            return type(error)
+
+    assert outcome(broken) == outcome(broken[0])  # the block falls back to the row's path
+
+
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [

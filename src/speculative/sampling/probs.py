@@ -25,6 +25,7 @@ SMALL_DRAW = 64  # entries up to which a draw runs in plain Python (no numpy cal
 # compiled code reproduces bit for bit (numpy's exp is its own SIMD code on AVX-512 CPUs);
 # larger ones in numpy. The native kernels' NUCLEUS_MAX.
 EXACT_RENORMALIZE_LIMIT = 4096
+SMALL_NUCLEI_ROWS = 4  # short rows from which a nucleus takes whole-array steps
 TOP_K_DEPTH = 8.0  # the top-k search first looks this far (in tempered logits) below the top
 # Rows of up to this many tokens take a top-k cut as the masked softmax over the whole row
 # (one vectorized call for all rows); longer ones renormalize over the kept tokens alone.
@@ -166,8 +167,44 @@ def nucleus_probs(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     probs = cut_probs(logits)  # [..., vocab] float64: the nucleus is cut on these
     values = _as_numpy(logits).reshape(-1, logits.shape[-1])  # [rows, vocab]
     probs_rows = _as_numpy(probs).reshape(values.shape)
+    if _whole_array_rows(values) and np.isfinite(probs_rows).all():
+        return torch.from_numpy(_small_nuclei(values, probs_rows, top_p)).reshape(logits.shape)
     nuclei = [_renormalized_nucleus(v, p, top_p) for v, p in zip(values, probs_rows, strict=True)]
     return _stacked(nuclei, logits.shape)
+
+
+def _whole_array_rows(values: np.ndarray) -> bool:
+    """Whether [rows, vocab] rows take :func:`_small_nuclei`: short rows, enough of them
+    to pay for its dozen whole-array calls (about 3 rows' worth of per-row calls)."""
+    return values.shape[-1] <= SMALL_DRAW and values.shape[0] >= SMALL_NUCLEI_ROWS
+
+
+def _small_nuclei(values: np.ndarray, probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Every short row's :func:`_renormalized_nucleus`, bit for bit, in whole-array numpy
+    steps (a small vocabulary, where per-row calls cost more than the arithmetic).
+
+    values: [rows, vocab] float32 tempered logits; probs: [rows, vocab] float64 their
+    softmax, all finite. returns: [rows, vocab] float32, zero outside each nucleus.
+
+    The same numbers in the same order: the descending values' in-order float64 running
+    sum (``np.cumsum`` along a row adds one after another, as the scalar loop does), the
+    same count of members before the mass reaches top_p, libm's exp of each member's
+    logit minus the members' largest, and their sum in id order (a running float64 sum is
+    unchanged by the zeros between them), each weight divided by it and rounded to float32.
+    """
+    rows = np.arange(values.shape[0])
+    ordered = np.sort(probs, axis=1)[:, ::-1]  # [rows, vocab] descending
+    mass = np.cumsum(ordered[:, :-1], axis=1)  # [rows, vocab - 1] mass up to each
+    kept = 1 + np.count_nonzero(mass < top_p, axis=1)  # [rows] members
+    threshold = ordered[rows, kept - 1]  # [rows] the least probable member's probability
+    member = probs >= threshold[:, None]  # [rows, vocab]
+    top = np.where(member, values, -np.inf).max(axis=1)  # [rows] float32
+    at_row, at_id = np.nonzero(member)  # row by row, ids increasing
+    shifted = values[at_row, at_id].astype(np.float64) - top[at_row].astype(np.float64)
+    weights = np.zeros(values.shape, dtype=np.float64)  # [rows, vocab]
+    weights[at_row, at_id] = [math.exp(x) for x in shifted.tolist()]
+    total = np.cumsum(weights, axis=1)[:, -1]  # [rows] in id order
+    return (weights / total[:, None]).astype(np.float32)
 
 
 @dataclass(frozen=True)
