@@ -947,8 +947,9 @@ static inline void attention_scores(const float *q, const float *keys, int d, in
                 a[t] = _mm512_fmadd_ps(qz, _mm512_loadu_ps(keys + (size_t)(s + t) * d + j), a[t]);
         }
         __m256 h[8];
-        for (int t = 0; t < 8; t++)
-            h[t] = _mm256_add_ps(_mm512_castps512_ps256(a[t]), _mm512_extractf32x8_ps(a[t], 1));
+        for (int t = 0; t < 8; t++)  /* a0 + a1: the low and high halves (AVX-512 F alone) */
+            h[t] = _mm256_add_ps(_mm512_castps512_ps256(a[t]),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[t]), 1)));
         _mm_storeu_ps(w + s, hsum8x4(h[0], h[1], h[2], h[3]));
         _mm_storeu_ps(w + s + 4, hsum8x4(h[4], h[5], h[6], h[7]));
     }
