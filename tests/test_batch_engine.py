@@ -850,3 +850,53 @@ class _ClaimsPrefixOnly(NativeLlama):
         for cache in (self.decoder.k_cache, self.decoder.v_cache):
             cache.narrow(self.decoder.slot_dim, target, 1).zero_()
         self._slot_lengths[target] = length
+
+
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_a_drafter_that_imports_the_prompt_cache_takes_its_rows_slot(
+    folder: Path, backend: str, monkeypatch
+) -> None:
+    """A draft model that starts from the target's prompt cache instead of its own prefill
+    (``share_prefill``: the target at another precision) imports it from its row's cache
+    slot in a batch as from the single sequence alone: each sampled row equals its
+    single-sequence run, and the drafter runs no prefill of its own. Negative control: a
+    drafter that prefills itself drafts from other keys and values (int4 where the target
+    cached fp32) and gives other samples."""
+    _backend(backend)
+    base = _ids(60, 90)[0].tolist()
+    warm = SamplingParams(temperature=1.0)
+    prompts = (base[:20], base[5:33], base[35:52])
+
+    def drafter(shared: bool) -> DraftModelDrafter:
+        draft = load_native(folder, "int4", max_length=96, backend=backend)
+        return DraftModelDrafter(draft, VOCAB, "self-int4", share_prefill=shared)
+
+    def batched(shared: bool) -> tuple[list[list[int]], list[DraftModelDrafter]]:
+        target = load_native(folder, max_length=96, backend=backend, max_slots=3)
+        drafters = [drafter(shared) for _ in prompts]
+        requests = [
+            BatchRequest(p, warm, StopCriteria(14), torch.Generator().manual_seed(i), d, 3)
+            for i, (p, d) in enumerate(zip(prompts, drafters, strict=True))
+        ]
+        return [r.token_ids for r in BatchEngine(target, max_batch=3).run(requests)], drafters
+
+    alone = []
+    for i, prompt in enumerate(prompts):
+        engine = SpeculativeEngine(load_native(folder, max_length=96, backend=backend),
+                                   drafter(True), 3)  # fmt: skip
+        generator = torch.Generator().manual_seed(i)
+        alone.append(engine.generate(prompt, warm, StopCriteria(14), generator).token_ids)
+    imports = []
+    original = NativeLlama.import_cache
+
+    def recorded(self, source, length, source_slot=None):
+        done = original(self, source, length, source_slot)
+        imports.append((source_slot, length, done))
+        return done
+
+    monkeypatch.setattr(NativeLlama, "import_cache", recorded)
+    rows, _ = batched(True)
+    assert rows == alone
+    assert sorted(imports) == sorted((slot, len(p) - 1, True) for slot, p in enumerate(prompts))
+    prefilled, _ = batched(False)
+    assert prefilled != alone

@@ -534,8 +534,8 @@ def _coupling_note(config: Any) -> str:
         "is identical the rest are drawn "
         "batched, and the TV bound (each part at δ/2) adds 1 − (δ/2)^(1/M), the bound on "
         "P(the two engines differ), since TV ≤ P(X ≠ Y) for any coupling. A drafter whose "
-        "drafts differ between the two engines (one that learns across generations, or "
-        "primes its cache from the target only when alone) is drawn one sequence at a time."
+        "drafts differ between the two engines (one that learns across generations: "
+        "`auto`'s choices, a dynamic tree's calibration) is drawn one sequence at a time."
     )
 
 

@@ -27,7 +27,7 @@ import torch
 
 from speculative.drafters.base import Draft, Drafter, ReadsTargetFeatures, SupportsPriming
 from speculative.drafters.ngram import SITUATION_CLASSES, ContextIndex, match_situation
-from speculative.models.session import FeatureSource, ModelSession
+from speculative.models.session import FeatureSource, RowSession
 from speculative.sampling import SamplingParams
 from speculative.theory import decayed_average, expected_tokens
 
@@ -175,7 +175,7 @@ class AutoDrafter:
         self._since_head = 0
         self.index = ContextIndex()
 
-    def prime(self, target: ModelSession) -> None:
+    def prime(self, target: RowSession) -> None:
         if isinstance(self.head, SupportsPriming):
             self.head.prime(target)
 

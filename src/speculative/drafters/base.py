@@ -12,7 +12,7 @@ from speculative.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from speculative.models.base import CausalLM
-    from speculative.models.session import FeatureSource, ModelSession
+    from speculative.models.session import FeatureSource, RowSession
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,10 @@ class ReadsTargetFeatures(Protocol):
 
 @runtime_checkable
 class SupportsPriming(Protocol):
-    """A drafter that can start from the target's prompt prefill (see ModelSession.adopt)."""
+    """A drafter that can start from the target's prompt prefill (see ModelSession.adopt),
+    whether its row is the model's single sequence or one cache slot of a batch."""
 
-    def prime(self, target: ModelSession) -> None:
+    def prime(self, target: RowSession) -> None:
         """Called once per generation, right after the target prefilled the prompt."""
         ...
 

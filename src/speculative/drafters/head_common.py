@@ -11,7 +11,7 @@ import torch
 
 from speculative.heads.store import TrainedHead
 from speculative.models.base import SupportsKernels, SupportsNucleusSearch
-from speculative.models.session import FeatureSource, ModelSession, common_prefix_length
+from speculative.models.session import FeatureSource, RowSession, common_prefix_length
 from speculative.sampling import SamplingParams, logits_to_probs, sample
 from speculative.sampling.probs import NucleusSearch, row_probs
 
@@ -45,7 +45,7 @@ class HeadDrafter:
     def reset(self) -> None:
         """Nothing per sequence by default."""
 
-    def prime(self, target: ModelSession) -> None:
+    def prime(self, target: RowSession) -> None:
         """Read the target's features from its session from now on."""
         self.read_features(target)
 

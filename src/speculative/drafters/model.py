@@ -14,7 +14,7 @@ import torch
 from speculative.drafters.base import Draft
 from speculative.drafters.tree import AcceptanceCalibration, DraftTree, RankedTree, TreeShape
 from speculative.models.base import CausalLM
-from speculative.models.session import ModelSession
+from speculative.models.session import ModelSession, RowSession
 from speculative.sampling import SamplingParams, logits_to_probs
 from speculative.sampling.probs import sample_row
 from speculative.sampling.tree import sample_without_replacement
@@ -95,8 +95,9 @@ class DraftModelDrafter:
         probs = torch.stack(rows, dim=1) if rows else None  # [1, gamma, vocab]
         return Draft(tokens=tokens, probs=probs)
 
-    def prime(self, target: ModelSession) -> None:
-        """Called once the target has prefilled the prompt."""
+    def prime(self, target: RowSession) -> None:
+        """Called once the target has prefilled the prompt (its single sequence or the
+        row's cache slot)."""
         if self.share_prefill:
             self.session.adopt(target)
 

@@ -375,12 +375,11 @@ class BatchEngine:
 
     # ---- the steps of a round ------------------------------------------------------
     def _start_decoding(self, row: BatchRow) -> None:
-        """The prompt is in the cache: hand the target's session to a drafter that reads
-        it: any priming (features, prompt cache) on the model's single sequence, the
-        features alone on a cache slot whose passes give them."""
+        """The prompt is in the cache: hand the row's session (the model's single sequence
+        or its cache slot, alike) to a drafter that reads it: its priming (features, a
+        prompt cache import), else the features alone where the passes give them."""
         drafter = row.request.drafter
-        if self.pool.primes_drafters and provides(drafter, SupportsPriming):
-            assert isinstance(row.session, ModelSession)  # SinglePool's session
+        if provides(drafter, SupportsPriming):
             drafter.prime(row.session)
         elif provides(drafter, ReadsTargetFeatures) and row.session.features is not None:
             drafter.read_features(row.session)

@@ -250,8 +250,8 @@ def draw_speculative(
     drawn by the batched engine only: the two engines are coupled through the seeds, and
     :meth:`Coupling.bound` bounds the TV between their laws (the m spread over the N, so
     that the bound holds for the whole sample even if a drafter changed over the run). At
-    a pair that differs (a drafter that learns across generations, or a model drafter
-    that primes from the target's cache only when alone) the others are drawn one
+    a pair that differs (a drafter that learns across generations: ``auto``'s choices,
+    a dynamic tree's calibration) the others are drawn one
     sequence at a time as well.
 
     ``shared`` keeps full batched chain samples for other checks of this process (see

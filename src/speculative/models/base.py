@@ -86,9 +86,10 @@ class SupportsCacheImport(Protocol):
     drafts change slightly, the target's output distribution does not).
     """
 
-    def import_cache(self, source: object, length: int) -> bool:
-        """Make this cache hold ``source``'s first ``length`` positions; False (and no
-        change) when ``source`` has another architecture or cache layout."""
+    def import_cache(self, source: object, length: int, source_slot: int | None = None) -> bool:
+        """Make this cache hold ``source``'s first ``length`` positions: of its
+        single-sequence cache, or of its cache slot ``source_slot`` (a batched row); False
+        (and no change) when ``source`` has another architecture or cache layout."""
         ...
 
 

@@ -191,14 +191,21 @@ class ModelSession:
         if missing:
             self._feed(missing)
 
-    def adopt(self, other: ModelSession) -> bool:
+    @property
+    def cache_slot(self) -> int | None:
+        """Where this session's positions live in its model: the single-sequence cache."""
+        return None
+
+    def adopt(self, other: RowSession) -> bool:
         """Take over ``other``'s cached tokens by copying its cache (no forward pass), if
-        this model can import that model's cache; returns whether it did."""
+        this model can import that model's cache; returns whether it did. ``other`` is a
+        model's single sequence or one cache slot of a batch (a batched row primes its
+        drafter exactly as the row alone does)."""
         self._drop_tree()
         model = self.model
         if not other.cached or not provides(model, SupportsCacheImport):
             return False
-        if not model.import_cache(other.model, len(other.cached)):
+        if not model.import_cache(other.model, len(other.cached), other.cache_slot):
             return False
         self.cached = list(other.cached)
         self._features.forget()
@@ -362,6 +369,11 @@ class SlotSession:
         return self._features is not None
 
     @property
+    def cache_slot(self) -> int | None:
+        """Where this session's positions live in its model: its cache slot."""
+        return self.slot
+
+    @property
     def features(self) -> torch.Tensor | None:
         """[n, hidden] the model's features of the first n cached positions, or None when
         the pool's passes give no features (see :meth:`ModelSession.features`)."""
@@ -484,6 +496,13 @@ class RowSession(FeatureSource, Protocol):
     """One row's view of the target's cache (:class:`ModelSession` or
     :class:`SlotSession`): plan a row, get its logits back from the shared pass."""
 
+    model: object  # the model whose cache holds the row
+
+    @property
+    def cache_slot(self) -> int | None:
+        """The row's cache slot in ``model`` (None: its single-sequence cache)."""
+        ...
+
     def request(self, context: Sequence[int], new: Sequence[int] = ()) -> RowInput: ...
 
     def request_tree(
@@ -505,12 +524,6 @@ class RowPool(Protocol):
         """Most rows open at once (None: as many as the model has slots)."""
         ...
 
-    @property
-    def primes_drafters(self) -> bool:
-        """Whether a row's session may be handed to a drafter's ``prime`` (features, cache
-        import from the model's single-sequence cache)."""
-        ...
-
     def open(self, features: bool = False, prompt: Sequence[int] = ()) -> RowSession:
         """A new row's session; ValueError when no room is left. ``features``: the row's
         drafter reads the target's features (a pool may compute them only for such rows).
@@ -528,7 +541,6 @@ class SlotPool:
     (:class:`SupportsBatchRowFeatures`), each row's session keeps them for drafting heads."""
 
     capacity: int | None = None
-    primes_drafters = False  # the drafters' priming reads the single-sequence cache
 
     def __init__(self, model: SupportsBatchRows) -> None:
         self.model = model
@@ -582,7 +594,6 @@ class SinglePool:
     the single-sequence engine is a batch of one over the same round code."""
 
     capacity: int | None = 1
-    primes_drafters = True
 
     def __init__(self, session: ModelSession) -> None:
         self.session = session

@@ -134,24 +134,28 @@ class NativeLlama:
     def reset(self) -> None:
         self._length = 0
 
-    def import_cache(self, source: object, length: int) -> bool:
-        """Copy ``source``'s first ``length`` cached positions (batch of one) into this
-        cache, when ``source`` is a NativeLlama of the same shape and decoder layout."""
-        if not isinstance(source, NativeLlama) or not 0 < length <= source.cache_length:
+    def import_cache(self, source: object, length: int, source_slot: int | None = None) -> bool:
+        """Copy ``source``'s first ``length`` cached positions into this cache (batch of
+        one), when ``source`` is a NativeLlama of the same shape and decoder layout: from
+        its single-sequence cache, or from its cache slot ``source_slot``."""
+        if not isinstance(source, NativeLlama) or length < 1:
             return False
+        if source_slot is None:
+            held, slot = (source.cache_length if source._batch == 1 else 0), 0
+        else:
+            held, slot = source._slot_lengths.get(source_slot, 0), source_slot
         same_shape = (
             source.config.num_layers == self.config.num_layers
             and source.config.num_kv_heads == self.config.num_kv_heads
             and source.config.head_dim == self.config.head_dim
             and source.max_length == self.max_length
             and source.backend == self.backend
-            and source._batch == 1
         )
-        if not same_shape:
+        if not same_shape or length > held:
             return False
         self.reset()
         self._ensure_cache(1)
-        self.decoder.copy_cache_from(source.decoder, length)
+        self.decoder.copy_cache_from(source.decoder, length, source_slot=slot)
         self._length = length
         return True
 
