@@ -191,23 +191,27 @@ def test_isa_paths_give_the_same_bits(precision: str) -> None:
     assert torch.equal(a, b)
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
+def _saved_llama(folder: Path, seed: int, hidden: int, heads: int, kv_heads: int) -> Path:
+    """A seeded two-layer Llama of the given width and heads, saved to ``folder``."""
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=96,
-        hidden_size=64,
+        hidden_size=hidden,
         intermediate_size=160,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=256,
         tie_word_embeddings=True,
         initializer_range=0.2,
     )
-    folder = tmp_path_factory.mktemp("tiny_kernels")
     LlamaForCausalLM(config).eval().save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _saved_llama(tmp_path_factory.mktemp("tiny_kernels"), 0, 64, 4, 2)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -234,21 +238,7 @@ def test_model_block_equals_single_steps(
 def wide_head_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model whose heads are 64 wide, as the default model's (the attention's
     AVX-512 vectors cover a 64-wide head in four)."""
-    torch.manual_seed(1)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=128,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-    )
-    folder = tmp_path_factory.mktemp("tiny_wide_heads")
-    LlamaForCausalLM(config).eval().save_pretrained(folder)
-    return folder
+    return _saved_llama(tmp_path_factory.mktemp("tiny_wide_heads"), 1, 128, 2, 1)
 
 
 def _batched_pass_logits(folder: Path, precision: str) -> list[torch.Tensor]:

@@ -824,9 +824,21 @@ static inline int slot_visible(int s, int r, Visible v) {
     return s < v.base ? 1 : (v.mask ? v.mask[r * v.cols + (s - v.base)] : s - v.base <= r);
 }
 
+/* The value pass's vectors: 16 lanes in the AVX-512 build, 8 in the AVX2 one. Each lane
+ * runs the same operations either way, so both builds give the same bits. */
+#if defined(__AVX512F__)
+#define VLANES 16
+#define VV(op) _mm512_##op
+typedef __m512 vvec;
+#else
+#define VLANES 8
+#define VV(op) _mm256_##op
+typedef __m256 vvec;
+#endif
+
 /* The value pass for NP <= 3 pairs p0 .. p0 + NP - 1 of the tile (all of one kv group) and
- * output dimensions j .. j + 8 * NV - 1: out lane = (sum over the pair's visible slots in
- * order of w[s] * v[s, lane]) / total, total = the sum of those w[s] in slot order (the
+ * output dimensions j .. j + VLANES * NV - 1: out lane = (sum over the pair's visible slots
+ * in order of w[s] * v[s, lane]) / total, total = the sum of those w[s] in slot order (the
  * scalar chains run beside the FMAs). NP * NV <= 12 sums (NV <= 8 for one pair) stay in
  * registers: independent FMA chains, enough to hide the FMA latency. */
 static inline __attribute__((always_inline)) void attention_values(
@@ -837,95 +849,44 @@ static inline __attribute__((always_inline)) void attention_values(
     const size_t stride = (size_t)m->max_length;
     int row[3];
     float total[3];
-    __m256 acc[3][8];
+    vvec acc[3][8];
     for (int v = 0; v < NP; v++) {
         row[v] = r0 + (p0 + v) % tile_rows;
         total[v] = 0.0f;
-        for (int c = 0; c < NV; c++) acc[v][c] = _mm256_setzero_ps();
+        for (int c = 0; c < NV; c++) acc[v][c] = VV(set1_ps)(0.0f);
     }
     /* the slots every pair sees (no visibility test in this loop) */
     const int cached = vis.base < n ? vis.base : n;
     const float *value = values + j;
     for (int s = 0; s < cached; s++, value += d) {
-        __m256 vals[8];
-        for (int c = 0; c < NV; c++) vals[c] = _mm256_loadu_ps(value + 8 * c);
+        vvec vals[8];
+        for (int c = 0; c < NV; c++) vals[c] = VV(loadu_ps)(value + VLANES * c);
         for (int v = 0; v < NP; v++) {
             const float x = w[v * stride + s];
             total[v] += x;
-            const __m256 weight = _mm256_set1_ps(x);
-            for (int c = 0; c < NV; c++) acc[v][c] = _mm256_fmadd_ps(weight, vals[c], acc[v][c]);
+            const vvec weight = VV(set1_ps)(x);
+            for (int c = 0; c < NV; c++) acc[v][c] = VV(fmadd_ps)(weight, vals[c], acc[v][c]);
         }
     }
     /* the others: each pair sees those its row may attend to */
     for (int s = cached; s < n; s++, value += d) {
-        __m256 vals[8];
-        for (int c = 0; c < NV; c++) vals[c] = _mm256_loadu_ps(value + 8 * c);
+        vvec vals[8];
+        for (int c = 0; c < NV; c++) vals[c] = VV(loadu_ps)(value + VLANES * c);
         for (int v = 0; v < NP; v++) {
             if (!slot_visible(s, row[v], vis)) continue;
             const float x = w[v * stride + s];
             total[v] += x;
-            const __m256 weight = _mm256_set1_ps(x);
-            for (int c = 0; c < NV; c++) acc[v][c] = _mm256_fmadd_ps(weight, vals[c], acc[v][c]);
+            const vvec weight = VV(set1_ps)(x);
+            for (int c = 0; c < NV; c++) acc[v][c] = VV(fmadd_ps)(weight, vals[c], acc[v][c]);
         }
     }
     for (int v = 0; v < NP; v++) {
         const int h = (p0 + v) / tile_rows;
-        const __m256 inv = _mm256_set1_ps(1.0f / total[v]);
+        const vvec inv = VV(set1_ps)(1.0f / total[v]);
         float *o = out + (size_t)row[v] * heads * d + h * d + j;
-        for (int c = 0; c < NV; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[v][c], inv));
+        for (int c = 0; c < NV; c++) VV(storeu_ps)(o + VLANES * c, VV(mul_ps)(acc[v][c], inv));
     }
 }
-
-#if defined(__AVX512F__)
-/* attention_values with 16-lane vectors (the AVX-512 build): NZ <= 4 zmm per pair, lane i of
- * vector c holding output dimension j + 16 c + i. Each lane is the same FMA chain over the
- * same slots in the same order as in attention_values, and total the same scalar chain, so
- * the same bits, for half the instructions; NP * NZ <= 12 independent chains. */
-static inline __attribute__((always_inline)) void attention_values16(
-    int NP, int NZ, const Model *m, int p0, int tile_rows, int r0, int n, Visible vis,
-    const float *values, int j, const float *weights, int wp0, float *out) {
-    const int d = m->head_dim, heads = m->heads;
-    const float *w = weights + (size_t)(p0 - wp0) * m->max_length;
-    const size_t stride = (size_t)m->max_length;
-    int row[3];
-    float total[3];
-    __m512 acc[3][4];
-    for (int v = 0; v < NP; v++) {
-        row[v] = r0 + (p0 + v) % tile_rows;
-        total[v] = 0.0f;
-        for (int c = 0; c < NZ; c++) acc[v][c] = _mm512_setzero_ps();
-    }
-    const int cached = vis.base < n ? vis.base : n;
-    const float *value = values + j;
-    for (int s = 0; s < cached; s++, value += d) {
-        __m512 vals[4];
-        for (int c = 0; c < NZ; c++) vals[c] = _mm512_loadu_ps(value + 16 * c);
-        for (int v = 0; v < NP; v++) {
-            const float x = w[v * stride + s];
-            total[v] += x;
-            const __m512 weight = _mm512_set1_ps(x);
-            for (int c = 0; c < NZ; c++) acc[v][c] = _mm512_fmadd_ps(weight, vals[c], acc[v][c]);
-        }
-    }
-    for (int s = cached; s < n; s++, value += d) {
-        __m512 vals[4];
-        for (int c = 0; c < NZ; c++) vals[c] = _mm512_loadu_ps(value + 16 * c);
-        for (int v = 0; v < NP; v++) {
-            if (!slot_visible(s, row[v], vis)) continue;
-            const float x = w[v * stride + s];
-            total[v] += x;
-            const __m512 weight = _mm512_set1_ps(x);
-            for (int c = 0; c < NZ; c++) acc[v][c] = _mm512_fmadd_ps(weight, vals[c], acc[v][c]);
-        }
-    }
-    for (int v = 0; v < NP; v++) {
-        const int h = (p0 + v) / tile_rows;
-        const __m512 inv = _mm512_set1_ps(1.0f / total[v]);
-        float *o = out + (size_t)row[v] * heads * d + h * d + j;
-        for (int c = 0; c < NZ; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[v][c], inv));
-    }
-}
-#endif
 
 /* One pair's scores for slots s0 .. s1 - 1 (keys: slot s's key at keys + s * d), written to
  * w[s]: each the same two-chain dot as the pair alone would take (a0 over dimensions j, a1
@@ -1005,38 +966,19 @@ static inline void attention_weights(float *w, int n, int r, Visible vis) {
 
 /* Single-row attention (a decode step): one head per work item, no barrier inside (the
  * tile passes would add two per layer); the same per-pair arithmetic as the tile passes. */
-/* 8-float vectors of output dimensions per value block of a tile: 64 dimensions (four
- * zmm) where the AVX-512 build can, else 32 or 16. */
+/* Vectors (VLANES floats) of output dimensions per value block of a tile: 64 dimensions
+ * in the AVX-512 build where the head allows, else 32 or 16. */
 static inline int value_vectors(int d) {
-#if defined(__AVX512F__)
-    if (d % 64 == 0) return 8;
-#endif
-    return d % 32 ? 2 : 4;
+    const int dims = VLANES == 16 && d % 64 == 0 ? 64 : d % 32 ? 16 : 32;
+    return dims / VLANES;
 }
 
-/* attention_values for np (1..3) pairs and nv (value_vectors) 8-float vectors of a tile,
- * each shape compiled with its own constants (the value pass of attention() and of
- * attention_tile_group; inlined into both, so each keeps the code it had). The AVX-512
- * build runs them as nv / 2 zmm (attention_values16: the same bits). */
+/* attention_values for np (1..3) pairs and nv (value_vectors) vectors of a tile, each
+ * shape compiled with its own constants (the value pass of attention() and of
+ * attention_tile_group; inlined into both, so each keeps the code it had). */
 static inline __attribute__((always_inline)) void tile_values(int np, int nv, const Model *m, int p0, int tile_rows, int r0, int n,
                         Visible vis, const float *values, int j, const float *weights, int wp0,
                         float *out) {
-#if defined(__AVX512F__)
-    switch (np * 16 + nv) {
-#define VALUES(NP, NZ) attention_values16(NP, NZ, m, p0, tile_rows, r0, n, vis, values, j, \
-                                          weights, wp0, out)
-    case 3 * 16 + 8: VALUES(3, 4); break;
-    case 2 * 16 + 8: VALUES(2, 4); break;
-    case 1 * 16 + 8: VALUES(1, 4); break;
-    case 3 * 16 + 4: VALUES(3, 2); break;
-    case 2 * 16 + 4: VALUES(2, 2); break;
-    case 1 * 16 + 4: VALUES(1, 2); break;
-    case 3 * 16 + 2: VALUES(3, 1); break;
-    case 2 * 16 + 2: VALUES(2, 1); break;
-    default: VALUES(1, 1); break;
-#undef VALUES
-    }
-#else
     switch (np * 8 + nv) {
 #define VALUES(NP, NV) attention_values(NP, NV, m, p0, tile_rows, r0, n, vis, values, j, \
                                         weights, wp0, out)
@@ -1045,10 +987,12 @@ static inline __attribute__((always_inline)) void tile_values(int np, int nv, co
     case 1 * 8 + 4: VALUES(1, 4); break;
     case 3 * 8 + 2: VALUES(3, 2); break;
     case 2 * 8 + 2: VALUES(2, 2); break;
-    default: VALUES(1, 2); break;
+    case 1 * 8 + 2: VALUES(1, 2); break;
+    case 3 * 8 + 1: VALUES(3, 1); break;
+    case 2 * 8 + 1: VALUES(2, 1); break;
+    default: VALUES(1, 1); break;
 #undef VALUES
     }
-#endif
 }
 
 /* Head h of a single causal row (queries qkv, cache slots 0 .. start, the row's own
@@ -1062,25 +1006,16 @@ static void attention_head(const Model *m, const float *qkv, int start, const fl
     for (int j = 0; j < d; j += 64) {  /* head_dim is a multiple of 16 */
         const float *values = v_cache + kv_offset;
         /* as pair 0 of a one-row tile: weights at w, output at out + h * d */
-#if defined(__AVX512F__)
-        switch (min_int(64, d - j) / 16) {
-#define VALUES(NZ) attention_values16(1, NZ, m, 0, 1, 0, n, causal(start), values, j, w, 0, out + h * d)
+        switch (min_int(64, d - j) / VLANES) {
+#define VALUES(NV) attention_values(1, NV, m, 0, 1, 0, n, causal(start), values, j, w, 0, out + h * d)
+        case 8: VALUES(8); break;
+        case 6: VALUES(6); break;
         case 4: VALUES(4); break;
         case 3: VALUES(3); break;
         case 2: VALUES(2); break;
         default: VALUES(1); break;
 #undef VALUES
         }
-#else
-        switch (min_int(64, d - j) / 8) {
-#define VALUES(NV) attention_values(1, NV, m, 0, 1, 0, n, causal(start), values, j, w, 0, out + h * d)
-        case 8: VALUES(8); break;
-        case 6: VALUES(6); break;
-        case 4: VALUES(4); break;
-        default: VALUES(2); break;
-#undef VALUES
-        }
-#endif
     }
 }
 
@@ -1113,7 +1048,7 @@ static void attention_tile_group(const Model *m, const float *qkv, int rows, int
     for (int p = first; p < first + group_pairs; p++)
         attention_weights(w + (size_t)(p - first) * stride, n, p % R, vis);
     const int nv = value_vectors(d);
-    for (int j = 0; j < d; j += 8 * nv)
+    for (int j = 0; j < d; j += VLANES * nv)
         for (int p0 = first; p0 < first + group_pairs; p0 += 3) {
             tile_values(min_int(3, first + group_pairs - p0), nv, m, p0, R, 0, n, vis, values,
                         j, w, first, out);
@@ -1149,11 +1084,11 @@ static void attention(const Model *m, const float *qkv, int rows, int start, Vis
 #pragma omp for schedule(static)
         for (int p = 0; p < pairs; p++)
             attention_weights(weights + p * stride, n, r0 + p % R, vis);
-        /* items: (kv group, 32 or 16 dimensions, block of 3 pairs) */
-        const int nv = value_vectors(d), blocks = (group_pairs + 2) / 3, dims = d / (8 * nv);
+        /* items: (kv group, value_vectors(d) vectors of dimensions, block of 3 pairs) */
+        const int nv = value_vectors(d), blocks = (group_pairs + 2) / 3, dims = d / (VLANES * nv);
 #pragma omp for schedule(static)
         for (int item = 0; item < kv * dims * blocks; item++) {
-            const int g = item / (dims * blocks), j = (item / blocks) % dims * 8 * nv;
+            const int g = item / (dims * blocks), j = (item / blocks) % dims * VLANES * nv;
             const int p0 = g * group_pairs + item % blocks * 3;
             const float *values = v_cache + (size_t)g * stride * d;
             tile_values(min_int(3, (g + 1) * group_pairs - p0), nv, m, p0, R, r0, n, vis, values,
