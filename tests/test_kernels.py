@@ -211,7 +211,8 @@ def _saved_llama(folder: Path, seed: int, hidden: int, heads: int, kv_heads: int
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _saved_llama(tmp_path_factory.mktemp("tiny_kernels"), 0, 64, 4, 2)
+    folder = tmp_path_factory.mktemp("tiny_kernels")
+    return _saved_llama(folder, seed=0, hidden=64, heads=4, kv_heads=2)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -238,7 +239,8 @@ def test_model_block_equals_single_steps(
 def wide_head_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model whose heads are 64 wide, as the default model's (the attention's
     AVX-512 vectors cover a 64-wide head in four)."""
-    return _saved_llama(tmp_path_factory.mktemp("tiny_wide_heads"), 1, 128, 2, 1)
+    folder = tmp_path_factory.mktemp("tiny_wide_heads")
+    return _saved_llama(folder, seed=1, hidden=128, heads=2, kv_heads=1)
 
 
 def _batched_pass_logits(folder: Path, precision: str) -> list[torch.Tensor]:
