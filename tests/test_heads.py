@@ -208,6 +208,113 @@ def test_batched_rows_draft_from_their_own_features(trained, runtime, name):
         assert swapped[0].token_ids == together[0].token_ids  # still lossless (greedy row)
 
 
+class OtherRowsSlot:
+    """Negative control: a head runner seen through a proxy whose cache slot is another
+    row's, as a shared step that mixed up the rows' caches would use."""
+
+    def __init__(self, runner, slot: int) -> None:
+        self.runner, self.slot = runner, slot
+
+    @property
+    def length(self) -> int:
+        return self.runner.length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.runner.length = value
+
+
+def mix_rows_in_shared_steps(monkeypatch, name: str) -> None:
+    """Negative control: the shared head step hands rows each other's state (EAGLE: every
+    row reads and writes the first row's cache slot; Medusa: each row gets the next
+    row's feature)."""
+    from speculative.heads.runners import KernelEagleHead, KernelMedusaRunner
+
+    if name == "eagle":
+        step_rows = KernelEagleHead.step_rows
+
+        def mixed(self, runners, *inputs):
+            proxies = [OtherRowsSlot(r, runners[0].slot) for r in runners]
+            return step_rows(self, proxies, *inputs)
+
+        monkeypatch.setattr(KernelEagleHead, "step_rows", mixed)
+    else:
+        many = KernelMedusaRunner.many
+        monkeypatch.setattr(
+            KernelMedusaRunner, "many", lambda self, f, counts: many(self, f.roll(1, 0), counts)
+        )
+
+
+@pytest.mark.parametrize("name", ["eagle", "medusa"])
+def test_rows_of_one_head_draft_in_shared_steps(trained, name, monkeypatch):
+    """On the C kernels the rows' heads share one packed copy (the registry builds it once
+    per target) and draft in shared steps: one call per draft position for every row,
+    each weight read once. Each row's drafts, acceptances and draft-call counts are still
+    bitwise those it gets alone. Control: a shared step that mixes the rows' states up
+    changes the drafts (and stays lossless)."""
+    from speculative.heads.runners import KernelEagleHead, KernelMedusaRunner
+
+    target = target_on("native-kernels", trained["model"])
+    folder = trained[name]
+    first, second = (build_drafter(f"{name}:{folder}", target) for _ in range(2))
+    assert first.row_group() is not None and first.row_group() is second.row_group()
+    alone = []
+    for i, (prompt, params) in enumerate(zip(ROW_PROMPTS, ROW_PARAMS, strict=True)):
+        drafter = build_drafter(f"{name}:{folder}", target)
+        alone.append(generate(target, drafter, params, 3, n=30, seed=10 + i, prompt=prompt))
+    shared = [0]
+    step = {"eagle": (KernelEagleHead, "step_rows"), "medusa": (KernelMedusaRunner, "many")}
+    kind, method = step[name]
+    original = getattr(kind, method)
+
+    def counted(self, *args):
+        shared[0] += 1
+        return original(self, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kind, method, counted)
+        together = batch_rows(target, name, folder)
+    rounds = max(len(r.rounds) for r in together)
+    assert shared[0] >= rounds - 2  # nearly every round drafts in shared calls
+    own = lambda r: (r.token_ids, r.stats.drafted_tokens, r.stats.accepted_tokens,  # noqa: E731
+                     r.stats.positions.accepted, r.stats.draft_calls)  # fmt: skip
+    assert [own(r) for r in together] == [own(r) for r in alone]
+    mix_rows_in_shared_steps(monkeypatch, name)
+    mixed = batch_rows(target, name, folder)
+    assert [own(r)[1:] for r in mixed] != [own(r)[1:] for r in together]
+    assert mixed[0].token_ids == together[0].token_ids  # still lossless (greedy row)
+
+
+def test_auto_rows_choosing_the_head_draft_in_one_shared_step(trained, monkeypatch):
+    """``auto`` rows of a batch each choose for themselves (their own estimates, n-gram
+    matches and timings: a learner, so not bitwise their runs alone); the rows that
+    choose the head in a round draft in one shared call. Greedy rows stay plain greedy
+    decoding's tokens."""
+    from speculative.heads.runners import KernelEagleHead
+
+    target = target_on("native-kernels", trained["model"])
+    folder = trained["eagle"]
+    plain = [generate(target, None, GREEDY, n=30, prompt=p).token_ids for p in ROW_PROMPTS]
+    rows = [0]
+    step_rows = KernelEagleHead.step_rows
+
+    def counted(self, runners, *inputs):
+        rows[0] = max(rows[0], len(runners))
+        return step_rows(self, runners, *inputs)
+
+    monkeypatch.setattr(KernelEagleHead, "step_rows", counted)
+    engine = BatchEngine(target.lm, max_batch=3)
+    drafters = [build_drafter(f"auto:{folder}", target) for _ in ROW_PROMPTS]
+    requests = [
+        BatchRequest(prompt, GREEDY, StopCriteria(max_new_tokens=30), torch.Generator(), d, 3)
+        for prompt, d in zip(ROW_PROMPTS, drafters, strict=True)
+    ]
+    results = engine.run(requests)
+    assert [r.token_ids for r in results] == plain
+    assert sum(d.choices["head"] for d in drafters) > 0
+    assert rows[0] >= 2  # rows that chose the head in the same round drafted together
+
+
 def test_slot_features_equal_the_single_sequence_features(trained):
     """A slot session's features after a batched pass, a rollback and a catch-up are
     bitwise those of a single-sequence session on the same tokens. A row whose drafter
@@ -591,7 +698,7 @@ def test_kernel_runners_compute_the_heads(trained, precision):
     library = target.lm.kernel_library()
     tolerance = 5e-3 if precision == "fp32" else 0.15  # bf16 rows: 3 digits; int4: 4 bits
     eagle = load_head(trained["eagle"], target.lm)
-    fast, slow = KernelEagleRunner(eagle, library, precision, 64), TorchEagleRunner(eagle)
+    fast, slow = KernelEagleRunner.of(eagle, library, precision, 64), TorchEagleRunner(eagle)
     torch.manual_seed(0)
     embeds = eagle.embedding[torch.randint(0, target.lm.vocab_size, (8,))]
     features = torch.randn(8, embeds.shape[1])
@@ -622,7 +729,7 @@ def test_kernel_tree_masks_hide_cached_pairs_bitwise(trained):
 
     target = target_on("native-kernels", trained["model"])
     eagle = load_head(trained["eagle"], target.lm)
-    runner = KernelEagleRunner(eagle, target.lm.kernel_library(), "fp32", 64)
+    runner = KernelEagleRunner.of(eagle, target.lm.kernel_library(), "fp32", 64)
     torch.manual_seed(1)
     embeds = eagle.embedding[torch.randint(0, target.lm.vocab_size, (8,))]  # [8, H]
     features = torch.randn(8, embeds.shape[1])

@@ -8,14 +8,16 @@ to it in text (tokenizer, end-of-sequence ids, chat prompts).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from speculative.engine.stopping import StopCriteria
 from speculative.models.base import CausalLM
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -36,6 +38,17 @@ class LoadedModel:
     backend: str = "torch"  # native runtime: "kernels" (C decoder) or "torch"
     # the stream whose state the model's cache now holds (see GenerationStream.__iter__)
     cache_owner: object | None = field(default=None, repr=False, compare=False)
+    # what the drafters built for this model share, built once (a loaded head, its weights
+    # packed for the kernels with their cache slots): see :meth:`shared`
+    parts: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def shared(self, key: Hashable, build: Callable[[], T]) -> T:
+        """The part ``key`` of this model's drafters, built by ``build`` on first use:
+        every drafter of one kind then shares one copy (and rows of a batch can draft
+        in one step)."""
+        if key not in self.parts:
+            self.parts[key] = build()
+        return self.parts[key]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` (special tokens left out)."""

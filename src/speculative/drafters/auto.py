@@ -20,12 +20,21 @@ estimate stays current.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
-from speculative.drafters.base import Draft, Drafter, ReadsTargetFeatures, SupportsPriming
+from speculative.capabilities import provides
+from speculative.drafters.base import (
+    Draft,
+    Drafter,
+    DraftsRowsTogether,
+    ReadsTargetFeatures,
+    RowAsk,
+    SupportsPriming,
+)
 from speculative.drafters.ngram import SITUATION_CLASSES, ContextIndex, match_situation
 from speculative.models.session import FeatureSource, RowSession
 from speculative.sampling import SamplingParams
@@ -151,6 +160,35 @@ class _Pending:
     proposed_at: float
 
 
+@dataclass
+class _Round:
+    """One row's round while :meth:`AutoDrafter.propose_rows` runs: its choice, then its
+    draft."""
+
+    drafter: AutoDrafter
+    ask: RowAsk
+    choice: Choice = field(default_factory=lambda: Choice("none", 0, 0.0))
+    chosen: Estimate | None = None
+    draft: Draft = field(default_factory=lambda: Draft(tokens=[]))
+
+    def choose(self) -> None:
+        """The option and length (an n-gram draft is taken here: point masses)."""
+        drafter, ask = self.drafter, self.ask
+        situation, follow = longest_match(drafter.index, ask.context, ask.gamma)
+        self.choice = drafter.choose(situation, len(follow), ask.gamma)
+        if self.choice.option == "ngram":
+            self.draft = Draft(tokens=follow[: self.choice.drafts])
+            self.chosen = drafter.ngram[situation]
+        elif self.choice.option == "head":
+            self.chosen = drafter.model
+        # else a plain step promises more tokens per second than either draft
+
+    def head_ask(self) -> RowAsk:
+        ask = self.ask
+        return RowAsk(self.drafter.head, ask.context, self.choice.drafts, ask.params,
+                      ask.generator)  # fmt: skip
+
+
 class AutoDrafter:
     """Chooses per round between n-gram lookup and ``head`` (any model-based drafter)."""
 
@@ -209,23 +247,46 @@ class AutoDrafter:
         params: SamplingParams,
         generator: torch.Generator,
     ) -> Draft:
+        return self.propose_rows([RowAsk(self, context, gamma, params, generator)])[0]
+
+    def row_group(self) -> Hashable | None:
+        """Rows whose heads draft together choose together (each its own option)."""
+        head = self.head
+        group = head.row_group() if provides(head, DraftsRowsTogether) else None
+        return None if group is None else ("auto", group)
+
+    def propose_rows(self, asks: Sequence[RowAsk]) -> list[Draft]:
+        """Each row's own choice (its estimates, its n-gram match); the rows that choose
+        the head draft in one shared call where their heads can (a share of its time each:
+        what drafting costs them in this batch)."""
         started = time.perf_counter()
-        situation, follow = longest_match(self.index, context, gamma)
-        choice = self.choose(situation, len(follow), gamma)
-        chosen: Estimate | None = None
-        if choice.option == "ngram":
-            draft = Draft(tokens=follow[: choice.drafts])  # point masses
-            chosen = self.ngram[situation]
-        elif choice.option == "head":
-            draft = self.head.propose(context, choice.drafts, params, generator)
-            chosen = self.model
-        else:  # a plain step promises more tokens per second than either draft
-            draft = Draft(tokens=[])
-        self.choices[choice.option] += 1
-        self._since_head = 0 if choice.option == "head" else self._since_head + 1
+        rounds = [_Round(cast(AutoDrafter, ask.drafter), ask) for ask in asks]
+        for r in rounds:
+            r.choose()
+        heads = [r for r in rounds if r.choice.option == "head"]
+        head_started = time.perf_counter()
+        if len(heads) > 1 and provides(self.head, DraftsRowsTogether):
+            asks_of_heads = [r.head_ask() for r in heads]
+            for r, draft in zip(heads, self.head.propose_rows(asks_of_heads), strict=True):
+                r.draft = draft
+        else:
+            for r in heads:
+                ask = r.head_ask()
+                r.draft = ask.drafter.propose(ask.context, ask.gamma, ask.params, ask.generator)
+        head_share = (time.perf_counter() - head_started) / max(1, len(heads))
+        chosen_share = (head_started - started) / len(rounds)
         now = time.perf_counter()
-        self._pending = _Pending(chosen, len(draft.tokens), now - started, now)
-        return draft
+        for r in rounds:
+            seconds = chosen_share + (head_share if r.choice.option == "head" else 0.0)
+            r.drafter.commit_choice(r, seconds, now)
+        return [r.draft for r in rounds]
+
+    def commit_choice(self, r: _Round, seconds: float, now: float) -> None:
+        """Record the round's choice (counts, the head's exploration clock, the pending
+        measurement :meth:`observe` completes)."""
+        self.choices[r.choice.option] += 1
+        self._since_head = 0 if r.choice.option == "head" else self._since_head + 1
+        self._pending = _Pending(r.chosen, len(r.draft.tokens), seconds, now)
 
     def observe(self, context: Sequence[int], num_accepted: int) -> None:
         """Update the chosen option's α and drafting time, and V(drafted + 1) (the time

@@ -126,3 +126,31 @@ class ChoosesDraftLength(Protocol):
     def use_verify_cost(self, verify_cost: dict[int, float]) -> None:
         """The measured T(k)/T(1), k = 1..max, as the prior of the drafter's own timings."""
         ...
+
+
+@dataclass(frozen=True)
+class RowAsk:
+    """One row's request for a chain draft: what its drafter's ``propose`` would take."""
+
+    drafter: Drafter
+    context: Sequence[int]
+    gamma: int
+    params: SamplingParams
+    generator: torch.Generator
+
+
+@runtime_checkable
+class DraftsRowsTogether(Protocol):
+    """A drafter whose draft steps can serve several rows at once (one weight stream per
+    step for every row: a drafting head on the C kernels). Drafters with the same
+    ``row_group()`` (None: this one drafts alone) propose in one :meth:`propose_rows` call,
+    which gives each row exactly the draft its own ``propose`` would: the same tokens, q
+    and generator draws, the same forward-call count."""
+
+    def row_group(self) -> Hashable | None:
+        """What rows must share to draft together (None: this drafter drafts alone)."""
+        ...
+
+    def propose_rows(self, asks: Sequence[RowAsk]) -> list[Draft]:
+        """Each ask's chain draft; every ask's drafter has this one's ``row_group``."""
+        ...

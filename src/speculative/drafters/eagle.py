@@ -11,13 +11,14 @@ whose logits over the draft vocabulary give the distribution of x_{t+2}.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
 
-from speculative.drafters.base import Draft
+from speculative.drafters.base import Draft, RowAsk
 from speculative.drafters.head_common import (
     HeadDrafter,
     draft_distribution,
@@ -83,14 +84,11 @@ class EagleDrafter(HeadDrafter):
                 cache.pairs = []
 
     # ---- the head over the committed context ----------------------------------------
-    def _sync(
-        self, cache: HeadCache, context: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Bring the head's cache to the committed ``context``; returns the predicted
-        feature of position len(context) - 1 ([H]) and its draft logits ([N]: the next
-        token's), or None when the target gave no features."""
-        n = len(context)
-        true = min(true_feature_count(self.target, context), n - 1)  # pairs from true features
+    def _catch_up(self, cache: HeadCache, context: Sequence[int]) -> _Feed | None:
+        """Roll the head's cache back to the true pairs it shares with ``context`` and
+        return the feed of the true pairs it lacks (at least the last one, whose
+        prediction drafting starts from), or None when the target gave no features."""
+        true = min(true_feature_count(self.target, context), len(context) - 1)
         if true < 1:
             return None
         keep = common_prefix_length(cache.pairs, context[1 : true + 1])
@@ -98,31 +96,57 @@ class EagleDrafter(HeadDrafter):
             keep -= 1
         cache.runner.length = keep
         del cache.pairs[keep:]
-        features = self.target.features  # type: ignore[union-attr]
-        predicted = self._feed(cache, context[keep + 1 : true + 1], features[keep:true], keep)
         cache.pairs.extend(context[keep + 1 : true + 1])
-        # pairs whose features the target has not given yet (none after a normal round)
-        for t in range(true, n - 1):
-            predicted = self._feed(cache, [context[t + 1]], predicted[0].unsqueeze(0), t)
+        features = self.target.features  # type: ignore[union-attr]
+        return _Feed(self, cache, context[keep + 1 : true + 1], features[keep:true], keep)
+
+    def _sync(
+        self, cache: HeadCache, context: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Bring the head's cache to the committed ``context``; returns the predicted
+        feature of position len(context) - 1 ([H]) and its draft logits ([N]: the next
+        token's), or None when the target gave no features."""
+        feed = self._catch_up(cache, context)
+        if feed is None:
+            return None
+        return self._finish_sync(feed, self._feed_all([feed])[0], context)
+
+    def _finish_sync(
+        self, feed: _Feed, predicted: tuple[torch.Tensor, torch.Tensor], context: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """After ``feed``: the pairs whose features the target has not given yet (none
+        after a normal round), on the head's own predictions."""
+        for t in range(feed.start + len(feed.tokens), len(context) - 1):
+            step = _Feed(self, feed.cache, [context[t + 1]], predicted[0].unsqueeze(0), t)
+            predicted = self._feed_all([step])[0]
         return predicted
 
-    def _feed(
-        self,
-        cache: HeadCache,
-        tokens: Sequence[int],
-        features: torch.Tensor,
-        start: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pairs (features[i], tokens[i]) at positions start + i -> the last prediction
-        ([H] feature, [N] logits)."""
-        ids = torch.tensor(list(tokens), dtype=torch.long)
-        positions = torch.arange(start, start + len(ids))
-        out, logits = cache.runner.step(self.head.embedding[ids], features, positions)
-        self._calls += 1
-        return out[-1], logits[-1]
+    def _feed_all(self, feeds: Sequence[_Feed]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each feed's pairs (features[i], tokens[i]) at positions start + i -> its last
+        prediction ([H] feature, [N] logits); the feeds of rows whose runners step
+        together in one call, else one call each. The feeds' drafters count their calls."""
+        ids = [torch.tensor(list(f.tokens), dtype=torch.long) for f in feeds]
+        embeds = [f.owner.head.embedding[i] for f, i in zip(feeds, ids, strict=True)]
+        positions = [torch.arange(f.start, f.start + len(f.tokens)) for f in feeds]
+        runners = [f.cache.runner for f in feeds]
+        together = runners[0].together
+        if len(feeds) > 1 and together is not None and all(r.together is together for r in runners):
+            features = [f.features for f in feeds]
+            outputs = together.step_rows(runners, embeds, features, positions)
+        else:
+            outputs = [
+                r.step(e, f.features, p)
+                for r, e, f, p in zip(runners, embeds, feeds, positions, strict=True)
+            ]
+        for feed in feeds:
+            feed.owner._calls += 1
+        return [(out[-1], logits[-1]) for out, logits in outputs]
 
     # ---- chain -------------------------------------------------------------------------
-    @torch.no_grad()
+    def row_group(self) -> Hashable | None:
+        """Rows whose heads share packed kernels draft in shared steps."""
+        return self.chain.runner.together
+
     def propose(
         self,
         context: Sequence[int],
@@ -130,26 +154,32 @@ class EagleDrafter(HeadDrafter):
         params: SamplingParams,
         generator: torch.Generator,
     ) -> Draft:
-        synced = self._sync(self.chain, context)
-        if synced is None:
-            return Draft(tokens=[])
-        feature, logits = synced
-        position = len(context) - 1
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        for i in range(gamma):
-            index, probs = draw_from_logits(logits, params, generator, self.search)  # [N] | None
-            token = self.target_token(index)
-            tokens.append(token)
-            if probs is not None:
-                rows.append(probs)
-            if i + 1 < gamma:
-                step = ([token], feature.unsqueeze(0), position + i)
-                feature, logits = self._feed(self.chain, *step)
-        if params.greedy:
-            return Draft(tokens=tokens)
-        q = self.full_vocab(torch.stack(rows))
-        return Draft(tokens=tokens, probs=q.unsqueeze(0))  # [1, gamma, vocab]
+        return self.propose_rows([RowAsk(self, context, gamma, params, generator)])[0]
+
+    @torch.no_grad()
+    def propose_rows(self, asks: Sequence[RowAsk]) -> list[Draft]:
+        """Chains of several rows (each ask's drafter an EagleDrafter of this row group):
+        one catch-up step, then one step per draft position, for all rows together."""
+        chains: list[_Chain | None] = []
+        feeds = []
+        for ask in asks:
+            drafter = cast(EagleDrafter, ask.drafter)
+            feed = drafter._catch_up(drafter.chain, ask.context)
+            chains.append(None if feed is None else _Chain(ask, drafter))
+            if feed is not None:
+                feeds.append(feed)
+        live = [c for c in chains if c is not None]
+        for chain, feed, out in zip(live, feeds, self._feed_all(feeds) if feeds else [],
+                                    strict=True):  # fmt: skip
+            chain.feature, chain.logits = chain.drafter._finish_sync(feed, out, chain.ask.context)
+        for i in range(max((c.ask.gamma for c in live), default=0)):
+            drawn = [(c, c.draw(i)) for c in live if i < c.ask.gamma]
+            steps = [(c, feed) for c, feed in drawn if feed is not None]
+            if steps:
+                outs = self._feed_all([feed for _, feed in steps])
+                for (chain, _), (feature, logits) in zip(steps, outs, strict=True):
+                    chain.feature, chain.logits = feature, logits
+        return [Draft(tokens=[]) if c is None else c.draft() for c in chains]
 
     # ---- tree --------------------------------------------------------------------------
     @torch.no_grad()
@@ -252,6 +282,52 @@ class EagleDrafter(HeadDrafter):
                 self._expand(base, frontier, tree, outputs)
         runner.length = base
         return tree.as_draft(self.full_vocab(torch.stack(rows)))
+
+
+@dataclass
+class _Feed:
+    """Pairs to append to a head cache: (features[i], tokens[i]) at positions start + i,
+    for ``owner`` (the drafter whose call it counts)."""
+
+    owner: EagleDrafter
+    cache: HeadCache
+    tokens: Sequence[int]
+    features: torch.Tensor  # [k, H]
+    start: int
+
+
+@dataclass
+class _Chain:
+    """One row's chain while it is drafted: the prediction drafting continues from, and
+    the tokens (and their processed rows, under sampling) drawn so far."""
+
+    ask: RowAsk
+    drafter: EagleDrafter
+    feature: torch.Tensor | None = None  # [H]
+    logits: torch.Tensor | None = None  # [N]
+    tokens: list[int] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)  # [N] each
+
+    def draw(self, i: int) -> _Feed | None:
+        """Draft i from the current logits; the feed that predicts the next one (None
+        after the last)."""
+        ask, drafter = self.ask, self.drafter
+        assert self.logits is not None and self.feature is not None
+        index, probs = draw_from_logits(self.logits, ask.params, ask.generator, drafter.search)
+        token = drafter.target_token(index)
+        self.tokens.append(token)
+        if probs is not None:
+            self.rows.append(probs)
+        if i + 1 >= ask.gamma:
+            return None
+        position = len(ask.context) - 1 + i
+        return _Feed(drafter, drafter.chain, [token], self.feature.unsqueeze(0), position)
+
+    def draft(self) -> Draft:
+        if self.ask.params.greedy or not self.tokens:
+            return Draft(tokens=self.tokens)
+        q = self.drafter.full_vocab(torch.stack(self.rows))  # [gamma, vocab]
+        return Draft(tokens=self.tokens, probs=q.unsqueeze(0))  # [1, gamma, vocab]
 
 
 class _Growing:

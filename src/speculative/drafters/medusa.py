@@ -4,11 +4,12 @@ give (the recovered or bonus token just committed)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import cast
 
 import torch
 
-from speculative.drafters.base import Draft
+from speculative.drafters.base import Draft, RowAsk
 from speculative.drafters.head_common import (
     HeadDrafter,
     draft_distribution,
@@ -44,19 +45,26 @@ class MedusaDrafter(HeadDrafter):
         self.runner = runner if runner is not None else TorchMedusaRunner(head)
         self.heads = head.config.medusa_heads
 
-    def _head_logits(self, context: Sequence[int], count: int) -> torch.Tensor | None:
-        """Draft logits [count, N] of heads 1..count, or None. They exist only when the
-        target has the feature of context[-2] (whose own logits gave the last token):
-        the normal state after a verification."""
+    def _feature(self, context: Sequence[int]) -> torch.Tensor | None:
+        """The target's feature [H] of context[-2] (whose own logits gave the last token:
+        the normal state after a verification), or None when it is not at hand."""
         n = len(context)
         if n < 2 or true_feature_count(self.target, context) < n - 1:
             return None
-        feature = self.target.features[n - 2]  # type: ignore[union-attr]
-        logits = self.runner(feature, min(count, self.heads))
-        self._calls += 1
-        return logits
+        return self.target.features[n - 2]  # type: ignore[union-attr]
 
-    @torch.no_grad()
+    def _head_logits(self, context: Sequence[int], count: int) -> torch.Tensor | None:
+        """Draft logits [count, N] of heads 1..count, or None without the feature."""
+        feature = self._feature(context)
+        if feature is None:
+            return None
+        self._calls += 1
+        return self.runner(feature, min(count, self.heads))
+
+    def row_group(self) -> Hashable | None:
+        """Rows sharing kernel-packed heads draft in one call."""
+        return self.runner.together
+
     def propose(
         self,
         context: Sequence[int],
@@ -64,9 +72,34 @@ class MedusaDrafter(HeadDrafter):
         params: SamplingParams,
         generator: torch.Generator,
     ) -> Draft:
-        logits = self._head_logits(context, gamma)
-        if logits is None:
-            return Draft(tokens=[])
+        return self.propose_rows([RowAsk(self, context, gamma, params, generator)])[0]
+
+    @torch.no_grad()
+    def propose_rows(self, asks: Sequence[RowAsk]) -> list[Draft]:
+        """Chains of several rows (each ask's drafter a MedusaDrafter of this row group):
+        every row's heads in one call where the runners share kernels."""
+        drafters = [cast(MedusaDrafter, ask.drafter) for ask in asks]
+        features = [d._feature(ask.context) for d, ask in zip(drafters, asks, strict=True)]
+        live = [i for i, f in enumerate(features) if f is not None]
+        counts = [min(asks[i].gamma, drafters[i].heads) for i in live]
+        together = self.runner.together
+        if len(live) > 1 and together is not None:
+            rows = together.many(torch.stack([features[i] for i in live]), counts)
+        else:
+            rows = [drafters[i].runner(features[i], c) for i, c in zip(live, counts, strict=True)]
+        logits: list[torch.Tensor | None] = [None] * len(asks)
+        for i, row in zip(live, rows, strict=True):
+            drafters[i]._calls += 1
+            logits[i] = row
+        return [
+            Draft(tokens=[]) if row is None else d._draft(row, ask.params, ask.generator)
+            for d, ask, row in zip(drafters, asks, logits, strict=True)
+        ]
+
+    def _draft(
+        self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    ) -> Draft:
+        """A chain from the heads' draft logits [count, N]."""
         if params.greedy:  # the first argmax of each head's logits (numpy: no one-hot)
             indices = logits.numpy().argmax(axis=-1).tolist()
             return Draft(tokens=[self.target_token(i) for i in indices])

@@ -115,7 +115,12 @@ def parse_layers(value: str, total: int) -> int:
 
 
 def load_trained_head(method: str, argument: str, target: LoadedModel) -> Any:
-    """The head in folder ``argument``, or the one shipped for ``target``."""
+    """The head in folder ``argument``, or the one shipped for ``target`` (loaded once per
+    target: its drafters share it)."""
+    return target.shared(("head", method, argument), lambda: _read_head(method, argument, target))
+
+
+def _read_head(method: str, argument: str, target: LoadedModel) -> Any:
     from speculative.heads.store import load_head, require_features, shipped_head_dir
 
     require_features(target.lm, f"target '{target.name}' on the {target.runtime} runtime")
@@ -132,14 +137,18 @@ def load_trained_head(method: str, argument: str, target: LoadedModel) -> Any:
 def _eagle(argument: str, target: LoadedModel) -> Drafter:
     from speculative.drafters.eagle import EagleDrafter
     from speculative.drafters.head_common import nucleus_search, target_kernels
-    from speculative.heads.runners import KernelEagleRunner
+    from speculative.heads.runners import KernelEagleHead
 
     head = load_trained_head("eagle", argument, target)
     library = target_kernels(target.lm)
     runner = None
-    if library is not None:  # the head's steps on the target's own C kernels
-        max_length = target.lm.max_length or 4096
-        runner = KernelEagleRunner(head, library, target.precision, max_length)
+    if library is not None:  # the head's steps on the target's own C kernels, packed once:
+        max_length = target.lm.max_length or 4096  # every row's runner has a slot of them
+        kernels = target.shared(
+            ("eagle kernels", argument),
+            lambda: KernelEagleHead(head, library, target.precision, max_length),
+        )
+        runner = kernels.runner()
     name = "eagle" if not argument else f"eagle:{argument}"
     return EagleDrafter(head, target.lm.vocab_size, name, runner, nucleus_search(target.lm))
 
@@ -151,7 +160,12 @@ def _medusa(argument: str, target: LoadedModel) -> Drafter:
 
     head = load_trained_head("medusa", argument, target)
     library = target_kernels(target.lm)
-    runner = None if library is None else KernelMedusaRunner(head, library, target.precision)
+    runner = None
+    if library is not None:  # stateless: every row's drafter shares it
+        runner = target.shared(
+            ("medusa kernels", argument),
+            lambda: KernelMedusaRunner(head, library, target.precision),
+        )
     name = "medusa" if not argument else f"medusa:{argument}"
     return MedusaDrafter(head, target.lm.vocab_size, name, runner)
 

@@ -31,7 +31,9 @@ import torch
 from speculative.capabilities import provides
 from speculative.drafters.base import (
     Drafter,
+    DraftsRowsTogether,
     ReadsTargetFeatures,
+    RowAsk,
     SupportsDraftSituation,
     SupportsPriming,
 )
@@ -54,7 +56,9 @@ from speculative.engine.round import (
     Verifier,
     accepted,
     commit_tokens,
+    draft_length,
     propose_draft,
+    propose_drafts_together,
     verify_draft,
 )
 from speculative.engine.stats import GenerationStats
@@ -412,15 +416,55 @@ class BatchEngine:
             wanted = self._furthest_behind(rows, wanted)
         if self.load is not None and any(wanted):
             wanted = self._load_gammas(self.load, rows, wanted, extra_tokens, extra_rows)
+        together = self._proposals_together(rows, wanted)
         planned = []
         for row, gamma in zip(rows, wanted, strict=True):
-            started, calls = time.perf_counter(), row.state.stats.draft_calls
-            proposal = self._proposal(row, gamma)
-            seconds = time.perf_counter() - started
+            if row.row_id in together:
+                proposal, seconds, calls = together[row.row_id]
+            else:
+                started, calls = time.perf_counter(), row.state.stats.draft_calls
+                proposal = self._proposal(row, gamma)
+                seconds = time.perf_counter() - started
             if gamma > 0 or row.request.tree is not None:  # the drafter was asked
                 self._measure_propose(row, seconds, calls)
             planned.append(_Planned(row, proposal, seconds, gamma))
         return planned
+
+    def _proposals_together(
+        self, rows: list[BatchRow], wanted: list[int]
+    ) -> dict[int, tuple[Proposal, float, int]]:
+        """The chains of rows whose drafters draft in shared steps (``DraftsRowsTogether``,
+        the same row group, two rows or more): one call per group, each draft exactly the
+        row's own. Per row id: its proposal, its share of the call's seconds and its
+        draft-call count before."""
+        groups: dict[Hashable, list[tuple[BatchRow, int]]] = {}
+        for row, gamma in zip(rows, wanted, strict=True):
+            drafter = row.request.drafter
+            gamma = draft_length(gamma, row.state, self.max_length)
+            if row.request.tree is not None or gamma == 0:
+                continue
+            group = drafter.row_group() if provides(drafter, DraftsRowsTogether) else None
+            if group is not None:
+                groups.setdefault(group, []).append((row, gamma))
+        out = {}
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            calls = [row.state.stats.draft_calls for row, _ in members]
+            asks = [
+                RowAsk(row.request.drafter, row.state.sequence, gamma, row.request.params,
+                       row.request.generator)
+                for row, gamma in members
+            ]  # fmt: skip
+            states = [row.state for row, _ in members]
+            started = time.perf_counter()
+            lead = cast(DraftsRowsTogether, members[0][0].request.drafter)
+            drafts = propose_drafts_together(lead, asks, states)
+            share = (time.perf_counter() - started) / len(members)
+            for (row, _), draft, before in zip(members, drafts, calls, strict=True):
+                request = row.session.request(row.state.sequence, draft.tokens)
+                out[row.row_id] = (Proposal(request, draft=draft), share, before)
+        return out
 
     def _load_gammas(
         self,

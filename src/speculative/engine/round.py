@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from speculative.drafters.base import Draft, Drafter
+from speculative.drafters.base import Draft, Drafter, DraftsRowsTogether, RowAsk
 from speculative.drafters.tree import DraftTree
 from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import StopCriteria
@@ -90,6 +90,26 @@ class Proposal:
         return len(self.draft.tokens) if self.draft is not None else 0
 
 
+def draft_length(gamma: int, state: DecodeState, max_length: int | None) -> int:
+    """``gamma``, cut where the verification pass would overflow the context window."""
+    if max_length is None:
+        return gamma
+    return max(0, min(gamma, max_length - len(state.sequence) - 1))
+
+
+def propose_drafts_together(
+    lead: DraftsRowsTogether, asks: list[RowAsk], states: list[DecodeState]
+) -> list[Draft]:
+    """The chain drafts of rows whose drafters share ``lead``'s row group, in one
+    ``propose_rows`` call (each γ already cut by :func:`draft_length`, ≥ 1); counts each
+    row's forward calls in its stats, as :func:`propose_draft` does."""
+    before = [ask.drafter.forward_calls for ask in asks]
+    drafts = lead.propose_rows(asks)
+    for ask, state, calls in zip(asks, states, before, strict=True):
+        state.stats.draft_calls += ask.drafter.forward_calls - calls
+    return drafts
+
+
 def propose_draft(
     drafter: Drafter | None,
     gamma: int,
@@ -100,8 +120,7 @@ def propose_draft(
 ) -> Draft:
     """Ask ``drafter`` for up to ``gamma`` tokens after ``state.sequence`` (fewer where the
     verification pass would overflow the context window); counts its forward calls."""
-    if max_length is not None:  # the verification pass must fit the context window
-        gamma = max(0, min(gamma, max_length - len(state.sequence) - 1))
+    gamma = draft_length(gamma, state, max_length)
     if gamma == 0 or drafter is None:
         return Draft(tokens=[])
     calls_before = drafter.forward_calls

@@ -17,10 +17,14 @@ the drafter samples from are the ones it reports as q.
 
 from __future__ import annotations
 
-import copy
 import ctypes
+import math
+import threading
+import weakref
+from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -52,9 +56,12 @@ def head_formats(target_precision: str) -> tuple[str, str]:
 class EagleRunner(Protocol):
     """An EAGLE head's incremental step over its own KV cache (batch of one).
 
-    ``length`` is the number of cached pairs; setting it lower rolls back."""
+    ``length`` is the number of cached pairs; setting it lower rolls back. ``together``:
+    what steps this runner with other rows' runners in one call (a
+    :class:`KernelEagleHead`), or None (it steps alone)."""
 
     length: int
+    together: KernelEagleHead | None
 
     def step(
         self,
@@ -83,6 +90,7 @@ class TorchEagleRunner:
         self.module: EagleHead = head.module
         self.capacity = capacity
         self.cache: KVCache = self.module.new_cache(capacity)
+        self.together = None  # the PyTorch head steps one row at a time
 
     def sibling(self) -> TorchEagleRunner:
         return TorchEagleRunner(self.head, self.capacity)
@@ -107,10 +115,13 @@ class TorchEagleRunner:
         return out, self.head.draft_logits(out)
 
 
-class KernelEagleRunner:
-    """An EAGLE head's step on kernels.c, with its own KV cache (batch of one).
-
-    ``length`` is the number of cached pairs (set it lower to roll back)."""
+class KernelEagleHead:
+    """An EAGLE head packed for kernels.c once and shared by every row that drafts with
+    it: its weights, its one-layer model, and one KV cache slot per runner
+    ([slots, 1, kv_heads, max_length, head_dim], grown on demand; a runner's slot is freed
+    with the runner). Runners of one head step together in one C call
+    (:meth:`step_rows`): each weight is read once for every row's pairs, and each row gets
+    the bits its own :meth:`KernelEagleRunner.step` would give."""
 
     def __init__(
         self, head: TrainedHead, library: object, target_precision: str, max_length: int
@@ -163,47 +174,56 @@ class KernelEagleRunner:
             cos=self._cos,
             sin=self._sin,
         )
-        shape = (1, cfg.num_kv_heads, max_length, d)  # [layers, kv_heads, slots, head_dim]
-        self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)
         self.max_length = max_length
-        self.length = 0
+        # [slots, layers = 1, kv_heads, max_length, head_dim]
+        self._slot_shape = (1, cfg.num_kv_heads, max_length, d)
+        self._slot_floats = math.prod(self._slot_shape)
+        self.k_cache = torch.zeros(0, *self._slot_shape)
+        self.v_cache = torch.zeros(0, *self._slot_shape)
+        self._free: list[int] = []
+        self._lock = threading.RLock()  # slots are taken where drafters are built
+        self._causal = torch.zeros(1, dtype=torch.uint8)  # mask stand-in: all causal
 
-    def sibling(self) -> KernelEagleRunner:
-        """The same packed weights over a cache of its own."""
-        twin = copy.copy(self)
-        twin.k_cache, twin.v_cache = torch.zeros_like(self.k_cache), torch.zeros_like(self.v_cache)
-        twin.length = 0
-        return twin
+    def runner(self) -> KernelEagleRunner:
+        """A runner over a cache slot of its own (freed when the runner is)."""
+        with self._lock:
+            if not self._free:
+                self._grow()
+            slot = self._free.pop()
+        runner = KernelEagleRunner(self, slot)
+        weakref.finalize(runner, self._release, slot)
+        return runner
+
+    @property
+    def slots(self) -> int:
+        return self.k_cache.shape[0]
+
+    def _grow(self) -> None:
+        """Twice the slots (at least one), keeping what the existing ones hold."""
+        old = self.slots
+        new = max(1, 2 * old)
+        k, v = torch.zeros(new, *self._slot_shape), torch.zeros(new, *self._slot_shape)
+        k[:old], v[:old] = self.k_cache, self.v_cache
+        self.k_cache, self.v_cache = k, v
+        self._free.extend(range(new - 1, old - 1, -1))  # the lowest slot is taken first
+
+    def _release(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
 
     def weight_bytes(self) -> int:
         """Bytes of weights one step reads (fusion layer, decoder layer, output rows)."""
         return self.fc.weight_bytes() + self.layer.weight_bytes() + self.rows.weight_bytes()
 
-    @torch.no_grad()
-    def step(
-        self,
-        embeds: torch.Tensor,  # [k, H] embeddings of the tokens x_{t+1}
-        features: torch.Tensor,  # [k, H] features f_t (true or predicted)
-        positions: torch.Tensor,  # [k] int64 pair positions t
-        # [k, k] bool among the new pairs, or [k, start + k] over the cached pairs too (a
-        # tree: nodes of earlier expansions seen by their descendants only); None = causal
-        mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [k, H] predicted features, [k, N] logits
-        """Append k pairs to the cache; their predicted next features and draft logits."""
-        k = embeds.shape[0]
-        start = self.length
-        if start + k > self.max_length:
-            raise ValueError(f"head cache overflow: {start} + {k} > {self.max_length}")
-        base, mask = _mask_window(mask, k, start)
-        threads = torch.get_num_threads()
-        lib = self.library
-        model = self._model.pointer
-        width = self.config.hidden_size
-        fused_floats = lib.spec_fused_linear_work_floats(k, 2 * width) + 8
-        work = torch.empty(max(fused_floats, lib.spec_work_floats(model, k, threads)))
-        hidden = torch.empty(k, width)  # [k, H], updated in place by the forward below
+    def _fuse(
+        self, embeds: torch.Tensor, features: torch.Tensor, work: torch.Tensor, threads: int
+    ) -> torch.Tensor:
+        """fc([norm(embeds) | norm(features)]) over [k, H] rows (each row on its own): one
+        parallel region. [k, H]."""
+        k, width = embeds.shape[0], self.config.hidden_size
+        hidden = torch.empty(k, width)  # [k, H], updated in place by the forward after
         embeds, features = embeds.float().contiguous(), features.float().contiguous()
-        lib.spec_fused_linear(  # fc([norm(embeds) | norm(features)]): one parallel region
+        self.library.spec_fused_linear(
             ctypes.byref(self._fc),
             embeds.data_ptr(),
             self.embed_norm.data_ptr(),
@@ -215,25 +235,155 @@ class KernelEagleRunner:
             work.data_ptr(),
             threads,
         )
-        logits = torch.empty(k, self.rows.out_features)
-        pos = positions.to(torch.int64).contiguous()
-        mask_bytes = None if mask is None else mask.to(torch.uint8).contiguous()
-        lib.spec_forward(
-            model,
-            hidden.data_ptr(),
-            k,
-            start,
-            pos.data_ptr(),
-            None if mask_bytes is None else mask_bytes.data_ptr(),
-            base,
-            self.k_cache.data_ptr(),
-            self.v_cache.data_ptr(),
-            logits.data_ptr(),
-            work.data_ptr(),
-            threads,
-        )
-        self.length = start + k
+        return hidden
+
+    def _work(self, k: int, threads: int) -> torch.Tensor:
+        lib = self.library
+        fused = lib.spec_fused_linear_work_floats(k, 2 * self.config.hidden_size) + 8
+        return torch.empty(max(fused, lib.spec_work_floats(self._model.pointer, k, threads)))
+
+    @torch.no_grad()
+    def step(
+        self,
+        runner: KernelEagleRunner,
+        embeds: torch.Tensor,  # [k, H] embeddings of the tokens x_{t+1}
+        features: torch.Tensor,  # [k, H] features f_t (true or predicted)
+        positions: torch.Tensor,  # [k] int64 pair positions t
+        mask: torch.Tensor | None = None,  # as KernelEagleRunner.step's
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [k, H] predicted features, [k, N] logits
+        """One runner's step (see :meth:`KernelEagleRunner.step`)."""
+        k = embeds.shape[0]
+        start = runner.length
+        if start + k > self.max_length:
+            raise ValueError(f"head cache overflow: {start} + {k} > {self.max_length}")
+        base, mask = _mask_window(mask, k, start)
+        threads = torch.get_num_threads()
+        with self._lock:  # the slots do not move under a step
+            offset = 4 * runner.slot * self._slot_floats  # bytes to the runner's slot
+            work = self._work(k, threads)
+            hidden = self._fuse(embeds, features, work, threads)
+            logits = torch.empty(k, self.rows.out_features)
+            pos = positions.to(torch.int64).contiguous()
+            mask_bytes = None if mask is None else mask.to(torch.uint8).contiguous()
+            self.library.spec_forward(
+                self._model.pointer,
+                hidden.data_ptr(),
+                k,
+                start,
+                pos.data_ptr(),
+                None if mask_bytes is None else mask_bytes.data_ptr(),
+                base,
+                self.k_cache.data_ptr() + offset,
+                self.v_cache.data_ptr() + offset,
+                logits.data_ptr(),
+                work.data_ptr(),
+                threads,
+            )
+        runner.length = start + k
         return hidden, logits
+
+    @torch.no_grad()
+    def step_rows(
+        self,
+        runners: Sequence[KernelEagleRunner],
+        embeds: Sequence[torch.Tensor],  # per runner [k_i, H]
+        features: Sequence[torch.Tensor],  # per runner [k_i, H]
+        positions: Sequence[torch.Tensor],  # per runner [k_i] int64
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # per runner ([k_i, H], [k_i, N])
+        """Causal steps of several runners (each appending its k_i pairs to its own cache)
+        in one fused-layer call and one batched forward: each runner gets what its own
+        :meth:`step` would give, bit for bit (rows are computed independently)."""
+        sizes = [e.shape[0] for e in embeds]
+        k = sum(sizes)
+        for runner, size in zip(runners, sizes, strict=True):
+            if runner.length + size > self.max_length:
+                raise ValueError(
+                    f"head cache overflow: {runner.length} + {size} > {self.max_length}"
+                )
+        threads = torch.get_num_threads()
+        # per sequence (int32 [4, nseq]): its new rows, first cache position, slot, and
+        # first row with logits (every row has them)
+        meta = np.array(
+            [[size, r.length, r.slot, 0] for r, size in zip(runners, sizes, strict=True)],
+            dtype=np.int32,
+        ).T.copy()
+        nseq = meta.shape[1]
+        at = meta.__array_interface__["data"][0]
+        causal = np.full(nseq, -1, dtype=np.int64)  # no sequence has a mask
+        pos = torch.cat(list(positions)).to(torch.int64).contiguous()  # [k]
+        with self._lock:  # the slots do not move under a step
+            work = self._work(k, threads)
+            hidden = self._fuse(torch.cat(list(embeds)), torch.cat(list(features)), work, threads)
+            logits = torch.empty(k, self.rows.out_features)
+            self.library.spec_forward_batch(
+                self._model.pointer,
+                hidden.data_ptr(),
+                nseq,
+                at,
+                at + 4 * nseq,
+                at + 8 * nseq,
+                pos.data_ptr(),
+                self._causal.data_ptr(),
+                causal.__array_interface__["data"][0],
+                None,  # every row's logits
+                self.k_cache.data_ptr(),
+                self.v_cache.data_ptr(),
+                self._slot_floats,
+                logits.data_ptr(),
+                None,  # no fused argmax
+                work.data_ptr(),
+                threads,
+            )
+        for runner, size in zip(runners, sizes, strict=True):
+            runner.length += size
+        return list(zip(hidden.split(sizes), logits.split(sizes), strict=True))
+
+
+class KernelEagleRunner:
+    """An EAGLE head's step on kernels.c over one cache slot of a shared
+    :class:`KernelEagleHead` (batch of one; runners of one head also step together).
+
+    ``length`` is the number of cached pairs (set it lower to roll back)."""
+
+    def __init__(self, kernels: KernelEagleHead, slot: int) -> None:
+        self.together = kernels  # what this runner steps with others on
+        self.slot = slot
+        self.length = 0
+
+    @classmethod
+    def of(
+        cls, head: TrainedHead, library: object, target_precision: str, max_length: int
+    ) -> KernelEagleRunner:
+        """A runner of a head packed for it alone."""
+        return KernelEagleHead(head, library, target_precision, max_length).runner()
+
+    @property
+    def formats(self) -> tuple[str, str]:
+        return self.together.formats
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        """[1, kv_heads, max_length, head_dim]: this runner's slot."""
+        return self.together.k_cache[self.slot]
+
+    def sibling(self) -> KernelEagleRunner:
+        """The same packed weights over a cache slot of its own."""
+        return self.together.runner()
+
+    def weight_bytes(self) -> int:
+        return self.together.weight_bytes()
+
+    def step(
+        self,
+        embeds: torch.Tensor,  # [k, H] embeddings of the tokens x_{t+1}
+        features: torch.Tensor,  # [k, H] features f_t (true or predicted)
+        positions: torch.Tensor,  # [k] int64 pair positions t
+        # [k, k] bool among the new pairs, or [k, start + k] over the cached pairs too (a
+        # tree: nodes of earlier expansions seen by their descendants only); None = causal
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [k, H] predicted features, [k, N] logits
+        """Append k pairs to the cache; their predicted next features and draft logits."""
+        return self.together.step(self, embeds, features, positions, mask)
 
 
 def _mask_window(mask: torch.Tensor | None, k: int, start: int) -> tuple[int, torch.Tensor | None]:
@@ -263,6 +413,11 @@ def _fused_qkv(module: EagleHead) -> torch.Tensor:
 
 
 class MedusaRunner(Protocol):
+    """What computes Medusa heads' draft logits. ``together``: what computes several
+    rows' in one call (a :class:`KernelMedusaRunner`), or None."""
+
+    together: KernelMedusaRunner | None
+
     def __call__(self, feature: torch.Tensor, count: int) -> torch.Tensor:
         """feature [H] -> draft logits [count, N] of heads 1..count."""
         ...
@@ -276,6 +431,7 @@ class TorchMedusaRunner:
             raise ValueError("the Medusa runner runs Medusa heads only")
         self.head = head
         self.module: MedusaHeads = head.module
+        self.together = None  # one row at a time
 
     @torch.no_grad()
     def __call__(self, feature: torch.Tensor, count: int) -> torch.Tensor:
@@ -304,10 +460,24 @@ class KernelMedusaRunner:
     def weight_bytes(self) -> int:
         return self.blocks.weight_bytes() + self.rows.weight_bytes()
 
+    @property
+    def together(self) -> KernelMedusaRunner:
+        """Stateless: one runner serves every row (:meth:`many`)."""
+        return self
+
     @torch.no_grad()
     def __call__(self, feature: torch.Tensor, count: int) -> torch.Tensor:
+        return self.many(feature.reshape(1, -1), [count])[0]
+
+    @torch.no_grad()
+    def many(self, features: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+        """features [B, H] -> each row's draft logits [counts[b], N] of heads 1..counts[b]:
+        two linear calls for all rows (each row computed on its own: the bits it gets
+        alone)."""
         threads = torch.get_num_threads()
-        x = feature.reshape(1, -1).float()  # [1, H]
-        residual = self.blocks(self.library, x, threads).view(self.count, -1)  # [K, H]
-        predicted = (x + F.silu(residual[:count])).contiguous()  # [count, H]
-        return self.rows(self.library, predicted, threads)  # [count, N]
+        x = features.float().contiguous()  # [B, H]
+        residual = self.blocks(self.library, x, threads).view(x.shape[0], self.count, -1)
+        predicted = torch.cat(
+            [x[b] + F.silu(residual[b, :count]) for b, count in enumerate(counts)]
+        ).contiguous()  # [Σ counts, H]
+        return list(self.rows(self.library, predicted, threads).split(list(counts)))
