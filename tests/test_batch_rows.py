@@ -180,3 +180,33 @@ def test_rows_skip_the_logits_they_do_not_ask_for(
     assert torch.equal(logits[0], every[2][0][11:12]) and torch.equal(features[0], every[2][1])
     with pytest.raises(ValueError, match="logits_from"):
         part.forward_rows([RowInput(slots[1][1], ids[1][14:16], logits_from=2)])
+
+
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_single_sequence_tree_compaction_leaves_the_rows_slots_alone(
+    folder: Path, backend: str
+) -> None:
+    """The single-sequence cache (slot 0, ``forward``) compacts a verified tree path while
+    a batch row holds slot 1: the row's next logits are bitwise those of the same row on
+    a model where nothing else ran. Control: the same compaction applied to every slot of
+    the cache (what the single sequence once did) changes them."""
+    if backend == "kernels":
+        require_kernels()
+    ids, row_ids = _ids(20, 51), _ids(20, 52)[0]
+
+    def row_after_compaction(compact) -> torch.Tensor:
+        model = load_native(folder, max_length=64, backend=backend)
+        model.forward(ids[:, :6])  # the single sequence holds slot 0
+        slot = model.acquire_slot()
+        model.forward_rows([RowInput(slot, row_ids[:8])])
+        if compact is not None:
+            mask, offsets = tree_attention([-1, -1, 0], 1)  # a root and two branches
+            model.forward_tree(ids[:, 6:10], mask, 6 + offsets)
+            compact(model)
+        return model.forward_rows([RowInput(slot, row_ids[8:10])])[0]
+
+    want = row_after_compaction(None)
+    got = row_after_compaction(lambda m: m.keep_slots(6, [6, 8]))  # root, second branch
+    assert torch.equal(got, want)
+    every_slot = row_after_compaction(lambda m: m.decoder.keep_slots(6, [6, 8]))
+    assert not torch.equal(every_slot, want)

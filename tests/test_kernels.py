@@ -400,4 +400,5 @@ def test_an_advised_arena_gets_huge_pages_and_an_unadvised_one_does_not() -> Non
     cache = hugepages.zeros_on_huge_pages((2, 3, 1024, 256))  # a KV cache's 6 MiB
     assert cache.shape == (2, 3, 1024, 256) and cache.dtype == torch.float32
     assert not cache.any() and cache.data_ptr() % hugepages.HUGE_PAGE_BYTES == 0
+    cache[:, :, :16] = 1.0  # the kernels' first stores fault the pages in, as huge pages
     assert hugepages.huge_page_bytes(cache.data_ptr()) >= hugepages.HUGE_PAGE_BYTES

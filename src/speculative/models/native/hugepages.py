@@ -100,8 +100,9 @@ def zeros_on_huge_pages(shape: Sequence[int], dtype: torch.dtype = torch.float32
     if not huge_pages_wanted() or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(*shape, dtype=dtype)
     raw, at = huge_page_arena(nbytes)
-    zeros = raw[at : at + nbytes].view(dtype).view(*shape)
-    return zeros.zero_()
+    # a fresh anonymous mapping reads as zeros (the kernel zeroes each page when it is
+    # first touched): zeroing it here would fault in and write every page up front
+    return raw[at : at + nbytes].view(dtype).view(*shape)
 
 
 def huge_page_bytes(address: int) -> int | None:

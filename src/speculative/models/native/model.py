@@ -284,9 +284,13 @@ class NativeLlama:
             raise ValueError(f"cache slot {slot} is not acquired")
 
     def _grow(self, slots: int) -> None:
-        """Make the cache hold at least ``slots`` sequences (existing slots kept)."""
-        if slots > self.decoder._batch:
-            self.decoder.allocate(slots)
+        """Make the cache hold at least ``slots`` sequences (existing slots kept). It grows
+        to twice its size (at most ``max_slots``) rather than one slot at a time: each
+        growth allocates, zeroes and copies the whole cache, so rows joining one by one
+        would copy it O(B²) times."""
+        held = self.decoder._batch
+        if slots > held:
+            self.decoder.allocate(max(slots, min(2 * held, self._max_slots)))
 
     @torch.no_grad()
     def forward(
@@ -326,7 +330,8 @@ class NativeLlama:
         """Keep slots [0, first) and move ``slots`` right after them (tree compaction)."""
         kept = check_keep_slots(first, slots, self._length)
         if kept != list(range(first, first + len(kept))):
-            self.decoder.keep_slots(first, kept)
+            for sequence in range(self._batch):  # only ``forward``'s; other slots are rows'
+                self.decoder.keep_slots(first, kept, cache_slot=sequence)
         self._length = first + len(kept)
 
     # ---- features (SupportsHiddenStates) --------------------------------------------
