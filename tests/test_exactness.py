@@ -102,6 +102,26 @@ def _power(p: np.ndarray, q: np.ndarray, n: int, alpha: float, seed: int) -> flo
     return float(np.mean([stats.homogeneity_test(t).p_value < alpha for t in tables]))
 
 
+@pytest.mark.parametrize("delta", [0.05, 0.3])
+def test_tv_bounds_miss_at_most_delta_of_the_time_where_misses_are_likeliest(delta) -> None:
+    """The bounds' coverage where a miss is likeliest: two bins (TV̂'s upward bias is
+    smallest) and a true TV far from 0, one sample against the law and two samples, 2,000
+    trials each: the bound falls below the true TV in at most δ of them (plus simulation
+    noise). Negative control: the bare estimates, without the margin, miss more often."""
+    trials, n = 2000, 400
+    rng = np.random.default_rng(11)
+    law, q = np.array([0.55, 0.45]), np.array([0.45, 0.55])  # TV 0.1
+    fits = [stats.FitTable((0, 1), tuple(rng.multinomial(n, q)), tuple(law)) for _ in range(trials)]
+    pairs = _tables(law, q, n, trials, seed=12)
+    fit_miss = np.mean([stats.fit_tv_upper_bound(t, delta) < 0.1 for t in fits])
+    two_miss = np.mean([stats.tv_upper_bound(t, delta) < 0.1 for t in pairs])
+    noise = 3 * (delta * (1 - delta) / trials) ** 0.5
+    assert fit_miss <= delta + noise and two_miss <= delta + noise
+    # the control: the bare estimates miss far more often than δ (about half the time)
+    assert np.mean([stats.fit_tv_distance(t) < 0.1 for t in fits]) > delta + noise
+    assert np.mean([stats.tv_distance(t) < 0.1 for t in pairs]) > delta + noise
+
+
 def test_sample_size_for_detection_is_enough_and_a_quarter_is_not() -> None:
     alpha = 1e-3
     n = stats.samples_to_detect_tv(0.1, bins=2, alpha=alpha, power=0.9)
@@ -110,7 +130,7 @@ def test_sample_size_for_detection_is_enough_and_a_quarter_is_not() -> None:
     assert _power(P2, Q2, n // 4, alpha, seed=3) < 0.5
     # any other pair at the same TV has a larger effect: the N is enough for it too
     assert _power(P4, Q4, stats.samples_to_detect_tv(0.1, 4, alpha, 0.9), alpha, 4) >= 0.9
-    needed = stats.samples_for_tv_bound(0.05, bins=4, delta=alpha)
+    needed = stats.samples_for_tv_bound(0.05, delta=alpha)
     table = stats.Table((0, 1, 2, 3), (needed // 4,) * 4, (needed // 4,) * 4)
     assert stats.tv_upper_bound(table, alpha) <= 0.0501
 
@@ -165,8 +185,8 @@ def test_fit_tv_bound_covers_the_true_tv_and_the_margin_is_needed() -> None:
     # negative control: the bare estimate falls below the true TV far more often than δ
     assert sum(stats.fit_tv_distance(t) < 0.1 for t in tables) > 2 * 0.05 * len(tables)
     # one sample against the law needs half the N per sample of two samples
-    two = stats.samples_for_tv_bound(0.05, bins=4, delta=1e-3)
-    one = stats.samples_for_fit_tv_bound(0.05, bins=4, delta=1e-3)
+    two = stats.samples_for_tv_bound(0.05, delta=1e-3)
+    one = stats.samples_for_fit_tv_bound(0.05, delta=1e-3)
     assert one == pytest.approx(two / 2, abs=1)
     exact_sample = stats.FitTable((0, 1, 2, 3), (one // 4,) * 4, (0.25,) * 4)
     assert stats.fit_tv_upper_bound(exact_sample, 1e-3) <= 0.0501
