@@ -375,14 +375,14 @@ class KernelEagleRunner:
 
     def step(
         self,
-        embeds: torch.Tensor,  # [k, H] embeddings of the tokens x_{t+1}
-        features: torch.Tensor,  # [k, H] features f_t (true or predicted)
-        positions: torch.Tensor,  # [k] int64 pair positions t
-        # [k, k] bool among the new pairs, or [k, start + k] over the cached pairs too (a
-        # tree: nodes of earlier expansions seen by their descendants only); None = causal
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
         mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [k, H] predicted features, [k, N] logits
-        """Append k pairs to the cache; their predicted next features and draft logits."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k pairs to the cache; their predicted next features and draft logits
+        (shapes and mask as :meth:`EagleRunner.step`'s; a tree's mask may cover cached
+        nodes that only their descendants see)."""
         return self.together.step(self, embeds, features, positions, mask)
 
 
