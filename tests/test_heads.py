@@ -285,6 +285,26 @@ def test_rows_of_one_head_draft_in_shared_steps(trained, name, monkeypatch):
     assert mixed[0].token_ids == together[0].token_ids  # still lossless (greedy row)
 
 
+def test_head_cache_slots_are_freed_with_their_drafters(trained):
+    """A drafter's head runner holds a cache slot of the target's shared head kernels
+    until the drafter is dropped: building and dropping drafters one after another reuses
+    the same slot, and slots grow only while drafters are alive."""
+    import gc
+
+    target = target_on("native-kernels", trained["model"])
+    spec = f"eagle:{trained['eagle']}"
+    kernels = build_drafter(spec, target).row_group()
+    gc.collect()
+    for _ in range(20):
+        drafter = build_drafter(spec, target)
+        generate(target, drafter, GREEDY, 3, n=4)
+        del drafter
+    gc.collect()
+    assert kernels.slots <= 2  # the chain's slot, freed and taken again (plus growth)
+    alive = [build_drafter(spec, target) for _ in range(5)]
+    assert len({d.chain.runner.slot for d in alive}) == 5 and kernels.slots >= 5
+
+
 def test_auto_rows_choosing_the_head_draft_in_one_shared_step(trained, monkeypatch):
     """``auto`` rows of a batch each choose for themselves (their own estimates, n-gram
     matches and timings: a learner, so not bitwise their runs alone); the rows that
