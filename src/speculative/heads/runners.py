@@ -357,15 +357,6 @@ class KernelEagleRunner:
         """A runner of a head packed for it alone."""
         return KernelEagleHead(head, library, target_precision, max_length).runner()
 
-    @property
-    def formats(self) -> tuple[str, str]:
-        return self.together.formats
-
-    @property
-    def k_cache(self) -> torch.Tensor:
-        """[1, kv_heads, max_length, head_dim]: this runner's slot."""
-        return self.together.k_cache[self.slot]
-
     def sibling(self) -> KernelEagleRunner:
         """The same packed weights over a cache slot of its own."""
         return self.together.runner()
