@@ -25,7 +25,10 @@ plain decoding and N drawn by speculative decoding) are compared with
   before, the two-sample Bretagnolle–Huber–Carol inequality, had K ln 2 + ln(1/δ) under
   the root: a union over all 2^K sets of bins; at K = 8 and δ = 0.001/3 that needs 1.7×
   the N for the same margin.) It bounds the TV of the BINNED distributions (binning can
-  only lower a TV), at the N actually drawn.
+  only lower a TV), at the N actually drawn. Against an exact law the bins follow from the
+  law and N alone (:func:`bin_against_law`), so the argument holds as stated; two samples
+  are binned from their pooled counts (:func:`bin_counts`), so there it is a bound for
+  the bins as drawn, as the union bound was.
 * **sample sizes**: the N that makes that bound reach ε, and the N at which a given TV
   (or a pilot's measured effect) is detected by the chi-square test with a given power
   (noncentral chi-square, normal approximation; λ ≥ 2nε² for any TV ε by Cauchy–Schwarz).
