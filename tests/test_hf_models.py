@@ -307,6 +307,29 @@ def test_stale_conversion_is_detected(tmp_path: Path) -> None:
     assert not is_conversion_current(folder, gguf)
 
 
+def test_a_copy_of_the_converted_file_reuses_the_conversion(tmp_path: Path) -> None:
+    """Two installs (virtual environments) ship the default GGUF at different paths: a
+    file with the converted one's bytes reuses its conversion instead of converting the
+    shared cache folder back and forth. Control: a file of the same size with other bytes
+    is stale."""
+    gguf = tmp_path / "a" / "model.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF" + bytes(range(64)))
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / SOURCE_RECORD).write_text(json.dumps(gguf_fingerprint(gguf, with_sha256=True)))
+    copy = tmp_path / "b" / "model.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(gguf.read_bytes())
+    assert gguf_fingerprint(copy) != gguf_fingerprint(gguf)  # another path and mtime
+    assert is_conversion_current(folder, copy)
+    other = tmp_path / "c" / "model.gguf"
+    other.parent.mkdir()
+    other.write_bytes(b"GGUF" + bytes(range(1, 65)))  # same size, other bytes
+    assert not is_conversion_current(folder, other)
+
+
 # --------------------------------------------------------------------------- real model
 
 

@@ -125,7 +125,8 @@ def _sha256(path: Path) -> str:
 
 
 def is_conversion_current(folder: Path, gguf_path: Path) -> bool:
-    """True when ``folder`` holds a finished conversion of the current ``gguf_path``."""
+    """True when ``folder`` holds a finished conversion of the current ``gguf_path``: its
+    record names this file as it is (path, size, mtime), or a file of the same bytes."""
     record_path = folder / SOURCE_RECORD
     if not record_path.is_file() or not (folder / "config.json").is_file():
         return False
@@ -134,7 +135,14 @@ def is_conversion_current(folder: Path, gguf_path: Path) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
     current = gguf_fingerprint(gguf_path)
-    return all(record.get(key) == value for key, value in current.items())
+    if all(record.get(key) == value for key, value in current.items()):
+        return True
+    # another copy of the same file (another virtual environment's package, a copy with a
+    # new mtime): the same bytes make the same conversion. Hashing ~100 MB takes a fraction
+    # of a second where converting again takes ~20 s, and two installs sharing this cache
+    # would otherwise convert it back and forth.
+    same_size = all(record.get(key) == current[key] for key in ("version", "size"))
+    return same_size and "sha256" in record and record["sha256"] == _sha256(gguf_path)
 
 
 def converted_folder_for(gguf_path: Path, name: str | None = None) -> Path:
