@@ -237,6 +237,11 @@ class KernelEagleHead:
         )
         return hidden
 
+    def _check_room(self, start: int, k: int) -> None:
+        """ValueError when k more pairs after ``start`` overflow a slot."""
+        if start + k > self.max_length:
+            raise ValueError(f"head cache overflow: {start} + {k} > {self.max_length}")
+
     def _work(self, k: int, threads: int) -> torch.Tensor:
         lib = self.library
         fused = lib.spec_fused_linear_work_floats(k, 2 * self.config.hidden_size) + 8
@@ -254,8 +259,7 @@ class KernelEagleHead:
         """One runner's step (see :meth:`KernelEagleRunner.step`)."""
         k = embeds.shape[0]
         start = runner.length
-        if start + k > self.max_length:
-            raise ValueError(f"head cache overflow: {start} + {k} > {self.max_length}")
+        self._check_room(start, k)
         base, mask = _mask_window(mask, k, start)
         threads = torch.get_num_threads()
         with self._lock:  # the slots do not move under a step
@@ -296,10 +300,7 @@ class KernelEagleHead:
         sizes = [e.shape[0] for e in embeds]
         k = sum(sizes)
         for runner, size in zip(runners, sizes, strict=True):
-            if runner.length + size > self.max_length:
-                raise ValueError(
-                    f"head cache overflow: {runner.length} + {size} > {self.max_length}"
-                )
+            self._check_room(runner.length, size)
         threads = torch.get_num_threads()
         # per sequence (int32 [4, nseq]): its new rows, first cache position, slot, and
         # first row with logits (every row has them)
