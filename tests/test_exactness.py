@@ -275,6 +275,40 @@ def test_check_reports_a_broken_rule_not_exact(native, mode: str, reference: str
     assert report.verdict.startswith("NOT EXACT (position ")
 
 
+@pytest.mark.parametrize("reference", ["exact", "sampled"])
+def test_a_tv_goal_stops_at_the_first_look_that_meets_it(native, reference: str) -> None:
+    """--tv-goal looks at the first ⌈2N/3⌉ continuations, then at N. A goal the first look
+    meets stops there: the same continuations as a one-look check of that N (the same
+    binned counts), tested at level α/2, so its p-values are twice that check's and its
+    bound larger. A goal the first look misses draws the rest: the N-continuation
+    check's counts, again at α/2."""
+    base = CheckConfig("ngram", samples=600, length=2, pilot=100, reference=reference)
+    first, n = replace(base, tv_goal=0.5).looks
+    assert (first, n) == (400, 600)
+    plain_first = run_check(native, replace(base, samples=first), PROMPTS)
+    plain_all = run_check(native, base, PROMPTS)
+    met = run_check(native, replace(base, tv_goal=0.5), PROMPTS)
+    missed = run_check(native, replace(base, tv_goal=1e-3), PROMPTS)
+    assert met.exact and met.samples == first and met.tv_bound <= 0.5
+    assert missed.exact and missed.samples == n and missed.tv_bound > 1e-3
+    for looked, plain in ((met, plain_first), (missed, plain_all)):
+        assert _binned(looked) == _binned(plain)
+        assert [c.p_adjusted for c in looked.comparisons] == [
+            min(1.0, 2 * c.p_adjusted) for c in plain.comparisons
+        ]
+        assert looked.tv_bound > plain.tv_bound  # each look at half the level
+    assert met.to_dict()["looks"] == [first, n] and met.to_dict()["samples_per_prompt"] == first
+
+
+def test_a_tv_goal_does_not_hide_a_broken_rule(native) -> None:
+    """A broken rule fails at the first look (the check stops there, NOT EXACT), however
+    loose the goal: a look stops early on a pass only if the bound is met."""
+    config = CheckConfig("ngram", samples=600, length=2, pilot=100, tv_goal=0.99,
+                         verifier=broken.always_accept)  # fmt: skip
+    report = run_check(native, config, PROMPTS)
+    assert not report.exact and report.samples == config.looks[0]
+
+
 def test_plain_sampling_fits_the_enumerated_law_and_a_wrong_law_does_not(native) -> None:
     """The exact law is the reference only if the target's own sampling follows it: 2,000
     plain continuations fit it; the law at T = 0.8 (a near miss) is rejected."""
@@ -355,14 +389,18 @@ def test_cli_check_json_and_report(tiny: Path, tmp_path: Path, monkeypatch, caps
 
 
 @pytest.mark.slow
-def test_matrix_on_the_tiny_model(tiny: Path) -> None:
-    """The whole grid, as `speculative check --matrix` runs it on the tiny model (every
-    drafter × chain, tree, batch × the four sampling settings) at a CI-sized N, in two
-    worker processes, chain and tree cells coupled to their batched twins. Every cell is
-    exact with its control detected, heads in batch mode included (each row's head reads
-    its slot's features); only `auto` cannot draft trees."""
+def test_matrix_on_the_tiny_model_bounds_tv_within_0_02(tiny: Path) -> None:
+    """The issue's goal, the whole grid as `speculative check --matrix --matrix-samples
+    60000 --tv-goal 0.02` runs it on the tiny model (every drafter × chain, tree, batch ×
+    the four sampling settings; docs/exactness.md is that run), in two worker processes:
+    every cell is exact with its control detected, and every sampling cell bounds the TV
+    of its binned joints by 0.02 at 99.9% against the enumerated law. Chain and tree
+    cells are coupled (6,000 pairs, identical, the rest batched, the bound including the
+    coupling term) except `auto`'s, whose choices learn across generations (drawn one
+    sequence at a time); batch cells are the batched engine's own draws; only `auto`
+    cannot draft trees. About ten minutes: the suite's longest test."""
     loader = functools.partial(load_target_on, str(tiny), "fp32")
-    config = CheckConfig(gamma=2, samples=600, coupling=150)
+    config = CheckConfig(gamma=2, samples=60_000, coupling=6_000, tv_goal=0.02)
     cells = run_matrix(loader, tiny_drafters(tiny), PROMPTS, config, GRID_MODES, SAMPLINGS, jobs=2)
     assert len(cells) == 7 * 3 * 4
     for cell in cells:
@@ -370,15 +408,17 @@ def test_matrix_on_the_tiny_model(tiny: Path) -> None:
         if cell.drafter.label == "auto" and cell.mode.startswith("tree"):
             assert cell.problem is not None and "cannot draft trees" in cell.problem
             continue
-        assert cell.report is not None and cell.report.exact, where
-        assert cell.report.control_detected, where
-        if cell.report.config.greedy:
+        report = cell.report
+        assert report is not None and report.exact and report.control_detected, where
+        if report.config.greedy:
             continue
-        assert cell.report.reference == "exact law", where  # one sample of 600 against it
-        assert cell.report.tv_bound < 0.3, where
-        assert (cell.report.coupling is None) == (cell.mode == "batch"), where
-    twins = [c.report.coupling for c in cells if c.report is not None and c.report.coupling]
-    assert any(t.differs is None for t in twins)  # the n-gram and head drafters' twins hold
+        assert report.reference == "exact law" and report.tv_bound <= 0.02, where
+        if cell.mode == "batch":
+            assert report.coupling is None, where
+        elif cell.drafter.label == "auto":
+            assert report.coupling is not None and report.coupling.differs is not None, where
+        else:
+            assert report.coupling == Coupling(6_000) and report.coupling_bound > 0.001, where
 
 
 def test_coupling_bound_is_the_clopper_pearson_bound_for_no_difference() -> None:
@@ -451,12 +491,13 @@ def _counting_batched_draws(monkeypatch) -> Counter:
 
 def test_a_chain_check_and_a_batch_check_share_one_batched_sample(native, monkeypatch) -> None:
     """A coupled chain check and a batch check of the same drafter and seeds need the same
-    batched sample. With one SharedDraws the chain check draws it whole (its twin's M
-    rows, then all N) and the batch check draws none, takes it from the store; both
-    reports are the ones drawn without sharing (same binned counts, bound and coupling).
-    Negative control: a stored sample altered at one of the twin's continuations changes
-    the batch check's report, and the chain check refuses it (it finds the twin's rows
-    changed) and draws its own batched rows: its report stays the unshared one."""
+    batched sample. With one SharedDraws the chain check draws it whole (all N, its M
+    pairs' batched halves among them: no separate twin) and the batch check draws none,
+    takes it from the store; both reports are the ones drawn without sharing (same binned
+    counts, bound and coupling). Negative control: a stored sample altered at one of the
+    M pairs' continuations changes the batch check's report, and the chain check refuses
+    it (its pair differs from the stored row) and draws its own batched twin and rows:
+    its report stays the unshared one."""
     n, m = 300, 30
     chain = CheckConfig("ngram", gamma=2, samples=n, pilot=100, coupling=m)
     batch = replace(chain, mode="batch")
@@ -468,7 +509,7 @@ def test_a_chain_check_and_a_batch_check_share_one_batched_sample(native, monkey
         assert _binned(report) == _binned(alone)
         assert (report.tv_bound, report.coupling) == (alone.tv_bound, alone.coupling)
     assert reports[0].coupling == Coupling(m)
-    assert drawn == {"chain": m, "batch": n} and shared.reused == 1
+    assert drawn == {"batch": n} and shared.reused == 1
     # the control: alter the stored sample at continuation 0 (one of the twin's)
     ((rows, _),) = shared._samples.values()
     rows[0][0] = tuple(reversed(rows[0][0])) if len(set(rows[0][0])) > 1 else (1,)
@@ -512,33 +553,3 @@ def test_matrix_in_worker_processes_equals_the_matrix_in_one(native, tiny: Path)
     missing = functools.partial(load_target_on, str(tiny / "missing"), "fp32")
     with pytest.raises(Exception, match="does not exist"):
         run_matrix(missing, drafters, PROMPTS, config, ("chain",), SAMPLINGS[1:2], jobs=2)
-
-
-# one cell per mode and kind of drafter at the matrix's N (docs/exactness.md has them all)
-FULL_N_CELLS = [
-    ("ngram", "chain", 1.0, 0, 1.0),
-    ("ngram", "tree-static", 0.7, 0, 0.9),  # a token tree under top-p
-    ("eagle", "chain", 0.7, 5, 1.0),  # a head under top-k
-    ("self-exit:1", "batch", 1.0, 0, 1.0),  # a model drafter, one row per continuation
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("drafter, mode, temperature, top_k, top_p", FULL_N_CELLS)
-def test_check_bounds_tv_within_0_02_against_the_exact_law(
-    native, tiny: Path, drafter, mode, temperature, top_k, top_p
-) -> None:
-    """The TV ≤ 0.02 (99.9%) goal at the matrix's N on one cell per mode (20–60 s each):
-    60,000 continuations against the enumerated law (two samples would need 4×); chain
-    and tree cells coupled (6,000 drawn one sequence at a time and by the batched engine,
-    identical, the rest batched), the bound including the coupling term."""
-    spec = {d.label: d.spec for d in tiny_drafters(tiny) if d.runtime == "native"}[drafter]
-    config = CheckConfig(spec, gamma=2, mode=mode, temperature=temperature, top_k=top_k,
-                         top_p=top_p, samples=60_000, coupling=6_000)  # fmt: skip
-    report = run_check(native, config, PROMPTS)
-    assert report.reference == "exact law" and report.exact and report.control_detected
-    if mode == "batch":
-        assert report.coupling is None  # drawn by the batched engine itself
-    else:
-        assert report.coupling == Coupling(6_000) and report.coupling_bound > 0.001
-    assert report.tv_bound <= 0.02

@@ -150,6 +150,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "ln(2/δ)/M, to the TV bound; if a pair differs, draw everything one at a time "
         "(default: N/10 from N = 10,000 on, else 0)",
     )
+    parser.add_argument(
+        "--tv-goal",
+        type=probability,
+        default=None,
+        metavar="EPS",
+        help="stop early once the TV bound is at most EPS: look at the first 2N/3 "
+        "continuations per prompt and draw the rest only if the bound there is above EPS "
+        "(each look at level δ/2, so the verdict and bound hold whichever stops; --matrix: "
+        "the tiny model's cells) (default: one look at N)",
+    )
     parser.add_argument("--test", choices=["chi2", "g"], default="chi2", help="the test")
     parser.add_argument("--seed", type=int, default=0, help="base of the generators' seeds")
     parser.add_argument(
@@ -230,6 +240,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         seed=args.seed,
         reference=args.reference,
         coupling=default_coupling(args.samples) if args.coupling is None else args.coupling,
+        tv_goal=args.tv_goal,
     )
 
 
@@ -277,9 +288,12 @@ def check_with_progress(target: Any, config: Any, prompts: list[list[int]], prog
     bar = tqdm(total=total, desc="check", unit="seq", file=sys.stderr, disable=not progress)
     with bar:
         try:
-            return run_check(target, config, prompts, bar.update)
+            report = run_check(target, config, prompts, bar.update)
         except ControlTooWeak as exc:
             raise CliError(str(exc)) from None
+        bar.total = bar.n  # an early look draws fewer than planned
+        bar.refresh()
+    return report
 
 
 def print_report(report: Any) -> None:
@@ -333,7 +347,11 @@ def coupling_line(report: Any) -> str:
 
 def sample_sizes(report: Any) -> str:
     """What the continuations were compared with, and how many there were."""
-    n = report.config.samples
+    n = report.samples
+    looks = report.config.looks
+    if len(looks) > 1:
+        look = looks.index(n) + 1
+        n = f"{n} (look {look} of {len(looks)}, TV goal {report.config.tv_goal:g})"
     if report.reference == "exact law":
         return (
             f"N = {n} speculative continuations per prompt against the target's exact law "
@@ -413,13 +431,14 @@ def run_matrix_command(args: argparse.Namespace) -> int:
     jobs = args.jobs or every_core()
     coupling = section_coupling(args.matrix_samples, args.coupling)
     base = replace(
-        CheckConfig(), gamma=2, samples=args.matrix_samples, seed=args.seed, coupling=coupling
-    )
+        CheckConfig(), gamma=2, samples=args.matrix_samples, seed=args.seed, coupling=coupling,
+        tv_goal=args.tv_goal,
+    )  # fmt: skip
     plans = [("tiny", tiny_drafters(folder), [list(TINY_PROMPTS[0])], base, SAMPLINGS)]
     if args.default_samples > 0:
         default_base = replace(
             base, samples=args.default_samples, pilot=min(100, base.pilot),
-            coupling=section_coupling(args.default_samples, args.coupling),
+            coupling=section_coupling(args.default_samples, args.coupling), tv_goal=None,
         )  # fmt: skip
         plans.append(("default", default_drafters(), None, default_base, DEFAULT_SAMPLINGS))
     sections, all_cells = [], []
@@ -448,6 +467,7 @@ def run_matrix_command(args: argparse.Namespace) -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "exactness.partial.md").write_text("\n".join(sections))
     explicit = "" if args.coupling is None else f"--coupling {args.coupling} "
+    explicit += "" if args.tv_goal is None else f"--tv-goal {args.tv_goal:g} "
     command = (
         f"speculative check --matrix --matrix-samples {args.matrix_samples} {explicit}"
         f"--default-samples {args.default_samples} --jobs {jobs} --out DIR"
@@ -521,7 +541,19 @@ def _section_note(name: str, config: Any, exact_law: bool) -> str:
         "bonus token drawn from the wrong row. 'min p' is the smallest Holm-adjusted p-value "
         f"of the speculative sample against {reference} (exact cells: large); 'control min "
         "p' the same for the control (must be < 0.001). The TV bound is for the binned joint "
-        "distributions of the first 1–3 tokens." + _coupling_note(config)
+        "distributions of the first 1–3 tokens." + _coupling_note(config) + _looks_note(config)
+    )
+
+
+def _looks_note(config: Any) -> str:
+    if len(config.looks) == 1:
+        return ""
+    first, n = config.looks
+    return (
+        f" Sampling cells look twice (`--tv-goal {config.tv_goal:g}`): at the first {first:,} "
+        f"continuations, where a cell whose bound is already ≤ {config.tv_goal:g} stops, "
+        f"then at all {n:,}; each look's tests and bounds are at level δ/2 (Bonferroni), so "
+        "the verdict and the bound hold whichever look a cell stopped at."
     )
 
 

@@ -221,27 +221,28 @@ def _announce(cell: Cell, on_cell: Callable[[Cell], None]) -> Cell:
     return cell
 
 
-def _task(c: PlannedCell) -> tuple[str, str, str]:
-    """The task a cell runs in: its drafter's trees, or its drafter's chain and batch
-    cells together (they draw the same batched samples: :class:`SharedDraws`), on its
-    runtime."""
-    trees = c.config.mode.startswith("tree")
-    return c.drafter.label, c.drafter.runtime, "trees" if trees else "chains"
+def _task(c: PlannedCell) -> tuple[str, ...]:
+    """The task a cell runs in: a tree cell alone, or its drafter's chain and batch cells
+    together (they draw the same batched samples: :class:`SharedDraws`), on its runtime.
+    Small tasks let the workers finish together."""
+    if c.config.mode.startswith("tree"):
+        return c.drafter.label, c.drafter.runtime, c.config.mode, c.label
+    return c.drafter.label, c.drafter.runtime, "chains"
 
 
 def _groups(planned: Sequence[PlannedCell]) -> list[list[PlannedCell]]:
     """The workers' tasks (:func:`_task`), each loading its target once."""
-    groups: dict[tuple[str, str, str], list[PlannedCell]] = {}
+    groups: dict[tuple[str, ...], list[PlannedCell]] = {}
     for c in planned:
         groups.setdefault(_task(c), []).append(c)
     return list(groups.values())
 
 
-def _expected_cost(group: Sequence[PlannedCell]) -> tuple[bool, bool]:
+def _expected_cost(group: Sequence[PlannedCell]) -> tuple[bool, int]:
     """Longest tasks first, so that the workers finish together: transformers before
-    native (slower forwards), trees before chains (larger passes)."""
-    c = group[0]
-    return (c.drafter.runtime == "hf", c.config.mode.startswith("tree"))
+    native (slower forwards), then by cells (a drafter's chain and batch cells before a
+    tree cell)."""
+    return group[0].drafter.runtime == "hf", len(group)
 
 
 def _pool(jobs: int, context: Any) -> ProcessPoolExecutor:
@@ -287,12 +288,20 @@ def cell_row(cell: Cell) -> str:
         n = f"{r.prompts}×{r.config.greedy_length} tok"
         tv, p_spec, p_ctl = "identical" if r.exact else "differs", "–", "–"
     else:
-        n = f"{r.prompts}×{r.config.samples}{_drawn_how(r)}"
+        n = f"{r.prompts}×{r.samples}{_looked(r)}{_drawn_how(r)}"
         tv = f"{r.tv_bound:.3f}"
         p_spec, p_ctl = _fmt_p(r.min_p(r.comparisons)), _fmt_p(r.min_p(r.control))
     verdict = "exact" if r.exact else f"**NOT EXACT** ({r.failing})"
     control = "detected" if r.control_detected else "**not detected**"
     return f"{head} {n} | {tv} | {p_spec} | {p_ctl} | {control} | {cell.seconds:.1f} | {verdict} |"
+
+
+def _looked(report: CheckReport) -> str:
+    """Which of a cell's looks (``CheckConfig.tv_goal``) it stopped at."""
+    looks = report.config.looks
+    if len(looks) == 1:
+        return ""
+    return f" (look {looks.index(report.samples) + 1} of {len(looks)})"
 
 
 def _drawn_how(report: CheckReport) -> str:

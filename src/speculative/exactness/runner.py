@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -73,6 +73,10 @@ class CheckConfig:
     # and `coupling` of them (evenly spread) one sequence at a time too (0: draw all N one
     # at a time); see draw_speculative
     coupling: int = 0
+    # stop early at a TV bound this low: look at the first ⌈2N/3⌉ continuations per prompt
+    # and draw the rest only if the bound there is above it (both looks at level α/2, so
+    # the claims hold whichever look stops); None: one look at N
+    tv_goal: float | None = None
     # "auto": the target's exact law where it can be enumerated (small vocabularies), else
     # a sample of the target's own sampling; "exact" or "sampled" to insist
     reference: str = "auto"
@@ -90,6 +94,8 @@ class CheckConfig:
             raise ValueError(f"coupling must be >= 0, got {self.coupling}")
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
+        if self.tv_goal is not None and not 0 < self.tv_goal < 1:
+            raise ValueError(f"tv_goal must be in (0, 1), got {self.tv_goal}")
         if self.reference not in REFERENCES:
             raise ValueError(
                 f"reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}"
@@ -98,6 +104,15 @@ class CheckConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def looks(self) -> tuple[int, ...]:
+        """N per prompt at each look at the speculative sample: (⌈2N/3⌉, N) with a TV
+        goal (the check stops at the first look that meets it), else (N,)."""
+        first = math.ceil(2 * self.samples / 3)
+        if self.tv_goal is None or self.greedy or first >= self.samples:
+            return (self.samples,)
+        return first, self.samples
 
     @property
     def tree_mode(self) -> str:
@@ -188,47 +203,158 @@ class SharedDraws:
     batched engine (chains, one row per continuation). A matrix task that holds both cells
     of a drafter (:mod:`.matrix`) draws it once. Apart, the chain cell draws M alone, M as
     its batched twin and N − M more batched, and the batch cell N: 2N + M in all. Shared,
-    the chain cell draws its M and M, then all N batched, and the batch cell none: N + 2M.
-    Only full samples (continuations 0..N−1, drawn in order) are kept, so a row never
-    comes from a batch of other neighbours than the batch cell's own."""
+    the chain cell draws its M alone and all N batched, and the batch cell none: N + M.
+    A sample is kept as continuations 0..n−1 of each prompt; a check that wants more
+    (a later look, :attr:`CheckConfig.tv_goal`) draws only those after them, and one that
+    wants fewer gets the first n."""
 
     def __init__(self) -> None:
         self._samples: dict[Hashable, tuple[Rows, int]] = {}
-        self.reused = 0  # samples served from the store
+        self.reused = 0  # requests served, wholly or in part, from the store
 
     def batched(
         self,
         target: Any,
         config: CheckConfig,
         prompts: Sequence[Sequence[int]],
-        n: int,
+        wanted: range,
         length: int,
         tick: Tick = lambda n: None,
     ) -> tuple[Rows, int]:
-        """Continuations 0..n−1 of each prompt drawn speculatively by the batched engine
-        with chains (drawn on the first request, from the store after it), and how many
-        tokens were drafted for them."""
-        key = _batched_key(target, config, prompts, n, length)
-        if key in self._samples:
+        """Continuations ``wanted`` (a range from 0 or later) of each prompt drawn
+        speculatively by the batched engine with chains (those not kept yet drawn now,
+        from the first one not kept), and how many tokens were drafted for the
+        continuations kept (all of them: a count that says whether any were)."""
+        key = _batched_key(target, config, prompts, length)
+        rows, count = self._samples.get(key, ([[] for _ in prompts], 0))
+        have = len(rows[0])
+        if have > wanted.start:
             self.reused += 1
-            tick(n * len(prompts))
-        else:
+            tick((min(have, wanted.stop) - wanted.start) * len(prompts))
+        if have < wanted.start:
+            raise ValueError(f"the store keeps continuations 0..{have - 1}; ask from those on")
+        if have < wanted.stop:
             drafted: Counter = Counter()
             way, as_batch = "speculative", replace(config, mode="batch")
-            rows = _draw_batch(target, as_batch, way, prompts, range(n), length, tick, drafted)
-            self._samples[key] = rows, drafted[way]
-        rows, count = self._samples[key]
-        return [list(r) for r in rows], count
+            more = _draw_batch(target, as_batch, way, prompts, range(have, wanted.stop), length,
+                               tick, drafted)  # fmt: skip
+            rows = [kept + new for kept, new in zip(rows, more, strict=True)]
+            count += drafted[way]
+            self._samples[key] = rows, count
+        return [list(r[wanted.start : wanted.stop]) for r in rows], count
 
 
 def _batched_key(
-    target: Any, config: CheckConfig, prompts: Sequence[Sequence[int]], n: int, length: int
+    target: Any, config: CheckConfig, prompts: Sequence[Sequence[int]], length: int
 ) -> Hashable:
     """What decides a batched chain sample: the target, every setting of the check but its
-    mode and sizes, the prompts, N and L."""
-    settings = replace(config, mode="batch", samples=n, coupling=0, pilot=0, length=length)
+    mode and sizes, the prompts and L."""
+    settings = replace(config, mode="batch", samples=1, coupling=0, pilot=0, length=length,
+                       tv_goal=None)  # fmt: skip
     model = (target.name, target.runtime, target.precision)
     return model, settings, tuple(tuple(p) for p in prompts)
+
+
+class SpeculativeDraws:
+    """A check's speculative continuations of each prompt, drawn look by look
+    (:meth:`grow`), and how they were drawn.
+
+    With ``config.coupling`` = m > 0 in a chain or tree mode (and a target with per-row
+    cache slots), the first look's m continuations, spread evenly over its N, are drawn
+    twice with the same seeds: by the mode's own one-sequence engine and by the batched
+    engine (rows of the mode's chains or trees). When every pair is token for token
+    identical, the others are drawn by the batched engine only: the two engines are
+    coupled through the seeds, and :meth:`Coupling.bound` bounds the TV between their
+    laws (the m spread over the N, so that the bound holds for the whole sample even if a
+    drafter changed over the run). At a pair that differs (a drafter that learns across
+    generations: ``auto``'s choices, a dynamic tree's calibration) the others are drawn
+    one sequence at a time as well. A later look draws the continuations after the first
+    look's the way the first look drew its others.
+
+    ``shared`` keeps full batched chain samples for other checks of this process (see
+    :class:`SharedDraws`): a batch-mode sample comes from it, and a coupled chain sample
+    takes its batched part from it when the m pairs match the stored rows (else it draws
+    its own batched twin)."""
+
+    def __init__(
+        self,
+        target: Any,
+        config: CheckConfig,
+        prompts: Sequence[Sequence[int]],
+        length: int,
+        tick: Tick = lambda n: None,
+        drafted: Counter | None = None,
+        shared: SharedDraws | None = None,
+    ) -> None:
+        self.target, self.config, self.prompts, self.length = target, config, prompts, length
+        self.tick, self.shared = tick, shared
+        self.drafted = Counter() if drafted is None else drafted
+        self.rows: Rows = [[] for _ in prompts]
+        self.coupling: Coupling | None = None
+        self._how: str | None = None  # how continuations after the first look are drawn
+
+    @property
+    def n(self) -> int:
+        """Continuations drawn per prompt so far."""
+        return len(self.rows[0]) if self.rows else 0
+
+    def grow(self, n: int) -> Rows:
+        """Draw continuations up to n per prompt; returns all of them."""
+        if self._how is None:
+            self.rows = self._first(n)
+        elif n > self.n:
+            more = self._more(range(self.n, n))
+            self.rows = [kept + new for kept, new in zip(self.rows, more, strict=True)]
+        return self.rows
+
+    def _way(self, how: str, indices: Sequence[int], counts: Counter | None = None) -> Rows:
+        """Continuations ``indices`` drawn one way: "shared" (the store's), "batched",
+        "alone" (the one-sequence engine) or "plain" (the mode's own engine)."""
+        args = self.target, self.config, "speculative", self.prompts
+        counts = self.drafted if counts is None else counts
+        if how == "shared":
+            assert self.shared is not None and isinstance(indices, range)
+            rows, count = self.shared.batched(self.target, self.config, self.prompts, indices,
+                                              self.length, self.tick)  # fmt: skip
+            counts["speculative"] = max(counts["speculative"], count)  # the store's rows'
+            return rows
+        draw_way = {"batched": _draw_batch, "alone": _draw_single, "plain": draw}[how]
+        return draw_way(*args, indices, self.length, self.tick, counts)
+
+    def _more(self, indices: range) -> Rows:
+        return self._way(cast(str, self._how), indices)
+
+    def _first(self, n: int) -> Rows:
+        from speculative.models.base import SupportsBatchRows
+
+        config, m = self.config, min(self.config.coupling, n)
+        if config.mode == "batch" and self.shared is not None:
+            self._how = "shared"
+            return self._way("shared", range(n))
+        if m == 0 or config.mode == "batch" or not isinstance(self.target.lm, SupportsBatchRows):
+            self._how = "plain"
+            return self._way("plain", range(n))
+        chosen = spread(n, m)
+        others = sorted(set(range(n)) - set(chosen))
+        counts = {"alone": Counter(), "batched": Counter()}
+        alone = self._way("alone", chosen, counts["alone"])
+        if self.shared is not None and config.tree_mode == "off":
+            full = self._way("shared", range(n), counts["batched"])
+            if _first_difference(_picked(full, chosen), alone) is None:
+                self._how, self.coupling = "shared", Coupling(m)
+                self.drafted["speculative"] += counts["batched"]["speculative"]
+                return full
+        twin = self._way("batched", chosen, counts["batched"])
+        differs = _first_difference(twin, alone)
+        if differs is None:
+            self._how, kept = "batched", twin
+        else:
+            self._how, kept = "alone", alone
+            differs = differs[0], chosen[differs[1]]
+        self.drafted["speculative"] += counts[self._how]["speculative"]
+        more = self._way(self._how, others)
+        self.coupling = Coupling(m, differs)
+        return [_in_order(chosen, a, others, b) for a, b in zip(kept, more, strict=True)]
 
 
 def draw_speculative(
@@ -241,54 +367,10 @@ def draw_speculative(
     drafted: Counter | None = None,
     shared: SharedDraws | None = None,
 ) -> tuple[list[list[tuple[int, ...]]], Coupling | None]:
-    """The N speculative continuations of each prompt, and how they were drawn.
-
-    With ``config.coupling`` = m > 0 in a chain or tree mode (and a target with per-row
-    cache slots), m continuations spread evenly over the N are drawn twice with the same
-    seeds: by the mode's own one-sequence engine and by the batched engine (rows of the
-    mode's chains or trees). When every pair is token for token identical, the others are
-    drawn by the batched engine only: the two engines are coupled through the seeds, and
-    :meth:`Coupling.bound` bounds the TV between their laws (the m spread over the N, so
-    that the bound holds for the whole sample even if a drafter changed over the run). At
-    a pair that differs (a drafter that learns across generations: ``auto``'s choices,
-    a dynamic tree's calibration) the others are drawn one
-    sequence at a time as well.
-
-    ``shared`` keeps full batched chain samples for other checks of this process (see
-    :class:`SharedDraws`): a batch-mode sample comes from it, and a coupled chain sample
-    whose pairs are identical takes its batched part from it, once the twin's rows are
-    found inside it unchanged."""
-    from speculative.models.base import SupportsBatchRows
-
-    drafted = Counter() if drafted is None else drafted
-    way, m = "speculative", min(config.coupling, n)
-    if config.mode == "batch" and shared is not None:
-        rows, count = shared.batched(target, config, prompts, n, length, tick)
-        drafted[way] += count
-        return rows, None
-    if m == 0 or config.mode == "batch" or not isinstance(target.lm, SupportsBatchRows):
-        return draw(target, config, way, prompts, range(n), length, tick, drafted), None
-    chosen = spread(n, m)
-    others = sorted(set(range(n)) - set(chosen))
-    counts = {"alone": Counter(), "batched": Counter()}
-    alone = _draw_single(target, config, way, prompts, chosen, length, tick, counts["alone"])
-    twin = _draw_batch(target, config, way, prompts, chosen, length, tick, counts["batched"])
-    differs = _first_difference(twin, alone)
-    if differs is None and shared is not None and config.tree_mode == "off":
-        full, count = shared.batched(target, config, prompts, n, length, tick)
-        if _first_difference(_picked(full, chosen), twin) is None:
-            drafted[way] += count
-            return full, Coupling(m)
-    if differs is None:
-        more = _draw_batch(target, config, way, prompts, others, length, tick, counts["batched"])
-        kept = "batched", twin
-    else:
-        more = _draw_single(target, config, way, prompts, others, length, tick, counts["alone"])
-        kept = "alone", alone
-        differs = differs[0], chosen[differs[1]]
-    drafted[way] += counts[kept[0]][way]
-    rows = [_in_order(chosen, a, others, b) for a, b in zip(kept[1], more, strict=True)]
-    return rows, Coupling(m, differs)
+    """The N speculative continuations of each prompt, and how they were drawn (one look
+    of :class:`SpeculativeDraws`)."""
+    draws = SpeculativeDraws(target, config, prompts, length, tick, drafted, shared)
+    return draws.grow(n), draws.coupling
 
 
 def spread(n: int, m: int) -> list[int]:
@@ -513,10 +595,13 @@ def comparisons(
     conditional_top: int = 2,
     min_conditional: int = 100,
     tv_alpha: float | None = None,
+    looks: int = 1,
 ) -> list[Comparison]:
     """Every comparison of one run, Holm-adjusted, with the joint TV bounds (at confidence
     1 − ``tv_alpha``, default ``config.alpha``, simultaneously). ``ref`` per prompt: a
-    sample (list of continuations) or the exact law (a :data:`Law` dict)."""
+    sample (list of continuations) or the exact law (a :data:`Law` dict). ``looks``: the
+    looks planned at the sample (:attr:`CheckConfig.looks`); each gets α / looks of the
+    tests' level (Bonferroni: the p-values are multiplied by it) and of the bounds'."""
     found: list[Comparison] = []
     first_token = itemgetter(0)
     for p, (reference, drawn) in enumerate(zip(ref, other, strict=True)):
@@ -548,9 +633,9 @@ def comparisons(
                                     table, test, tv_hat))  # fmt: skip
     adjusted = stats.holm([c.test.p_value for c in found])
     joints = sum(c.joint for c in found)
-    alpha = config.alpha if tv_alpha is None else tv_alpha
+    alpha = (config.alpha if tv_alpha is None else tv_alpha) / looks
     for c, p_adj in zip(found, adjusted, strict=True):
-        c.p_adjusted = p_adj
+        c.p_adjusted = min(1.0, p_adj * looks)
         if c.joint:
             c.tv_bound = c.tv_upper_bound(alpha / joints)
     return found
@@ -597,6 +682,7 @@ class CheckReport:
     reference: str = "sampled"  # "exact law" when the continuations met the target's law
     control_samples: int = 0  # control continuations per prompt it was tested on
     coupling: Coupling | None = None  # how a chain or tree sample was drawn (batched twin)
+    samples: int = 0  # speculative continuations per prompt tested (the look it stopped at)
 
     @property
     def verdict(self) -> str:
@@ -635,7 +721,9 @@ class CheckReport:
             "gamma": c.gamma,
             "mode": c.mode,
             "sampling": c.sampling_label(),
-            "samples_per_prompt": c.samples,
+            "samples_per_prompt": self.samples,
+            "looks": list(c.looks),
+            "tv_goal": c.tv_goal,
             "prompts": self.prompts,
             "length": c.greedy_length if c.greedy else c.horizon,
             "alpha": c.alpha,
@@ -755,7 +843,7 @@ def _greedy_check(target, config, prompts, tick) -> CheckReport:
                   f"{b[position:position + 1]}"  # fmt: skip
     return _report(
         target, config, prompts, exact=all(identical), control_detected=not all(control),
-        failing=failing, greedy_identical=identical, control_identical=control,
+        failing=failing, greedy_identical=identical, control_identical=control, samples=1,
     )  # fmt: skip
 
 
@@ -772,26 +860,42 @@ def _sampling_check(target, config, prompts, tick, shared=None) -> CheckReport:
     required = pilot_requirement(comparisons(ref, ctl, length, config), pilot, config)
     if pilot < n and (required is None or required > n):
         raise _too_weak(n, pilot, required)
-    spec, coupling = draw_speculative(target, config, prompts, n, length, tick, drafted, shared)
-    require_drafts(drafted, config)
-    rest = range(pilot, n)
-    if rest:
-        for rows, more in (
-            (ref, draw(target, config, "reference", prompts, rest, length, tick)),
-            (ctl, draw(target, config, "control", prompts, rest, length, tick)),
-        ):
+    draws = SpeculativeDraws(target, config, prompts, length, tick, drafted, shared)
+
+    def compare(spec: Rows, n_look: int) -> list[Comparison]:
+        require_drafts(drafted, config)
+        for rows, way in ((ref, "reference"), (ctl, "control")):
+            more = draw(target, config, way, prompts, range(len(rows[0]), n_look), length, tick)
             for a, b in zip(rows, more, strict=True):
                 a.extend(b)
-    found = comparisons(ref, spec, length, config, tv_alpha=_sample_alpha(config, coupling))
+        alpha = _sample_alpha(config, draws.coupling)
+        return comparisons(ref, spec, length, config, tv_alpha=alpha, looks=len(config.looks))
+
+    found = _look_by_look(config, draws, compare)
     control = comparisons(ref, ctl, length, config)
     failing = _failing(found, config.alpha)
     return _report(
         target, config, prompts, exact=failing is None,
         control_detected=any(c.p_adjusted < config.alpha for c in control),
-        tv_bound=_tv_bound(found, config, coupling), failing=failing,
-        comparisons=found, control=control, required_samples=required, control_samples=n,
-        coupling=coupling,
+        tv_bound=_tv_bound(found, config, draws.coupling), failing=failing,
+        comparisons=found, control=control, required_samples=required,
+        control_samples=len(ctl[0]), coupling=draws.coupling, samples=draws.n,
     )  # fmt: skip
+
+
+def _look_by_look(
+    config: CheckConfig, draws: SpeculativeDraws, compare: Callable[[Rows, int], list[Comparison]]
+) -> list[Comparison]:
+    """The comparisons at each look (:attr:`CheckConfig.looks`) in turn, the sample grown
+    to its N, until one fails, meets the TV goal, or is the last; returns that look's."""
+    looks = config.looks
+    for n in looks:
+        found = compare(draws.grow(n), n)
+        if n == looks[-1] or _failing(found, config.alpha) is not None:
+            return found
+        if _tv_bound(found, config, draws.coupling) <= cast(float, config.tv_goal):
+            return found
+    raise AssertionError("unreachable: the last look returns")
 
 
 def coupling_term(coupling: Coupling | None, alpha: float) -> float | None:
@@ -856,13 +960,19 @@ def _fit_check(target, config, prompts, laws: list[Law], tick, shared=None) -> C
             rows.extend(more)
         control = comparisons(laws, ctl, length, config)
         detected = any(c.p_adjusted < config.alpha for c in control)
-    spec, coupling = draw_speculative(target, config, prompts, n, length, tick, drafted, shared)
-    require_drafts(drafted, config)
-    found = comparisons(laws, spec, length, config, tv_alpha=_sample_alpha(config, coupling))
+    draws = SpeculativeDraws(target, config, prompts, length, tick, drafted, shared)
+
+    def compare(spec: Rows, n_look: int) -> list[Comparison]:
+        require_drafts(drafted, config)
+        alpha = _sample_alpha(config, draws.coupling)
+        return comparisons(laws, spec, length, config, tv_alpha=alpha, looks=len(config.looks))
+
+    found = _look_by_look(config, draws, compare)
     failing = _failing(found, config.alpha)
     return _report(
         target, config, prompts, exact=failing is None, control_detected=detected,
-        tv_bound=_tv_bound(found, config, coupling), failing=failing,
+        tv_bound=_tv_bound(found, config, draws.coupling), failing=failing,
         comparisons=found, control=control, required_samples=required,
-        reference="exact law", control_samples=len(ctl[0]), coupling=coupling,
+        reference="exact law", control_samples=len(ctl[0]), coupling=draws.coupling,
+        samples=draws.n,
     )  # fmt: skip
