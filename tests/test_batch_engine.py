@@ -889,8 +889,8 @@ def test_a_drafter_that_imports_the_prompt_cache_takes_its_rows_slot(
     imports = []
     original = NativeLlama.import_cache
 
-    def recorded(self, source, length, source_slot=None):
-        done = original(self, source, length, source_slot)
+    def recorded(self, source, length, source_slot=None, slot=None):
+        done = original(self, source, length, source_slot, slot)
         imports.append((source_slot, length, done))
         return done
 
@@ -898,3 +898,69 @@ def test_a_drafter_that_imports_the_prompt_cache_takes_its_rows_slot(
     assert batched(True) == alone
     assert sorted(imports) == sorted((slot, len(p) - 1, True) for slot, p in enumerate(prompts))
     assert batched(False) != alone
+
+
+@pytest.mark.parametrize("kind", ["self-int4", "self-exit:1"])
+def test_rows_of_one_draft_model_draft_in_shared_passes(
+    tmp_path: Path, kind: str, monkeypatch
+) -> None:
+    """The registry builds a self-drafter's model once per target; each drafter holds a
+    cache slot of it (freed with the drafter), so the rows of a batch draft in one pass
+    per draft position instead of one forward per row. Each row's tokens, drafts,
+    acceptances and draft-call counts are still exactly those it gets alone. Control: a
+    shared pass that hands the rows each other's logits changes the drafts (and stays
+    lossless)."""
+    import gc
+
+    from speculative.drafters import model as model_drafters
+    from speculative.drafters.registry import build_drafter
+    from speculative.exactness.tiny import tiny_target_folder
+    from speculative.targets import load_target
+
+    target = load_target(str(tiny_target_folder(tmp_path)), "native", "fp32")  # 2 layers
+    first, second = (build_drafter(kind, target) for _ in range(2))
+    draft = first.row_group()
+    assert draft is not None and draft is second.row_group()
+    del first, second
+    gc.collect()
+    assert draft.acquire_slot() == 0  # the two drafters' slots were freed with them
+    draft.release_slot(0)
+    prompts = ([2, 4, 6, 8, 2, 4, 6], [3, 5, 7, 9, 3, 5, 11], [1, 2, 3] * 4)
+    params = (SamplingParams(temperature=0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.8, top_p=0.9))  # fmt: skip
+
+    def requests() -> list[BatchRequest]:
+        return [
+            BatchRequest(p, q, StopCriteria(16), torch.Generator().manual_seed(i),
+                         build_drafter(kind, target), 3)
+            for i, (p, q) in enumerate(zip(prompts, params, strict=True))
+        ]  # fmt: skip
+
+    alone = [
+        SpeculativeEngine(target.lm, r.drafter, 3).generate(r.prompt_ids, r.params, r.stop,
+                                                            r.generator)
+        for r in requests()
+    ]  # fmt: skip
+    widths: list[int] = []
+    original = model_drafters._draft_pass
+
+    def counted(chains):
+        widths.append(len(chains))
+        return original(chains)
+
+    own = lambda r: (r.token_ids, r.stats.drafted_tokens, r.stats.accepted_tokens,  # noqa: E731
+                     r.stats.positions.accepted, r.stats.draft_calls)  # fmt: skip
+    with monkeypatch.context() as patch:
+        patch.setattr(model_drafters, "_draft_pass", counted)
+        together = BatchEngine(target.lm, max_batch=3).run(requests())
+    assert max(widths) == 3 and sum(w > 1 for w in widths) >= len(widths) // 2
+    assert [own(r) for r in together] == [own(r) for r in alone]
+
+    def mixed(chains):
+        out = original(chains)
+        return out[1:] + out[:1]  # each row drafts from its neighbour's logits
+
+    monkeypatch.setattr(model_drafters, "_draft_pass", mixed)
+    swapped = BatchEngine(target.lm, max_batch=3).run(requests())
+    assert [own(r)[1:] for r in swapped] != [own(r)[1:] for r in together]
+    assert swapped[0].token_ids == together[0].token_ids  # still lossless (greedy row)

@@ -7,14 +7,17 @@ layers (early exit). Only the :class:`~speculative.models.base.CausalLM` differs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from speculative.drafters.base import Draft
+from speculative.capabilities import provides
+from speculative.drafters.base import Draft, RowAsk
 from speculative.drafters.tree import AcceptanceCalibration, DraftTree, RankedTree, TreeShape
-from speculative.models.base import CausalLM
-from speculative.models.session import ModelSession, RowSession
+from speculative.models.base import CausalLM, SupportsBatchRows
+from speculative.models.session import ModelSession, RowSession, SlotSession
 from speculative.sampling import SamplingParams, logits_to_probs
 from speculative.sampling.probs import sample_row
 from speculative.sampling.tree import sample_without_replacement
@@ -40,7 +43,12 @@ def _draw(q: torch.Tensor, generator: torch.Generator) -> int:
 
 
 class DraftModelDrafter:
-    """Autoregressive drafting with a draft model whose cache follows the sequence."""
+    """Autoregressive drafting with a draft model whose cache follows the sequence.
+
+    On a model with cache slots (:class:`SupportsBatchRows`) the drafter holds one slot
+    (freed with the drafter), so one draft model serves the drafters of many rows: a
+    batch's rows then draft in one pass per draft position (:meth:`propose_rows`), each
+    row's draft exactly its own alone. Elsewhere it owns the model's single cache."""
 
     def __init__(
         self,
@@ -54,7 +62,12 @@ class DraftModelDrafter:
         values mean the same; lossless either way, it changes only the drafts)."""
         self.name = name
         self.vocab_size = vocab_size
-        self.session = ModelSession(model)
+        self.session: ModelSession | SlotSession
+        if provides(model, SupportsBatchRows):
+            self.session = SlotSession(model)
+            weakref.finalize(self, self.session.release)
+        else:
+            self.session = ModelSession(model)
         self.share_prefill = share_prefill
         self.tree_shape = TreeShape()
         self.calibration = AcceptanceCalibration()
@@ -82,18 +95,22 @@ class DraftModelDrafter:
         params: SamplingParams,
         generator: torch.Generator,
     ) -> Draft:
-        sequence = list(context)
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        for _ in range(gamma):
-            logits = self.session.logits_after(sequence)[:, -1]  # [1, vocab]
-            q = logits_to_probs(fit_vocab(logits, self.vocab_size), params)  # [1, vocab]
-            token = int(q.argmax()) if params.greedy else _draw(q[0], generator)
-            tokens.append(token)
-            rows.append(q)
-            sequence.append(token)
-        probs = torch.stack(rows, dim=1) if rows else None  # [1, gamma, vocab]
-        return Draft(tokens=tokens, probs=probs)
+        return self.propose_rows([RowAsk(self, context, gamma, params, generator)])[0]
+
+    def row_group(self) -> Hashable | None:
+        """Rows whose drafters hold slots of one draft model draft in shared passes."""
+        return self.session.model if isinstance(self.session, SlotSession) else None
+
+    @torch.no_grad()
+    def propose_rows(self, asks: Sequence[RowAsk]) -> list[Draft]:
+        """Chains of several rows (each ask's drafter a DraftModelDrafter of this row
+        group): one draft pass per position for every row still drafting."""
+        chains = [_Chain(ask, _model_drafter(ask)) for ask in asks]
+        for i in range(max((ask.gamma for ask in asks), default=0)):
+            live = [c for c in chains if i < c.ask.gamma]
+            for chain, logits in zip(live, _draft_pass(live), strict=True):
+                chain.step(logits)
+        return [c.draft() for c in chains]
 
     def prime(self, target: RowSession) -> None:
         """Called once the target has prefilled the prompt (its single sequence or the
@@ -264,3 +281,56 @@ class _Growing:
         rows = [self.q_rows[n] for n in nodes]
         q = None if point_mass or not rows else torch.stack(rows)  # [n, vocab]
         return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents), q)
+
+
+def _model_drafter(ask: RowAsk) -> DraftModelDrafter:
+    drafter = ask.drafter
+    assert isinstance(drafter, DraftModelDrafter)
+    return drafter
+
+
+@dataclass
+class _Chain:
+    """One row's chain while it is drafted: the sequence so far, the drafted tokens and
+    their processed rows q ([1, vocab] each)."""
+
+    ask: RowAsk
+    drafter: DraftModelDrafter
+    sequence: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sequence = list(self.ask.context)
+
+    def step(self, logits: torch.Tensor) -> None:
+        """Draw the next draft token from the draft logits [1, draft vocab] after the
+        sequence so far."""
+        params = self.ask.params
+        q = logits_to_probs(fit_vocab(logits, self.drafter.vocab_size), params)  # [1, vocab]
+        token = int(q.argmax()) if params.greedy else _draw(q[0], self.ask.generator)
+        self.tokens.append(token)
+        self.rows.append(q)
+        self.sequence.append(token)
+
+    def draft(self) -> Draft:
+        probs = torch.stack(self.rows, dim=1) if self.rows else None  # [1, gamma, vocab]
+        return Draft(tokens=self.tokens, probs=probs)
+
+
+def _draft_pass(chains: Sequence[_Chain]) -> list[torch.Tensor]:
+    """Each chain's draft logits [1, draft vocab] after its sequence: one forward of its
+    own for a single chain, else one pass over every chain's slot."""
+    if len(chains) == 1:
+        chain = chains[0]
+        return [chain.drafter.session.logits_after(chain.sequence)[:, -1]]
+    sessions = [_slot(c.drafter.session) for c in chains]
+    model = sessions[0].model
+    rows = [session.request(c.sequence) for session, c in zip(sessions, chains, strict=True)]
+    outputs = model.forward_rows(rows)
+    return [s.receive(out)[:, -1] for s, out in zip(sessions, outputs, strict=True)]
+
+
+def _slot(session: ModelSession | SlotSession) -> SlotSession:
+    assert isinstance(session, SlotSession)
+    return session

@@ -16,14 +16,17 @@ concrete model classes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from speculative.capabilities import provides
 from speculative.drafters.base import Drafter
+from speculative.models.base import SupportsBatchRows
 
 if TYPE_CHECKING:
+    from speculative.models.base import CausalLM
     from speculative.targets import LoadedModel
 
 Factory = Callable[[str, "LoadedModel"], Drafter | None]
@@ -83,7 +86,8 @@ def _self_precision(argument: str, target: LoadedModel) -> Drafter:
             f"auto, self-exit:N{options})"
         )
     # the same model at another precision: it may start from the target's prefill
-    model = target.make_variant(argument)
+    make = target.make_variant
+    model = _shared_draft_model(target, ("self", argument), lambda: make(argument))
     return DraftModelDrafter(model, target.lm.vocab_size, f"self-{argument}", share_prefill=True)
 
 
@@ -96,7 +100,18 @@ def _self_exit(argument: str, target: LoadedModel) -> Drafter:
         raise ValueError(f"the runtime of '{target.name}' does not support early exit")
     layers = parse_layers(argument, lm.num_layers)
     name = f"self-exit:{argument}" if argument else "self-exit"
-    return DraftModelDrafter(lm.early_exit(layers), lm.vocab_size, name)
+    model = _shared_draft_model(target, ("self-exit", layers), lambda: lm.early_exit(layers))
+    return DraftModelDrafter(model, lm.vocab_size, name)
+
+
+def _shared_draft_model(
+    target: LoadedModel, key: Hashable, build: Callable[[], CausalLM]
+) -> CausalLM:
+    """The target's draft model ``key``: one for all its drafters where the model has
+    cache slots (each drafter holds one, so a batch's rows draft in shared passes), else a
+    model of the drafter's own (its single cache is the drafter's)."""
+    model = target.shared(key, build)
+    return model if provides(model, SupportsBatchRows) else build()
 
 
 def parse_layers(value: str, total: int) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speculative.capabilities import provides
 from speculative.drafters.base import Drafter, SupportsPriming
 from speculative.engine.loop import SpeculativeEngine
 from speculative.engine.stopping import StopCriteria
@@ -126,9 +127,44 @@ def verify_cost_curve(
 def model_draft_cost(
     draft: CausalLM, target: CausalLM, context: Sequence[int], repeats: int = 5
 ) -> float:
-    """c = ms of one draft forward ÷ ms of one target decode step (interleaved medians)."""
-    draft_ms, target_ms = interleaved_forward_ms([draft, target], context, [1], repeats)
+    """c = ms of one draft forward ÷ ms of one target decode step (interleaved medians).
+    A draft model with cache slots is timed in a slot of its own, as its drafters run it
+    (their slots, slot 0 among them, may hold rows)."""
+    with _as_one_sequence(draft) as timed:
+        draft_ms, target_ms = interleaved_forward_ms([timed, target], context, [1], repeats)
     return draft_ms[1] / target_ms[1]
+
+
+@contextmanager
+def _as_one_sequence(model: CausalLM) -> Iterator[CausalLM]:
+    """``model`` itself, or one of its cache slots seen as a single sequence (acquired
+    here, freed on exit) where it has slots."""
+    if not provides(model, SupportsBatchRows):
+        yield model
+        return
+    view = _SlotSequence(model)
+    try:
+        yield view  # type: ignore[misc]
+    finally:
+        model.release_slot(view.slot)
+
+
+class _SlotSequence:
+    """The forward / rollback / reset of a single sequence, run in one cache slot."""
+
+    def __init__(self, model: SupportsBatchRows) -> None:
+        self.model = model
+        self.slot = model.acquire_slot()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[1, k] int64 -> [1, k, vocab] logits."""
+        return self.model.forward_rows([RowInput(self.slot, input_ids[0])])[0].unsqueeze(0)
+
+    def rollback(self, n: int) -> None:
+        self.model.rollback_slot(self.slot, n)
+
+    def reset(self) -> None:
+        self.rollback(self.model.slot_length(self.slot))
 
 
 def propose_ms(

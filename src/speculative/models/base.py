@@ -86,10 +86,17 @@ class SupportsCacheImport(Protocol):
     drafts change slightly, the target's output distribution does not).
     """
 
-    def import_cache(self, source: object, length: int, source_slot: int | None = None) -> bool:
+    def import_cache(
+        self,
+        source: object,
+        length: int,
+        source_slot: int | None = None,
+        slot: int | None = None,
+    ) -> bool:
         """Make this cache hold ``source``'s first ``length`` positions: of its
-        single-sequence cache, or of its cache slot ``source_slot`` (a batched row); False
-        (and no change) when ``source`` has another architecture or cache layout."""
+        single-sequence cache, or of its cache slot ``source_slot`` (a batched row); in
+        this model's single-sequence cache, or in its cache slot ``slot``. False (and no
+        change) when ``source`` has another architecture or cache layout."""
         ...
 
 

@@ -363,6 +363,7 @@ class SlotSession:
         self._pending: _Pending | None = None
         self._tree: list[int] | None = None  # tree tokens fed after ``cached``, not committed
         self._features = FeatureStore() if features else None
+        self.forward_calls = 0  # passes this row took part in
 
     @property
     def keeps_features(self) -> bool:
@@ -435,6 +436,7 @@ class SlotSession:
         pending, self._pending = self._pending, None
         if pending is None:
             raise ValueError("receive without a request")
+        self.forward_calls += 1
         if self._features is not None:
             self._features.received(len(self.cached), pending.features, pending)
         self.cached.extend(pending.tokens[: pending.chain])
@@ -475,6 +477,38 @@ class SlotSession:
             self._features.truncate(keep)
             self._features.tree = None
         return list(context[keep:])
+
+    # ---- one row on its own: ModelSession's calls, for a drafter's own slot ------------
+    def reset(self) -> None:
+        """Forget every cached position (the slot stays held)."""
+        self._tree = None
+        self.model.rollback_slot(self.slot, self.model.slot_length(self.slot))
+        self.cached = []
+        if self._features is not None:
+            self._features.truncate(0)
+
+    def logits_after(self, context: Sequence[int], new: Sequence[int] = ()) -> torch.Tensor:
+        """:meth:`ModelSession.logits_after` on this slot alone: [1, 1 + len(new), vocab]."""
+        return self.receive(self.model.forward_rows([self.request(context, new)])[0])
+
+    def logits_for_tree(
+        self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
+    ) -> torch.Tensor:
+        """:meth:`ModelSession.logits_for_tree` on this slot alone."""
+        row = self.request_tree(context, tokens, parents)
+        return self.receive(self.model.forward_rows([row])[0])
+
+    def adopt(self, other: RowSession) -> bool:
+        """:meth:`ModelSession.adopt` into this slot: ``other``'s cached positions copied
+        (no forward), if this model can import that model's cache."""
+        self.reset()
+        model = self.model
+        if not other.cached or not provides(model, SupportsCacheImport):
+            return False
+        if not model.import_cache(other.model, len(other.cached), other.cache_slot, self.slot):
+            return False
+        self.cached = list(other.cached)
+        return True
 
 
 # ---- where rows live: one model's slots, or a single-sequence model (batch of one) ------

@@ -134,16 +134,23 @@ class NativeLlama:
     def reset(self) -> None:
         self._length = 0
 
-    def import_cache(self, source: object, length: int, source_slot: int | None = None) -> bool:
-        """Copy ``source``'s first ``length`` cached positions into this cache (batch of
-        one), when ``source`` is a NativeLlama of the same shape and decoder layout: from
-        its single-sequence cache, or from its cache slot ``source_slot``."""
+    def import_cache(
+        self,
+        source: object,
+        length: int,
+        source_slot: int | None = None,
+        slot: int | None = None,
+    ) -> bool:
+        """Copy ``source``'s first ``length`` cached positions into this cache, when
+        ``source`` is a NativeLlama of the same shape and decoder layout: from its
+        single-sequence cache, or from its cache slot ``source_slot``; into this model's
+        single-sequence cache (a batch of one), or into its cache slot ``slot``."""
         if not isinstance(source, NativeLlama) or length < 1:
             return False
         if source_slot is None:
-            held, slot = (source.cache_length if source._batch == 1 else 0), 0
+            held, source_slot = (source.cache_length if source._batch == 1 else 0), 0
         else:
-            held, slot = source._slot_lengths.get(source_slot, 0), source_slot
+            held = source._slot_lengths.get(source_slot, 0)
         same_shape = (
             source.config.num_layers == self.config.num_layers
             and source.config.num_kv_heads == self.config.num_kv_heads
@@ -153,10 +160,16 @@ class NativeLlama:
         )
         if not same_shape or length > held:
             return False
-        self.reset()
-        self._ensure_cache(1)
-        self.decoder.copy_cache_from(source.decoder, length, source_slot=slot)
-        self._length = length
+        if slot is None:
+            self.reset()
+            self._ensure_cache(1)
+            self.decoder.copy_cache_from(source.decoder, length, source_slot=source_slot)
+            self._length = length
+            return True
+        self._check_slot(slot)
+        self.decoder.copy_cache_from(source.decoder, length, source_slot, slot)
+        self._retained.pop(slot, None)
+        self._slot_lengths[slot] = length
         return True
 
     # ---- early exit (SupportsEarlyExit) ---------------------------------------------
