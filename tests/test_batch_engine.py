@@ -900,20 +900,37 @@ def test_a_drafter_that_imports_the_prompt_cache_takes_its_rows_slot(
     assert batched(False) != alone
 
 
-@pytest.mark.parametrize("kind", ["self-int4", "self-exit:1"])
+def _rotated(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each output replaced by the next one of the same shape (a pass that mixes rows up)."""
+    out = list(outputs)
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, o in enumerate(outputs):
+        by_shape.setdefault(tuple(o.shape), []).append(i)
+    for same in by_shape.values():
+        for a, b in zip(same, same[1:] + same[:1], strict=True):
+            out[a] = outputs[b]
+    return out
+
+
+@pytest.mark.parametrize(
+    "kind, tree",
+    [("self-int4", "off"), ("self-exit:1", "off"), ("self-int4", "static"),
+     ("self-exit:1", "dynamic")],
+)  # fmt: skip
 def test_rows_of_one_draft_model_draft_in_shared_passes(
-    tmp_path: Path, kind: str, monkeypatch
+    tmp_path: Path, kind: str, tree: str, monkeypatch
 ) -> None:
     """The registry builds a self-drafter's model once per target; each drafter holds a
     cache slot of it (freed with the drafter), so the rows of a batch draft in one pass
-    per draft position instead of one forward per row. Each row's tokens, drafts,
-    acceptances and draft-call counts are still exactly those it gets alone. Control: a
-    shared pass that hands the rows each other's logits changes the drafts (and stays
-    lossless)."""
+    per draft position (chains) or per tree level (trees) instead of one forward per row.
+    Each row's tokens, drafts, acceptances and draft-call counts are still exactly those
+    it gets alone. Control: a shared pass that hands the rows each other's logits changes
+    the drafts (and stays lossless)."""
     import gc
 
     from speculative.drafters import model as model_drafters
     from speculative.drafters.registry import build_drafter
+    from speculative.engine.tree import make_tree_round
     from speculative.exactness.tiny import tiny_target_folder
     from speculative.targets import load_target
 
@@ -930,37 +947,44 @@ def test_rows_of_one_draft_model_draft_in_shared_passes(
               SamplingParams(temperature=0.8, top_p=0.9))  # fmt: skip
 
     def requests() -> list[BatchRequest]:
-        return [
-            BatchRequest(p, q, StopCriteria(16), torch.Generator().manual_seed(i),
-                         build_drafter(kind, target), 3)
-            for i, (p, q) in enumerate(zip(prompts, params, strict=True))
-        ]  # fmt: skip
+        out = []
+        for i, (p, q) in enumerate(zip(prompts, params, strict=True)):
+            drafter = build_drafter(kind, target)
+            out.append(
+                BatchRequest(
+                    p,
+                    q,
+                    StopCriteria(16),
+                    torch.Generator().manual_seed(i),
+                    drafter,
+                    3,
+                    tree=make_tree_round(tree, drafter, 4),
+                )
+            )
+        return out  # fmt: skip
 
     alone = [
-        SpeculativeEngine(target.lm, r.drafter, 3).generate(r.prompt_ids, r.params, r.stop,
-                                                            r.generator)
+        SpeculativeEngine(target.lm, r.drafter, 3, r.tree).generate(
+            r.prompt_ids, r.params, r.stop, r.generator
+        )
         for r in requests()
-    ]  # fmt: skip
+    ]
+    shared_pass = "_draft_pass" if tree == "off" else "_draft_pass_for"
     widths: list[int] = []
-    original = model_drafters._draft_pass
+    original = getattr(model_drafters, shared_pass)
 
-    def counted(chains):
-        widths.append(len(chains))
-        return original(chains)
+    def counted(*args):
+        widths.append(len(args[0]))
+        return original(*args)
 
     own = lambda r: (r.token_ids, r.stats.drafted_tokens, r.stats.accepted_tokens,  # noqa: E731
                      r.stats.positions.accepted, r.stats.draft_calls)  # fmt: skip
     with monkeypatch.context() as patch:
-        patch.setattr(model_drafters, "_draft_pass", counted)
+        patch.setattr(model_drafters, shared_pass, counted)
         together = BatchEngine(target.lm, max_batch=3).run(requests())
     assert max(widths) == 3 and sum(w > 1 for w in widths) >= len(widths) // 2
     assert [own(r) for r in together] == [own(r) for r in alone]
-
-    def mixed(chains):
-        out = original(chains)
-        return out[1:] + out[:1]  # each row drafts from its neighbour's logits
-
-    monkeypatch.setattr(model_drafters, "_draft_pass", mixed)
+    monkeypatch.setattr(model_drafters, shared_pass, lambda *args: _rotated(original(*args)))
     swapped = BatchEngine(target.lm, max_batch=3).run(requests())
     assert [own(r)[1:] for r in swapped] != [own(r)[1:] for r in together]
     assert swapped[0].token_ids == together[0].token_ids  # still lossless (greedy row)

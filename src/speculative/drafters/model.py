@@ -8,15 +8,21 @@ layers (early exit). Only the :class:`~speculative.models.base.CausalLM` differs
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from speculative.capabilities import provides
 from speculative.drafters.base import Draft, RowAsk
-from speculative.drafters.tree import AcceptanceCalibration, DraftTree, RankedTree, TreeShape
-from speculative.models.base import CausalLM, SupportsBatchRows
+from speculative.drafters.tree import (
+    AcceptanceCalibration,
+    DraftTree,
+    RankedTree,
+    TreeAsk,
+    TreeShape,
+)
+from speculative.models.base import CausalLM, RowInput, SupportsBatchRows
 from speculative.models.session import ModelSession, RowSession, SlotSession
 from speculative.sampling import SamplingParams, logits_to_probs
 from speculative.sampling.probs import sample_row
@@ -137,21 +143,47 @@ class DraftModelDrafter:
         scored with a tree mask). Static: ``branching[d]`` children per node, drawn
         without replacement from q under sampling (top-k point masses under greedy).
         Dynamic: the most probable branches (point masses), see :class:`TreeShape`."""
+        ask = TreeAsk(self, context, budget, params, generator)
+        return _grown_alone(self.session, self._grow(ask))
+
+    @torch.no_grad()
+    def propose_trees(self, asks: Sequence[TreeAsk]) -> list[DraftTree]:
+        """Trees of several rows (each ask's drafter a DraftModelDrafter of this row
+        group): every row's next draft pass (a level of its tree, or its path's next
+        step) in one pass over their slots, until every tree is grown."""
+        drafters = [_model_drafter(ask) for ask in asks]
+        growing = [d._grow(ask) for d, ask in zip(drafters, asks, strict=True)]
+        trees: dict[int, DraftTree] = {}
+        wanted = {i: _first(g, trees, i) for i, g in enumerate(growing)}
+        wanted = {i: w for i, w in wanted.items() if w is not None}
+        while wanted:
+            rows = list(wanted)
+            sessions = [drafters[i].session for i in rows]
+            logits = _draft_pass_for(sessions, [wanted[i] for i in rows])
+            for i, out in zip(rows, logits, strict=True):
+                next_pass = _send(growing[i], out, trees, i)
+                if next_pass is None:
+                    del wanted[i]
+                else:
+                    wanted[i] = next_pass
+        return [trees[i] for i in range(len(asks))]
+
+    def _grow(self, ask: TreeAsk) -> _Growth:
         if self.tree_shape.mode == "dynamic":
-            return self._dynamic_tree(context, budget, params, generator)
-        return self._static_tree(context, budget, params, generator)
+            return self._dynamic_tree(ask.context, ask.budget, ask.params, ask.generator)
+        return self._static_tree(ask.context, ask.budget, ask.params, ask.generator)
 
     def _level_logits(
         self, context: Sequence[int], tree: _Growing, fed: list[int]
-    ) -> dict[int, torch.Tensor]:
+    ) -> Generator[_Pass, torch.Tensor, dict[int, torch.Tensor]]:
         """Draft logits ([vocab]) after the root (key -1) or after each node of ``fed``
-        (an ancestor-closed list of node ids of ``tree``)."""
+        (an ancestor-closed list of node ids of ``tree``), from the pass it yields."""
         if not fed:
-            return {-1: self.session.logits_after(context)[0, -1]}
+            return {-1: (yield _Pass(list(context)))}
         position = {node: i for i, node in enumerate(fed)}
         tokens = [tree.tokens[node] for node in fed]
         parents = [position.get(tree.parents[node], -1) for node in fed]
-        logits = self.session.logits_for_tree(context, tokens, parents)[0]  # [1 + len(fed), V]
+        logits = yield _Pass(list(context), tokens, parents)  # [1 + len(fed), V]
         return {node: logits[i + 1] for i, node in enumerate(fed)}
 
     def _static_tree(
@@ -160,13 +192,13 @@ class DraftModelDrafter:
         budget: int,
         params: SamplingParams,
         generator: torch.Generator,
-    ) -> DraftTree:
+    ) -> _Growth:
         tree = _Growing()
         frontier = [-1]
         for width in self.tree_shape.branching:
             if tree.size >= budget or not frontier:
                 break
-            rows = self._level_logits(context, tree, [n for n in range(tree.size)])
+            rows = yield from self._level_logits(context, tree, [n for n in range(tree.size)])
             level = torch.stack([fit_vocab(rows[parent], self.vocab_size) for parent in frontier])
             level_q = logits_to_probs(level, params)  # [frontier, vocab]: rows apart, one call
             next_frontier = []
@@ -186,7 +218,7 @@ class DraftModelDrafter:
         budget: int,
         params: SamplingParams,
         generator: torch.Generator,
-    ) -> DraftTree:
+    ) -> _Growth:
         """Grow along one path, one draft step a level (as a chain); at each depth up to
         ``width - 1`` more candidates join as leaves. Nodes are ranked by estimated path
         acceptance (the product of :class:`AcceptanceCalibration` estimates).
@@ -214,7 +246,7 @@ class DraftModelDrafter:
             room = budget if params.greedy else budget - tree.size
             if room <= 0:
                 break
-            logits = self.session.logits_after(sequence)[0, -1]  # [vocab]
+            logits = yield _Pass(list(sequence))  # [vocab]
             q = logits_to_probs(fit_vocab(logits, self.vocab_size), scoring)  # [vocab]
             if params.greedy:
                 drawn = [t for t in torch.topk(q, min(shape.width, room)).indices.tolist()]
@@ -283,7 +315,7 @@ class _Growing:
         return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents), q)
 
 
-def _model_drafter(ask: RowAsk) -> DraftModelDrafter:
+def _model_drafter(ask: RowAsk | TreeAsk) -> DraftModelDrafter:
     drafter = ask.drafter
     assert isinstance(drafter, DraftModelDrafter)
     return drafter
@@ -334,3 +366,74 @@ def _draft_pass(chains: Sequence[_Chain]) -> list[torch.Tensor]:
 def _slot(session: ModelSession | SlotSession) -> SlotSession:
     assert isinstance(session, SlotSession)
     return session
+
+
+@dataclass
+class _Pass:
+    """A draft pass a growing tree asks for: the draft logits after ``context`` ([vocab])
+    or, with ``tokens``, after it and after each of those tree nodes ([1 + n, vocab])."""
+
+    context: list[int]
+    tokens: list[int] | None = None
+    parents: list[int] | None = None
+
+    def request(self, session: SlotSession) -> RowInput:
+        if self.tokens is None:
+            return session.request(self.context)
+        assert self.parents is not None
+        return session.request_tree(self.context, self.tokens, self.parents)
+
+    def alone(self, session: ModelSession | SlotSession) -> torch.Tensor:
+        if self.tokens is None:
+            return session.logits_after(self.context)[0, -1]
+        assert self.parents is not None
+        return session.logits_for_tree(self.context, self.tokens, self.parents)[0]
+
+    def received(self, session: SlotSession, logits: torch.Tensor) -> torch.Tensor:
+        out = session.receive(logits)[0]  # [1 + n, vocab]
+        return out[-1] if self.tokens is None else out
+
+
+_Growth = Generator[_Pass, torch.Tensor, DraftTree]  # yields passes, returns the tree
+
+
+def _grown_alone(session: ModelSession | SlotSession, growth: _Growth) -> DraftTree:
+    """Run a growing tree's passes one by one on its own session."""
+    try:
+        wanted = next(growth)
+        while True:
+            wanted = growth.send(wanted.alone(session))
+    except StopIteration as done:
+        return done.value
+
+
+def _first(growth: _Growth, trees: dict[int, DraftTree], i: int) -> _Pass | None:
+    """The first pass a growing tree asks for (None: it is grown, in ``trees[i]``)."""
+    try:
+        return next(growth)
+    except StopIteration as done:
+        trees[i] = done.value
+        return None
+
+
+def _send(
+    growth: _Growth, logits: torch.Tensor, trees: dict[int, DraftTree], i: int
+) -> _Pass | None:
+    """Hand a growing tree its pass's logits; its next pass (None: grown, in ``trees[i]``)."""
+    try:
+        return growth.send(logits)
+    except StopIteration as done:
+        trees[i] = done.value
+        return None
+
+
+def _draft_pass_for(
+    sessions: Sequence[ModelSession | SlotSession], passes: Sequence[_Pass]
+) -> list[torch.Tensor]:
+    """Each pass's logits: on its own session for one, else one pass over their slots."""
+    if len(passes) == 1:
+        return [passes[0].alone(sessions[0])]
+    slots = [_slot(s) for s in sessions]
+    rows = [p.request(s) for p, s in zip(passes, slots, strict=True)]
+    outputs = slots[0].model.forward_rows(rows)
+    return [p.received(s, out) for p, s, out in zip(passes, slots, outputs, strict=True)]

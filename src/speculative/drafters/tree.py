@@ -11,7 +11,7 @@ siblings (deterministic candidates: greedy top-k, n-gram continuations).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -86,6 +86,32 @@ class TreeDrafter(Protocol):
         generator: torch.Generator,
     ) -> DraftTree:
         """At most ``budget`` nodes following ``context``; randomness only from ``generator``."""
+        ...
+
+
+@dataclass(frozen=True)
+class TreeAsk:
+    """One row's request for a tree: what its drafter's ``propose_tree`` would take."""
+
+    drafter: TreeDrafter
+    context: Sequence[int]
+    budget: int
+    params: SamplingParams
+    generator: torch.Generator
+
+
+@runtime_checkable
+class DraftsTreesTogether(Protocol):
+    """A tree drafter whose draft passes can serve several rows at once (a draft model
+    whose cache slots hold the rows' drafts). Drafters with the same ``row_group()``
+    (None: this one drafts alone) propose in one :meth:`propose_trees` call, which gives
+    each row exactly the tree its own ``propose_tree`` would: the same nodes, q and
+    generator draws, the same forward-call count."""
+
+    def row_group(self) -> Hashable | None: ...
+
+    def propose_trees(self, asks: Sequence[TreeAsk]) -> list[DraftTree]:
+        """Each ask's tree (budget ≥ 1); every ask's drafter has this one's ``row_group``."""
         ...
 
 

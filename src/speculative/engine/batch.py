@@ -37,6 +37,7 @@ from speculative.drafters.base import (
     SupportsDraftSituation,
     SupportsPriming,
 )
+from speculative.drafters.tree import DraftsTreesTogether, DraftTree
 from speculative.engine.gamma import (
     LOAD_AWARE_MAX_GAMMA,
     FixedGamma,
@@ -63,7 +64,7 @@ from speculative.engine.round import (
 )
 from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import StopCriteria
-from speculative.engine.tree import TreeRound
+from speculative.engine.tree import TreeRound, propose_trees_together
 from speculative.models.base import (
     CausalLM,
     PadsBatchRows,
@@ -446,7 +447,7 @@ class BatchEngine:
             group = drafter.row_group() if provides(drafter, DraftsRowsTogether) else None
             if group is not None:
                 groups.setdefault(group, []).append((row, gamma))
-        out = {}
+        out = self._trees_together(rows)
         for members in groups.values():
             if len(members) < 2:
                 continue
@@ -464,6 +465,37 @@ class BatchEngine:
             for (row, _), draft, before in zip(members, drafts, calls, strict=True):
                 request = row.session.request(row.state.sequence, draft.tokens)
                 out[row.row_id] = (Proposal(request, draft=draft), share, before)
+        return out
+
+    def _trees_together(self, rows: list[BatchRow]) -> dict[int, tuple[Proposal, float, int]]:
+        """The trees of rows whose drafters draft trees in shared passes
+        (``DraftsTreesTogether``, the same row group, two rows or more), as
+        :meth:`_proposals_together` gives chains."""
+        groups: dict[Hashable, list[BatchRow]] = {}
+        for row in rows:
+            tree, drafter = row.request.tree, row.request.drafter
+            if tree is None or tree.drafter is not drafter:
+                continue
+            group = drafter.row_group() if provides(drafter, DraftsTreesTogether) else None
+            if group is not None:
+                groups.setdefault(group, []).append(row)
+        out = {}
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            calls = [row.state.stats.draft_calls for row in members]
+            asks = [
+                cast(TreeRound, row.request.tree).ask(
+                    row.state.sequence, self.max_length, row.request.params, row.request.generator
+                )
+                for row in members
+            ]
+            started = time.perf_counter()
+            lead = cast(DraftsTreesTogether, members[0].request.drafter)
+            trees = propose_trees_together(lead, asks, [row.state.stats for row in members])
+            share = (time.perf_counter() - started) / len(members)
+            for row, tree, before in zip(members, trees, calls, strict=True):
+                out[row.row_id] = (self._tree_proposal(row, tree), share, before)
         return out
 
     def _load_gammas(
@@ -552,12 +584,17 @@ class BatchEngine:
                 state.sequence, self.max_length, request.params, request.generator,
                 state.stats, request.drafter,
             )  # fmt: skip
-            tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-            return Proposal(session.request_tree(state.sequence, tokens, parents), tree=tree)
+            return self._tree_proposal(row, tree)
         draft = propose_draft(
             request.drafter, gamma, state, self.max_length, request.params, request.generator
         )
         return Proposal(session.request(state.sequence, draft.tokens), draft=draft)
+
+    @staticmethod
+    def _tree_proposal(row: BatchRow, tree: DraftTree) -> Proposal:
+        """The pass row that scores the row's tree after its sequence."""
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        return Proposal(row.session.request_tree(row.state.sequence, tokens, parents), tree=tree)
 
     @staticmethod
     def _measure_propose(row: BatchRow, seconds: float, calls_before: int) -> None:

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from speculative.drafters.base import Drafter
 from speculative.drafters.tree import (
     TREE_MODES,
+    DraftsTreesTogether,
     DraftTree,
     SupportsTreeShape,
+    TreeAsk,
     TreeDrafter,
     TreeShape,
 )
@@ -65,18 +68,28 @@ class TreeRound:
     ) -> DraftTree:
         """A tree of at most ``budget`` nodes after ``sequence`` (fewer near the context
         limit); ``counted``: the drafter whose forward calls go to ``stats``."""
-        budget = self.budget
-        if max_length is not None:  # root + nodes must fit the context window
-            budget = max(0, min(budget, max_length - len(sequence) - 1))
-        if budget == 0:
-            return DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+        ask = self.ask(sequence, max_length, params, generator)
+        if ask.budget == 0:
+            return _no_tree()
         calls_before = counted.forward_calls if counted is not None else 0
-        tree = self.drafter.propose_tree(sequence, budget, params, generator)
+        tree = self.drafter.propose_tree(sequence, ask.budget, params, generator)
         if counted is not None:
             stats.draft_calls += counted.forward_calls - calls_before
-        if tree.size > budget:
-            raise ValueError(f"the drafter proposed {tree.size} nodes for a budget of {budget}")
-        return tree
+        return _checked(tree, ask.budget)
+
+    def ask(
+        self,
+        sequence: Sequence[int],
+        max_length: int | None,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> TreeAsk:
+        """What this round asks its drafter for: a tree of at most ``budget`` nodes after
+        ``sequence`` (fewer near the context limit: root + nodes must fit)."""
+        budget = self.budget
+        if max_length is not None:
+            budget = max(0, min(budget, max_length - len(sequence) - 1))
+        return TreeAsk(self.drafter, sequence, budget, params, generator)
 
     def verify(
         self,
@@ -91,6 +104,32 @@ class TreeRound:
         process = one_hot_argmax if params.greedy else lambda x: logits_to_probs(x, params)
         target_probs = process(logits)  # [n + 1, vocab]
         return self.verifier(tree.tokens, tree.parents, tree.q, target_probs, generator, False)
+
+
+def propose_trees_together(
+    lead: DraftsTreesTogether, asks: Sequence[TreeAsk], stats: Sequence[GenerationStats]
+) -> list[DraftTree]:
+    """The trees of rows whose drafters share ``lead``'s row group (:meth:`TreeRound.ask`'s
+    asks), in one ``propose_trees`` call for those with room for a node; counts each row's
+    forward calls in its stats, as :meth:`TreeRound.propose` does."""
+    live = [i for i, ask in enumerate(asks) if ask.budget > 0]
+    counted = [cast(Drafter, ask.drafter) for ask in asks]
+    before = [d.forward_calls for d in counted]
+    grown = dict(zip(live, lead.propose_trees([asks[i] for i in live]), strict=True))
+    for drafter, row_stats, calls in zip(counted, stats, before, strict=True):
+        row_stats.draft_calls += drafter.forward_calls - calls
+    return [_checked(grown[i], ask.budget) if i in grown else _no_tree()
+            for i, ask in enumerate(asks)]  # fmt: skip
+
+
+def _no_tree() -> DraftTree:
+    return DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+
+
+def _checked(tree: DraftTree, budget: int) -> DraftTree:
+    if tree.size > budget:
+        raise ValueError(f"the drafter proposed {tree.size} nodes for a budget of {budget}")
+    return tree
 
 
 def make_tree_round(
