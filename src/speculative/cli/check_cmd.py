@@ -70,6 +70,12 @@ for any coupling of X ~ P and Y ~ Q, M identical pairs bound the TV between the 
 engines by 1 − (δ/2)^(1/M) at confidence 1 − δ/2, and that term is added to the sample's
 own bound (taken at δ/2). A drafter whose drafts differ between the engines is drawn one
 sequence at a time instead.
+
+Looks (--tv-goal EPS). The check looks at the sample twice, at its first 2N/3
+continuations and at all N, each look's tests and bound at level δ/2 (Bonferroni over the
+looks), and stops at the first look whose bound is at most EPS: the verdict and the bound
+hold at 99.9% whichever look stopped, and an early stop draws a third fewer
+continuations. A failing test stops it at once.
 """
 
 DEFAULT_PROMPTS = (
@@ -562,7 +568,7 @@ def _coupling_note(config: Any) -> str:
         return ""
     return (
         f" Chain and tree cells are coupled (`--coupling {config.coupling}`): "
-        f"{config.coupling:,} of the N continuations, evenly spread, are drawn both one "
+        f"{config.coupling:,} of {_coupled_from(config)}, evenly spread, are drawn both one "
         "sequence at a time and by the batched engine with the same seeds; when every pair "
         "is identical the rest are drawn "
         "batched, and the TV bound (each part at δ/2) adds 1 − (δ/2)^(1/M), the bound on "
@@ -570,6 +576,10 @@ def _coupling_note(config: Any) -> str:
         "drafts differ between the two engines (one that learns across generations: "
         "`auto`'s choices, a dynamic tree's calibration) is drawn one sequence at a time."
     )
+
+
+def _coupled_from(config: Any) -> str:
+    return "the first look's continuations" if len(config.looks) > 1 else "the N continuations"
 
 
 def matrix_markdown(sections: list[str], cpu: str, command: str, config: Any) -> str:
