@@ -71,7 +71,7 @@ class CheckConfig:
     seed: int = 0
     # chain and tree modes: draw the N speculative continuations with the batched engine
     # and `coupling` of them (evenly spread) one sequence at a time too (0: draw all N one
-    # at a time); see draw_speculative
+    # at a time); see SpeculativeDraws
     coupling: int = 0
     # stop early at a TV bound this low: look at the first ⌈2N/3⌉ continuations per prompt
     # and draw the rest only if the bound there is above it (both looks at level α/2, so
@@ -177,7 +177,7 @@ def draw(
 
 @dataclass(frozen=True)
 class Coupling:
-    """How a chain or tree sample was drawn (:func:`draw_speculative`): ``redrawn``
+    """How a chain or tree sample was drawn (:class:`SpeculativeDraws`): ``redrawn``
     continuations of each prompt drawn both by the batched engine and one sequence at a
     time, with the same seeds; ``differs`` is the first (prompt, continuation index) whose
     two draws differ (then the whole sample was drawn one sequence at a time)."""
@@ -355,22 +355,6 @@ class SpeculativeDraws:
         more = self._way(self._how, others)
         self.coupling = Coupling(m, differs)
         return [_in_order(chosen, a, others, b) for a, b in zip(kept, more, strict=True)]
-
-
-def draw_speculative(
-    target: Any,
-    config: CheckConfig,
-    prompts: Sequence[Sequence[int]],
-    n: int,
-    length: int,
-    tick: Tick = lambda n: None,
-    drafted: Counter | None = None,
-    shared: SharedDraws | None = None,
-) -> tuple[list[list[tuple[int, ...]]], Coupling | None]:
-    """The N speculative continuations of each prompt, and how they were drawn (one look
-    of :class:`SpeculativeDraws`)."""
-    draws = SpeculativeDraws(target, config, prompts, length, tick, drafted, shared)
-    return draws.grow(n), draws.coupling
 
 
 def spread(n: int, m: int) -> list[int]:
