@@ -969,22 +969,21 @@ def test_rows_of_one_draft_model_draft_in_shared_passes(
         )
         for r in requests()
     ]
-    shared_pass = "_draft_pass" if tree == "off" else "_draft_pass_for"
     widths: list[int] = []
-    original = getattr(model_drafters, shared_pass)
+    original = model_drafters._draft_pass_for
 
-    def counted(*args):
-        widths.append(len(args[0]))
-        return original(*args)
+    def counted(sessions, passes):
+        widths.append(len(passes))
+        return original(sessions, passes)
 
     own = lambda r: (r.token_ids, r.stats.drafted_tokens, r.stats.accepted_tokens,  # noqa: E731
                      r.stats.positions.accepted, r.stats.draft_calls)  # fmt: skip
     with monkeypatch.context() as patch:
-        patch.setattr(model_drafters, shared_pass, counted)
+        patch.setattr(model_drafters, "_draft_pass_for", counted)
         together = BatchEngine(target.lm, max_batch=3).run(requests())
     assert max(widths) == 3 and sum(w > 1 for w in widths) >= len(widths) // 2
     assert [own(r) for r in together] == [own(r) for r in alone]
-    monkeypatch.setattr(model_drafters, shared_pass, lambda *args: _rotated(original(*args)))
+    monkeypatch.setattr(model_drafters, "_draft_pass_for", lambda *a: _rotated(original(*a)))
     swapped = BatchEngine(target.lm, max_batch=3).run(requests())
     assert [own(r)[1:] for r in swapped] != [own(r)[1:] for r in together]
     assert swapped[0].token_ids == together[0].token_ids  # still lossless (greedy row)

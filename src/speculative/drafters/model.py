@@ -114,8 +114,10 @@ class DraftModelDrafter:
         chains = [_Chain(ask, _model_drafter(ask)) for ask in asks]
         for i in range(max((ask.gamma for ask in asks), default=0)):
             live = [c for c in chains if i < c.ask.gamma]
-            for chain, logits in zip(live, _draft_pass(live), strict=True):
-                chain.step(logits)
+            sessions = [c.drafter.session for c in live]
+            logits = _draft_pass_for(sessions, [_Pass(c.sequence) for c in live])
+            for chain, row in zip(live, logits, strict=True):
+                chain.step(row.unsqueeze(0))
         return [c.draft() for c in chains]
 
     def prime(self, target: RowSession) -> None:
@@ -350,19 +352,6 @@ class _Chain:
         return Draft(tokens=self.tokens, probs=probs)
 
 
-def _draft_pass(chains: Sequence[_Chain]) -> list[torch.Tensor]:
-    """Each chain's draft logits [1, draft vocab] after its sequence: one forward of its
-    own for a single chain, else one pass over every chain's slot."""
-    if len(chains) == 1:
-        chain = chains[0]
-        return [chain.drafter.session.logits_after(chain.sequence)[:, -1]]
-    sessions = [_slot(c.drafter.session) for c in chains]
-    model = sessions[0].model
-    rows = [session.request(c.sequence) for session, c in zip(sessions, chains, strict=True)]
-    outputs = model.forward_rows(rows)
-    return [s.receive(out)[:, -1] for s, out in zip(sessions, outputs, strict=True)]
-
-
 def _slot(session: ModelSession | SlotSession) -> SlotSession:
     assert isinstance(session, SlotSession)
     return session
@@ -430,7 +419,8 @@ def _send(
 def _draft_pass_for(
     sessions: Sequence[ModelSession | SlotSession], passes: Sequence[_Pass]
 ) -> list[torch.Tensor]:
-    """Each pass's logits: on its own session for one, else one pass over their slots."""
+    """Each pass's logits (:class:`_Pass`), for rows whose drafters hold slots of one
+    draft model: on its own session for one, else one pass over their slots."""
     if len(passes) == 1:
         return [passes[0].alone(sessions[0])]
     slots = [_slot(s) for s in sessions]
