@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -553,3 +554,58 @@ def test_matrix_in_worker_processes_equals_the_matrix_in_one(native, tiny: Path)
     missing = functools.partial(load_target_on, str(tiny / "missing"), "fp32")
     with pytest.raises(Exception, match="does not exist"):
         run_matrix(missing, drafters, PROMPTS, config, ("chain",), SAMPLINGS[1:2], jobs=2)
+
+
+def _children(pid: int) -> set[int]:
+    """Processes whose parent is ``pid`` (Linux /proc)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux /proc")
+def test_matrix_workers_exit_when_the_matrix_is_killed(tiny: Path) -> None:
+    """A killed `check --matrix` (SIGKILL: no clean-up of its own) leaves no process
+    behind: its two workers, busy in a cell that would run for hours, and the manager
+    that carries cells back each exit once their parent is gone."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import functools\n"
+        "from pathlib import Path\n"
+        "from speculative.cli.check_cmd import load_target_on\n"
+        "from speculative.exactness import CheckConfig\n"
+        "from speculative.exactness.matrix import SAMPLINGS, run_matrix, tiny_drafters\n"
+        f"tiny = {str(tiny)!r}\n"
+        "drafters = [d for d in tiny_drafters(Path(tiny))"
+        " if d.label == 'ngram' and d.runtime == 'native']\n"
+        "run_matrix(functools.partial(load_target_on, tiny, 'fp32'), drafters, [[2, 4, 6, 8]],"
+        " CheckConfig(gamma=2, samples=10**7, pilot=50), ('chain', 'tree-static'),"
+        " SAMPLINGS[1:2], jobs=2)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    helpers: set[int] = set()
+    deadline = time.monotonic() + 120
+    while len(helpers) < 3 and time.monotonic() < deadline:  # two workers and the manager
+        time.sleep(0.5)
+        helpers = {c for c in _children(parent.pid) if c != parent.pid}
+    assert len(helpers) >= 3 and parent.poll() is None
+    time.sleep(2)  # the workers are inside their cells now
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(Path(f"/proc/{h}").exists() for h in helpers):
+        time.sleep(0.2)
+    alive = [h for h in helpers if Path(f"/proc/{h}").exists()]
+    for h in alive:  # clean up before failing
+        os.kill(h, signal.SIGKILL)
+    assert alive == []

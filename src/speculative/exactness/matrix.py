@@ -4,11 +4,14 @@ markdown table (docs/exactness.md)."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +162,7 @@ def run_matrix(
         ]
     done: dict[int, Cell] = {}
     context = multiprocessing.get_context("spawn")
-    with _pool(jobs, context) as pool, context.Manager() as manager:
+    with _pool(jobs, context) as pool, _manager(context) as manager:
         finished = manager.Queue()  # each cell as it ends (a task holds several)
         futures = [
             pool.submit(run_cells, targets, group, prompts, finished)
@@ -247,14 +250,38 @@ def _expected_cost(group: Sequence[PlannedCell]) -> tuple[bool, int]:
 
 def _pool(jobs: int, context: Any) -> ProcessPoolExecutor:
     """Worker processes that start clean (spawn: no copied torch or OpenMP state) and run
-    one thread each, so that ``jobs`` of them share the cores without oversubscription."""
-    return ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread)
+    one thread each, so that ``jobs`` of them share the cores without oversubscription;
+    each exits once this process is gone (see :func:`_exit_with_parent`)."""
+    return ProcessPoolExecutor(
+        jobs, mp_context=context, initializer=_worker_start, initargs=(os.getpid(),)
+    )
 
 
-def _one_thread() -> None:
+def _manager(context: Any) -> SyncManager:
+    """The process that carries finished cells back, gone with this one too."""
+    manager = SyncManager(ctx=context)
+    manager.start(_exit_with_parent, (os.getpid(),))
+    return manager
+
+
+def _worker_start(parent: int) -> None:
     import torch
 
     torch.set_num_threads(1)
+    _exit_with_parent(parent)
+
+
+def _exit_with_parent(parent: int, every: float = 0.5) -> None:
+    """In a helper process: exit as soon as process ``parent`` (the one that started it)
+    is gone, whatever the helper is doing. Otherwise a killed `check --matrix` leaves
+    its workers waiting for work that never comes."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _run_cell(target, drafter, config, label, prompts, shared=None) -> Cell:
