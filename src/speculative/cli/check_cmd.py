@@ -354,10 +354,8 @@ def coupling_line(report: Any) -> str:
 def sample_sizes(report: Any) -> str:
     """What the continuations were compared with, and how many there were."""
     n = report.samples
-    looks = report.config.looks
-    if len(looks) > 1:
-        look = looks.index(n) + 1
-        n = f"{n} (look {look} of {len(looks)}, TV goal {report.config.tv_goal:g})"
+    if report.look is not None:
+        n = f"{n} ({report.look}, TV goal {report.config.tv_goal:g})"
     if report.reference == "exact law":
         return (
             f"N = {n} speculative continuations per prompt against the target's exact law "

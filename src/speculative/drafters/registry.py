@@ -111,7 +111,9 @@ def _shared_draft_model(
     cache slots (each drafter holds one, so a batch's rows draft in shared passes), else a
     model of the drafter's own (its single cache is the drafter's)."""
     model = target.shared(key, build)
-    return model if provides(model, SupportsBatchRows) else build()
+    if not provides(model, SupportsBatchRows):
+        del target.parts[key]  # the drafter's own: the next drafter builds another
+    return model
 
 
 def parse_layers(value: str, total: int) -> int:

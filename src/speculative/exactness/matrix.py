@@ -325,10 +325,7 @@ def cell_row(cell: Cell) -> str:
 
 def _looked(report: CheckReport) -> str:
     """Which of a cell's looks (``CheckConfig.tv_goal``) it stopped at."""
-    looks = report.config.looks
-    if len(looks) == 1:
-        return ""
-    return f" (look {looks.index(report.samples) + 1} of {len(looks)})"
+    return "" if report.look is None else f" ({report.look})"
 
 
 def _drawn_how(report: CheckReport) -> str:

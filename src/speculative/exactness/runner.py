@@ -684,6 +684,15 @@ class CheckReport:
         return {"redrawn": c.redrawn, "differs": c.differs, "bound": self.coupling_bound}
 
     @property
+    def look(self) -> str | None:
+        """Which look at the sample the check stopped at (:attr:`CheckConfig.looks`),
+        as "look 1 of 2"; None where it planned one."""
+        looks = self.config.looks
+        if len(looks) == 1:
+            return None
+        return f"look {looks.index(self.samples) + 1} of {len(looks)}"
+
+    @property
     def coupling_bound(self) -> float | None:
         """The coupling term of the TV bound (None: the sample is the mode's own draw)."""
         return coupling_term(self.coupling, self.config.alpha)
