@@ -379,16 +379,26 @@ def test_load_aware_rows_look_situations_up_only_when_a_draft_can_pay(
 
 def test_hopeless_rounds_skip_the_policy_until_the_batch_changes(folder: Path) -> None:
     """Where even the most optimistic acceptance drafts nothing, the next rounds with as
-    many rows decode plain without asking the policy: it is asked in about one round of
-    ``HopelessRounds.rounds + 1``, again at once when a row joins or leaves, and rows stay
-    exact. The control (drafts that ride free) is asked every round."""
+    many rows decode plain without asking the policy: it is asked in at most one round of
+    ``HopelessRounds.rounds + 1``, fewer as the verdict repeats (each skip twice the
+    last), again at once when a row joins or leaves, and rows stay exact. The control
+    (drafts that ride free) is asked every round. One row skips likewise after a choice
+    of nothing when its α cannot move before it drafts (a draft model's); an n-gram row,
+    whose α follows its context, is asked every round."""
     from speculative.engine.batch import HopelessRounds
 
     skips = HopelessRounds(rounds=2)
     skips.start(rows=3)
     assert [skips.skip(3), skips.skip(3), skips.skip(3)] == [True, True, False]
+    skips.start(rows=3)  # nothing again, right after a skip: a skip twice as long
+    assert [skips.skip(3) for _ in range(5)] == [True] * 4 + [False]
+    skips.drafted()
+    skips.start(rows=3)  # a choice drafted in between: back to 2
+    assert [skips.skip(3) for _ in range(3)] == [True, True, False]
     skips.start(rows=3)
     assert not skips.skip(2) and not skips.skip(3)  # a row left: ask again
+    skips.start(rows=3)
+    assert [skips.skip(3) for _ in range(3)] == [True, True, False]  # and start over
 
     backend = _backend("kernels")
     asked: list[int] = []
@@ -408,6 +418,23 @@ def test_hopeless_rounds_skip_the_policy_until_the_batch_changes(folder: Path) -
         rounds = engine.target_passes - 1  # two rows decoding in every pass but the first
         if every_round:
             assert len(asked) == 2 * rounds  # the optimistic check, then the choice
+        else:
+            assert 0 < len(asked) <= rounds // 3 + 1
+
+    # one row: where its drafter says no situation (a draft model: its α cannot move
+    # until it drafts), a choice of nothing skips as well; an n-gram row, whose α follows
+    # its context, is asked every round
+    model_spec = next(s for s in _specs() if s.drafter == "self-int4" and s.params.greedy)
+    for one, curve, every_round in ((model_spec, lambda n: float(n), False),
+                                    (model_spec, {1: 1.0, 32: 1.0}, True),
+                                    (spec, lambda n: float(n), True)):  # fmt: skip
+        asked.clear()
+        engine = BatchEngine(target, max_batch=1, load=Counting(curve))
+        (result,) = engine.run([_request(one, folder, backend)])
+        assert result.token_ids == _alone(one, folder, backend)[0]
+        rounds = engine.target_passes - 1
+        if every_round:
+            assert len(asked) == rounds
         else:
             assert 0 < len(asked) <= rounds // 3 + 1
 
@@ -987,3 +1014,71 @@ def test_rows_of_one_draft_model_draft_in_shared_passes(
     swapped = BatchEngine(target.lm, max_batch=3).run(requests())
     assert [own(r)[1:] for r in swapped] != [own(r)[1:] for r in together]
     assert swapped[0].token_ids == together[0].token_ids  # still lossless (greedy row)
+
+
+@pytest.mark.parametrize("tree", ["off", "dynamic"])
+def test_an_early_exit_drafter_follows_the_targets_cache(
+    tmp_path: Path, tree: str, monkeypatch
+) -> None:
+    """An early exit's drafter (self-exit) copies the committed positions it lacks from
+    the target's cache (its layers' keys and values, bitwise what it would compute: the
+    second layer's depend on the first's attention, verified as trees or chains) instead
+    of feeding them through its own passes. Each row, in a batch and alone, gets exactly
+    the tokens, drafts, acceptances and draft calls of a drafter that catches up by
+    itself, while no draft pass feeds a committed token besides the last (chains: one
+    token a row; the other drafter's first pass feeds the whole prompt). Control: copying
+    another row's keys and values changes the drafts (and stays lossless)."""
+    from speculative.engine.tree import make_tree_round
+
+    require_kernels()
+    _tiny_llama(tmp_path, layers=3)
+    target = load_native(tmp_path, max_length=96, max_slots=4)
+    draft = target.early_exit(2)  # shared by every row's drafter, as the registry does
+    base = _ids(40, 23)[0].tolist()
+    prompts = (base[:7], base[10:17] * 2, base[25:37])
+    params = (SamplingParams(temperature=0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.8, top_p=0.9))  # fmt: skip
+
+    def requests(follow: bool) -> list[BatchRequest]:
+        out = []
+        for i, (p, q) in enumerate(zip(prompts, params, strict=True)):
+            drafter = DraftModelDrafter(draft, VOCAB, "self-exit:2", follow_target=follow)
+            generator = torch.Generator().manual_seed(i)
+            tree_round = make_tree_round(tree, drafter, 4)
+            out.append(BatchRequest(p, q, StopCriteria(16), generator, drafter, 3, tree=tree_round))
+        return out
+
+    fed: list[int] = []
+    original = draft.forward_rows
+
+    def counted(rows):
+        fed.extend(row.logits_from + 1 for row in rows)  # the committed tokens fed
+        return original(rows)
+
+    monkeypatch.setattr(draft, "forward_rows", counted)
+    own = lambda r: (r.token_ids, r.stats.drafted_tokens, r.stats.accepted_tokens,  # noqa: E731
+                     r.stats.positions.accepted, r.stats.draft_calls)  # fmt: skip
+    results, most_fed = {}, {}
+    for follow in (True, False):
+        fed.clear()
+        batched = BatchEngine(target, max_batch=3).run(requests(follow))
+        results[follow] = [own(r) for r in batched]
+        most_fed[follow] = max(fed)
+    alone = [
+        own(SpeculativeEngine(target, r.drafter, 3, r.tree).generate(
+            r.prompt_ids, r.params, r.stop, r.generator))
+        for r in requests(True)
+    ]  # fmt: skip
+    assert results[True] == results[False] == alone
+    assert most_fed[True] == 1 and most_fed[False] >= len(prompts[0]) - 1
+
+    copy = NativeLlama.import_cache
+
+    def elsewhere(self, source, length, source_slot=None, slot=None, start=0):
+        moved = None if source_slot is None else (source_slot + 1) % 3  # another row's
+        return copy(self, source, length, moved, slot, start)
+
+    monkeypatch.setattr(NativeLlama, "import_cache", elsewhere)
+    swapped = [own(r) for r in BatchEngine(target, max_batch=3).run(requests(True))]
+    assert [s[1:] for s in swapped] != [r[1:] for r in results[True]]
+    assert swapped[0][0] == results[True][0][0]  # still lossless (greedy row)

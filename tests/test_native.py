@@ -506,6 +506,51 @@ def test_missing_compiler_falls_back_to_torch(
         load_native(folder, max_length=16, backend="cuda")
 
 
+def _slot_cache(model: NativeLlama, slot: int, length: int) -> torch.Tensor:
+    """The keys and values of ``slot``'s first ``length`` positions, stacked."""
+    decoder = model.decoder
+    k, v = (c.select(decoder.slot_dim, slot) for c in (decoder.k_cache, decoder.v_cache))
+    if model.backend == "torch":  # [layers, chunks, kv_heads, KEY_CHUNK, head_dim]
+        k, v = (c.transpose(1, 2).flatten(2, 3) for c in (k, v))
+    return torch.stack([k[..., :length, :], v[..., :length, :]])  # [2, layers, kv, len, d]
+
+
+def test_an_early_exit_copies_its_layers_keys_and_values_from_the_full_model(
+    tmp_path: Path, backend: str
+) -> None:
+    """The full model's cache holds, for its first layers, bitwise what its early exit
+    computes itself (the second layer's keys and values depend on the first's attention;
+    the two ran their positions in passes of other sizes): an early exit imports them (all
+    at once, or only the positions past ``start``, keeping its own before) and decodes on
+    exactly as after its own prefill. The early exit of another load of the same file
+    (other weight objects) is refused."""
+    _tiny_llama(tmp_path, layers=3)
+    folder = tmp_path
+    ids = _ids(14, seed=17)  # [1, 14]
+    model = load_native(folder, max_length=32, backend=backend, max_slots=2)
+    slot = model.acquire_slot()
+    model.forward_rows([RowInput(slot, ids[0, :6])])
+    model.forward_rows([RowInput(slot, ids[0, 6:11])])
+    own = model.early_exit(2)
+    own_slot = own.acquire_slot()
+    own.forward_rows([RowInput(own_slot, ids[0, :11])])
+    copied = model.early_exit(2)
+    into = copied.acquire_slot()
+    copied.forward_rows([RowInput(into, ids[0, :4])])  # its own first 4 positions, kept
+    assert not copied.import_cache(model, 11, slot, into, start=5)  # it holds only 4
+    assert copied.import_cache(model, 11, slot, into, start=4)
+    assert copied.slot_length(into) == 11
+    assert torch.equal(_slot_cache(copied, into, 11), _slot_cache(own, own_slot, 11))
+    (after_copy,) = copied.forward_rows([RowInput(into, ids[0, 11:])])
+    (after_own,) = own.forward_rows([RowInput(own_slot, ids[0, 11:])])
+    assert torch.equal(after_copy, after_own)
+    whole = model.early_exit(2)
+    assert whole.import_cache(model, 11, slot)  # into its single sequence
+    assert torch.equal(whole.forward(ids[:, 11:])[0], after_own)
+    stranger = load_native(folder, max_length=32, backend=backend).early_exit(2)
+    assert not stranger.import_cache(model, 11, slot)
+
+
 def test_import_cache_replaces_a_prefill(
     tiny: tuple[LlamaForCausalLM, Path], tmp_path: Path, backend: str
 ) -> None:

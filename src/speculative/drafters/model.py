@@ -62,10 +62,18 @@ class DraftModelDrafter:
         vocab_size: int,
         name: str = "draft-model",
         share_prefill: bool = False,
+        follow_target: bool = False,
     ) -> None:
         """share_prefill: start each generation from the target's prompt cache instead of
         a prefill of our own (only for the target at another precision, whose keys and
-        values mean the same; lossless either way, it changes only the drafts)."""
+        values mean the same; lossless either way, it changes only the drafts).
+
+        follow_target: the draft model is an early exit of the target (its first layers,
+        the same weights), so the target's cache holds, bitwise, the keys and values the
+        draft model would compute: before each draft the drafter copies the committed
+        positions it lacks from the target's cache instead of feeding them through its own
+        passes. A row that skipped drafting for many rounds (γ = 0) then drafts again
+        without a catch-up pass over everything it missed."""
         self.name = name
         self.vocab_size = vocab_size
         self.session: ModelSession | SlotSession
@@ -75,6 +83,8 @@ class DraftModelDrafter:
         else:
             self.session = ModelSession(model)
         self.share_prefill = share_prefill
+        self.follow_target = follow_target
+        self._target: RowSession | None = None  # followed (follow_target), from prime()
         self.tree_shape = TreeShape()
         self.calibration = AcceptanceCalibration()
         self._last_tree: RankedTree | None = None
@@ -93,6 +103,7 @@ class DraftModelDrafter:
     def reset(self) -> None:
         self.session.reset()
         self._last_tree = None
+        self._target = None
 
     def propose(
         self,
@@ -112,6 +123,9 @@ class DraftModelDrafter:
         """Chains of several rows (each ask's drafter a DraftModelDrafter of this row
         group): one draft pass per position for every row still drafting."""
         chains = [_Chain(ask, _model_drafter(ask)) for ask in asks]
+        for chain in chains:
+            if chain.ask.gamma > 0:
+                chain.drafter._catch_up(chain.ask.context)
         for i in range(max((ask.gamma for ask in asks), default=0)):
             live = [c for c in chains if i < c.ask.gamma]
             sessions = [c.drafter.session for c in live]
@@ -123,8 +137,16 @@ class DraftModelDrafter:
     def prime(self, target: RowSession) -> None:
         """Called once the target has prefilled the prompt (its single sequence or the
         row's cache slot)."""
-        if self.share_prefill:
+        if self.follow_target:
+            self._target = target
+        elif self.share_prefill:
             self.session.adopt(target)
+
+    def _catch_up(self, context: Sequence[int]) -> None:
+        """Following the target: copy the positions of ``context`` that the target's
+        cache holds and this drafter's lacks (no pass; see ``follow_target``)."""
+        if self._target is not None and isinstance(self.session, SlotSession):
+            self.session.follow(self._target, context)
 
     def observe(self, context: Sequence[int], num_accepted: int) -> None:
         """Learn from a dynamic tree's outcome (the cache needs nothing: the next
@@ -146,6 +168,7 @@ class DraftModelDrafter:
         without replacement from q under sampling (top-k point masses under greedy).
         Dynamic: the most probable branches (point masses), see :class:`TreeShape`."""
         ask = TreeAsk(self, context, budget, params, generator)
+        self._catch_up(context)
         return _grown_alone(self.session, self._grow(ask))
 
     @torch.no_grad()
@@ -154,6 +177,8 @@ class DraftModelDrafter:
         group): every row's next draft pass (a level of its tree, or its path's next
         step) in one pass over their slots, until every tree is grown."""
         drafters = [_model_drafter(ask) for ask in asks]
+        for drafter, ask in zip(drafters, asks, strict=True):
+            drafter._catch_up(ask.context)
         growing = [d._grow(ask) for d, ask in zip(drafters, asks, strict=True)]
         trees: dict[int, DraftTree] = {}
         wanted = {i: _first(g, trees, i) for i, g in enumerate(growing)}

@@ -101,7 +101,7 @@ def _self_exit(argument: str, target: LoadedModel) -> Drafter:
     layers = parse_layers(argument, lm.num_layers)
     name = f"self-exit:{argument}" if argument else "self-exit"
     model = _shared_draft_model(target, ("self-exit", layers), lambda: lm.early_exit(layers))
-    return DraftModelDrafter(model, lm.vocab_size, name)
+    return DraftModelDrafter(model, lm.vocab_size, name, follow_target=True)
 
 
 def _shared_draft_model(

@@ -36,6 +36,7 @@ from speculative.drafters.base import (
     RowAsk,
     SupportsDraftSituation,
     SupportsPriming,
+    draft_model_of,
 )
 from speculative.drafters.tree import DraftsTreesTogether, DraftTree
 from speculative.engine.gamma import (
@@ -72,6 +73,7 @@ from speculative.models.base import (
     SupportsBatchRows,
     SupportsFusedArgmax,
     SupportsNucleusSearch,
+    SupportsWeightBytes,
 )
 from speculative.models.session import (
     ModelSession,
@@ -152,22 +154,35 @@ def _drafter_of(key: Hashable) -> Hashable:
 @dataclass
 class HopelessRounds:
     """Rounds decoded plain without asking the load policy: after even every row's most
-    optimistic acceptance drafted nothing (the batch fills the kernels' flat region),
-    the next ``rounds`` rounds with as many rows skip the policy's work (row rates, a
-    choice), which costs a few per cent of a pass there; a row joining or leaving asks
-    again at once."""
+    optimistic acceptance drafted nothing (the batch fills the kernels' flat region), or
+    the choice was nothing for rows whose α cannot move before they draft (no
+    situation), the next ``rounds`` rounds with as many rows skip the policy's work (row
+    rates, a choice), which costs a few per cent of a pass there. Each verdict of
+    nothing that follows such a skip doubles the next skip, up to ``most`` rounds (a
+    batch too full to draft stays so while its rows decode); a row joining or leaving,
+    or a choice that drafts, starts over, and the policy is asked at once."""
 
     rounds: int = 3
+    most: int = 24
     left: int = 0
     rows: int = 0  # the batch's rows when the policy last found nothing to draft
+    streak: int = 0  # the length of the last skip (0: none since the batch changed)
 
     def start(self, rows: int) -> None:
-        self.left, self.rows = self.rounds, rows
+        again = rows == self.rows and self.streak > 0
+        self.streak = min(self.most, 2 * self.streak) if again else self.rounds
+        self.left, self.rows = self.streak, rows
+
+    def drafted(self) -> None:
+        """The policy's last choice drafted: the next verdict of nothing skips ``rounds``."""
+        self.streak = 0
 
     def skip(self, rows: int) -> bool:
         """Whether this round (of ``rows`` rows) decodes plain without asking."""
-        if self.left == 0 or rows != self.rows:
-            self.left = 0
+        if rows != self.rows:
+            self.left = self.streak = 0
+            return False
+        if self.left == 0:
             return False
         self.left -= 1
         return True
@@ -183,7 +198,9 @@ class BatchRequest:
     generator: torch.Generator
     drafter: Drafter | None = None  # one instance per row (drafters keep per-row state)
     gamma: GammaPolicy | int = 4  # the row's own γ (the load-aware policy may lower it)
-    draft_cost: float = 0.0  # c of the drafter (draft step ÷ target step), for the load policy
+    # c of the drafter (draft step ÷ target step), for the load policy until it is measured;
+    # None: estimated (:func:`streamed_draft_cost`)
+    draft_cost: float | None = None
     tree: TreeRound | None = None  # draft token trees with this strategy instead of chains
 
 
@@ -207,6 +224,7 @@ class BatchRow:
     situated: SupportsDraftSituation | None = None
     situates_policy: bool = False
     learns_costs: SupportsCostFeedback | None = None  # the γ policy, where it learns timings
+    draft_cost: float = 0.0  # c until measured: the request's, else streamed_draft_cost
 
     def result(self) -> GenerationResult:
         return GenerationResult(
@@ -235,6 +253,20 @@ class _Planned:
     proposal: Proposal
     propose_seconds: float = 0.0  # this round's drafting time
     asked: int = 0  # the γ the row was asked to draft
+
+
+def streamed_draft_cost(drafter: Drafter | None, target: CausalLM) -> float:
+    """c before any draft step is timed, from the weights a step streams: a draft model's
+    weight bytes ÷ the target's, where both tell them (a decode step reads its weights
+    once; self-exit:8 of the default model: 0.49, its output head alone 0.30); 0 for the
+    other drafters (lookups, heads: cheap until measured). A row that never drafted would
+    otherwise price its first drafts as free: at a large batch, a round of full-length
+    drafts from every row."""
+    draft = draft_model_of(drafter)
+    weighed = provides(draft, SupportsWeightBytes) and provides(target, SupportsWeightBytes)
+    if draft is None or not weighed:
+        return 0.0
+    return draft.weight_bytes() / target.weight_bytes()
 
 
 def new_state(
@@ -328,6 +360,11 @@ class BatchEngine:
             situated=situated if request.tree is None else None,
             situates_policy=situated is not None and provides(policy, SupportsSituations),
             learns_costs=policy if provides(policy, SupportsCostFeedback) else None,
+        )
+        row.draft_cost = (
+            streamed_draft_cost(drafter, self.target)
+            if request.draft_cost is None
+            else request.draft_cost
         )
         self.rows[row.row_id] = row
         self._next_id += 1
@@ -529,7 +566,13 @@ class BatchEngine:
             _row_load(self._load_alphas(row, a), k)
             for row, a, k in zip(rows, own, known, strict=True)
         ]
-        return load.choose(loads, extra_tokens, padded, extra_rows)
+        chosen = load.choose(loads, extra_tokens, padded, extra_rows)
+        if any(chosen):
+            self._hopeless.drafted()
+        elif all(row.situated is None for row in rows):
+            # no row's α can change before it drafts again: skip the next few choices
+            self._hopeless.start(len(self.rows))
+        return chosen
 
     def _furthest_behind(self, rows: list[BatchRow], wanted: list[int]) -> list[int]:
         """While nothing waits to join, the batch ends when the row with the most tokens
@@ -610,8 +653,8 @@ class BatchEngine:
         """(c per draft step, fixed cost per propose call), each ÷ T(1): the request's
         ``draft_cost`` until measured, then the running measurements."""
         if not self.step_seconds:
-            return row.request.draft_cost, 0.0
-        per_step = row.request.draft_cost
+            return row.draft_cost, 0.0
+        per_step = row.draft_cost
         if row.step_draft_seconds is not None:
             per_step = row.step_draft_seconds / self.step_seconds
         per_call = (row.propose_seconds or 0.0) / self.step_seconds

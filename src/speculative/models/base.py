@@ -83,7 +83,9 @@ class SupportsCacheImport(Protocol):
 
     Used by draft models that are the target at another precision: instead of running
     their own prefill over the prompt, they copy the target's keys and values (the
-    drafts change slightly, the target's output distribution does not).
+    drafts change slightly, the target's output distribution does not). An early exit of
+    the target (its first layers, the same weights) copies the keys and values it would
+    have computed itself, bitwise, so it can follow the target without any catch-up pass.
     """
 
     def import_cache(
@@ -92,11 +94,14 @@ class SupportsCacheImport(Protocol):
         length: int,
         source_slot: int | None = None,
         slot: int | None = None,
+        start: int = 0,
     ) -> bool:
         """Make this cache hold ``source``'s first ``length`` positions: of its
         single-sequence cache, or of its cache slot ``source_slot`` (a batched row); in
-        this model's single-sequence cache, or in its cache slot ``slot``. False (and no
-        change) when ``source`` has another architecture or cache layout."""
+        this model's single-sequence cache, or in its cache slot ``slot``. With ``start``,
+        this cache's first ``start`` positions are kept (they must be held) and only the
+        rest are copied. False (and no change) when ``source`` has another architecture
+        or cache layout."""
         ...
 
 

@@ -498,6 +498,25 @@ class SlotSession:
         row = self.request_tree(context, tokens, parents)
         return self.receive(self.model.forward_rows([row])[0])
 
+    def follow(self, other: RowSession, context: Sequence[int]) -> int:
+        """Copy into this slot the positions of ``context`` (all but its last token, which
+        a request feeds) that ``other`` holds and this slot does not, keeping what this
+        slot already holds of ``context``: for a model whose keys and values are
+        ``other``'s (an early exit of ``other``'s model), a catch-up without a pass.
+        Returns the positions copied (0 where the model cannot import ``other``'s)."""
+        if isinstance(other, SlotSession) and other.released:
+            return 0
+        self._rewind(context)  # keeps the common prefix of this slot and context[:-1]
+        keep, usable = len(self.cached), common_prefix_length(other.cached, context[:-1])
+        if usable <= keep or not provides(self.model, SupportsCacheImport):
+            return 0
+        if not self.model.import_cache(
+            other.model, usable, other.cache_slot, self.slot, start=keep
+        ):
+            return 0
+        self.cached.extend(context[keep:usable])
+        return usable - keep
+
     def adopt(self, other: RowSession) -> bool:
         """:meth:`ModelSession.adopt` into this slot: ``other``'s cached positions copied
         (no forward), if this model can import that model's cache."""

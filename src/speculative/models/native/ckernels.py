@@ -640,12 +640,17 @@ class KernelDecoder(DecoderBase):
         return (batch, cfg.num_layers, cfg.num_kv_heads, self._model.max_length, cfg.head_dim)
 
     def copy_cache_from(
-        self, source: KernelDecoder, length: int, source_slot: int = 0, target_slot: int = 0
+        self,
+        source: KernelDecoder,
+        length: int,
+        source_slot: int = 0,
+        target_slot: int = 0,
+        start: int = 0,
     ) -> None:
         """See :meth:`DecoderBase.copy_cache_from`."""
-        s, t = source_slot, target_slot
-        self.k_cache[t, :, :, :length] = source.k_cache[s, :, :, :length]
-        self.v_cache[t, :, :, :length] = source.v_cache[s, :, :, :length]
+        s, t, layers, kept = source_slot, target_slot, self.config.num_layers, slice(start, length)
+        self.k_cache[t, :, :, kept] = source.k_cache[s, :layers, :, kept]
+        self.v_cache[t, :, :, kept] = source.v_cache[s, :layers, :, kept]
 
     def keep_slots(self, first: int, slots: list[int], cache_slot: int | None = None) -> None:
         """Move cache slots ``slots`` (increasing, >= first) to first, first + 1, ... of

@@ -146,11 +146,26 @@ class DecoderBase:
         raise NotImplementedError
 
     def copy_cache_from(
-        self, source: DecoderBase, length: int, source_slot: int = 0, target_slot: int = 0
+        self,
+        source: DecoderBase,
+        length: int,
+        source_slot: int = 0,
+        target_slot: int = 0,
+        start: int = 0,
     ) -> None:
-        """Copy positions [0, length) of ``source``'s sequence ``source_slot`` (same
-        layout; ``source`` may be this decoder) into this one's ``target_slot``."""
+        """Copy positions [start, length) of ``source``'s sequence ``source_slot`` (same
+        layout; ``source`` may be this decoder, or one with more layers, whose first ones
+        are copied) into this one's ``target_slot``."""
         raise NotImplementedError
+
+    def runs_first_layers_of(self, other: DecoderBase) -> bool:
+        """Whether this decoder's layers are ``other``'s first layers, the very same
+        packed weights (an early exit of ``other``, :meth:`truncated`): its keys and values
+        for a sequence are then ``other``'s for those layers."""
+        mine, theirs = self.layers, other.layers
+        return len(mine) <= len(theirs) and all(
+            a is b for a, b in zip(mine, theirs[: len(mine)], strict=True)
+        )
 
     def keep_slots(self, first: int, slots: list[int], cache_slot: int | None = None) -> None:
         """Move cache slots ``slots`` (increasing, >= first) to first, first + 1, ... of

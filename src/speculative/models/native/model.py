@@ -140,34 +140,46 @@ class NativeLlama:
         length: int,
         source_slot: int | None = None,
         slot: int | None = None,
+        start: int = 0,
     ) -> bool:
-        """Copy ``source``'s first ``length`` cached positions into this cache, when
-        ``source`` is a NativeLlama of the same shape and decoder layout: from its
-        single-sequence cache, or from its cache slot ``source_slot``; into this model's
-        single-sequence cache (a batch of one), or into its cache slot ``slot``."""
+        """Copy ``source``'s cached positions [start, length) into this cache, when
+        ``source`` is a NativeLlama of the same shape and decoder layout, or the model this
+        one is an early exit of (its first layers' keys and values are then this model's
+        own, bitwise): from its single-sequence cache, or from its cache slot
+        ``source_slot``; into this model's single-sequence cache (a batch of one), or into
+        its cache slot ``slot``, whose positions before ``start`` are kept."""
         if not isinstance(source, NativeLlama) or length < 1:
             return False
         if source_slot is None:
             held, source_slot = (source.cache_length if source._batch == 1 else 0), 0
         else:
             held = source._slot_lengths.get(source_slot, 0)
-        same_shape = (
+        layers_match = (
             source.config.num_layers == self.config.num_layers
+            or self.decoder.runs_first_layers_of(source.decoder)
+        )
+        same_shape = (
+            layers_match
             and source.config.num_kv_heads == self.config.num_kv_heads
             and source.config.head_dim == self.config.head_dim
             and source.max_length == self.max_length
             and source.backend == self.backend
         )
-        if not same_shape or length > held:
+        if not same_shape or length > held or not 0 <= start < length:
             return False
         if slot is None:
-            self.reset()
-            self._ensure_cache(1)
-            self.decoder.copy_cache_from(source.decoder, length, source_slot=source_slot)
+            if start and (self._batch != 1 or start > self.cache_length):
+                return False
+            if not start:
+                self.reset()
+                self._ensure_cache(1)
+            self.decoder.copy_cache_from(source.decoder, length, source_slot, 0, start)
             self._length = length
             return True
         self._check_slot(slot)
-        self.decoder.copy_cache_from(source.decoder, length, source_slot, slot)
+        if start > self._slot_lengths[slot]:
+            return False
+        self.decoder.copy_cache_from(source.decoder, length, source_slot, slot, start)
         self._retained.pop(slot, None)
         self._slot_lengths[slot] = length
         return True

@@ -115,14 +115,20 @@ class TorchDecoder(DecoderBase):
         return (cfg.num_layers, batch, self._chunks, cfg.num_kv_heads, KEY_CHUNK, cfg.head_dim)
 
     def copy_cache_from(
-        self, source: TorchDecoder, length: int, source_slot: int = 0, target_slot: int = 0
+        self,
+        source: TorchDecoder,
+        length: int,
+        source_slot: int = 0,
+        target_slot: int = 0,
+        start: int = 0,
     ) -> None:
         """See :meth:`DecoderBase.copy_cache_from`."""
-        s, t = source_slot, target_slot
-        for first in range(0, length, KEY_CHUNK):
-            chunk, last = first // KEY_CHUNK, min(KEY_CHUNK, length - first)
-            self.k_cache[:, t, chunk, :, :last] = source.k_cache[:, s, chunk, :, :last]
-            self.v_cache[:, t, chunk, :, :last] = source.v_cache[:, s, chunk, :, :last]
+        s, t, layers = source_slot, target_slot, self.config.num_layers
+        for chunk in range(start // KEY_CHUNK, -(-length // KEY_CHUNK)):
+            first = chunk * KEY_CHUNK
+            kept = slice(max(start, first) - first, min(length, first + KEY_CHUNK) - first)
+            self.k_cache[:, t, chunk, :, kept] = source.k_cache[:layers, s, chunk, :, kept]
+            self.v_cache[:, t, chunk, :, kept] = source.v_cache[:layers, s, chunk, :, kept]
 
     def keep_slots(self, first: int, slots: list[int], cache_slot: int | None = None) -> None:
         """Move cache slots ``slots`` (increasing, >= first) to first, first + 1, ... of
