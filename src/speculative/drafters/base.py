@@ -118,6 +118,23 @@ class SupportsDraftSituation(Protocol):
 
 
 @runtime_checkable
+class ReportsDraftCost(Protocol):
+    """A drafter that can say what drafting will cost before it is timed: the weights a
+    draft step streams (a load policy's prior for c) and the positions its next draft
+    must first feed (its cache lags the sequence after rounds that drafted nothing, and a
+    catch-up over many positions costs a pass of that many tokens)."""
+
+    def draft_weight_bytes(self) -> int:
+        """Weight bytes one draft step reads (its model's or head's); 0 when unknown."""
+        ...
+
+    def draft_backlog(self, context: Sequence[int]) -> int:
+        """Positions of ``context`` the next draft feeds before its first draft token's
+        step, besides the one every round feeds (0: none, or nothing to feed)."""
+        ...
+
+
+@runtime_checkable
 class ChoosesDraftLength(Protocol):
     """A drafter that picks its own draft length each round from measured costs (γ is
     then only its cap). With ``--gamma auto`` it gets the target's measured verify-cost

@@ -18,6 +18,7 @@ from typing import cast
 import numpy as np
 import torch
 
+from speculative.capabilities import provides
 from speculative.drafters.base import Draft, RowAsk
 from speculative.drafters.head_common import (
     HeadDrafter,
@@ -29,6 +30,7 @@ from speculative.drafters.head_common import (
 from speculative.drafters.tree import DraftTree
 from speculative.heads.runners import EagleRunner, TorchEagleRunner
 from speculative.heads.store import TrainedHead
+from speculative.models.base import SupportsWeightBytes
 from speculative.models.session import common_prefix_length
 from speculative.sampling import SamplingParams
 from speculative.sampling.probs import NucleusSearch
@@ -76,6 +78,17 @@ class EagleDrafter(HeadDrafter):
         if self._tree is None:
             self._tree = HeadCache(self.chain.runner.sibling())
         return self._tree
+
+    def draft_weight_bytes(self) -> int:
+        """:class:`ReportsDraftCost`: the packed head's weight bytes (0 on PyTorch)."""
+        runner = self.chain.runner
+        return runner.weight_bytes() if provides(runner, SupportsWeightBytes) else 0
+
+    def draft_backlog(self, context: Sequence[int]) -> int:
+        """:class:`ReportsDraftCost`: the true pairs of ``context`` the chain's head cache
+        lacks, beyond the one a round adds (rows that drafted nothing lag further)."""
+        true = min(true_feature_count(self.target, context), len(context) - 1)
+        return max(0, true - common_prefix_length(self.chain.pairs, context[1 : true + 1]) - 1)
 
     def reset(self) -> None:
         for cache in (self.chain, self._tree):

@@ -9,6 +9,7 @@ from typing import cast
 
 import torch
 
+from speculative.capabilities import provides
 from speculative.drafters.base import Draft, RowAsk
 from speculative.drafters.head_common import (
     HeadDrafter,
@@ -20,6 +21,7 @@ from speculative.drafters.head_common import (
 from speculative.drafters.tree import DraftTree
 from speculative.heads.runners import MedusaRunner, TorchMedusaRunner
 from speculative.heads.store import TrainedHead
+from speculative.models.base import SupportsWeightBytes
 from speculative.sampling import SamplingParams
 
 TREE_TOP_K = (3, 2, 2, 1)  # children per node by depth (cartesian product of heads' top-k)
@@ -60,6 +62,15 @@ class MedusaDrafter(HeadDrafter):
             return None
         self._calls += 1
         return self.runner(feature, min(count, self.heads))
+
+    def draft_weight_bytes(self) -> int:
+        """:class:`ReportsDraftCost`: the packed heads' weight bytes (0 on PyTorch)."""
+        runner = self.runner
+        return runner.weight_bytes() if provides(runner, SupportsWeightBytes) else 0
+
+    def draft_backlog(self, context: Sequence[int]) -> int:
+        """:class:`ReportsDraftCost`: none (the heads read one feature, no cache)."""
+        return 0
 
     def row_group(self) -> Hashable | None:
         """Rows sharing kernel-packed heads draft in one call."""

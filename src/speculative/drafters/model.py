@@ -22,8 +22,13 @@ from speculative.drafters.tree import (
     TreeAsk,
     TreeShape,
 )
-from speculative.models.base import CausalLM, RowInput, SupportsBatchRows
-from speculative.models.session import ModelSession, RowSession, SlotSession
+from speculative.models.base import CausalLM, RowInput, SupportsBatchRows, SupportsWeightBytes
+from speculative.models.session import (
+    ModelSession,
+    RowSession,
+    SlotSession,
+    common_prefix_length,
+)
 from speculative.sampling import SamplingParams, logits_to_probs
 from speculative.sampling.probs import sample_row
 from speculative.sampling.tree import sample_without_replacement
@@ -113,6 +118,18 @@ class DraftModelDrafter:
         generator: torch.Generator,
     ) -> Draft:
         return self.propose_rows([RowAsk(self, context, gamma, params, generator)])[0]
+
+    def draft_weight_bytes(self) -> int:
+        """:class:`ReportsDraftCost`: the draft model's weight bytes (0 when unknown)."""
+        model = self.session.model
+        return model.weight_bytes() if provides(model, SupportsWeightBytes) else 0
+
+    def draft_backlog(self, context: Sequence[int]) -> int:
+        """:class:`ReportsDraftCost`: the positions before ``context[-1]`` that the draft
+        model's cache lacks (none while it follows the target: they are copied)."""
+        if self._target is not None and isinstance(self.session, SlotSession):
+            return 0
+        return len(context) - 1 - common_prefix_length(self.session.cached, context[:-1])
 
     def row_group(self) -> Hashable | None:
         """Rows whose drafters hold slots of one draft model draft in shared passes."""

@@ -33,10 +33,10 @@ from speculative.drafters.base import (
     Drafter,
     DraftsRowsTogether,
     ReadsTargetFeatures,
+    ReportsDraftCost,
     RowAsk,
     SupportsDraftSituation,
     SupportsPriming,
-    draft_model_of,
 )
 from speculative.drafters.tree import DraftsTreesTogether, DraftTree
 from speculative.engine.gamma import (
@@ -256,17 +256,16 @@ class _Planned:
 
 
 def streamed_draft_cost(drafter: Drafter | None, target: CausalLM) -> float:
-    """c before any draft step is timed, from the weights a step streams: a draft model's
+    """c before any draft step is timed, from the weights a step streams: the drafter's
     weight bytes ÷ the target's, where both tell them (a decode step reads its weights
-    once; self-exit:8 of the default model: 0.49, its output head alone 0.30); 0 for the
-    other drafters (lookups, heads: cheap until measured). A row that never drafted would
-    otherwise price its first drafts as free: at a large batch, a round of full-length
-    drafts from every row."""
-    draft = draft_model_of(drafter)
-    weighed = provides(draft, SupportsWeightBytes) and provides(target, SupportsWeightBytes)
-    if draft is None or not weighed:
+    once; self-exit:8 of the default model: 0.49, its output head alone 0.30; the EAGLE
+    head at int4: 0.06, where its steps' fixed costs make it 0.17 timed); 0 for the
+    other drafters (lookups: about free). A row that never drafted would otherwise price
+    its first drafts as free: at a large batch, a round of full-length drafts from every
+    row, each with a catch-up over its prompt."""
+    if not (provides(drafter, ReportsDraftCost) and provides(target, SupportsWeightBytes)):
         return 0.0
-    return draft.weight_bytes() / target.weight_bytes()
+    return drafter.draft_weight_bytes() / target.weight_bytes()
 
 
 def new_state(
@@ -550,7 +549,7 @@ class BatchEngine:
         round)."""
         padded = self._padded
         known = [
-            (g, self._fed(row), *self._draft_costs(row))
+            (g, self._fed(row), *self._draft_costs(row, load))
             for row, g in zip(rows, wanted, strict=True)
         ]
         own = [row.alphas() for row in rows]
@@ -649,15 +648,20 @@ class BatchEngine:
         elif row.request.drafter is not None and seconds > 0:
             row.propose_seconds = decayed_average(row.propose_seconds, seconds, COST_DECAY)
 
-    def _draft_costs(self, row: BatchRow) -> tuple[float, float]:
-        """(c per draft step, fixed cost per propose call), each ÷ T(1): the request's
-        ``draft_cost`` until measured, then the running measurements."""
-        if not self.step_seconds:
-            return row.draft_cost, 0.0
+    def _draft_costs(self, row: BatchRow, load: LoadAwareGamma) -> tuple[float, float]:
+        """(c per draft step, fixed cost of the propose call), each ÷ T(1): the row's
+        prior c until measured, then the running measurements. The fixed cost includes
+        the catch-up a lagging drafter runs first (:class:`ReportsDraftCost`): its first
+        step feeds ``backlog`` positions more, priced as a pass that much longer."""
         per_step = row.draft_cost
-        if row.step_draft_seconds is not None:
+        if self.step_seconds and row.step_draft_seconds is not None:
             per_step = row.step_draft_seconds / self.step_seconds
-        per_call = (row.propose_seconds or 0.0) / self.step_seconds
+        per_call = (row.propose_seconds or 0.0) / self.step_seconds if self.step_seconds else 0.0
+        drafter = row.request.drafter
+        if per_step and provides(drafter, ReportsDraftCost):
+            backlog = drafter.draft_backlog(row.state.sequence)
+            if backlog:
+                per_call += per_step * (load.cost(backlog + 1) - load.cost(1))
         return per_step, per_call
 
     def _measure_pass(self, seconds: float, inputs: list[RowInput]) -> None:
