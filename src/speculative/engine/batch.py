@@ -255,17 +255,17 @@ class _Planned:
     asked: int = 0  # the γ the row was asked to draft
 
 
-def streamed_draft_cost(drafter: Drafter | None, target: CausalLM) -> float:
+def streamed_draft_cost(drafter: Drafter | None, target_bytes: int) -> float:
     """c before any draft step is timed, from the weights a step streams: the drafter's
-    weight bytes ÷ the target's, where both tell them (a decode step reads its weights
-    once; self-exit:8 of the default model: 0.49, its output head alone 0.30; the EAGLE
-    head at int4: 0.06, where its steps' fixed costs make it 0.17 timed); 0 for the
-    other drafters (lookups: about free). A row that never drafted would otherwise price
-    its first drafts as free: at a large batch, a round of full-length drafts from every
-    row, each with a catch-up over its prompt."""
-    if not (provides(drafter, ReportsDraftCost) and provides(target, SupportsWeightBytes)):
+    weight bytes ÷ the target's (``target_bytes``; 0: unknown), where both are known (a
+    decode step reads its weights once; self-exit:8 of the default model: 0.49, its
+    output head alone 0.30; the EAGLE head at int4: 0.06, where its steps' fixed costs
+    make it 0.17 timed); 0 for the other drafters (lookups: about free). A row that
+    never drafted would otherwise price its first drafts as free: at a large batch, a
+    round of full-length drafts from every row, each with a catch-up over its prompt."""
+    if not target_bytes or not provides(drafter, ReportsDraftCost):
         return 0.0
-    return drafter.draft_weight_bytes() / target.weight_bytes()
+    return drafter.draft_weight_bytes() / target_bytes
 
 
 def new_state(
@@ -329,6 +329,8 @@ class BatchEngine:
         self._fused_argmax = target if provides(target, SupportsFusedArgmax) else None
         self._nucleus = target.nucleus if provides(target, SupportsNucleusSearch) else None
         self._padded = target.padded_tokens if provides(target, PadsBatchRows) else None
+        # weights a target pass streams (the prior of c: streamed_draft_cost), 0: unknown
+        self._target_bytes = target.weight_bytes() if provides(target, SupportsWeightBytes) else 0
 
     @property
     def max_length(self) -> int | None:
@@ -361,7 +363,7 @@ class BatchEngine:
             learns_costs=policy if provides(policy, SupportsCostFeedback) else None,
         )
         row.draft_cost = (
-            streamed_draft_cost(drafter, self.target)
+            streamed_draft_cost(drafter, self._target_bytes)
             if request.draft_cost is None
             else request.draft_cost
         )
