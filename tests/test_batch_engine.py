@@ -1087,10 +1087,10 @@ def test_an_early_exit_drafter_follows_the_targets_cache(
 def test_the_load_policy_prices_a_lagging_drafters_catch_up(tmp_path: Path) -> None:
     """A drafter whose cache lags the sequence (``ReportsDraftCost.draft_backlog``) must
     feed the missing positions before it drafts: the load policy prices that catch-up as
-    a pass that many tokens longer at the drafter's c. With a verify cost flat up to 8
-    tokens and steep after, drafting pays for an early exit that follows the target's
-    cache (no backlog) and does not for the same drafter that would first feed its whole
-    41-token prompt; both emit the target's own greedy tokens."""
+    a pass that many tokens longer at the drafter's c (spread over a few rounds). With a
+    verify cost flat up to 8 tokens and steep after, drafting pays for an early exit that
+    follows the target's cache (no backlog) and does not for the same drafter that would
+    first feed its whole 41-token prompt; both emit the target's own greedy tokens."""
     require_kernels()
     _tiny_llama(tmp_path, layers=3)
     target = load_native(tmp_path, max_length=96, max_slots=2)
@@ -1101,7 +1101,7 @@ def test_the_load_policy_prices_a_lagging_drafters_catch_up(tmp_path: Path) -> N
         drafter = DraftModelDrafter(draft, VOCAB, "self-exit:2", follow_target=follow)
         load = LoadAwareGamma(lambda n: 1.0 if n <= 8 else float(n))
         request = BatchRequest(prompt, SamplingParams(temperature=0), StopCriteria(12),
-                               torch.Generator(), drafter, 4, draft_cost=0.05)  # fmt: skip
+                               torch.Generator(), drafter, 4, draft_cost=0.1)  # fmt: skip
         (result,) = BatchEngine(target, max_batch=1, load=load).run([request])
         drafted[follow], tokens[follow] = result.stats.drafted_tokens, result.token_ids
     assert drafted[True] > 0 and drafted[False] == 0

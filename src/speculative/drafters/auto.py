@@ -32,6 +32,7 @@ from speculative.drafters.base import (
     Drafter,
     DraftsRowsTogether,
     ReadsTargetFeatures,
+    ReportsDraftCost,
     RowAsk,
     SupportsPriming,
 )
@@ -220,6 +221,17 @@ class AutoDrafter:
     def read_features(self, source: FeatureSource) -> None:
         if isinstance(self.head, ReadsTargetFeatures):
             self.head.read_features(source)
+
+    def draft_weight_bytes(self) -> int:
+        """:class:`ReportsDraftCost`: the head's (the dear option; a lookup reads none)."""
+        head = self.head
+        return head.draft_weight_bytes() if provides(head, ReportsDraftCost) else 0
+
+    def draft_backlog(self, context: Sequence[int]) -> int:
+        """:class:`ReportsDraftCost`: the head's, which any round may draft from (it
+        explores every EXPLORE rounds)."""
+        head = self.head
+        return head.draft_backlog(context) if provides(head, ReportsDraftCost) else 0
 
     def use_verify_cost(self, verify_cost: dict[int, float]) -> None:
         """Take the target's measured T(k)/T(1) as the prior shape of V(k)."""

@@ -89,6 +89,10 @@ from speculative.theory import decayed_average
 ALPHA_PRIOR = 0.6  # running acceptance estimate: Beta prior mean ...
 ALPHA_PRIOR_WEIGHT = 2.0  # ... and weight in pseudo-drafts
 COST_DECAY = 0.8  # running means of measured seconds: weight of the previous value
+# rounds a drafter's catch-up is spread over when priced: a row that catches up drafts on
+# after it (charged to one round, a row lagging a few rounds at B = 1 would never draft
+# again: each round it skips lengthens the catch-up)
+CATCH_UP_ROUNDS = 4
 
 
 POSITIONS = LOAD_AWARE_MAX_GAMMA  # draft positions whose acceptance the load policy learns
@@ -654,7 +658,8 @@ class BatchEngine:
         """(c per draft step, fixed cost of the propose call), each ÷ T(1): the row's
         prior c until measured, then the running measurements. The fixed cost includes
         the catch-up a lagging drafter runs first (:class:`ReportsDraftCost`): its first
-        step feeds ``backlog`` positions more, priced as a pass that much longer."""
+        step feeds ``backlog`` positions more, priced as a pass that much longer, spread
+        over ``CATCH_UP_ROUNDS`` rounds."""
         per_step = row.draft_cost
         if self.step_seconds and row.step_draft_seconds is not None:
             per_step = row.step_draft_seconds / self.step_seconds
@@ -663,7 +668,8 @@ class BatchEngine:
         if per_step and provides(drafter, ReportsDraftCost):
             backlog = drafter.draft_backlog(row.state.sequence)
             if backlog:
-                per_call += per_step * (load.cost(backlog + 1) - load.cost(1))
+                catch_up = per_step * (load.cost(backlog + 1) - load.cost(1))
+                per_call += catch_up / CATCH_UP_ROUNDS
         return per_step, per_call
 
     def _measure_pass(self, seconds: float, inputs: list[RowInput]) -> None:
