@@ -10,6 +10,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -127,7 +128,7 @@ class DraftModelDrafter:
     def draft_backlog(self, context: Sequence[int]) -> int:
         """:class:`ReportsDraftCost`: the positions before ``context[-1]`` that the draft
         model's cache lacks (none while it follows the target: they are copied)."""
-        if self._target is not None and isinstance(self.session, SlotSession):
+        if self._followed() is not None:
             return 0
         return len(context) - 1 - common_prefix_length(self.session.cached, context[:-1])
 
@@ -162,8 +163,13 @@ class DraftModelDrafter:
     def _catch_up(self, context: Sequence[int]) -> None:
         """Following the target: copy the positions of ``context`` that the target's
         cache holds and this drafter's lacks (no pass; see ``follow_target``)."""
-        if self._target is not None and isinstance(self.session, SlotSession):
-            self.session.follow(self._target, context)
+        target = self._followed()
+        if target is not None:
+            cast(SlotSession, self.session).follow(target, context)
+
+    def _followed(self) -> RowSession | None:
+        """The target session this drafter's slot follows (``follow_target``), if any."""
+        return self._target if isinstance(self.session, SlotSession) else None
 
     def observe(self, context: Sequence[int], num_accepted: int) -> None:
         """Learn from a dynamic tree's outcome (the cache needs nothing: the next

@@ -365,11 +365,11 @@ class BatchEngine:
             situated=situated if request.tree is None else None,
             situates_policy=situated is not None and provides(policy, SupportsSituations),
             learns_costs=policy if provides(policy, SupportsCostFeedback) else None,
-        )
-        row.draft_cost = (
-            streamed_draft_cost(drafter, self._target_bytes)
-            if request.draft_cost is None
-            else request.draft_cost
+            draft_cost=(
+                streamed_draft_cost(drafter, self._target_bytes)
+                if request.draft_cost is None
+                else request.draft_cost
+            ),
         )
         self.rows[row.row_id] = row
         self._next_id += 1
