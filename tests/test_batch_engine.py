@@ -20,7 +20,7 @@ from speculative.drafters.model import DraftModelDrafter
 from speculative.drafters.ngram import PromptLookupDrafter
 from speculative.engine import SpeculativeEngine, StopCriteria
 from speculative.engine.batch import BatchEngine, BatchRequest
-from speculative.engine.gamma import LoadAwareGamma, RowLoad
+from speculative.engine.gamma import LoadAwareGamma, PassTimes, RowLoad
 from speculative.models.native import NativeLlama, load_native
 from speculative.sampling import SamplingParams
 from test_native import VOCAB, _ids, _tiny_llama, require_kernels
@@ -404,6 +404,9 @@ def test_hopeless_rounds_skip_the_policy_until_the_batch_changes(folder: Path) -
     asked: list[int] = []
 
     class Counting(LoadAwareGamma):
+        def __init__(self, curve) -> None:  # priced by the curve alone, not by pass times
+            super().__init__(curve, times=PassTimes(min_count=10**9))
+
         def choose(self, rows, extra_tokens=0, padded=None, extra_rows=0):
             asked.append(len(rows))
             return super().choose(rows, extra_tokens, padded, extra_rows)
