@@ -886,12 +886,12 @@ class _ClaimsPrefixOnly(NativeLlama):
 def test_a_drafter_that_imports_the_prompt_cache_takes_its_rows_slot(
     folder: Path, backend: str, monkeypatch
 ) -> None:
-    """A draft model that starts from the target's prompt cache instead of its own prefill
-    (``share_prefill``: the target at another precision) imports it from its row's cache
-    slot in a batch as from the single sequence alone: each sampled row equals its
-    single-sequence run, and the drafter runs no prefill of its own. Negative control: a
-    drafter that prefills itself drafts from other keys and values (int4 where the target
-    cached fp32) and gives other samples."""
+    """A draft model that follows the target's cache instead of feeding its own passes
+    (``follow_target``: the target at another precision) imports the prompt and then each
+    round's positions from its row's cache slot in a batch as from the single sequence
+    alone: each sampled row equals its single-sequence run, and the drafter runs no
+    prefill of its own. Negative control: a drafter that feeds itself drafts from other
+    keys and values (int4 where the target cached fp32) and gives other samples."""
     _backend(backend)
     base = _ids(60, 90)[0].tolist()
     warm = SamplingParams(temperature=1.0)
@@ -899,7 +899,7 @@ def test_a_drafter_that_imports_the_prompt_cache_takes_its_rows_slot(
 
     def drafter(shared: bool) -> DraftModelDrafter:
         draft = load_native(folder, "int4", max_length=96, backend=backend)
-        return DraftModelDrafter(draft, VOCAB, "self-int4", share_prefill=shared)
+        return DraftModelDrafter(draft, VOCAB, "self-int4", follow_target=shared)
 
     def batched(shared: bool) -> list[list[int]]:
         target = load_native(folder, max_length=96, backend=backend, max_slots=3)
@@ -919,14 +919,16 @@ def test_a_drafter_that_imports_the_prompt_cache_takes_its_rows_slot(
     imports = []
     original = NativeLlama.import_cache
 
-    def recorded(self, source, length, source_slot=None, slot=None):
-        done = original(self, source, length, source_slot, slot)
-        imports.append((source_slot, length, done))
+    def recorded(self, source, length, source_slot=None, slot=None, start=0):
+        done = original(self, source, length, source_slot, slot, start)
+        imports.append((source_slot, length, start, done))
         return done
 
     monkeypatch.setattr(NativeLlama, "import_cache", recorded)
     assert batched(True) == alone
-    assert sorted(imports) == sorted((slot, len(p) - 1, True) for slot, p in enumerate(prompts))
+    prompt_imports = sorted((s, n, done) for s, n, start, done in imports if start == 0)
+    assert prompt_imports == sorted((slot, len(p) - 1, True) for slot, p in enumerate(prompts))
+    assert all(done for *_, done in imports) and len(imports) > len(prompts)  # each round's
     assert batched(False) != alone
 
 

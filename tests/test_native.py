@@ -576,7 +576,7 @@ def test_import_cache_replaces_a_prefill(
 
 @pytest.mark.parametrize("precision", ["bf16", "int4"])
 def test_self_drafter_starts_from_the_target_prefill(
-    tiny: tuple[LlamaForCausalLM, Path], backend: str, precision: str
+    tiny: tuple[LlamaForCausalLM, Path], backend: str, precision: str, monkeypatch
 ) -> None:
     from speculative.drafters import DraftModelDrafter
     from speculative.engine import SpeculativeEngine, StopCriteria
@@ -592,22 +592,30 @@ def test_self_drafter_starts_from_the_target_prefill(
         return engine.generate(prompt, SamplingParams(temperature=0), stop, torch.Generator())
 
     plain = run(None).token_ids
-    for share in (True, False):
+    for follow in (True, False):
         draft = load_native(folder, precision, max_length=128, backend=backend)
-        drafter = DraftModelDrafter(draft, VOCAB, f"self-{precision}", share_prefill=share)
+        drafter = DraftModelDrafter(draft, VOCAB, f"self-{precision}", follow_target=follow)
         result = run(drafter)
-        assert result.token_ids == plain, f"share_prefill={share}"
+        assert result.token_ids == plain, f"follow_target={follow}"
         assert result.stats.acceptance_rate > 0.3
-    # priming copies the prompt cache without a forward pass
+    # following the target: the prompt cache is copied, not fed through a draft pass
     draft = load_native(folder, precision, max_length=128, backend=backend)
-    drafter = DraftModelDrafter(draft, VOCAB, "self", share_prefill=True)
+    drafter = DraftModelDrafter(draft, VOCAB, "self", follow_target=True)
+    fed: list[int] = []
+    passes = draft.forward_rows
+    monkeypatch.setattr(
+        draft,
+        "forward_rows",
+        lambda rows: fed.extend(len(r.input_ids) for r in rows) or passes(rows),
+    )
     engine = SpeculativeEngine(target, drafter, 3)
     engine.start(prompt)
     engine.target.sync(prompt[:-1])
     drafter.prime(engine.target)
+    drafter.propose(prompt, 2, SamplingParams(temperature=0), torch.Generator())
     # (into the drafter's own cache slot: one draft model can serve many rows' drafters)
-    assert drafter.forward_calls == 0 and draft.cache_length == 0
-    assert draft.slot_length(drafter.session.slot) == len(prompt) - 1
+    assert fed == [1, 1] and draft.cache_length == 0
+    assert draft.slot_length(drafter.session.slot) == len(prompt) + 1
 
 
 def test_isa_settings_take_effect() -> None:

@@ -67,19 +67,17 @@ class DraftModelDrafter:
         model: CausalLM,
         vocab_size: int,
         name: str = "draft-model",
-        share_prefill: bool = False,
         follow_target: bool = False,
     ) -> None:
-        """share_prefill: start each generation from the target's prompt cache instead of
-        a prefill of our own (only for the target at another precision, whose keys and
-        values mean the same; lossless either way, it changes only the drafts).
-
-        follow_target: the draft model is an early exit of the target (its first layers,
-        the same weights), so the target's cache holds, bitwise, the keys and values the
-        draft model would compute: before each draft the drafter copies the committed
-        positions it lacks from the target's cache instead of feeding them through its own
-        passes. A row that skipped drafting for many rounds (γ = 0) then drafts again
-        without a catch-up pass over everything it missed."""
+        """follow_target: the target's cache holds keys and values that mean what the
+        draft model's do, so before each draft the drafter copies the committed positions
+        it lacks from its row's target cache (the prompt, then each round's tokens)
+        instead of feeding them through its own passes. For an early exit of the target
+        (its first layers, the same weights) they are bitwise the draft model's own; for
+        the target at another precision they are the same quantities rounded otherwise
+        (lossless either way: only the drafts can change). A row that skipped drafting
+        for many rounds (γ = 0) then drafts again without a catch-up pass over everything
+        it missed."""
         self.name = name
         self.vocab_size = vocab_size
         self.session: ModelSession | SlotSession
@@ -88,7 +86,6 @@ class DraftModelDrafter:
             weakref.finalize(self, self.session.release)
         else:
             self.session = ModelSession(model)
-        self.share_prefill = share_prefill
         self.follow_target = follow_target
         self._target: RowSession | None = None  # followed (follow_target), from prime()
         self.tree_shape = TreeShape()
@@ -155,9 +152,10 @@ class DraftModelDrafter:
     def prime(self, target: RowSession) -> None:
         """Called once the target has prefilled the prompt (its single sequence or the
         row's cache slot)."""
-        if self.follow_target:
-            self._target = target
-        elif self.share_prefill:
+        if not self.follow_target:
+            return
+        self._target = target
+        if not isinstance(self.session, SlotSession):  # a cache of its own: the prompt once
             self.session.adopt(target)
 
     def _catch_up(self, context: Sequence[int]) -> None:

@@ -85,10 +85,10 @@ def _self_precision(argument: str, target: LoadedModel) -> Drafter:
             f"would cost as much as a target step or more (drafters that can: ngram, eagle, "
             f"auto, self-exit:N{options})"
         )
-    # the same model at another precision: it may start from the target's prefill
+    # the same model at another precision: it follows the target's cache (lossless)
     make = target.make_variant
     model = _shared_draft_model(target, ("self", argument), lambda: make(argument))
-    return DraftModelDrafter(model, target.lm.vocab_size, f"self-{argument}", share_prefill=True)
+    return DraftModelDrafter(model, target.lm.vocab_size, f"self-{argument}", follow_target=True)
 
 
 def _self_exit(argument: str, target: LoadedModel) -> Drafter:

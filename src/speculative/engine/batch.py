@@ -13,10 +13,11 @@ Continuous batching: :meth:`BatchEngine.add` joins a row between rounds; its pro
 prefilled inside the next shared passes, at most ``prefill_chunk`` tokens per pass
 (chunked prefill: a long prompt does not stall the other rows' decoding for long). A
 finished or cancelled row frees its slot at once. A drafter is per row: one instance per
-request (a model drafter with its own model and session). On slots, a model drafter is not
-primed from the target (``share_prefill``): it prefills itself (lossless; only the drafts
-can differ). Drafting heads read each row's features from its slot session when the model
-gives per-row features (:class:`~speculative.models.base.SupportsBatchRowFeatures`).
+request (a model drafter with its own model and session, or a cache slot of a shared
+one). A model drafter that follows the target (``follow_target``) copies its row's
+committed positions from the row's session, on slots as alone. Drafting heads read each
+row's features from its slot session when the model gives per-row features
+(:class:`~speculative.models.base.SupportsBatchRowFeatures`).
 """
 
 from __future__ import annotations
