@@ -501,8 +501,9 @@ class SlotSession:
     def follow(self, other: RowSession, context: Sequence[int]) -> int:
         """Copy into this slot the positions of ``context`` (all but its last token, which
         a request feeds) that ``other`` holds and this slot does not, keeping what this
-        slot already holds of ``context``: for a model whose keys and values are
-        ``other``'s (an early exit of ``other``'s model), a catch-up without a pass.
+        slot already holds of ``context``: for a model whose keys and values mean what
+        ``other``'s do (an early exit of ``other``'s model: bitwise; the same model at
+        another precision: rounded otherwise), a catch-up without a pass.
         Returns the positions copied (0 where the model cannot import ``other``'s)."""
         if isinstance(other, SlotSession) and other.released:
             return 0
