@@ -23,6 +23,7 @@ from speculative.bench import (
     verify_cost_curve,
     write_outputs,
 )
+from speculative.bench.llamacpp import llamacpp_missing
 from speculative.bench.prompts import categories, take_per_category
 from speculative.cli.main import main
 from tiny import save_tiny, tiny_loaded
@@ -326,3 +327,20 @@ def test_quick_bench_on_the_default_model(tmp_path):
     assert len(data["categories"]) == 8
     assert data["outputs_identical"] is True, data["mismatches"]
     assert (tmp_path / "report.md").exists() and (tmp_path / "speedup_by_category.png").exists()
+
+
+def test_a_broken_llamacpp_install_is_a_reason_not_a_traceback(tmp_path, monkeypatch):
+    # an installed package whose import fails (here: a dependency left out, as a wheel
+    # installed with --no-deps leaves diskcache out) drops the llama.cpp rows with a reason
+    package = tmp_path / "llama_cpp"
+    package.mkdir()
+    (package / "__init__.py").write_text("import a_dependency_that_is_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    reason = llamacpp_missing()
+    assert reason is not None and "does not import" in reason
+    assert "a_dependency_that_is_not_installed" in reason
+    # control: the same package without the broken import is usable
+    (package / "__init__.py").write_text("")
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    assert llamacpp_missing() is None

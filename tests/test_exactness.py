@@ -389,19 +389,30 @@ def test_cli_check_json_and_report(tiny: Path, tmp_path: Path, monkeypatch, caps
     assert "too large to enumerate" in capsys.readouterr().err
 
 
+# The whole grid at the issue's size (N = 60,000, TV ≤ 0.02: docs/exactness.md is that
+# run) takes 8 minutes on a Zen 5 and had not finished after 29 on a Zen 2 (AVX2 only),
+# past the suite's 20-minute budget. CI runs it at N = 10,000 (5.6 minutes on that Zen 2):
+# the same assertions, at the TV bound that N supports. SPECULATIVE_FULL_GRID=1 runs the
+# issue's size.
+FULL_GRID = os.environ.get("SPECULATIVE_FULL_GRID") == "1"
+GRID_SIZE = (60_000, 6_000, 0.02) if FULL_GRID else (10_000, 1_000, 0.05)  # N, coupled, TV
+
+
 @pytest.mark.slow
-def test_matrix_on_the_tiny_model_bounds_tv_within_0_02(tiny: Path) -> None:
+def test_matrix_on_the_tiny_model_bounds_tv(tiny: Path) -> None:
     """The issue's goal, the whole grid as `speculative check --matrix --matrix-samples
-    60000 --tv-goal 0.02` runs it on the tiny model (every drafter × chain, tree, batch ×
-    the four sampling settings; docs/exactness.md is that run), in two worker processes:
-    every cell is exact with its control detected, and every sampling cell bounds the TV
-    of its binned joints by 0.02 at 99.9% against the enumerated law. Chain and tree
-    cells are coupled (6,000 pairs, identical, the rest batched, the bound including the
-    coupling term) except `auto`'s, whose choices learn across generations (drawn one
-    sequence at a time); batch cells are the batched engine's own draws; only `auto`
-    cannot draft trees. About ten minutes: the suite's longest test."""
+    N --tv-goal TV` runs it on the tiny model (every drafter × chain, tree, batch × the
+    four sampling settings), in two worker processes: every cell is exact with its
+    control detected, and every sampling cell bounds the TV of its binned joints by the
+    goal at 99.9% against the enumerated law (GRID_SIZE: 0.05 at N = 10,000 in CI, 0.02
+    at 60,000 with SPECULATIVE_FULL_GRID=1). Chain and tree cells are coupled (a tenth of
+    N in pairs, identical, the rest batched, the bound including the coupling term)
+    except `auto`'s, whose choices learn across generations (drawn one sequence at a
+    time); batch cells are the batched engine's own draws; only `auto` cannot draft
+    trees. The suite's longest test."""
+    samples, coupled, goal = GRID_SIZE
     loader = functools.partial(load_target_on, str(tiny), "fp32")
-    config = CheckConfig(gamma=2, samples=60_000, coupling=6_000, tv_goal=0.02)
+    config = CheckConfig(gamma=2, samples=samples, coupling=coupled, tv_goal=goal)
     cells = run_matrix(loader, tiny_drafters(tiny), PROMPTS, config, GRID_MODES, SAMPLINGS, jobs=2)
     assert len(cells) == 7 * 3 * 4
     for cell in cells:
@@ -413,13 +424,13 @@ def test_matrix_on_the_tiny_model_bounds_tv_within_0_02(tiny: Path) -> None:
         assert report is not None and report.exact and report.control_detected, where
         if report.config.greedy:
             continue
-        assert report.reference == "exact law" and report.tv_bound <= 0.02, where
+        assert report.reference == "exact law" and report.tv_bound <= goal, where
         if cell.mode == "batch":
             assert report.coupling is None, where
         elif cell.drafter.label == "auto":
             assert report.coupling is not None and report.coupling.differs is not None, where
         else:
-            assert report.coupling == Coupling(6_000) and report.coupling_bound > 0.001, where
+            assert report.coupling == Coupling(coupled) and report.coupling_bound > 0.001, where
 
 
 def test_coupling_bound_is_the_clopper_pearson_bound_for_no_difference() -> None:

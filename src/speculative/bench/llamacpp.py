@@ -28,6 +28,13 @@ def llamacpp_missing() -> str | None:
     """Why llama.cpp rows cannot run here (None when they can)."""
     if importlib.util.find_spec(PACKAGE) is None:
         return "llama-cpp-python is not installed (`make peers` installs it)"
+    try:
+        importlib.import_module(PACKAGE)
+    except Exception as error:  # a broken install: a missing dependency, a bad library
+        return (
+            f"llama-cpp-python is installed but does not import ({type(error).__name__}: "
+            f"{error}); `make peers` reinstalls it with its dependencies"
+        )
     return None
 
 
