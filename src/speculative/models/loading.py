@@ -346,9 +346,9 @@ def _gguf_precision(path: Path) -> str:
     """The native precision of the most common type among a GGUF's 2-D weights."""
     from collections import Counter
 
-    from gguf import GGUFReader
+    from speculative.models.gguf_file import read_gguf
 
-    reader = GGUFReader(path)
+    reader = read_gguf(path)
     kinds = Counter(
         t.tensor_type.name
         for t in reader.tensors

@@ -11,12 +11,16 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from speculative.models.native.config import NativeConfig, config_from_hf
 from speculative.models.native.quant import GroupQuant4, decode_q4_1, decode_q8_0
+
+if TYPE_CHECKING:
+    from speculative.models.gguf_file import GGUFFile, GGUFTensor
 
 Weight = torch.Tensor | GroupQuant4
 
@@ -94,23 +98,23 @@ def gguf_to_hf_name(name: str) -> str:
     raise ValueError(f"unexpected GGUF tensor {name!r}")
 
 
-def _gguf_field(reader: object, key: str, default: object = None) -> object:
-    field = reader.fields.get(key)  # type: ignore[attr-defined]
-    if field is None:
+def _gguf_field(reader: GGUFFile, key: str, default: object = None) -> object:
+    value = reader.fields.get(key)
+    if value is None:
         if default is None:
             raise ValueError(f"GGUF file lacks metadata {key!r}")
         return default
-    return field.contents()
+    return value
 
 
-def gguf_config(reader: object) -> NativeConfig:
+def gguf_config(reader: GGUFFile) -> NativeConfig:
     """Architecture from GGUF metadata (llama / mistral / qwen2)."""
     arch = str(_gguf_field(reader, "general.architecture"))
     if arch not in {"llama", "mistral", "qwen2"}:
         raise ValueError(f"unsupported GGUF architecture {arch!r}")
     num_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_gguf_field(reader, f"{arch}.embedding_length"))
-    names = {t.name for t in reader.tensors}  # type: ignore[attr-defined]
+    names = {t.name for t in reader.tensors}
     vocab = _gguf_field(reader, f"{arch}.vocab_size", 0) or len(
         _gguf_field(reader, "tokenizer.ggml.tokens")  # type: ignore[arg-type]
     )
@@ -130,13 +134,13 @@ def gguf_config(reader: object) -> NativeConfig:
     )
 
 
-def _decode_gguf_tensor(tensor: object) -> Weight:
+def _decode_gguf_tensor(tensor: GGUFTensor) -> Weight:
     """One GGUF tensor as float32 or exact Q4_1 groups (shape in torch order)."""
     from gguf import GGMLQuantizationType, dequantize
 
-    kind = tensor.tensor_type  # type: ignore[attr-defined]
-    shape = tuple(int(s) for s in reversed(tensor.shape))  # type: ignore[attr-defined]
-    data = tensor.data  # type: ignore[attr-defined]
+    kind = tensor.tensor_type
+    shape = tuple(int(s) for s in reversed(tensor.shape))
+    data = tensor.data
     if kind == GGMLQuantizationType.Q4_1 and len(shape) == 2:
         return decode_q4_1(data, (shape[0], shape[1]))
     if kind == GGMLQuantizationType.Q8_0 and len(shape) == 2:
@@ -160,9 +164,9 @@ def rope_interleave_index(rows: int, num_heads: int) -> torch.Tensor:
 
 def load_gguf(path: Path) -> Checkpoint:
     """Read a llama.cpp GGUF file (llama/mistral/qwen2 architectures)."""
-    from gguf import GGUFReader
+    from speculative.models.gguf_file import read_gguf
 
-    reader = GGUFReader(str(path))
+    reader = read_gguf(path)
     config = gguf_config(reader)
     tensors: dict[str, Weight] = {}
     for tensor in reader.tensors:
