@@ -31,9 +31,9 @@ def _write_sample(path: Path) -> None:
     writer.add_array("t.ints", [1, 2, 3, 4])
     g = np.random.default_rng(0)
     writer.add_tensor("plain", g.standard_normal((3, 64)).astype(np.float32))
-    writer.add_tensor("half", g.standard_normal((5, 32)).astype(np.float16))
+    writer.add_tensor("halfs", g.standard_normal((5, 32)).astype(np.float16))
     q8 = quants.quantize(g.standard_normal((4, 64)).astype(np.float32), GGMLQuantizationType.Q8_0)
-    writer.add_tensor("blocks", q8, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.add_tensor("block", q8, raw_dtype=GGMLQuantizationType.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -77,6 +77,14 @@ def test_not_a_gguf_and_a_cut_header_are_clear_errors(tmp_path) -> None:
     cut.write_bytes(sample.read_bytes()[:200])  # inside the metadata
     with pytest.raises(ValueError, match="cut short"):
         read_gguf(cut)
+    # two tensors of one name (the table's "halfs" renamed "plain", the same length, so
+    # the file stays well formed) would leave one unread: refused, as gguf's reader does
+    twice = tmp_path / "twice.gguf"
+    twice.write_bytes(
+        sample.read_bytes().replace(b"\x05" + bytes(7) + b"halfs", b"\x05" + bytes(7) + b"plain")
+    )
+    with pytest.raises(ValueError, match="appears more than once"):
+        read_gguf(twice)
 
 
 @pytest.mark.skipif(

@@ -137,6 +137,10 @@ def read_gguf(path: str | Path) -> GGUFFile:
             table.append((name, dims, int(cursor.scalar("<I")), int(cursor.scalar("<Q"))))
     except struct.error as error:
         raise ValueError(f"{path}: the GGUF header is cut short ({error})") from None
+    names = [entry[0] for entry in table]
+    if len(set(names)) < len(names):
+        twice = next(name for name in names if names.count(name) > 1)
+        raise ValueError(f"{path}: tensor {twice!r} appears more than once")
     alignment = int(fields.get("general.alignment", 32))  # type: ignore[call-overload]
     start = -(-cursor.at // alignment) * alignment
     return GGUFFile(fields, [_tensor(buffer, start, *entry) for entry in table])
