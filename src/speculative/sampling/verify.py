@@ -11,6 +11,8 @@ drafted token, so acceptance is p(x) and the residual is p with x removed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -225,6 +227,23 @@ def verify_greedy_row(drafted: list[int], best: list[int]) -> VerifyResult:
     return VerifyResult.of_row(best[: n + 1], len(drafted))
 
 
+@dataclass(frozen=True)
+class RowUniforms:
+    """One sequence's uniforms for :func:`verify_logits`, as :func:`verify` draws them for
+    a batch of one: γ float32 accept uniforms, then one float64 for the recovered or bonus
+    draw. Nothing reads a row's generator between its drafting and its verification, so
+    the engine draws them before the target's pass, with the same values: right after a
+    pass the interpreter's caches are cold and each torch call costs tens of µs."""
+
+    accepts: np.ndarray  # [gamma] float32
+    sample: float
+
+    @classmethod
+    def draw(cls, gamma: int, generator: torch.Generator) -> RowUniforms:
+        accepts = _accept_uniforms(gamma, generator)  # [gamma] float32
+        return cls(accepts, float(torch.rand(1, generator=generator, dtype=torch.float64)[0]))
+
+
 def verify_logits(
     draft_tokens: list[int],
     draft_probs: torch.Tensor | None,  # [1, gamma, vocab] or None (point mass)
@@ -232,23 +251,29 @@ def verify_logits(
     params: SamplingParams,
     generator: torch.Generator,
     search: NucleusSearch | None = None,
+    uniforms: RowUniforms | None = None,
 ) -> VerifyResult:
     """``verify(tokens, draft_probs, logits_to_probs(logits, params), generator)`` for one
-    sequence, bit for bit, doing less: it draws the same uniforms, processes the target's
-    rows only up to the first rejection (the rows after it are never read), one row at a
-    time and sparse where top-p cuts a nucleus (:class:`RowProbs`: p(x), the residual and
-    the recovered or bonus draw read the nucleus's entries only; ``search``, where the
-    runtime offers one, finds the nucleus: see :func:`row_probs`)."""
+    sequence, bit for bit, doing less: it draws the same uniforms (or takes them drawn
+    already: ``uniforms``, from the same generator state), processes the target's rows
+    only up to the first rejection (the rows after it are never read), one row at a time
+    and sparse where top-p cuts a nucleus (:class:`RowProbs`: p(x), the residual and the
+    recovered or bonus draw read the nucleus's entries only; ``search``, where the runtime
+    offers one, finds the nucleus: see :func:`row_probs`)."""
     gamma = len(draft_tokens)
     if logits.dim() != 3 or logits.shape[:2] != (1, gamma + 1):
         raise ValueError(f"logits must be [1, {gamma + 1}, vocab], got {tuple(logits.shape)}")
     if draft_probs is not None and tuple(draft_probs.shape) != (1, gamma, logits.shape[-1]):
         raise ValueError(f"draft_probs must be [1, {gamma}, vocab], got {tuple(draft_probs.shape)}")
-    accepts = _accept_uniforms(gamma, generator)  # [gamma] float32
-    sample_uniform = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
+    if uniforms is None:
+        uniforms = RowUniforms.draw(gamma, generator)
+    elif len(uniforms.accepts) != gamma:
+        raise ValueError(f"{len(uniforms.accepts)} accept uniforms for {gamma} drafted tokens")
+    accepts = uniforms.accepts  # [gamma] float32
     q_rows = None if draft_probs is None else draft_probs.detach().numpy()[0]  # [γ, vocab]
+    rows = logits[0]  # [gamma + 1, vocab]
     for j, token in enumerate(draft_tokens):
-        p = row_probs(logits[0, j], params, search)  # row j's processed distribution
+        p = row_probs(rows[j], params, search)  # row j's processed distribution
         q = None if q_rows is None else q_rows[j]  # [vocab]
         q_token = np.float32(1.0) if q is None else q[token]
         if accepts[j] * q_token < p.prob(token):  # float32, as the batched test
@@ -256,9 +281,9 @@ def verify_logits(
         weights = p.residual(token, q)
         # p == q up to rounding leaves no residual mass: sample from p, as verify does
         recovered = p if weights.mass() <= 1e-12 else weights
-        return _emit(draft_tokens[:j], recovered, sample_uniform, gamma)
-    p = row_probs(logits[0, gamma], params, search)  # the bonus token's distribution
-    return _emit(list(draft_tokens), p, sample_uniform, gamma)
+        return _emit(draft_tokens[:j], recovered, uniforms.sample, gamma)
+    p = row_probs(rows[gamma], params, search)  # the bonus token's distribution
+    return _emit(list(draft_tokens), p, uniforms.sample, gamma)
 
 
 def _accept_uniforms(gamma: int, generator: torch.Generator) -> np.ndarray:

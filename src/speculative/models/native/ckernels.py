@@ -164,9 +164,9 @@ def _open_library(path: str) -> ctypes.CDLL:
     library.spec_fused_linear.argtypes = [pointer, pointer, pointer, pointer, pointer]
     library.spec_fused_linear.argtypes += [ctypes.c_float, i32, pointer, pointer, i32]
     library.spec_fused_linear.restype = None
-    library.spec_nucleus.argtypes = [pointer, i64, ctypes.c_float, ctypes.c_double]
+    library.spec_nucleus.argtypes = [pointer, i64, i64, ctypes.c_float, ctypes.c_double]
     library.spec_nucleus.argtypes += [ctypes.c_double, ctypes.c_float, pointer, pointer, i32]
-    library.spec_nucleus.argtypes += [pointer, pointer, i64]
+    library.spec_nucleus.argtypes += [pointer, i64]
     library.spec_nucleus.restype = i32
     library.spec_peak_fma.argtypes = [i32, i64]
     library.spec_peak_fma.restype = ctypes.c_double
@@ -319,6 +319,63 @@ def pack_q8_blocks(q: torch.Tensor) -> torch.Tensor:
 FUSED_ARGMAX_ROWS = 64  # passes up to this many rows also return each row's argmax
 
 
+class _PassArguments:
+    """spec_forward_batch's small argument arrays (per sequence: new rows, first cache
+    position, slot, first row with logits, mask offset; per row: RoPE position; the fused
+    argmax) and its work buffer, kept between calls and refilled from Python ints: right
+    after a forward the caches are cold, and each numpy or torch call then costs tens of
+    microseconds (these arrays, built per call with numpy and torch, took 0.25 ms of a
+    5.6 ms int4 decode step)."""
+
+    def __init__(self) -> None:
+        self._sequences = self._rows = 0
+        self._grow(8, 64)
+        self.best = (ctypes.c_int32 * FUSED_ARGMAX_ROWS)()  # each row's argmax
+        self.best_at = ctypes.addressof(self.best)
+        self._work = torch.empty(0)
+        self.masked = False  # whether the last fill met a segment with a mask
+
+    def fill(self, segments: Sequence[Segment]) -> int:
+        """Write the segments' fields; returns the number of rows whose logits are wanted."""
+        n = len(segments)
+        rows = [s.rows for s in segments]
+        total = sum(rows)
+        if n > self._sequences or total > self._rows:
+            self._grow(max(n, 2 * self._sequences), max(total, 2 * self._rows))
+        self.rows[:n] = rows
+        self.start[:n] = [s.start for s in segments]
+        self.slot[:n] = [s.slot for s in segments]
+        logits_from = [s.logits_from for s in segments]
+        self.logits_from[:n] = logits_from
+        self.mask_offset[:n] = [-1] * n
+        self.masked = any(s.mask is not None for s in segments)
+        positions: list[int] = []
+        for s in segments:
+            positions += s.position_list()
+        self.positions[:total] = positions
+        return total - sum(logits_from)
+
+    def work(self, floats: int) -> int:
+        """The address of a float32 work buffer of at least ``floats`` (kept, grown)."""
+        if self._work.numel() < floats:
+            self._work = torch.empty(floats)
+        return self._work.data_ptr()
+
+    def _grow(self, sequences: int, rows: int) -> None:
+        self._sequences, self._rows = sequences, rows
+        self.rows = (ctypes.c_int32 * sequences)()
+        self.start = (ctypes.c_int32 * sequences)()
+        self.slot = (ctypes.c_int32 * sequences)()
+        self.logits_from = (ctypes.c_int32 * sequences)()
+        self.mask_offset = (ctypes.c_int64 * sequences)()
+        self.positions = (ctypes.c_int64 * rows)()
+        self.rows_at, self.start_at = ctypes.addressof(self.rows), ctypes.addressof(self.start)
+        self.slot_at = ctypes.addressof(self.slot)
+        self.logits_from_at = ctypes.addressof(self.logits_from)
+        self.mask_offset_at = ctypes.addressof(self.mask_offset)
+        self.positions_at = ctypes.addressof(self.positions)
+
+
 class FusedArgmax:
     """The argmax of every logits row of one forward, computed by the kernels (-1 where a
     row holds a NaN). ``logits`` is kept alive, so no other tensor can take its memory
@@ -327,11 +384,11 @@ class FusedArgmax:
     Answering costs a few Python operations, no torch or numpy call: right after a forward
     the caches are cold, and each distinct op then costs tens of microseconds."""
 
-    def __init__(self, logits: torch.Tensor, best: list[int]) -> None:
+    def __init__(self, logits: torch.Tensor, best: list[int], vocab: int) -> None:
         self.logits = logits  # [rows, vocab] float32, the forward's output
         self.best = best  # [rows]
-        self.vocab = logits.shape[-1]
-        self.row_bytes = self.vocab * logits.element_size()
+        self.vocab = vocab
+        self.row_bytes = 4 * vocab
         self.start = logits.data_ptr()
 
     def rows(self, view: torch.Tensor) -> np.ndarray | None:
@@ -350,6 +407,22 @@ class FusedArgmax:
         if min(best, default=0) < 0:
             return None
         return np.array(best, dtype=np.int64).reshape(tuple(shape[:-1]))
+
+    def row(self, view: torch.Tensor) -> int:
+        """The argmax of one [vocab] row of ``logits`` (a view of it): the index of its
+        first largest value; -1 for any other tensor or a row with a NaN."""
+        offset = view.data_ptr() - self.start
+        first, misaligned = divmod(offset, self.row_bytes)
+        if (
+            offset < 0
+            or misaligned
+            or first >= len(self.best)
+            or view.shape != (self.vocab,)
+            or view.dtype != torch.float32
+            or view.stride() != (1,)
+        ):
+            return -1
+        return self.best[first]
 
 
 # kernels.c's NUCLEUS_MAX, and the largest nucleus the sampling layer renormalizes the way C
@@ -373,17 +446,21 @@ class KernelNucleus:
         self.library = library
         self._scratch = threading.local()  # this thread's _NucleusScratch
 
-    def __call__(self, logits: torch.Tensor, temperature: float, top_p: float) -> RowProbs | None:
+    def __call__(
+        self, logits: torch.Tensor, temperature: float, top_p: float, largest: int = -1
+    ) -> RowProbs | None:
         """logits: [vocab] float32 raw logits -> the top-p nucleus of
         softmax(logits / temperature), renormalized: ``row_probs``'s row, the same ids and
-        bits; None where the sampling layer must cut it itself."""
+        bits; None where the sampling layer must cut it itself. ``largest``: the index of
+        the row's largest logit where the caller knows it (the forward's fused argmax: the
+        search then reads the row once), else -1."""
         if logits.dim() != 1 or logits.dtype != torch.float32 or not logits.is_contiguous():
             return None
         scratch = self._scratch_for(logits.shape[0])
         count = self.library.spec_nucleus(
-            logits.data_ptr(), logits.shape[0], temperature, top_p, NUCLEUS_MARGIN,
-            NUCLEUS_GAP, scratch.kept_at, scratch.probs_at, NUCLEUS_MAX, scratch.tempered_at,
-            scratch.entries_at, scratch.capacity,
+            logits.data_ptr(), logits.shape[0], largest, temperature, top_p, NUCLEUS_MARGIN,
+            NUCLEUS_GAP, scratch.kept_at, scratch.probs_at, NUCLEUS_MAX, scratch.entries_at,
+            scratch.capacity,
         )  # fmt: skip
         if count < 0:
             return None
@@ -393,7 +470,7 @@ class KernelNucleus:
         """This thread's buffers, allocated once: a fresh 200 kB array would cost a mapping
         and its page faults per call, and each numpy call after a forward costs tens of µs."""
         scratch = getattr(self._scratch, "buffers", None)
-        if scratch is None or scratch.tempered.size < vocab:
+        if scratch is None or scratch.capacity < vocab:
             scratch = self._scratch.buffers = _NucleusScratch(vocab)
         return scratch
 
@@ -404,12 +481,11 @@ class _NucleusScratch:
     def __init__(self, vocab: int) -> None:
         self.kept = np.empty(NUCLEUS_MAX, dtype=np.int32)  # the members' ids
         self.probs = np.empty(NUCLEUS_MAX, dtype=np.float32)  # and probabilities
-        self.tempered = np.empty(vocab, dtype=np.float32)  # the row divided by T
         # the candidates, one (float32 logit, int32 id, float64 weight) per row entry
         self.entries = np.empty((vocab, 2), dtype=np.float64)
         self.capacity = vocab
         self.kept_at, self.probs_at = self.kept.ctypes.data, self.probs.ctypes.data
-        self.tempered_at, self.entries_at = self.tempered.ctypes.data, self.entries.ctypes.data
+        self.entries_at = self.entries.ctypes.data
 
 
 @dataclass
@@ -623,6 +699,7 @@ class KernelDecoder(DecoderBase):
         self._layer_array, self._model = model.layer_array, model.struct
         self._argmax: FusedArgmax | None = None  # the last forward's
         self._nucleus_search = KernelNucleus(self._library)
+        self._call = _PassArguments()
 
     def weight_pages(self) -> str:
         """Where the packed weights live: how much of them on transparent huge pages (reads
@@ -672,67 +749,54 @@ class KernelDecoder(DecoderBase):
         if hidden.dtype != torch.float32 or not hidden.is_contiguous():
             raise ValueError("hidden must be contiguous float32 (it is updated in place)")
         rows = hidden.shape[0]
-        # per sequence (int32 [4, nseq]): its new rows, their first cache position, its cache
-        # slot, its first row with logits; one small array, not a tensor each (~5 µs each)
-        meta = np.array(
-            [[s.rows, s.start, s.slot, s.logits_from] for s in segments], dtype=np.int32
-        ).T.copy()
-        nseq = meta.shape[1]
-        at = meta.__array_interface__["data"][0]
-        field = [at + 4 * nseq * i for i in range(4)]  # addresses of the four rows
-        positions = (
-            torch.cat([s.positions for s in segments]) if nseq > 1 else segments[0].positions
-        )
-        positions = positions.to(torch.int64).contiguous()  # [rows]
-        mask, mask_offset = self._masks(segments)
-        wanted = int(meta[0].sum() - meta[3].sum())
         threads = torch.get_num_threads()
         model = ctypes.byref(self._model)
-        work = torch.empty(self._library.spec_work_floats(model, rows, threads))
+        call = self._call
+        wanted = call.fill(segments)
+        masks = self._masks(segments, call) if call.masked else self._causal_only
+        work = call.work(self._library.spec_work_floats(model, rows, threads))
         logits = torch.empty(wanted, self.vocab_size)
-        # the kernels' argmax of every row, taken while their threads hold the logits
-        best = torch.empty(wanted, dtype=torch.int32) if wanted <= FUSED_ARGMAX_ROWS else None
-        slot_floats = self.k_cache[0].numel()  # [layers, kv_heads, max_length, head_dim]
+        fused = wanted <= FUSED_ARGMAX_ROWS  # the kernels' argmax of every row, taken
+        # while their threads hold the logits
         self._library.spec_forward_batch(
             model,
             hidden.data_ptr(),
-            nseq,
-            field[0],
-            field[1],
-            field[2],
-            positions.data_ptr(),
-            mask.data_ptr(),
-            mask_offset.__array_interface__["data"][0],
-            field[3] if wanted < rows else None,  # None: every row's logits
+            len(segments),
+            call.rows_at,
+            call.start_at,
+            call.slot_at,
+            call.positions_at,
+            masks.data_ptr(),
+            call.mask_offset_at,
+            call.logits_from_at if wanted < rows else None,  # None: every row's logits
             self.k_cache.data_ptr(),
             self.v_cache.data_ptr(),
-            slot_floats,
+            self.k_cache.stride(0),  # floats per slot: [layers, kv_heads, max_length, head_dim]
             logits.data_ptr(),
-            None if best is None else best.data_ptr(),
-            work.data_ptr(),
+            call.best_at if fused else None,
+            work,
             threads,
         )
-        self._argmax = None if best is None else FusedArgmax(logits, best.tolist())
+        self._argmax = FusedArgmax(logits, call.best[:wanted], self.vocab_size) if fused else None
         return logits
 
-    def _masks(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, np.ndarray]:
-        """The segments' masks, concatenated (uint8 [Σ rows²], a 1-byte stand-in when
-        every segment is causal), and each one's offset in them (int64 [nseq], -1:
-        causal)."""
-        masks, offsets, offset = [], [], 0
-        for s in segments:
+    def _masks(self, segments: Sequence[Segment], call: _PassArguments) -> torch.Tensor:
+        """The segments' masks, concatenated (uint8 [Σ rows²] over the masked ones); each
+        one's offset in them goes to ``call``'s mask offsets (-1: causal)."""
+        masks, offset = [], 0
+        for i, s in enumerate(segments):
             if s.mask is None:
-                offsets.append(-1)
                 continue
             masks.append(s.mask.to(torch.uint8).reshape(-1))  # [rows * rows]
-            offsets.append(offset)
+            call.mask_offset[i] = offset
             offset += s.rows * s.rows
-        mask = torch.cat(masks).contiguous() if masks else self._causal_only
-        return mask, np.array(offsets, dtype=np.int64)
+        return torch.cat(masks).contiguous()
 
     def nucleus(self, logits: torch.Tensor, temperature: float, top_p: float) -> RowProbs | None:
-        """See :class:`KernelNucleus`."""
-        return self._nucleus_search(logits, temperature, top_p)
+        """See :class:`KernelNucleus`; a row of the last forward's output comes with its
+        fused argmax, so the search skips its pass for the largest logit."""
+        largest = -1 if self._argmax is None else self._argmax.row(logits)
+        return self._nucleus_search(logits, temperature, top_p, largest)
 
     def argmax_rows(self, logits: torch.Tensor) -> np.ndarray | None:
         """See :meth:`FusedArgmax.rows` (None before any forward)."""

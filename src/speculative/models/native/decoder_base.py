@@ -66,18 +66,27 @@ class Segment:
 
     slot: int
     start: int
-    positions: torch.Tensor  # [rows] int64 RoPE positions
+    rows: int
+    positions: torch.Tensor | None  # [rows] int64 RoPE positions; None: the cache positions
     mask: torch.Tensor | None  # [rows, rows] bool (True = may attend) or None (causal)
     logits_from: int = 0  # its first row whose logits are wanted (RowInput.logits_from)
-
-    @property
-    def rows(self) -> int:
-        return int(self.positions.numel())
 
     @property
     def logit_rows(self) -> int:
         """Rows whose logits the forward returns."""
         return self.rows - self.logits_from
+
+    def rope_positions(self) -> torch.Tensor:  # [rows] int64
+        """The RoPE positions as a tensor (the cache positions where none were given)."""
+        if self.positions is None:
+            return torch.arange(self.start, self.start + self.rows)
+        return self.positions
+
+    def position_list(self) -> list[int]:
+        """The RoPE positions as Python ints (no tensor op in the default case)."""
+        if self.positions is None:
+            return list(range(self.start, self.start + self.rows))
+        return self.positions.tolist()
 
 
 class DecoderBase:
@@ -177,14 +186,15 @@ class DecoderBase:
         hidden: torch.Tensor,  # [batch, k, hidden] float32, owned: left holding the
         # features (the final residual stream after the final norm)
         start: int,
-        positions: torch.Tensor,  # [batch, k] int64
+        positions: torch.Tensor | None,  # [batch, k] int64; None: the cache positions
         attention_mask: torch.Tensor | None,  # [k, k] bool or None (causal)
         logits_from: int = 0,  # the first token whose logits are wanted
     ) -> torch.Tensor:  # [batch, k - logits_from, vocab] float32
         """Row b of the batch appends to cache slot b at ``start``: one ragged forward."""
         batch, k, width = hidden.shape
+        rope = [None] * batch if positions is None else list(positions)  # [k] each
         segments = [
-            Segment(b, start, positions[b], attention_mask, logits_from) for b in range(batch)
+            Segment(b, start, k, rope[b], attention_mask, logits_from) for b in range(batch)
         ]
         logits = self.forward_segments(hidden.view(batch * k, width), segments)
         return logits.view(batch, k - logits_from, -1)

@@ -1588,30 +1588,27 @@ static int nucleus_descending(const void *a, const void *b) {
     return u->id < v->id ? -1 : 1;
 }
 
-/* tempered[i] = logits[i] / temperature (float32 division, as torch divides); returns the
- * largest, or NaN when any quotient is not finite. */
-static float nucleus_temper(const float *logits, int64_t n, float temperature, float *tempered) {
-    const __m256 t = _mm256_set1_ps(temperature), limit = _mm256_set1_ps(3.0e38f);
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 best = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+/* The largest of n logits (NaN when any is NaN). Dividing by a temperature > 0 is
+ * monotone under rounding (a <= b gives a / t <= b / t), so the largest tempered logit is
+ * the largest logit's quotient: no pass writes the tempered row, each divides as it
+ * reads. */
+static float nucleus_largest(const float *logits, int64_t n) {
+    __m256 high = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        const __m256 x = _mm256_div_ps(_mm256_loadu_ps(logits + i), t);
-        _mm256_storeu_ps(tempered + i, x);
-        best = _mm256_max_ps(best, x);
-        /* NaN fails the ordered compare; an infinity exceeds the limit */
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_andnot_ps(sign, x), limit, _CMP_NLE_UQ));
+        const __m256 x = _mm256_loadu_ps(logits + i);
+        high = _mm256_max_ps(high, x);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     }
-    float lanes[8], m = -INFINITY;
-    _mm256_storeu_ps(lanes, best);
-    for (int lane = 0; lane < 8; lane++) m = lanes[lane] > m ? lanes[lane] : m;
-    int nonfinite = _mm256_movemask_ps(bad) != 0;
+    float highs[8], hi = -INFINITY;
+    _mm256_storeu_ps(highs, high);
+    for (int lane = 0; lane < 8; lane++) hi = highs[lane] > hi ? highs[lane] : hi;
+    int bad = _mm256_movemask_ps(nan) != 0;
     for (; i < n; i++) {
-        const float x = tempered[i] = logits[i] / temperature;
-        nonfinite |= !(fabsf(x) <= 3.0e38f);
-        m = x > m ? x : m;
+        bad |= logits[i] != logits[i];
+        hi = logits[i] > hi ? logits[i] : hi;
     }
-    return nonfinite ? NAN : m;
+    return bad ? NAN : hi;
 }
 
 /* A tempered logit's bucket: how many eighths of a nat it lies below the top m. A larger
@@ -1634,89 +1631,109 @@ static inline void nucleus_keep(NucleusEntry *out, int64_t cap, int64_t *count, 
     (*count)++;
 }
 
-/* The sum over the entries with x < floor of exp(x[i] - m), by exp8 (float32 within
- * blocks of NUCLEUS_BLOCK vectors, float64 across), and the others, in id order, into
- * `out` (at most cap; their number in *gathered, cap + 1 for more) with w unset: the
- * caller adds their terms exactly. */
-static double nucleus_partition(const float *x, int64_t n, float m, float floor,
+/* With x[i] = logits[i] / t (float32 division, as torch divides): the sum over the
+ * entries with x < floor of exp(x - m), by exp8 (float32 within blocks of NUCLEUS_BLOCK
+ * vectors, float64 across), and the others, in id order, into `out` (at most cap; their
+ * number in *gathered, cap + 1 for more) with w unset: the caller adds their terms
+ * exactly. */
+static double nucleus_partition(const float *logits, int64_t n, float t, float m, float floor,
                                 NucleusEntry *out, int64_t cap, int64_t *gathered) {
     const __m256 top = _mm256_set1_ps(m), bound = _mm256_set1_ps(floor);
+    const __m256 temperature = _mm256_set1_ps(t);
     const __m256 under = _mm256_set1_ps(NUCLEUS_UNDERFLOW);
+    const __m256 limit = _mm256_set1_ps(3.0e38f), sign = _mm256_set1_ps(-0.0f);
+    __m256 bad = _mm256_setzero_ps();
     double rest = 0.0;
     int64_t count = 0, i = 0;
     while (i + 8 <= n) {
         __m256 block = _mm256_setzero_ps();
         for (int v = 0; v < NUCLEUS_BLOCK && i + 8 <= n; v++, i += 8) {
-            const __m256 value = _mm256_loadu_ps(x + i);
+            const __m256 value = _mm256_div_ps(_mm256_loadu_ps(logits + i), temperature);
+            /* NaN fails the ordered compare; an infinity exceeds the limit; so does a
+             * value above m, where the caller's largest was not the largest */
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_andnot_ps(sign, value), limit,
+                                                  _CMP_NLE_UQ));
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(value, top, _CMP_GT_OQ));
             const __m256 above = _mm256_cmp_ps(value, bound, _CMP_GE_OQ);
             /* value <= m: the difference is in range once raised to the underflow bound */
             const __m256 e = exp8_in_range(_mm256_max_ps(_mm256_sub_ps(value, top), under));
             block = _mm256_add_ps(block, _mm256_andnot_ps(above, e));
-            for (int mask = _mm256_movemask_ps(above); mask; mask &= mask - 1) {
-                const int lane = __builtin_ctz(mask);
-                nucleus_keep(out, cap, &count, x[i + lane], i + lane, 0.0);
+            const int mask = _mm256_movemask_ps(above);
+            if (!mask) continue;
+            float x[8];
+            _mm256_storeu_ps(x, value);
+            for (int bits = mask; bits; bits &= bits - 1) {
+                const int lane = __builtin_ctz(bits);
+                nucleus_keep(out, cap, &count, x[lane], i + lane, 0.0);
             }
         }
         float lanes[8];
         _mm256_storeu_ps(lanes, block);
         for (int lane = 0; lane < 8; lane++) rest += lanes[lane];
     }
+    int nonfinite = _mm256_movemask_ps(bad) != 0;
     for (; i < n; i++) {
-        if (x[i] < floor) rest += exp((double)x[i] - (double)m);
-        else nucleus_keep(out, cap, &count, x[i], i, 0.0);
+        const float x = logits[i] / t;
+        nonfinite |= !(fabsf(x) <= 3.0e38f) || x > m;
+        if (x < floor) rest += exp((double)x - (double)m);
+        else nucleus_keep(out, cap, &count, x, i, 0.0);
     }
     *gathered = count > cap ? cap + 1 : count;
-    return rest;
+    return nonfinite ? NAN : rest;
 }
 
-/* Appends the entries with lower <= x < upper to `out` (already holding `count`, at most
- * cap in all), with w the same float32 polynomial term the partition's tail summed them
- * by, each added to its bucket's mass; returns the new count (cap + 1 for more). */
-static int64_t nucleus_band(const float *x, int64_t n, float m, float lower, float upper,
-                            NucleusEntry *out, int64_t count, int64_t cap, double *mass) {
+/* Appends the entries with lower <= x < upper (x[i] = logits[i] / t) to `out` (already
+ * holding `count`, at most cap in all), with w the same float32 polynomial term the
+ * partition's tail summed them by, each added to its bucket's mass; returns the new count
+ * (cap + 1 for more). */
+static int64_t nucleus_band(const float *logits, int64_t n, float t, float m, float lower,
+                            float upper, NucleusEntry *out, int64_t count, int64_t cap,
+                            double *mass) {
     const __m256 top = _mm256_set1_ps(m), low = _mm256_set1_ps(lower);
-    const __m256 high = _mm256_set1_ps(upper);
+    const __m256 high = _mm256_set1_ps(upper), temperature = _mm256_set1_ps(t);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        const __m256 value = _mm256_loadu_ps(x + i);
+        const __m256 value = _mm256_div_ps(_mm256_loadu_ps(logits + i), temperature);
         const int mask = _mm256_movemask_ps(_mm256_and_ps(
             _mm256_cmp_ps(value, low, _CMP_GE_OQ), _mm256_cmp_ps(value, high, _CMP_LT_OQ)));
         if (!mask) continue;
-        float e[8];
+        float e[8], x[8];
         _mm256_storeu_ps(e, exp8(_mm256_sub_ps(value, top)));
+        _mm256_storeu_ps(x, value);
         for (int bits = mask; bits; bits &= bits - 1) {
             const int lane = __builtin_ctz(bits);
-            nucleus_keep(out, cap, &count, x[i + lane], i + lane, e[lane]);
-            mass[nucleus_bucket(x[i + lane], m)] += e[lane];
+            nucleus_keep(out, cap, &count, x[lane], i + lane, e[lane]);
+            mass[nucleus_bucket(x[lane], m)] += e[lane];
         }
     }
-    for (; i < n; i++)
-        if (x[i] >= lower && x[i] < upper) {
-            const double w = exp((double)x[i] - (double)m);
-            nucleus_keep(out, cap, &count, x[i], i, w);
-            mass[nucleus_bucket(x[i], m)] += w;
+    for (; i < n; i++) {
+        const float x = logits[i] / t;
+        if (x >= lower && x < upper) {
+            const double w = exp((double)x - (double)m);
+            nucleus_keep(out, cap, &count, x, i, w);
+            mass[nucleus_bucket(x, m)] += w;
         }
+    }
     return count > cap ? cap + 1 : count;
 }
 
-/* The ids of the entries with x >= bound, in increasing order, into `ids` (at most cap);
- * returns how many there are (more than cap: cap + 1). */
-static int64_t nucleus_members(const float *x, int64_t n, float bound, int32_t *ids,
-                               int64_t cap) {
-    const __m256 at = _mm256_set1_ps(bound);
-    int64_t count = 0, i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), at, _CMP_GE_OQ));
-             mask; mask &= mask - 1) {
-            if (count < cap) ids[count] = (int32_t)(i + __builtin_ctz(mask));
-            count++;
+static int nucleus_by_id(const void *a, const void *b) {
+    const NucleusEntry *u = a, *v = b;
+    return u->id < v->id ? -1 : u->id > v->id;
+}
+
+/* The members (the `count` entries with x >= bound: every token that high is an entry) to
+ * the front of `entries`, in increasing id order; returns how many there are. */
+static int64_t nucleus_members(NucleusEntry *entries, int64_t count, float bound) {
+    int64_t members = 0;
+    for (int64_t j = 0; j < count; j++)
+        if (entries[j].x >= bound) {
+            const NucleusEntry e = entries[members];
+            entries[members++] = entries[j];
+            entries[j] = e;
         }
-    for (; i < n; i++)
-        if (x[i] >= bound) {
-            if (count < cap) ids[count] = (int32_t)i;
-            count++;
-        }
-    return count > cap ? cap + 1 : count;
+    qsort(entries, (size_t)members, sizeof(NucleusEntry), nucleus_by_id);
+    return members;
 }
 
 /* The top-p nucleus of softmax(logits / temperature) for one row of n logits, as the
@@ -1725,10 +1742,13 @@ static int64_t nucleus_members(const float *x, int64_t n, float bound, int32_t *
  * token as probable as the last member is kept too. Writes the members' ids to `kept` in
  * increasing order and their probabilities to `probs` (the nucleus renormalized as the
  * sampling layer does it, _renormalized: exp(x - max) by libm, summed in id order in
- * float64, divided and rounded to float32) and returns their number; `tempered` [n] and
- * `entries` [cap] are scratch (cap = n never runs out).
+ * float64, divided and rounded to float32) and returns their number; `entries` [cap] is
+ * scratch (cap = n never runs out).
  *
- * No full sort: the candidates (the tokens down to a floor, widened 64x at a time until
+ * One pass over the row (the partition, dividing by the temperature as it reads) where
+ * `largest` gives the index of its largest logit (the forward's fused argmax: a row with
+ * no NaN, its first largest entry), two where it is -1; one more where the candidates
+ * must widen. No full sort: the candidates (the tokens down to a floor, widened 64x at a time until
  * they hold top_p) have their masses summed in buckets an eighth of a nat wide, whose
  * order is the descending order's; only the bucket where the running mass reaches top_p is
  * sorted. The masses sum float64 terms, exact (libm) within two widening steps of the top,
@@ -1739,21 +1759,23 @@ static int64_t nucleus_members(const float *x, int64_t n, float bound, int32_t *
  * token's tempered logit lies less than `gap` below the last member's: then, and for a row
  * with a NaN or infinity or a nucleus of more than max_kept (<= NUCLEUS_MAX) members, it
  * returns -1 and the caller takes its own path. */
-int32_t spec_nucleus(const float *logits, int64_t n, float temperature, double top_p,
-                     double margin, float gap, int32_t *kept, float *probs, int32_t max_kept,
-                     float *tempered, NucleusEntry *entries, int64_t cap) {
-    if (n <= 0 || !(temperature > 0.0f) || max_kept < 1 || max_kept > NUCLEUS_MAX || cap < 1)
+int32_t spec_nucleus(const float *logits, int64_t n, int64_t largest, float temperature,
+                     double top_p, double margin, float gap, int32_t *kept, float *probs,
+                     int32_t max_kept, NucleusEntry *entries, int64_t cap) {
+    if (n <= 0 || largest >= n || !(temperature > 0.0f) || max_kept < 1 ||
+        max_kept > NUCLEUS_MAX || cap < 1)
         return -1;
-    const float m = nucleus_temper(logits, n, temperature, tempered);
-    if (m != m) return -1;
+    /* the largest logit: where the forward's fused argmax found it, else one pass */
+    const float m = (largest >= 0 ? logits[largest] : nucleus_largest(logits, n)) / temperature;
+    if (!(fabsf(m) <= 3.0e38f)) return -1;  /* NaN or inf (the partition checks the rest) */
     /* the first candidates come with the partition pass, two widening steps deep (the
      * median nucleus of SmolLM2's rows at T = 0.8, top_p = 0.95 is 5 tokens, the 90th
      * percentile 67, of a median 28 and a 90th percentile 239 within two steps) */
     double depth = 2 * NUCLEUS_STEP, mass[NUCLEUS_BUCKETS] = {0.0}, held = 0.0;
     float floor = (float)((double)m - depth);
     int64_t count;
-    double z = nucleus_partition(tempered, n, m, floor, entries, cap, &count);
-    if (count > cap) return -1;
+    double z = nucleus_partition(logits, n, temperature, m, floor, entries, cap, &count);
+    if (count > cap || z != z) return -1;
     for (int64_t j = 0; j < count; j++) {
         entries[j].w = exp((double)entries[j].x - (double)m);
         z += entries[j].w;
@@ -1764,7 +1786,8 @@ int32_t spec_nucleus(const float *logits, int64_t n, float temperature, double t
         depth += NUCLEUS_STEP;
         if (depth > NUCLEUS_DEPTH) return -1;
         const float lower = (float)((double)m - depth);
-        count = nucleus_band(tempered, n, m, lower, floor, entries, count, cap, mass);
+        count = nucleus_band(logits, n, temperature, m, lower, floor, entries, count, cap,
+                             mass);
         if (count > cap) return -1;
         floor = lower;
         held = 0.0;
@@ -1805,11 +1828,13 @@ int32_t spec_nucleus(const float *logits, int64_t n, float temperature, double t
         for (int64_t j = in_bucket; j < count; j++)
             if (entries[j].x < last && entries[j].x > next) next = entries[j].x;
     if (!(last - next >= gap)) return -1;
-    const int64_t members = nucleus_members(tempered, n, last, kept, max_kept);
+    const int64_t members = nucleus_members(entries, count, last);
     if (members > max_kept) return -1;
     double weight[NUCLEUS_MAX], total = 0.0;  /* m is the members' largest: the top is one */
-    for (int64_t j = 0; j < members; j++)
-        total += weight[j] = exp((double)tempered[kept[j]] - (double)m);
+    for (int64_t j = 0; j < members; j++) {
+        kept[j] = entries[j].id;
+        total += weight[j] = exp((double)entries[j].x - (double)m);
+    }
     for (int64_t j = 0; j < members; j++) probs[j] = (float)(weight[j] / total);
     return (int32_t)members;
 }

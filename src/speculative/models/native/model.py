@@ -300,9 +300,9 @@ class NativeLlama:
             shape = tuple(row.attention_mask.shape)
             raise ValueError(f"attention_mask must be [{k}, {k}], got {shape}")
         check_logits_from(row.logits_from, k)
-        positions = self._positions(row.position_ids, 1, k, start)[0]  # [k]
-        return Segment(row.slot, start, positions.contiguous(), row.attention_mask,
-                       row.logits_from)  # fmt: skip
+        positions = self._positions(row.position_ids, 1, k, start)  # [1, k] or None
+        return Segment(row.slot, start, k, None if positions is None else positions[0],
+                       row.attention_mask, row.logits_from)  # fmt: skip
 
     def _check_slot(self, slot: int) -> None:
         if slot not in self._slot_lengths:
@@ -394,8 +394,9 @@ class NativeLlama:
         check_logits_from(logits_from, k)
         start = self._length
         self._ensure_cache(batch)
-        positions = self._positions(position_ids, batch, k, start)  # [batch, k]
-        states = self.embed[input_ids]  # [batch, k, hidden], updated in place by the decoder
+        positions = self._positions(position_ids, batch, k, start)  # [batch, k] or None
+        # [batch, k, hidden], a copy the decoder updates in place
+        states = torch.index_select(self.embed, 0, input_ids.reshape(-1)).view(batch, k, -1)
         logits = self.decoder.forward(states, start, positions, attention_mask, logits_from)
         self._length = start + k
         return logits, states if hidden else None
@@ -438,7 +439,7 @@ class NativeLlama:
         return batch, k
 
     def _ensure_cache(self, batch: int) -> None:
-        taken = sorted(s for s in self._slot_lengths if s < batch)
+        taken = sorted(s for s in self._slot_lengths if s < batch) if self._slot_lengths else []
         if taken:
             raise ValueError(f"cache slot {taken[0]} is held by a batch row (forward_rows)")
         self._retained.clear()  # the single sequence writes slots [0, batch)
@@ -451,9 +452,11 @@ class NativeLlama:
 
     def _positions(
         self, position_ids: torch.Tensor | None, batch: int, k: int, start: int
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
+        """[batch, k] int64 RoPE positions, None for the cache positions (the default:
+        the decoders then need no tensor for them)."""
         if position_ids is None:
-            return torch.arange(start, start + k).expand(batch, k)
+            return None
         positions = position_ids.long().reshape(-1, k).expand(batch, k)  # [batch, k]
         if positions.min() < 0 or positions.max() >= self._max_length:
             raise ValueError(f"position_ids must lie in [0, {self._max_length})")

@@ -163,12 +163,13 @@ class TorchDecoder(DecoderBase):
         segment: Segment,
     ) -> torch.Tensor:  # [k, vocab]
         k, start = segment.rows, segment.start
+        positions = segment.rope_positions()  # [k]
         visible = self._visibility(segment.mask, k, start)  # [k, start + k]
         logits = torch.empty(k, self.vocab_size)
         for first in range(0, k, self.row_tile):
             rows = min(self.row_tile, k - first)
             tile = _Tile.make(start, first, rows, visible, self.row_tile)
-            rotation = self.rotations[segment.positions[tile.tokens]].unsqueeze(1)  # [T, 1, d/2]
+            rotation = self.rotations[positions[tile.tokens]].unsqueeze(1)  # [T, 1, d/2]
             residual = hidden[tile.tokens]  # [T, hidden], a copy: left holding the features
             logits[first : first + rows] = self._tile(residual, segment.slot, tile, rotation)
             hidden[first : first + rows] = residual[:rows]
