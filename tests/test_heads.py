@@ -22,7 +22,7 @@ from speculative.heads.store import HeadMismatch, load_head
 from speculative.models.base import SupportsHiddenStates
 from speculative.models.markov import MarkovLM
 from speculative.models.session import ModelSession, SlotPool
-from speculative.sampling import SamplingParams
+from speculative.sampling import SamplingParams, verify
 from speculative.targets import load_target
 from speculative.training.train_draft import TrainDraftOptions, train_draft
 from tiny import WORDS, save_tiny
@@ -388,11 +388,12 @@ class MisreportedEagle(EagleDrafter):
 
     def propose(self, context, gamma, params, generator):
         draft = super().propose(context, gamma, params, generator)
-        if draft.probs is None:
+        q = draft.dense_probs()  # [1, γ, vocab]
+        if q is None:
             return draft
-        support = torch.zeros_like(draft.probs)
+        support = torch.zeros_like(q)
         support[..., self.head.draft_to_target] = 1.0 / self.head.draft_to_target.numel()
-        return type(draft)(tokens=draft.tokens, probs=0.5 * draft.probs + 0.5 * support)
+        return type(draft)(tokens=draft.tokens, probs=0.5 * q + 0.5 * support)
 
 
 @pytest.mark.slow
@@ -417,12 +418,54 @@ def test_sampled_q_is_the_distribution_tokens_come_from(trained, runtime):
         session.sync(PROMPT[:-1])
         drafter.prime(session)
         draft = drafter.propose(PROMPT, 3, params, torch.Generator().manual_seed(0))
-        probs = draft.probs[0]  # [γ, vocab]
+        probs = draft.dense_probs()[0]  # [γ, vocab]
         assert torch.allclose(probs.sum(-1), torch.ones(len(draft.tokens)), atol=1e-5)
         outside = torch.ones(probs.shape[-1], dtype=torch.bool)
         outside[drafter.head.draft_to_target] = False
         assert probs[:, outside].sum() == 0
         assert all(probs[i, t] > 0 for i, t in enumerate(draft.tokens))
+
+
+@pytest.mark.parametrize("runtime", ["native-torch", "native-kernels"])
+def test_sparse_head_q_verifies_as_the_dense_q(trained, runtime):
+    """EAGLE hands its top-p q to the verifier as sparse rows over target ids
+    (``Draft.rows``); decoding with the one-row rule reading them emits, seed for seed,
+    the tokens of the batched ``verify`` reading the dense q (``Draft.dense_probs``, the
+    scatter into the vocabulary that was the only form before). Control: a q whose rows
+    are shifted one position (row j reports row j + 1's q) changes the tokens."""
+    target = target_on(runtime, trained["model"])
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    head = load_head(trained["eagle"], target.lm)
+
+    def run(drafter, seed, verifier=None):
+        engine = SpeculativeEngine(target.lm, drafter, 3, verifier=verifier)
+        stop = StopCriteria(max_new_tokens=24)
+        generator = torch.Generator().manual_seed(seed)
+        return engine.generate(PROMPT, params, stop, generator).token_ids
+
+    drafter = EagleDrafter(head, target.lm.vocab_size)
+    session = ModelSession(target.lm)
+    session.sync(PROMPT[:-1])
+    drafter.prime(session)
+    draft = drafter.propose(PROMPT, 3, params, torch.Generator().manual_seed(0))
+    assert draft.probs is None and draft.rows is not None and len(draft.rows) == 3
+    exact = [run(EagleDrafter(head, target.lm.vocab_size), seed) for seed in range(4)]
+    dense = [run(EagleDrafter(head, target.lm.vocab_size), s, verify) for s in range(4)]
+    assert exact == dense
+    shifted = [run(ShiftedQEagle(head, target.lm.vocab_size), seed) for seed in range(4)]
+    assert shifted != exact
+
+
+class ShiftedQEagle(EagleDrafter):
+    """Negative control: reports q rows one position late (row j gets row j + 1's, the
+    last keeps its own), sparse as the honest drafter does."""
+
+    def propose(self, context, gamma, params, generator):
+        draft = super().propose(context, gamma, params, generator)
+        if draft.rows is None or len(draft.rows) < 2:
+            return draft
+        rows = (*draft.rows[1:], draft.rows[-1])
+        return type(draft)(tokens=draft.tokens, rows=rows, vocab=draft.vocab)
 
 
 # ---- trees -------------------------------------------------------------------------------
@@ -910,8 +953,8 @@ def test_head_draw_through_the_sparse_row_is_the_dense_draw(params: SamplingPara
         after = torch.rand(2, generator=dense_generator)  # the generator's state after it
         for answer in (None, search):
             sparse_generator = torch.Generator().manual_seed(trial)
-            got, probs = draw_from_logits(logits, params, sparse_generator, answer)
-            assert got == want and torch.equal(probs, want_probs), trial
+            got, row = draw_from_logits(logits, params, sparse_generator, answer)
+            assert got == want and torch.equal(row.dense(3000), want_probs), trial
             assert torch.equal(torch.rand(2, generator=sparse_generator), after)
         flipped = draft_distribution(logits.flip(0), params)
         differs += draw(flipped, params, torch.Generator().manual_seed(trial)) != want

@@ -278,6 +278,41 @@ def test_verify_logits_equals_verify_of_the_processed_block(params, drafter):
         assert torch.equal(
             torch.rand(3, generator=fast_generator), torch.rand(3, generator=slow_generator)
         )
+        if draft_probs is not None:  # the same q as sparse rows (a head's Draft.rows)
+            rows = [sparse_row(q) for q in draft_probs[0]]
+            again = torch.Generator().manual_seed(seed)
+            sparse = verify_logits(tokens, rows, logits, params, again)
+            assert torch.equal(sparse.tokens, slow.tokens), trial
+
+
+def sparse_row(q: torch.Tensor) -> RowProbs:
+    """[vocab] probabilities -> their nonzero entries as a RowProbs."""
+    support = torch.nonzero(q).flatten()
+    return RowProbs(q[support].numpy(), support.numpy())
+
+
+def test_sparse_q_rows_read_as_the_dense_row():
+    """RowProbs.at reads a sparse row's values (0 off its support) as indexing the dense
+    row does; on_ids moves a draft-vocabulary row onto target ids as the scatter
+    (to_full_vocab) does; a dense p's residual against a sparse q is the one against the
+    dense q (bitwise)."""
+    from speculative.drafters.head_common import to_full_vocab
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 500
+    q = torch.softmax(torch.randn(vocab, generator=generator) * 3, -1)
+    q[torch.rand(vocab, generator=generator) < 0.8] = 0.0  # a sparse q
+    row = sparse_row(q)
+    ids = torch.randperm(vocab, generator=generator)[:60].sort().values.numpy()
+    assert np.array_equal(row.at(ids), q.numpy()[ids])
+    draft_to_target = torch.randperm(4 * vocab, generator=generator)[:vocab]  # [N] distinct
+    full = to_full_vocab(q[None], draft_to_target, 4 * vocab)[0]  # [4 * vocab]
+    moved = row.on_ids(draft_to_target.numpy())
+    assert torch.equal(moved.dense(4 * vocab), full)
+    assert np.all(np.diff(moved.support) > 0)
+    p = RowProbs(torch.softmax(torch.randn(4 * vocab, generator=generator), -1).numpy())
+    token = int(moved.support[0])
+    assert np.array_equal(p.residual(token, moved).values, p.residual(token, full.numpy()).values)
 
 
 def test_verify_logits_on_the_full_vocabulary_size():
@@ -306,3 +341,6 @@ def test_verify_logits_rejects_mismatched_shapes():
         verify_logits([1], None, logits, SamplingParams(1.0), torch.Generator())
     with pytest.raises(ValueError, match="draft_probs must be"):
         verify_logits([1, 2], torch.zeros(1, 2, 9), logits, SamplingParams(1.0), torch.Generator())
+    one = RowProbs(np.ones(1, dtype=np.float32), np.array([3]))
+    with pytest.raises(ValueError, match="sparse q rows"):
+        verify_logits([1, 2], [one], logits, SamplingParams(1.0), torch.Generator())

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from speculative.sampling import SamplingParams
+from speculative.sampling.probs import RowProbs
 
 if TYPE_CHECKING:
     from speculative.models.base import CausalLM
@@ -22,16 +23,43 @@ class Draft:
     tokens: the drafted token ids (at most γ; may be empty when the drafter has nothing).
     probs:  [1, len(tokens), vocab] processed draft distributions q the tokens were drawn
             from, or None for a point-mass drafter (q is one-hot at each drafted token).
+    rows:   the same q as sparse rows over the target's ``vocab`` tokens, instead of
+            ``probs`` (a head's top-p rows: tens of entries where a dense row has 49k);
+            :meth:`dense_probs` gives them as ``probs`` would.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None  # [1, len(tokens), vocab]
+    rows: tuple[RowProbs, ...] | None = None  # len(tokens) rows over vocab token ids
+    vocab: int = 0  # the vocabulary of ``rows``
 
     def __post_init__(self) -> None:
         if self.probs is not None and self.probs.shape[1] != len(self.tokens):
             raise ValueError(
                 f"draft probs cover {self.probs.shape[1]} positions for {len(self.tokens)} tokens"
             )
+        if self.rows is not None:
+            if self.probs is not None:
+                raise ValueError("a draft gives q either dense (probs) or sparse (rows)")
+            if len(self.rows) != len(self.tokens) or self.vocab < 1:
+                raise ValueError(
+                    f"{len(self.rows)} sparse q rows over vocab {self.vocab} for "
+                    f"{len(self.tokens)} tokens"
+                )
+
+    @property
+    def q(self) -> torch.Tensor | tuple[RowProbs, ...] | None:
+        """q as the verifier reads it: the sparse rows where given, else ``probs``."""
+        return self.rows if self.rows is not None else self.probs
+
+    def dense_probs(self) -> torch.Tensor | None:
+        """[1, len(tokens), vocab] q (``probs``, or the sparse rows made dense), or None
+        for a point mass."""
+        if self.rows is None:
+            return self.probs
+        if not self.rows:
+            return torch.zeros(1, 0, self.vocab)
+        return torch.stack([row.dense(self.vocab) for row in self.rows]).unsqueeze(0)
 
 
 class Drafter(Protocol):

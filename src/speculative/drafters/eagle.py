@@ -33,7 +33,7 @@ from speculative.heads.store import TrainedHead
 from speculative.models.base import SupportsWeightBytes
 from speculative.models.session import common_prefix_length
 from speculative.sampling import SamplingParams
-from speculative.sampling.probs import NucleusSearch
+from speculative.sampling.probs import NucleusSearch, RowProbs
 
 STATIC_BRANCHING = (3, 2, 2, 1, 1, 1, 1, 1)  # children per expanded node, by depth
 STATIC_WIDTH = (1, 2, 2, 3, 3, 3, 3, 3)  # expanded nodes per depth (first in draw order)
@@ -319,7 +319,7 @@ class _Chain:
     feature: torch.Tensor | None = None  # [H]
     logits: torch.Tensor | None = None  # [N]
     tokens: list[int] = field(default_factory=list)
-    rows: list[torch.Tensor] = field(default_factory=list)  # [N] each
+    rows: list[RowProbs] = field(default_factory=list)  # over the N draft indices
 
     def draw(self, i: int) -> _Feed | None:
         """Draft i from the current logits; the feed that predicts the next one (None
@@ -339,8 +339,8 @@ class _Chain:
     def draft(self) -> Draft:
         if self.ask.params.greedy or not self.tokens:
             return Draft(tokens=self.tokens)
-        q = self.drafter.full_vocab(torch.stack(self.rows))  # [gamma, vocab]
-        return Draft(tokens=self.tokens, probs=q.unsqueeze(0))  # [1, gamma, vocab]
+        rows = tuple(self.drafter.target_row(row) for row in self.rows)  # q, sparse
+        return Draft(tokens=self.tokens, rows=rows, vocab=self.drafter.vocab_size)
 
 
 class _Growing:

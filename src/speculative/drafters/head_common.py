@@ -13,7 +13,7 @@ from speculative.heads.store import TrainedHead
 from speculative.models.base import SupportsKernels, SupportsNucleusSearch
 from speculative.models.session import FeatureSource, RowSession, common_prefix_length
 from speculative.sampling import SamplingParams, logits_to_probs, sample
-from speculative.sampling.probs import NucleusSearch, row_probs
+from speculative.sampling.probs import NucleusSearch, RowProbs, row_probs
 
 
 class HeadDrafter:
@@ -37,6 +37,7 @@ class HeadDrafter:
         self.search = search  # the target's top-p search, for the head's rows too
         self.target: FeatureSource | None = None
         self._calls = 0
+        self._target_ids: np.ndarray | None = None  # [N] draft index -> target id
 
     @property
     def forward_calls(self) -> int:
@@ -59,6 +60,14 @@ class HeadDrafter:
     def full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
         """[..., N] draft-vocabulary probabilities -> [..., vocab] (q of the accept test)."""
         return to_full_vocab(probs, self.head.draft_to_target, self.vocab_size)
+
+    def target_row(self, row: RowProbs) -> RowProbs:
+        """A processed row over the N draft-vocabulary indices -> the same q over target
+        token ids (sparse: the tokens outside the draft vocabulary have q 0), as
+        :meth:`full_vocab` gives it densely."""
+        if self._target_ids is None:
+            self._target_ids = self.head.draft_to_target.numpy().astype(np.int64)  # [N]
+        return row.on_ids(self._target_ids)
 
     def target_token(self, index: int) -> int:
         return int(self.head.draft_to_target[index])
@@ -94,18 +103,19 @@ def draw_from_logits(
     params: SamplingParams,
     generator: torch.Generator,
     search: NucleusSearch | None = None,
-) -> tuple[int, torch.Tensor | None]:
-    """One draft-vocabulary index from [N] draft logits and the processed probs it was
-    drawn from (None when greedy: the first argmax, taken straight from the logits in
-    numpy, is what the one-hot distribution's argmax would give). Sampling goes through
-    the sparse row (``row_probs``, found by ``search`` where it answers): the same probs
-    and the same draw as ``draw(draft_distribution(...))``, bit for bit, with the same
-    uniform from ``generator``."""
+) -> tuple[int, RowProbs | None]:
+    """One draft-vocabulary index from [N] draft logits and the processed row it was
+    drawn from (over the N draft-vocabulary indices; None when greedy: the first argmax,
+    taken straight from the logits in numpy, is what the one-hot distribution's argmax
+    would give). Sampling goes through the sparse row (``row_probs``, found by ``search``
+    where it answers): the same probs and the same draw as
+    ``draw(draft_distribution(...))``, bit for bit, with the same uniform from
+    ``generator``."""
     if params.greedy:
         return int(logits.detach().numpy().argmax()), None
     row = row_probs(logits, params, search)  # [N], sparse where top-p cuts
     uniform = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])  # sample()'s
-    return row.draw(uniform), row.dense(logits.shape[-1])
+    return row.draw(uniform), row
 
 
 def draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

@@ -150,13 +150,13 @@ def verify_draft(
     if verifier is not None:
         drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
         probs = one_hot_argmax(logits) if params.greedy else logits_to_probs(logits, params)
-        return verifier(drafted, draft.probs, probs, generator, validate=False)
+        return verifier(drafted, draft.dense_probs(), probs, generator, validate=False)
     if params.greedy:
         if best is not None and logits.shape[:2] == (1, len(draft.tokens) + 1):
             return verify_greedy_row(draft.tokens, best[0].tolist())
         drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
         return verify_greedy(drafted, logits, best)
-    return verify_logits(draft.tokens, draft.probs, logits, params, generator, search, uniforms)
+    return verify_logits(draft.tokens, draft.q, logits, params, generator, search, uniforms)
 
 
 def draw_uniforms(

@@ -224,17 +224,42 @@ class RowProbs:
         index = self._index(token)
         return np.float32(0.0) if index is None else self.values[index]
 
-    def residual(self, token: int, q: np.ndarray | None) -> RowProbs:
-        """The unnormalized residual max(0, p - q); q: [vocab] float32, or None for a
-        point mass at ``token`` (p with that token removed)."""
+    def residual(self, token: int, q: np.ndarray | RowProbs | None) -> RowProbs:
+        """The unnormalized residual max(0, p - q); q: [vocab] float32 or a sparse row of
+        the same q (the same values at every token), or None for a point mass at
+        ``token`` (p with that token removed)."""
         if q is None:
             values = self.values.copy()
             index = self._index(token)
             if index is not None:
                 values[index] = 0.0
             return RowProbs(values, self.support)
-        q_here = q if self.support is None else q[self.support]  # [n]
+        if isinstance(q, RowProbs):  # [n]
+            dense = self.support is None
+            q_here = q.dense(self.values.size).numpy() if dense else q.at(self.support)
+        else:
+            q_here = q if self.support is None else q[self.support]  # [n]
         return RowProbs(np.maximum(self.values - q_here, np.float32(0.0)), self.support)
+
+    def at(self, ids: np.ndarray) -> np.ndarray:
+        """The probabilities of tokens ``ids`` ([n] int64), 0 outside the support, in this
+        row's dtype."""
+        if self.support is None:
+            return self.values[ids]
+        if self.support.size <= SMALL_DRAW and ids.size <= SMALL_DRAW:  # plain Python
+            here = dict(zip(self.support.tolist(), self.values.tolist(), strict=True))
+            return np.array([here.get(i, 0.0) for i in ids.tolist()], dtype=self.values.dtype)
+        index = np.searchsorted(self.support, ids)  # [n]
+        index = np.minimum(index, self.support.size - 1)
+        found = self.support[index] == ids
+        return np.where(found, self.values[index], self.values.dtype.type(0))
+
+    def on_ids(self, ids: np.ndarray) -> RowProbs:
+        """This row over another vocabulary: entry i (token i here; every token when
+        dense) becomes token ``ids[i]`` there ([n] distinct int64), sorted by id."""
+        tokens = ids if self.support is None else ids[self.support]  # [n]
+        order = np.argsort(tokens, kind="stable")
+        return RowProbs(self.values[order], tokens[order])
 
     def mass(self) -> float:
         """The total weight, float64 (a small row's by ``math.fsum``, exactly rounded; it

@@ -11,6 +11,7 @@ drafted token, so acceptance is p(x) and the residual is p with x removed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -246,7 +247,8 @@ class RowUniforms:
 
 def verify_logits(
     draft_tokens: list[int],
-    draft_probs: torch.Tensor | None,  # [1, gamma, vocab] or None (point mass)
+    # [1, gamma, vocab], or gamma sparse rows of the same q, or None (point mass)
+    draft_probs: torch.Tensor | Sequence[RowProbs] | None,
     logits: torch.Tensor,  # [1, gamma + 1, vocab] target logits
     params: SamplingParams,
     generator: torch.Generator,
@@ -263,19 +265,17 @@ def verify_logits(
     gamma = len(draft_tokens)
     if logits.dim() != 3 or logits.shape[:2] != (1, gamma + 1):
         raise ValueError(f"logits must be [1, {gamma + 1}, vocab], got {tuple(logits.shape)}")
-    if draft_probs is not None and tuple(draft_probs.shape) != (1, gamma, logits.shape[-1]):
-        raise ValueError(f"draft_probs must be [1, {gamma}, vocab], got {tuple(draft_probs.shape)}")
+    q_rows = _q_rows(draft_probs, gamma, logits.shape[-1])
     if uniforms is None:
         uniforms = RowUniforms.draw(gamma, generator)
     elif len(uniforms.accepts) != gamma:
         raise ValueError(f"{len(uniforms.accepts)} accept uniforms for {gamma} drafted tokens")
     accepts = uniforms.accepts  # [gamma] float32
-    q_rows = None if draft_probs is None else draft_probs.detach().numpy()[0]  # [γ, vocab]
     rows = logits[0]  # [gamma + 1, vocab]
     for j, token in enumerate(draft_tokens):
         p = row_probs(rows[j], params, search)  # row j's processed distribution
-        q = None if q_rows is None else q_rows[j]  # [vocab]
-        q_token = np.float32(1.0) if q is None else q[token]
+        q = None if q_rows is None else q_rows[j]  # [vocab] or its sparse row
+        q_token = np.float32(1.0) if q is None else _q_of(q, token)
         if accepts[j] * q_token < p.prob(token):  # float32, as the batched test
             continue
         weights = p.residual(token, q)
@@ -284,6 +284,29 @@ def verify_logits(
         return _emit(draft_tokens[:j], recovered, uniforms.sample, gamma)
     p = row_probs(rows[gamma], params, search)  # the bonus token's distribution
     return _emit(list(draft_tokens), p, uniforms.sample, gamma)
+
+
+def _q_rows(
+    draft_probs: torch.Tensor | Sequence[RowProbs] | None, gamma: int, vocab: int
+) -> np.ndarray | Sequence[RowProbs] | None:
+    """verify_logits's q rows: [gamma, vocab] numpy from a dense tensor, the sparse rows
+    as they are, None for a point mass."""
+    if draft_probs is None:
+        return None
+    if isinstance(draft_probs, torch.Tensor):
+        if tuple(draft_probs.shape) != (1, gamma, vocab):
+            raise ValueError(
+                f"draft_probs must be [1, {gamma}, vocab], got {tuple(draft_probs.shape)}"
+            )
+        return draft_probs.detach().numpy()[0]  # [gamma, vocab]
+    if len(draft_probs) != gamma:
+        raise ValueError(f"{len(draft_probs)} sparse q rows for {gamma} drafted tokens")
+    return draft_probs
+
+
+def _q_of(q: np.ndarray | RowProbs, token: int) -> np.float32:
+    """q(token) from a dense row or a sparse one (the same float32 value)."""
+    return q.prob(token) if isinstance(q, RowProbs) else q[token]
 
 
 def _accept_uniforms(gamma: int, generator: torch.Generator) -> np.ndarray:
