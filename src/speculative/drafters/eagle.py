@@ -25,6 +25,7 @@ from speculative.drafters.head_common import (
     draft_distribution,
     draw_from_logits,
     draw_without_replacement,
+    embedding_rows,
     true_feature_count,
 )
 from speculative.drafters.tree import DraftTree
@@ -138,9 +139,8 @@ class EagleDrafter(HeadDrafter):
         """Each feed's pairs (features[i], tokens[i]) at positions start + i -> its last
         prediction ([H] feature, [N] logits); the feeds of rows whose runners step
         together in one call, else one call each. The feeds' drafters count their calls."""
-        ids = [torch.tensor(list(f.tokens), dtype=torch.long) for f in feeds]
-        embeds = [f.owner.head.embedding[i] for f, i in zip(feeds, ids, strict=True)]
-        positions = [torch.arange(f.start, f.start + len(f.tokens)) for f in feeds]
+        embeds = [embedding_rows(f.owner.head.embedding, f.tokens) for f in feeds]
+        positions = [f.owner.positions(f.start, len(f.tokens)) for f in feeds]
         runners = [f.cache.runner for f in feeds]
         together = runners[0].together
         if len(feeds) > 1 and together is not None and all(r.together is together for r in runners):

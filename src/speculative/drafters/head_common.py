@@ -38,6 +38,8 @@ class HeadDrafter:
         self.target: FeatureSource | None = None
         self._calls = 0
         self._target_ids: np.ndarray | None = None  # [N] draft index -> target id
+        self._target_list: list[int] | None = None  # the same, as Python ints
+        self._arange = torch.arange(0)  # see positions
 
     @property
     def forward_calls(self) -> int:
@@ -70,7 +72,16 @@ class HeadDrafter:
         return row.on_ids(self._target_ids)
 
     def target_token(self, index: int) -> int:
-        return int(self.head.draft_to_target[index])
+        if self._target_list is None:
+            self._target_list = self.head.draft_to_target.tolist()
+        return self._target_list[index]
+
+    def positions(self, start: int, count: int) -> torch.Tensor:
+        """[count] int64 positions start .. start + count - 1: a view of a kept range
+        (one torch call where arange is two; each costs tens of µs right after a pass)."""
+        if self._arange.numel() < start + count:
+            self._arange = torch.arange(max(2 * self._arange.numel(), start + count))
+        return self._arange[start : start + count]
 
 
 def target_kernels(lm: object) -> object | None:
@@ -83,6 +94,15 @@ def nucleus_search(lm: object) -> NucleusSearch | None:
     """The target's top-p search where it has one (``SupportsNucleusSearch``: a pure
     function of a logits row, so it serves the head's draft-vocabulary rows too)."""
     return lm.nucleus if isinstance(lm, SupportsNucleusSearch) else None
+
+
+def embedding_rows(embedding: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+    """[len(tokens), H] rows of ``embedding`` [vocab, H]: a view for one token (a draft
+    step's), a gathered copy for several."""
+    if len(tokens) == 1:
+        token = tokens[0]
+        return embedding[token : token + 1]
+    return embedding[torch.tensor(list(tokens), dtype=torch.long)]
 
 
 def draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -183,6 +183,8 @@ class KernelEagleHead:
         self._free: list[int] = []
         self._lock = threading.RLock()  # slots are taken where drafters are built
         self._causal = torch.zeros(1, dtype=torch.uint8)  # mask stand-in: all causal
+        self._work_floats: dict[tuple[int, int], int] = {}  # (k, threads) -> floats
+        self._work_buffer = torch.empty(0)  # see _work
 
     def runner(self) -> KernelEagleRunner:
         """A runner over a cache slot of its own (freed when the runner is)."""
@@ -222,7 +224,7 @@ class KernelEagleHead:
         parallel region. [k, H]."""
         k, width = embeds.shape[0], self.config.hidden_size
         hidden = torch.empty(k, width)  # [k, H], updated in place by the forward after
-        embeds, features = embeds.float().contiguous(), features.float().contiguous()
+        embeds, features = _float_rows(embeds), _float_rows(features)
         self.library.spec_fused_linear(
             ctypes.byref(self._fc),
             embeds.data_ptr(),
@@ -243,9 +245,17 @@ class KernelEagleHead:
             raise ValueError(f"head cache overflow: {start} + {k} > {self.max_length}")
 
     def _work(self, k: int, threads: int) -> torch.Tensor:
-        lib = self.library
-        fused = lib.spec_fused_linear_work_floats(k, 2 * self.config.hidden_size) + 8
-        return torch.empty(max(fused, lib.spec_work_floats(self._model.pointer, k, threads)))
+        """A float32 work buffer for a step of k pairs on ``threads`` threads: kept and
+        grown (callers hold the lock), its size asked of the kernels once per shape."""
+        floats = self._work_floats.get((k, threads))
+        if floats is None:
+            lib = self.library
+            fused = lib.spec_fused_linear_work_floats(k, 2 * self.config.hidden_size) + 8
+            floats = max(fused, lib.spec_work_floats(self._model.pointer, k, threads))
+            self._work_floats[(k, threads)] = floats
+        if self._work_buffer.numel() < floats:
+            self._work_buffer = torch.empty(floats)
+        return self._work_buffer
 
     @torch.no_grad()
     def step(
@@ -267,7 +277,9 @@ class KernelEagleHead:
             work = self._work(k, threads)
             hidden = self._fuse(embeds, features, work, threads)
             logits = torch.empty(k, self.rows.out_features)
-            pos = positions.to(torch.int64).contiguous()
+            pos = positions
+            if pos.dtype != torch.int64 or not pos.is_contiguous():
+                pos = pos.to(torch.int64).contiguous()
             mask_bytes = None if mask is None else mask.to(torch.uint8).contiguous()
             self.library.spec_forward(
                 self._model.pointer,
@@ -376,6 +388,13 @@ class KernelEagleRunner:
         (shapes and mask as :meth:`EagleRunner.step`'s; a tree's mask may cover cached
         nodes that only their descendants see)."""
         return self.together.step(self, embeds, features, positions, mask)
+
+
+def _float_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as contiguous float32 (itself when it is: a call less per step)."""
+    if rows.dtype == torch.float32 and rows.is_contiguous():
+        return rows
+    return rows.float().contiguous()
 
 
 def _mask_window(mask: torch.Tensor | None, k: int, start: int) -> tuple[int, torch.Tensor | None]:
