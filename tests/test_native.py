@@ -825,45 +825,6 @@ def test_nucleus_search_leaves_sampled_generation_unchanged(
     assert calls["answered"] >= 0.9 * calls["asked"] > 0, calls
 
 
-def test_uniforms_drawn_before_the_pass_are_the_batched_rules(
-    tiny: tuple[LlamaForCausalLM, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The engine draws a round's verification uniforms before the target's pass
-    (``RowUniforms``) and verifies with the fast one-row rule; the batched ``verify``,
-    which draws its uniforms after the pass, given as the verifier, emits the same tokens
-    for the same seed, plain and with a draft model, so the draws came in verify's order.
-    Negative control: uniforms taken one draw late (the generator advanced by one draw
-    before each round's) change the tokens."""
-    import speculative.engine.batch as batch
-    from speculative.engine import SpeculativeEngine, StopCriteria
-    from speculative.sampling import RowUniforms, SamplingParams, verify
-
-    require_kernels()
-    _, folder = tiny
-    prompt = _ids(12, seed=5)[0].tolist()
-    target = load_native(folder, max_length=128, backend="kernels")
-    params = SamplingParams(temperature=0.9, top_p=0.95)
-
-    def run(drafter: object, seed: int, verifier: object = None) -> list[int]:
-        engine = SpeculativeEngine(target, drafter, 3, verifier=verifier)
-        stop = StopCriteria(max_new_tokens=32)
-        return engine.generate(prompt, params, stop, torch.Generator().manual_seed(seed)).token_ids
-
-    for seed in range(3):
-        for make in (lambda: None, lambda: _int4_drafter(folder)):
-            assert run(make(), seed) == run(make(), seed, verifier=verify), seed
-
-    def one_draw_late(
-        draft: object, params: object, generator: torch.Generator, verifier: object
-    ) -> RowUniforms:
-        torch.rand(1, generator=generator)
-        return RowUniforms.draw(len(draft.tokens), generator)
-
-    exact = [run(_int4_drafter(folder), seed) for seed in range(3)]
-    monkeypatch.setattr(batch, "draw_uniforms", one_draw_late)
-    assert [run(_int4_drafter(folder), seed) for seed in range(3)] != exact
-
-
 def _int4_drafter(folder: Path) -> object:
     from speculative.drafters import DraftModelDrafter
 

@@ -60,7 +60,6 @@ from speculative.engine.round import (
     accepted,
     commit_tokens,
     draft_length,
-    draw_uniforms,
     propose_draft,
     propose_drafts_together,
     verify_draft,
@@ -85,7 +84,7 @@ from speculative.models.session import (
     SlotPool,
     common_prefix_length,
 )
-from speculative.sampling import RowUniforms, SamplingParams
+from speculative.sampling import SamplingParams
 from speculative.theory import decayed_average
 
 ALPHA_PRIOR = 0.6  # running acceptance estimate: Beta prior mean ...
@@ -259,7 +258,6 @@ class _Planned:
     proposal: Proposal
     propose_seconds: float = 0.0  # this round's drafting time
     asked: int = 0  # the γ the row was asked to draft
-    uniforms: RowUniforms | None = None  # a chain's verification uniforms, drawn early
 
 
 def streamed_draft_cost(drafter: Drafter | None, target_bytes: int) -> float:
@@ -473,13 +471,7 @@ class BatchEngine:
                 seconds = time.perf_counter() - started
             if gamma > 0 or row.request.tree is not None:  # the drafter was asked
                 self._measure_propose(row, seconds, calls)
-            uniforms = None
-            if proposal.draft is not None:
-                request = row.request
-                uniforms = draw_uniforms(
-                    proposal.draft, request.params, request.generator, self.verifier
-                )
-            planned.append(_Planned(row, proposal, seconds, gamma, uniforms))
+            planned.append(_Planned(row, proposal, seconds, gamma))
         return planned
 
     def _proposals_together(
@@ -721,7 +713,7 @@ class BatchEngine:
                 best = self._fused_argmax.argmax_rows(logits)  # [1, drafted + 1] or None
             result = verify_draft(
                 proposal.draft, logits, request.params, request.generator, self.verifier, best,
-                self._nucleus, planned.uniforms,
+                self._nucleus,
             )  # fmt: skip
         emitted, num_accepted = accepted(result)
         if request.drafter is not None and proposal.tree is None:

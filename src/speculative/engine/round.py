@@ -25,7 +25,6 @@ from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import StopCriteria
 from speculative.models.base import RowInput
 from speculative.sampling import (
-    RowUniforms,
     SamplingParams,
     VerifyResult,
     logits_to_probs,
@@ -138,15 +137,13 @@ def verify_draft(
     verifier: Verifier | None = None,
     best: np.ndarray | None = None,  # [1, γ+1] the logits' argmax, when the model took it
     search: NucleusSearch | None = None,
-    uniforms: RowUniforms | None = None,
 ) -> VerifyResult:
     """Greedy check (temperature 0) or modified rejection sampling of one row's draft
     (``verify_logits``: verify's result from the logits, processing only the rows read).
     ``verifier`` replaces the exact rule: only the deliberately broken rules of negative
     controls go there; it is given one-hot argmax target rows when greedy. ``best``: the
     greedy check's argmax rows, taken by the target's forward (``SupportsFusedArgmax``);
-    ``search``: the target's top-p nucleus search (``SupportsNucleusSearch``);
-    ``uniforms``: the rule's uniforms, drawn before the pass (:func:`draw_uniforms`)."""
+    ``search``: the target's top-p nucleus search (``SupportsNucleusSearch``)."""
     if verifier is not None:
         drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
         probs = one_hot_argmax(logits) if params.greedy else logits_to_probs(logits, params)
@@ -156,18 +153,7 @@ def verify_draft(
             return verify_greedy_row(draft.tokens, best[0].tolist())
         drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
         return verify_greedy(drafted, logits, best)
-    return verify_logits(draft.tokens, draft.q, logits, params, generator, search, uniforms)
-
-
-def draw_uniforms(
-    draft: Draft, params: SamplingParams, generator: torch.Generator, verifier: Verifier | None
-) -> RowUniforms | None:
-    """The uniforms :func:`verify_draft` will use for ``draft`` under sampling with the
-    exact rule, drawn now, before the target's pass (the same values: nothing else reads
-    the row's generator in between); None where it draws none or the rule is replaced."""
-    if params.greedy or verifier is not None:
-        return None
-    return RowUniforms.draw(len(draft.tokens), generator)
+    return verify_logits(draft.tokens, draft.q, logits, params, generator, search)
 
 
 def accepted(result: VerifyResult | TreeVerifyResult) -> tuple[list[int], int]:

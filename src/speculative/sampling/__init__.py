@@ -22,7 +22,6 @@ from speculative.sampling.tree import (
     verify_tree_greedy,
 )
 from speculative.sampling.verify import (
-    RowUniforms,
     VerifyResult,
     residual,
     speculative_step,
@@ -34,7 +33,6 @@ from speculative.sampling.verify import (
 )
 
 __all__ = [
-    "RowUniforms",
     "SamplingParams",
     "TreeVerifyResult",
     "VerifyResult",

@@ -12,7 +12,6 @@ drafted token, so acceptance is p(x) and the residual is p with x removed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -228,23 +227,6 @@ def verify_greedy_row(drafted: list[int], best: list[int]) -> VerifyResult:
     return VerifyResult.of_row(best[: n + 1], len(drafted))
 
 
-@dataclass(frozen=True)
-class RowUniforms:
-    """One sequence's uniforms for :func:`verify_logits`, as :func:`verify` draws them for
-    a batch of one: γ float32 accept uniforms, then one float64 for the recovered or bonus
-    draw. Nothing reads a row's generator between its drafting and its verification, so
-    the engine draws them before the target's pass, with the same values: right after a
-    pass the interpreter's caches are cold and each torch call costs tens of µs."""
-
-    accepts: np.ndarray  # [gamma] float32
-    sample: float
-
-    @classmethod
-    def draw(cls, gamma: int, generator: torch.Generator) -> RowUniforms:
-        accepts = _accept_uniforms(gamma, generator)  # [gamma] float32
-        return cls(accepts, float(torch.rand(1, generator=generator, dtype=torch.float64)[0]))
-
-
 def verify_logits(
     draft_tokens: list[int],
     # [1, gamma, vocab], or gamma sparse rows of the same q, or None (point mass)
@@ -253,24 +235,20 @@ def verify_logits(
     params: SamplingParams,
     generator: torch.Generator,
     search: NucleusSearch | None = None,
-    uniforms: RowUniforms | None = None,
 ) -> VerifyResult:
     """``verify(tokens, draft_probs, logits_to_probs(logits, params), generator)`` for one
-    sequence, bit for bit, doing less: it draws the same uniforms (or takes them drawn
-    already: ``uniforms``, from the same generator state), processes the target's rows
-    only up to the first rejection (the rows after it are never read), one row at a time
-    and sparse where top-p cuts a nucleus (:class:`RowProbs`: p(x), the residual and the
-    recovered or bonus draw read the nucleus's entries only; ``search``, where the runtime
-    offers one, finds the nucleus: see :func:`row_probs`)."""
+    sequence, bit for bit, doing less: it draws the same uniforms, processes the target's
+    rows only up to the first rejection (the rows after it are never read), one row at a
+    time and sparse where top-p cuts a nucleus (:class:`RowProbs`: p(x), the residual and
+    the recovered or bonus draw read the nucleus's entries only; ``search``, where the
+    runtime offers one, finds the nucleus: see :func:`row_probs`). ``draft_probs`` may
+    also be the γ rows of q kept sparse (a head's top-p rows, ``Draft.rows``)."""
     gamma = len(draft_tokens)
     if logits.dim() != 3 or logits.shape[:2] != (1, gamma + 1):
         raise ValueError(f"logits must be [1, {gamma + 1}, vocab], got {tuple(logits.shape)}")
     q_rows = _q_rows(draft_probs, gamma, logits.shape[-1])
-    if uniforms is None:
-        uniforms = RowUniforms.draw(gamma, generator)
-    elif len(uniforms.accepts) != gamma:
-        raise ValueError(f"{len(uniforms.accepts)} accept uniforms for {gamma} drafted tokens")
-    accepts = uniforms.accepts  # [gamma] float32
+    accepts = _accept_uniforms(gamma, generator)  # [gamma] float32
+    sample_uniform = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
     rows = logits[0]  # [gamma + 1, vocab]
     for j, token in enumerate(draft_tokens):
         p = row_probs(rows[j], params, search)  # row j's processed distribution
@@ -281,9 +259,9 @@ def verify_logits(
         weights = p.residual(token, q)
         # p == q up to rounding leaves no residual mass: sample from p, as verify does
         recovered = p if weights.mass() <= 1e-12 else weights
-        return _emit(draft_tokens[:j], recovered, uniforms.sample, gamma)
+        return _emit(draft_tokens[:j], recovered, sample_uniform, gamma)
     p = row_probs(rows[gamma], params, search)  # the bonus token's distribution
-    return _emit(list(draft_tokens), p, uniforms.sample, gamma)
+    return _emit(list(draft_tokens), p, sample_uniform, gamma)
 
 
 def _q_rows(
