@@ -836,6 +836,13 @@ static inline int slot_visible(int s, int r, Visible v) {
     return s < v.base ? 1 : (v.mask ? v.mask[r * v.cols + (s - v.base)] : s - v.base <= r);
 }
 
+/* The slots [0, end) row r sees, every one of them: those before `base`, and for a causal
+ * row (no mask) the new slots up to its own too. A prefill (base 0) sees its whole prefix,
+ * so the vector loops below, which test nothing, cover it instead of the per-slot tests. */
+static inline int visible_prefix(int r, Visible v) {
+    return v.mask ? v.base : v.base + r + 1;
+}
+
 /* The value pass's vectors: 16 lanes in the AVX-512 build, 8 in the AVX2 one. Each lane
  * runs the same operations either way, so both builds give the same bits. */
 #if defined(__AVX512F__)
@@ -868,7 +875,11 @@ static inline __attribute__((always_inline)) void attention_values(
         for (int c = 0; c < NV; c++) acc[v][c] = VV(set1_ps)(0.0f);
     }
     /* the slots every pair sees (no visibility test in this loop) */
-    const int cached = vis.base < n ? vis.base : n;
+    int cached = n;
+    for (int v = 0; v < NP; v++) {
+        const int seen = visible_prefix(row[v], vis);
+        cached = seen < cached ? seen : cached;
+    }
     const float *value = values + j;
     for (int s = 0; s < cached; s++, value += d) {
         vvec vals[8];
@@ -903,15 +914,17 @@ static inline __attribute__((always_inline)) void attention_values(
 /* One pair's scores for slots s0 .. s1 - 1 (keys: slot s's key at keys + s * d), written to
  * w[s]: each the same two-chain dot as the pair alone would take (a0 over dimensions j, a1
  * over j + 8, j = 0, 16, ...), folded by hsum8. Four slots run side by side, sharing each
- * query load, so that eight independent FMA chains hide the FMA latency. Slots the pair
- * cannot see (at or after `start`) get 0, never read. */
+ * query load, so that eight independent FMA chains hide the FMA latency, over the slots
+ * the row sees without a test (visible_prefix); the rest one by one. Slots the pair
+ * cannot see get 0, never read. */
 static inline void attention_scores(const float *q, const float *keys, int d, int s0, int s1,
                                     int r, Visible vis, float *w) {
     int s = s0;
+    const int seen = visible_prefix(r, vis);  /* slots before it need no visibility test */
 #if defined(__AVX512F__)
     /* eight slots side by side, one zmm chain each: lanes 0-7 of a chain are a0's, lanes
      * 8-15 a1's (the same FMAs in the same order), so the same bits */
-    for (; s + 8 <= s1 && s + 8 <= vis.base; s += 8) {
+    for (; s + 8 <= s1 && s + 8 <= seen; s += 8) {
         __m512 a[8];
         for (int t = 0; t < 8; t++) a[t] = _mm512_setzero_ps();
         for (int j = 0; j < d; j += 16) {
@@ -927,7 +940,7 @@ static inline void attention_scores(const float *q, const float *keys, int d, in
         _mm_storeu_ps(w + s + 4, hsum8x4(h[4], h[5], h[6], h[7]));
     }
 #endif
-    for (; s + 4 <= s1 && s + 4 <= vis.base; s += 4) {
+    for (; s + 4 <= s1 && s + 4 <= seen; s += 4) {
         __m256 a0[4], a1[4];
         for (int t = 0; t < 4; t++) a0[t] = a1[t] = _mm256_setzero_ps();
         for (int j = 0; j < d; j += 16) {
@@ -963,14 +976,15 @@ static inline void attention_scores(const float *q, const float *keys, int d, in
 static inline void attention_weights(float *w, int n, int r, Visible vis) {
     __m256 lanes = _mm256_set1_ps(-INFINITY);
     int s = 0;
-    for (; s + 8 <= vis.base; s += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(w + s), lanes);
+    const int seen = visible_prefix(r, vis) < n ? visible_prefix(r, vis) : n;
+    for (; s + 8 <= seen; s += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(w + s), lanes);
     float spread[8], top = -INFINITY;
     _mm256_storeu_ps(spread, lanes);
     for (int i = 0; i < 8; i++) top = spread[i] > top ? spread[i] : top;
     for (; s < n; s++)
         if (slot_visible(s, r, vis)) top = w[s] > top ? w[s] : top;
     const __m256 shift = _mm256_set1_ps(top);
-    for (s = 0; s + 8 <= vis.base; s += 8) _mm256_storeu_ps(w + s, _mm256_sub_ps(_mm256_loadu_ps(w + s), shift));
+    for (s = 0; s + 8 <= seen; s += 8) _mm256_storeu_ps(w + s, _mm256_sub_ps(_mm256_loadu_ps(w + s), shift));
     for (; s < n; s++)
         if (slot_visible(s, r, vis)) w[s] -= top;
     exp_inplace(w, n);  /* lane-wise: the invisible slots' values are never read */
