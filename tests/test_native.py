@@ -721,6 +721,33 @@ def test_kernel_nucleus_is_the_sampling_layers_nucleus(vocab: int) -> None:
     assert differs > 0
 
 
+def test_kernel_nucleus_given_the_largest_logit_answers_the_same() -> None:
+    """Told where the row's largest logit is (the forward's fused argmax), spec_nucleus
+    skips its pass for it and answers the same row, bit for bit, or declines where it
+    declined; told a wrong index (a smaller logit, as a stale argmax would be) it declines
+    instead of answering from a wrong top; an index past the row is refused, not read."""
+    from speculative.models.native.ckernels import KernelNucleus, load_kernels
+
+    require_kernels()
+    search = KernelNucleus(load_kernels())
+    generator = torch.Generator().manual_seed(12)
+    compared = 0
+    for scale in (12.0, 5.0):
+        for _ in range(6):
+            row = torch.randn(49152, generator=generator) * scale
+            top = int(row.argmax())
+            for temperature, top_p in SEARCH_SETTINGS:
+                alone = search(row, temperature, top_p)
+                told = search(row, temperature, top_p, top)
+                assert (alone is None) == (told is None)
+                if alone is not None:
+                    compared += 1
+                    assert _same_row(told, alone)
+                assert search(row, temperature, top_p, int(row.argmin())) is None
+            assert search(row, 0.8, 0.95, row.numel()) is None
+    assert compared > 40
+
+
 def test_kernel_nucleus_declines_where_its_cut_is_uncertain() -> None:
     """spec_nucleus answers None (the sampling layer then cuts) where float rounding could
     move the cut: top_p within the margin of the mass through the cut, a logit a hair
