@@ -397,12 +397,11 @@ class FusedArgmax:
         a session hands on) -> [..., n] int64, the first index of each row's largest
         value, as ``view.argmax(-1)``; None for anything else or a row with a NaN."""
         shape = view.shape
-        if not shape or shape[-1] != self.vocab or view.dtype != torch.float32:
+        if not shape or shape[-1] != self.vocab or not view.is_contiguous():
             return None
-        offset = view.data_ptr() - self.start
         n = view.numel() // self.vocab
-        first, misaligned = divmod(offset, self.row_bytes)
-        if offset < 0 or misaligned or first + n > len(self.best) or not view.is_contiguous():
+        first = self._first_row(view, n)
+        if first is None:
             return None
         best = self.best[first : first + n]
         if min(best, default=0) < 0:
@@ -412,18 +411,19 @@ class FusedArgmax:
     def row(self, view: torch.Tensor) -> int:
         """The argmax of one [vocab] row of ``logits`` (a view of it): the index of its
         first largest value; -1 for any other tensor or a row with a NaN."""
+        if view.shape != (self.vocab,) or view.stride() != (1,):
+            return -1
+        first = self._first_row(view, 1)
+        return -1 if first is None else self.best[first]
+
+    def _first_row(self, view: torch.Tensor, n: int) -> int | None:
+        """The index of the first of ``n`` whole float32 rows of ``logits`` that ``view``
+        starts at, or None when it does not start at one or the n rows run past them."""
         offset = view.data_ptr() - self.start
         first, misaligned = divmod(offset, self.row_bytes)
-        if (
-            offset < 0
-            or misaligned
-            or first >= len(self.best)
-            or view.shape != (self.vocab,)
-            or view.dtype != torch.float32
-            or view.stride() != (1,)
-        ):
-            return -1
-        return self.best[first]
+        if offset < 0 or misaligned or first + n > len(self.best) or view.dtype != torch.float32:
+            return None
+        return first
 
 
 # kernels.c's NUCLEUS_MAX, and the largest nucleus the sampling layer renormalizes the way C
