@@ -37,8 +37,8 @@ class HeadDrafter:
         self.search = search  # the target's top-p search, for the head's rows too
         self.target: FeatureSource | None = None
         self._calls = 0
-        self._target_ids: np.ndarray | None = None  # [N] draft index -> target id
-        self._target_list: list[int] | None = None  # the same, as Python ints
+        self._target_ids = head.draft_to_target.numpy().astype(np.int64)  # [N] draft -> target
+        self._target_list: list[int] = self._target_ids.tolist()  # the same, as Python ints
         self._arange = torch.arange(0)  # see positions
 
     @property
@@ -67,13 +67,9 @@ class HeadDrafter:
         """A processed row over the N draft-vocabulary indices -> the same q over target
         token ids (sparse: the tokens outside the draft vocabulary have q 0), as
         :meth:`full_vocab` gives it densely."""
-        if self._target_ids is None:
-            self._target_ids = self.head.draft_to_target.numpy().astype(np.int64)  # [N]
         return row.on_ids(self._target_ids)
 
     def target_token(self, index: int) -> int:
-        if self._target_list is None:
-            self._target_list = self.head.draft_to_target.tolist()
         return self._target_list[index]
 
     def positions(self, start: int, count: int) -> torch.Tensor:

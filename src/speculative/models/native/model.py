@@ -439,7 +439,7 @@ class NativeLlama:
         return batch, k
 
     def _ensure_cache(self, batch: int) -> None:
-        taken = sorted(s for s in self._slot_lengths if s < batch) if self._slot_lengths else []
+        taken = sorted(s for s in self._slot_lengths if s < batch)
         if taken:
             raise ValueError(f"cache slot {taken[0]} is held by a batch row (forward_rows)")
         self._retained.clear()  # the single sequence writes slots [0, batch)
