@@ -748,6 +748,44 @@ def test_kernel_nucleus_given_the_largest_logit_answers_the_same() -> None:
     assert compared > 40
 
 
+def test_kernel_nucleus_on_two_threads_answers_as_on_one() -> None:
+    """spec_nucleus reads a row as two halves, on two threads where it is given them: the
+    answer is the same row, bit for bit, or the same decline, whatever the thread count,
+    for rows whose largest logit, nucleus members, NaN or infinity lie in either half
+    (1001 tokens: a second half with a scalar tail)."""
+    from speculative.models.native.ckernels import KernelNucleus, load_kernels
+
+    require_kernels()
+    search = KernelNucleus(load_kernels())
+    generator = torch.Generator().manual_seed(13)
+    answered = asked = 0
+    for vocab in (49152, 1001):
+        for scale in (12.0, 5.0):
+            for case in range(6):
+                row = torch.randn(vocab, generator=generator) * scale
+                late = vocab - 1 - case  # in the second half
+                if case == 1:
+                    row[late] = row.max() + 3.0  # the top in the second half
+                if case == 2:
+                    row[late] = float("nan")
+                if case == 3:
+                    row[late] = float("inf")
+                for temperature, top_p in SEARCH_SETTINGS:
+                    top = int(row.argmax()) if case not in (2, 3) else -1
+                    one = search(row, temperature, top_p, top, threads=1)
+                    two = search(row, temperature, top_p, top, threads=2)
+                    assert (one is None) == (two is None), (vocab, case, temperature)
+                    if case in (2, 3):
+                        assert two is None  # the second half's NaN or infinity
+                        continue
+                    asked += 1
+                    if one is not None:
+                        answered += 1
+                        assert _same_row(two, one)
+                        assert _same_row(two, _sampling_row(row, temperature, top_p))
+    assert answered >= 0.9 * asked, (answered, asked)
+
+
 def test_kernel_nucleus_declines_where_its_cut_is_uncertain() -> None:
     """spec_nucleus answers None (the sampling layer then cuts) where float rounding could
     move the cut: top_p within the margin of the mass through the cut, a logit a hair

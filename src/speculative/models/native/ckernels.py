@@ -85,7 +85,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 13
+ABI_VERSION = 14
 # "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
@@ -166,7 +166,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     library.spec_fused_linear.restype = None
     library.spec_nucleus.argtypes = [pointer, i64, i64, ctypes.c_float, ctypes.c_double]
     library.spec_nucleus.argtypes += [ctypes.c_double, ctypes.c_float, pointer, pointer, i32]
-    library.spec_nucleus.argtypes += [pointer, i64]
+    library.spec_nucleus.argtypes += [pointer, i64, i32]
     library.spec_nucleus.restype = i32
     library.spec_peak_fma.argtypes = [i32, i64]
     library.spec_peak_fma.restype = ctypes.c_double
@@ -448,20 +448,26 @@ class KernelNucleus:
         self._scratch = threading.local()  # this thread's _NucleusScratch
 
     def __call__(
-        self, logits: torch.Tensor, temperature: float, top_p: float, largest: int = -1
+        self,
+        logits: torch.Tensor,
+        temperature: float,
+        top_p: float,
+        largest: int = -1,
+        threads: int = 1,
     ) -> RowProbs | None:
         """logits: [vocab] float32 raw logits -> the top-p nucleus of
         softmax(logits / temperature), renormalized: ``row_probs``'s row, the same ids and
         bits; None where the sampling layer must cut it itself. ``largest``: the index of
         the row's largest logit where the caller knows it (the forward's fused argmax: the
-        search then reads the row once), else -1."""
+        search then reads the row once), else -1. ``threads``: how many threads (at most 2)
+        read the row; the answer is the same for any number."""
         if logits.dim() != 1 or logits.dtype != torch.float32 or not logits.is_contiguous():
             return None
         scratch = self._scratch_for(logits.shape[0])
         count = self.library.spec_nucleus(
             logits.data_ptr(), logits.shape[0], largest, temperature, top_p, NUCLEUS_MARGIN,
             NUCLEUS_GAP, scratch.kept_at, scratch.probs_at, NUCLEUS_MAX, scratch.entries_at,
-            scratch.capacity,
+            scratch.capacity, threads,
         )  # fmt: skip
         if count < 0:
             return None
@@ -797,7 +803,9 @@ class KernelDecoder(DecoderBase):
         """See :class:`KernelNucleus`; a row of the last forward's output comes with its
         fused argmax, so the search skips its pass for the largest logit."""
         largest = -1 if self._argmax is None else self._argmax.row(logits)
-        return self._nucleus_search(logits, temperature, top_p, largest)
+        return self._nucleus_search(
+            logits, temperature, top_p, largest, threads=torch.get_num_threads()
+        )
 
     def argmax_rows(self, logits: torch.Tensor) -> np.ndarray | None:
         """See :meth:`FusedArgmax.rows` (None before any forward)."""
