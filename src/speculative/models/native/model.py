@@ -268,7 +268,7 @@ class NativeLlama:
         if not rows:
             return []
         sizes = [row.input_ids.numel() for row in rows]
-        return list(zip(logits, features.split(sizes), strict=True))
+        return list(zip(logits, _split(features, sizes), strict=True))
 
     def _forward_rows(self, rows: Sequence[RowInput]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Per-row logits and the features [total, hidden] of the pass."""
@@ -277,13 +277,14 @@ class NativeLlama:
         segments = [self._segment(row) for row in rows]
         if len({row.slot for row in rows}) != len(rows):
             raise ValueError("a slot appears twice in one forward_rows call")
-        ids = torch.cat([row.input_ids.reshape(-1) for row in rows])  # [total]
-        hidden = self.embed[ids]  # [total, hidden], a copy the decoder updates in place
+        ids = rows[0].input_ids if len(rows) == 1 else torch.cat([row.input_ids for row in rows])
+        # [total, hidden], a copy the decoder updates in place
+        hidden = torch.index_select(self.embed, 0, ids)
         logits = self.decoder.forward_segments(hidden, segments)  # [wanted, vocab]
         for segment in segments:
             self._slot_lengths[segment.slot] = segment.start + segment.rows
             self._retained.pop(segment.slot, None)  # written: the last owner's data is gone
-        return list(logits.split([segment.logit_rows for segment in segments])), hidden
+        return _split(logits, [segment.logit_rows for segment in segments]), hidden
 
     def _segment(self, row: RowInput) -> Segment:
         start = self.slot_length(row.slot)
@@ -461,3 +462,9 @@ class NativeLlama:
         if positions.min() < 0 or positions.max() >= self._max_length:
             raise ValueError(f"position_ids must lie in [0, {self._max_length})")
         return positions
+
+
+def _split(rows: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """``rows.split(sizes)`` as a list; one part is ``rows`` itself, without the call (right
+    after a forward every torch call costs tens of microseconds on cold caches)."""
+    return [rows] if len(sizes) == 1 else list(rows.split(sizes))
