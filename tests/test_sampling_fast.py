@@ -10,6 +10,7 @@ import torch
 
 from speculative.sampling import (
     SamplingParams,
+    VerifyUniforms,
     logits_to_probs,
     residual,
     sample_from,
@@ -21,6 +22,7 @@ from speculative.sampling import (
 )
 from speculative.sampling.probs import (
     RowProbs,
+    float32,
     mask_top_k,
     mask_top_p,
     nucleus_probs,
@@ -313,6 +315,91 @@ def test_sparse_q_rows_read_as_the_dense_row():
     p = RowProbs(torch.softmax(torch.randn(4 * vocab, generator=generator), -1).numpy())
     token = int(moved.support[0])
     assert np.array_equal(p.residual(token, moved).values, p.residual(token, full.numpy()).values)
+
+
+def test_float32_rounds_sums_and_products_as_numpy():
+    """float32(a op b) for float32 operands is numpy's float32 result, for products,
+    differences and sums of probabilities over many magnitudes; the unrounded float64
+    result differs for most of them (the control)."""
+    generator = torch.Generator().manual_seed(21)
+    a = (torch.rand(4000, generator=generator, dtype=torch.float64) ** 8).float().numpy()
+    b = (torch.rand(4000, generator=generator, dtype=torch.float64) ** 3).float().numpy()
+    unrounded = 0
+    for x, y in zip(a.tolist(), b.tolist(), strict=True):
+        fx, fy = np.float32(x), np.float32(y)
+        assert float32(x * y) == float(fx * fy)
+        assert float32(x - y) == float(fx - fy)
+        assert float32(x + y) == float(fx + fy)
+        unrounded += x * y != float(fx * fy)
+    assert unrounded > 2000
+
+
+def test_rows_from_lists_read_as_rows_from_arrays():
+    """A row built from Python lists (as the kernels' top-p search returns it) answers
+    every read as the same row built from numpy arrays, bit for bit: p(x), the residual
+    against a point mass, a sparse q (of lists or arrays, small or not) and a dense q,
+    the mass, the draw, ``at`` and ``on_ids``. A residual taken in float64 without the
+    float32 rounding differs (the control)."""
+    generator = torch.Generator().manual_seed(22)
+    vocab = 3000
+    for size in (1, 5, 40):
+        for trial in range(5):
+            support = torch.randperm(vocab, generator=generator)[:size].sort().values
+            values = torch.softmax(torch.randn(size, generator=generator) * 3, -1)
+            arrays = RowProbs(values.numpy(), support.numpy())
+            lists = RowProbs.of_lists(values.tolist(), support.tolist())
+            assert np.array_equal(lists.values, arrays.values)
+            assert np.array_equal(lists.support, arrays.support)
+            token = int(support[trial % size])
+            assert lists.prob(token) == arrays.prob(token) == float(values[trial % size])
+            assert lists.prob(vocab) == 0.0
+            q = torch.softmax(torch.randn(vocab, generator=generator) * 2, -1)
+            q[support[: size // 2]] = values[: size // 2] * 1.5  # some q above p: clamped
+            wide = sparse_row(torch.where(torch.rand(vocab, generator=generator) < 0.5, q, 0))
+            for q_row in (None, q.numpy(), sparse_row(q), wide, _as_lists(sparse_row(q))):
+                want = arrays.residual(token, q_row)
+                got = lists.residual(token, q_row)
+                assert np.array_equal(got.values, want.values), (size, trial)
+                assert np.array_equal(got.support, want.support)
+                assert got.mass() == want.mass()
+            for u in torch.rand(20, generator=generator, dtype=torch.float64).tolist():
+                assert lists.draw(u) == arrays.draw(u)
+            ids = torch.randperm(vocab, generator=generator)[:30].sort().values.numpy()
+            assert np.array_equal(lists.at(ids), arrays.at(ids))
+            moved_ids = torch.randperm(4 * vocab, generator=generator)[:vocab].numpy()
+            moved = lists.on_ids(moved_ids, moved_ids.tolist())
+            want = arrays.on_ids(moved_ids)
+            assert np.array_equal(moved.values, want.values)
+            assert np.array_equal(moved.support, want.support)
+    p = RowProbs.of_lists([float32(0.3), float32(0.7)], [4, 9])
+    q = RowProbs.of_lists([float32(0.1)], [9])
+    unrounded = [p.prob(4), p.prob(9) - q.prob(9)]  # float64 differences: not numpy's
+    assert p.residual(4, q).values.tolist() != unrounded
+
+
+def _as_lists(row: RowProbs) -> RowProbs:
+    return RowProbs.of_lists(row.values.tolist(), row.support.tolist())
+
+
+def test_uniforms_drawn_ahead_verify_as_drawn_inside():
+    """verify_logits given the uniforms drawn ahead from a generator returns what it
+    returns drawing them itself from a generator in the same state, and both generators
+    end in the same state; a draw for another γ is refused."""
+    generator = torch.Generator().manual_seed(23)
+    params = SamplingParams(0.8, top_p=0.95)
+    for seed in range(20):
+        logits = logits_like_a_model(4, 500, generator)[None]  # [1, 4, vocab]
+        tokens = torch.randint(0, 500, (3,), generator=generator).tolist()
+        tokens[0] = int(logits[0, 0].argmax())
+        inside, ahead = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        want = verify_logits(tokens, None, logits, params, inside)
+        drawn = VerifyUniforms.draw(3, ahead)
+        got = verify_logits(tokens, None, logits, params, torch.Generator(), uniforms=drawn)
+        assert torch.equal(got.tokens, want.tokens), seed
+        assert torch.equal(torch.rand(2, generator=inside), torch.rand(2, generator=ahead))
+    with pytest.raises(ValueError, match="accept uniforms"):
+        short = VerifyUniforms(drawn.accepts[:2], drawn.sample)
+        verify_logits(tokens, None, logits, params, torch.Generator(), uniforms=short)
 
 
 def test_verify_logits_on_the_full_vocabulary_size():

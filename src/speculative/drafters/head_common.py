@@ -67,7 +67,7 @@ class HeadDrafter:
         """A processed row over the N draft-vocabulary indices -> the same q over target
         token ids (sparse: the tokens outside the draft vocabulary have q 0), as
         :meth:`full_vocab` gives it densely."""
-        return row.on_ids(self._target_ids)
+        return row.on_ids(self._target_ids, self._target_list)
 
     def target_token(self, index: int) -> int:
         return self._target_list[index]
@@ -130,7 +130,7 @@ def draw_from_logits(
     if params.greedy:
         return int(logits.detach().numpy().argmax()), None
     row = row_probs(logits, params, search)  # [N], sparse where top-p cuts
-    uniform = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])  # sample()'s
+    uniform = torch.rand(1, generator=generator, dtype=torch.float64).item()  # sample()'s
     return row.draw(uniform), row
 
 

@@ -31,6 +31,7 @@ import torch
 
 from speculative.capabilities import provides
 from speculative.drafters.base import (
+    Draft,
     Drafter,
     DraftsRowsTogether,
     ReadsTargetFeatures,
@@ -84,7 +85,7 @@ from speculative.models.session import (
     SlotPool,
     common_prefix_length,
 )
-from speculative.sampling import SamplingParams
+from speculative.sampling import SamplingParams, VerifyUniforms
 from speculative.theory import decayed_average
 
 ALPHA_PRIOR = 0.6  # running acceptance estimate: Beta prior mean ...
@@ -506,8 +507,7 @@ class BatchEngine:
             drafts = propose_drafts_together(lead, asks, states)
             share = (time.perf_counter() - started) / len(members)
             for (row, _), draft, before in zip(members, drafts, calls, strict=True):
-                request = row.session.request(row.state.sequence, draft.tokens)
-                out[row.row_id] = (Proposal(request, draft=draft), share, before)
+                out[row.row_id] = (self._chain_proposal(row, draft), share, before)
         return out
 
     def _trees_together(self, rows: list[BatchRow]) -> dict[int, tuple[Proposal, float, int]]:
@@ -627,7 +627,7 @@ class BatchEngine:
 
     def _proposal(self, row: BatchRow, gamma: int) -> Proposal:
         """The row's draft (chain of ``gamma`` tokens, or its tree) and the pass row."""
-        request, state, session = row.request, row.state, row.session
+        request, state = row.request, row.state
         if request.tree is not None:
             tree = request.tree.propose(
                 state.sequence, self.max_length, request.params, request.generator,
@@ -637,7 +637,19 @@ class BatchEngine:
         draft = propose_draft(
             request.drafter, gamma, state, self.max_length, request.params, request.generator
         )
-        return Proposal(session.request(state.sequence, draft.tokens), draft=draft)
+        return self._chain_proposal(row, draft)
+
+    def _chain_proposal(self, row: BatchRow, draft: Draft) -> Proposal:
+        """The pass row that scores ``draft`` after the row's sequence, and the uniforms
+        its verification will use, drawn now: right after the drafter's own draws, the
+        generator's code is warm (right after the pass it is not), and nothing draws from
+        the row's generator in between, so they are the values verification would draw."""
+        request = row.request
+        uniforms = None
+        if self.verifier is None and not request.params.greedy:
+            uniforms = VerifyUniforms.draw(len(draft.tokens), request.generator)
+        pass_row = row.session.request(row.state.sequence, draft.tokens)
+        return Proposal(pass_row, draft=draft, uniforms=uniforms)
 
     @staticmethod
     def _tree_proposal(row: BatchRow, tree: DraftTree) -> Proposal:
@@ -713,7 +725,7 @@ class BatchEngine:
                 best = self._fused_argmax.argmax_rows(logits)  # [1, drafted + 1] or None
             result = verify_draft(
                 proposal.draft, logits, request.params, request.generator, self.verifier, best,
-                self._nucleus,
+                self._nucleus, proposal.uniforms,
             )  # fmt: skip
         emitted, num_accepted = accepted(result)
         if request.drafter is not None and proposal.tree is None:

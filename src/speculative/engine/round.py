@@ -27,6 +27,7 @@ from speculative.models.base import RowInput
 from speculative.sampling import (
     SamplingParams,
     VerifyResult,
+    VerifyUniforms,
     logits_to_probs,
     one_hot_argmax,
     verify_greedy,
@@ -82,6 +83,7 @@ class Proposal:
     request: RowInput
     draft: Draft | None = None
     tree: DraftTree | None = None
+    uniforms: VerifyUniforms | None = None  # a sampled chain's, drawn with the draft
 
     @property
     def drafted(self) -> int:
@@ -137,13 +139,15 @@ def verify_draft(
     verifier: Verifier | None = None,
     best: np.ndarray | None = None,  # [1, γ+1] the logits' argmax, when the model took it
     search: NucleusSearch | None = None,
+    uniforms: VerifyUniforms | None = None,
 ) -> VerifyResult:
     """Greedy check (temperature 0) or modified rejection sampling of one row's draft
     (``verify_logits``: verify's result from the logits, processing only the rows read).
     ``verifier`` replaces the exact rule: only the deliberately broken rules of negative
     controls go there; it is given one-hot argmax target rows when greedy. ``best``: the
     greedy check's argmax rows, taken by the target's forward (``SupportsFusedArgmax``);
-    ``search``: the target's top-p nucleus search (``SupportsNucleusSearch``)."""
+    ``search``: the target's top-p nucleus search (``SupportsNucleusSearch``);
+    ``uniforms``: verify_logits's own, drawn ahead from ``generator``."""
     if verifier is not None:
         drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
         probs = one_hot_argmax(logits) if params.greedy else logits_to_probs(logits, params)
@@ -153,7 +157,7 @@ def verify_draft(
             return verify_greedy_row(draft.tokens, best[0].tolist())
         drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
         return verify_greedy(drafted, logits, best)
-    return verify_logits(draft.tokens, draft.q, logits, params, generator, search)
+    return verify_logits(draft.tokens, draft.q, logits, params, generator, search, uniforms)
 
 
 def accepted(result: VerifyResult | TreeVerifyResult) -> tuple[list[int], int]:

@@ -23,6 +23,7 @@ from speculative.sampling.tree import (
 )
 from speculative.sampling.verify import (
     VerifyResult,
+    VerifyUniforms,
     residual,
     speculative_step,
     verify,
@@ -36,6 +37,7 @@ __all__ = [
     "SamplingParams",
     "TreeVerifyResult",
     "VerifyResult",
+    "VerifyUniforms",
     "check_probs",
     "logits_to_probs",
     "mask_top_k",

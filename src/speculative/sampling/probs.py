@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+import struct
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -207,27 +207,103 @@ def _small_nuclei(values: np.ndarray, probs: np.ndarray, top_p: float) -> np.nda
     return (weights / total[:, None]).astype(np.float32)
 
 
-@dataclass(frozen=True)
+_FLOAT32 = struct.Struct("f")
+
+
+def float32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (ties to even), as a Python float. A sum,
+    difference or product of two float32 values taken in float64 and rounded once is
+    numpy's float32 result (53 >= 2 * 24 + 2 bits: the double rounding is innocuous)."""
+    return _FLOAT32.unpack(_FLOAT32.pack(x))[0]
+
+
+def _float32_q(q: np.ndarray | RowProbs | None) -> bool:
+    """Whether a residual's q takes the float32 plain-Python path (None: a point mass)."""
+    if q is None:
+        return True
+    return q._float32() if isinstance(q, RowProbs) else q.dtype == np.float32
+
+
 class RowProbs:
     """One processed next-token distribution, kept as the entries that may be nonzero:
     token ``support[i]`` has probability ``values[i]`` (ids increasing), every other
     token zero; ``support`` None means every token (a dense row). A top-p nucleus is tens
     of entries where the dense row has 49k, so whatever reads it reads tens: the accept
     test's p(x), the residual max(0, p - q) (zero wherever p is) and the inverse-CDF draw,
-    each giving the bits it gives on the dense row."""
+    each giving the bits it gives on the dense row.
 
-    values: np.ndarray  # [n] float32 (float64: a tree verifier's residual rows)
-    support: np.ndarray | None = None  # [n] int64 increasing token ids; None: all
+    A small row (at most ``SMALL_DRAW`` entries) is also held as Python lists, and read,
+    drawn from and subtracted in plain Python with numpy's float32 bits: right after a
+    forward each first numpy call costs tens of µs on cold caches, more than the
+    arithmetic. Rows built from lists (:meth:`of_lists`, as the kernels' top-p search
+    returns them) make their numpy arrays only when something asks for them."""
 
-    def prob(self, token: int) -> np.float32:
-        """p(token)."""
+    __slots__ = ("_support", "_support_list", "_value_list", "_values")
+
+    def __init__(self, values: np.ndarray, support: np.ndarray | None = None) -> None:
+        self._values: np.ndarray | None = values  # [n] float32 (float64: a tree verifier's
+        # residual rows)
+        self._support = support  # [n] int64 increasing token ids; None: all
+        self._value_list: list[float] | None = None
+        self._support_list: list[int] | None = None
+
+    @classmethod
+    def of_lists(cls, values: list[float], support: list[int]) -> RowProbs:
+        """A sparse float32 row from Python lists: ``values`` exactly float32 values,
+        ``support`` increasing token ids."""
+        row = cls.__new__(cls)
+        row._values = row._support = None
+        row._value_list, row._support_list = values, support
+        return row
+
+    @property
+    def values(self) -> np.ndarray:
+        """[n] the probabilities (float32; float64 for a tree verifier's residual rows)."""
+        if self._values is None:
+            self._values = np.array(self._value_list, dtype=np.float32)
+        return self._values
+
+    @property
+    def support(self) -> np.ndarray | None:
+        """[n] int64 increasing token ids; None: every token."""
+        if self._support is None and self._support_list is not None:
+            self._support = np.array(self._support_list, dtype=np.int64)
+        return self._support
+
+    def __len__(self) -> int:
+        return len(self._value_list) if self._value_list is not None else self.values.size
+
+    def __repr__(self) -> str:
+        return f"RowProbs(values={self.values!r}, support={self.support!r})"
+
+    def _lists(self) -> tuple[list[float], list[int] | None] | None:
+        """(values, support ids or None) as Python lists for a small row, else None."""
+        if self._value_list is None:
+            if self.values.size > SMALL_DRAW:
+                return None
+            self._value_list = self.values.tolist()
+            if self._support is not None:
+                self._support_list = self._support.tolist()
+        return self._value_list, self._support_list
+
+    def _float32(self) -> bool:
+        return self._values is None or self._values.dtype == np.float32
+
+    def prob(self, token: int) -> float:
+        """p(token), exactly the row's value (a float32 one for a float32 row)."""
         index = self._index(token)
-        return np.float32(0.0) if index is None else self.values[index]
+        if index is None:
+            return 0.0
+        small = self._lists()
+        return small[0][index] if small is not None else float(self.values[index])
 
     def residual(self, token: int, q: np.ndarray | RowProbs | None) -> RowProbs:
         """The unnormalized residual max(0, p - q); q: [vocab] float32 or a sparse row of
         the same q (the same values at every token), or None for a point mass at
         ``token`` (p with that token removed)."""
+        small = self._lists() if self._float32() and _float32_q(q) else None
+        if small is not None and small[1] is not None:
+            return self._small_residual(small[0], small[1], token, q)
         if q is None:
             values = self.values.copy()
             index = self._index(token)
@@ -241,22 +317,51 @@ class RowProbs:
             q_here = q if self.support is None else q[self.support]  # [n]
         return RowProbs(np.maximum(self.values - q_here, np.float32(0.0)), self.support)
 
+    def _small_residual(
+        self, values: list[float], ids: list[int], token: int, q: np.ndarray | RowProbs | None
+    ) -> RowProbs:
+        """:meth:`residual` of a small sparse float32 row and a float32 q in plain Python:
+        each p - q rounded to float32 once, then the maximum with 0, as numpy takes them."""
+        if q is None:
+            out = list(values)
+            index = self._index(token)
+            if index is not None:
+                out[index] = 0.0
+            return RowProbs.of_lists(out, ids)
+        if isinstance(q, RowProbs):
+            small_q = q._lists() is not None
+            q_here = [q.prob(i) for i in ids] if small_q else q.at(np.array(ids)).tolist()
+        else:
+            q_here = q[np.array(ids, dtype=np.int64)].tolist()
+        out = []
+        for p_value, q_value in zip(values, q_here, strict=True):
+            left = float32(p_value - q_value)
+            out.append(left if left > 0.0 else 0.0)
+        return RowProbs.of_lists(out, ids)
+
     def at(self, ids: np.ndarray) -> np.ndarray:
         """The probabilities of tokens ``ids`` ([n] int64), 0 outside the support, in this
         row's dtype."""
         if self.support is None:
             return self.values[ids]
-        if self.support.size <= SMALL_DRAW and ids.size <= SMALL_DRAW:  # plain Python
-            here = dict(zip(self.support.tolist(), self.values.tolist(), strict=True))
+        small = self._lists()
+        if small is not None and ids.size <= SMALL_DRAW:  # plain Python
+            here = dict(zip(small[1], small[0], strict=True))
             return np.array([here.get(i, 0.0) for i in ids.tolist()], dtype=self.values.dtype)
         index = np.searchsorted(self.support, ids)  # [n]
         index = np.minimum(index, self.support.size - 1)
         found = self.support[index] == ids
         return np.where(found, self.values[index], self.values.dtype.type(0))
 
-    def on_ids(self, ids: np.ndarray) -> RowProbs:
+    def on_ids(self, ids: np.ndarray, id_list: Sequence[int] | None = None) -> RowProbs:
         """This row over another vocabulary: entry i (token i here; every token when
-        dense) becomes token ``ids[i]`` there ([n] distinct int64), sorted by id."""
+        dense) becomes token ``ids[i]`` there ([n] distinct int64), sorted by id.
+        ``id_list``: the same ids as a Python list, for a small row's plain-Python path."""
+        small = self._lists() if id_list is not None and self._float32() else None
+        if small is not None:
+            here = range(len(small[0])) if small[1] is None else small[1]
+            moved = sorted(zip((id_list[i] for i in here), small[0], strict=True))
+            return RowProbs.of_lists([v for _, v in moved], [t for t, _ in moved])
         tokens = ids if self.support is None else ids[self.support]  # [n]
         order = np.argsort(tokens, kind="stable")
         return RowProbs(self.values[order], tokens[order])
@@ -264,8 +369,9 @@ class RowProbs:
     def mass(self) -> float:
         """The total weight, float64 (a small row's by ``math.fsum``, exactly rounded; it
         only decides whether a residual has any mass left)."""
-        if self.values.size <= SMALL_DRAW:
-            return math.fsum(self.values.tolist())
+        small = self._lists()
+        if small is not None:
+            return math.fsum(small[0])
         return float(self.values.sum(dtype=np.float64))
 
     def dense(self, size: int) -> torch.Tensor:
@@ -281,9 +387,10 @@ class RowProbs:
         running float64 sum is unchanged by adding 0.0, so the partial sums over the
         positive entries are the full cumsum's at those indices, and the first index whose
         partial sum exceeds u * total is a positive entry either way. A small row (a
-        typical nucleus) runs in plain Python: the same float64 additions, one numpy call."""
-        if self.values.size <= SMALL_DRAW:
-            return self._small_draw(uniform)
+        typical nucleus) runs in plain Python: the same float64 additions, no numpy call."""
+        small = self._lists()
+        if small is not None:
+            return self._small_draw(uniform, *small)
         if self.support is None and self.values.size > SPARSE_SAMPLE_LIMIT:
             # a dense row (temperature alone): the full cumsum, without first listing its
             # positive entries (a pass over 49k entries, 20 µs, that found nearly all)
@@ -296,28 +403,30 @@ class RowProbs:
         index = int(positive[min(int(np.searchsorted(cdf, target, side="right")), cdf.size - 1)])
         return index if self.support is None else int(self.support[index])
 
-    def _small_draw(self, uniform: float) -> int:
+    @staticmethod
+    def _small_draw(uniform: float, values: list[float], ids: list[int] | None) -> int:
         """:meth:`draw` in plain Python floats (float64, as numpy's cumsum adds them)."""
         positive, cdf, running = [], [], 0.0
-        for index, value in enumerate(self.values.tolist()):
+        for index, value in enumerate(values):
             if value > 0:
                 running += value
                 positive.append(index)
                 cdf.append(running)
         found = bisect.bisect_right(cdf, uniform * running)  # searchsorted(side="right")
         index = positive[min(found, len(cdf) - 1)]
-        return index if self.support is None else int(self.support[index])
+        return index if ids is None else ids[index]
 
     def _index(self, token: int) -> int | None:
         """Where ``token`` sits in ``values`` (None: outside the support)."""
-        if self.support is None:
+        small = self._lists()
+        ids = self.support if small is None else small[1]
+        if ids is None:
             return token
-        if self.support.size <= SMALL_DRAW:  # plain Python: no numpy call
-            ids = self.support.tolist()
+        if small is not None:  # plain Python: no numpy call
             index = bisect.bisect_left(ids, token)
             return index if index < len(ids) and ids[index] == token else None
-        index = int(np.searchsorted(self.support, token))
-        found = index < self.support.size and int(self.support[index]) == token
+        index = int(np.searchsorted(ids, token))
+        found = index < ids.size and int(ids[index]) == token
         return index if found else None
 
 

@@ -12,6 +12,7 @@ drafted token, so acceptance is p(x) and the residual is p with x removed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from speculative.sampling.probs import (
     NucleusSearch,
     RowProbs,
     check_probs,
+    float32,
     row_probs,
     sample_from,
 )
@@ -227,6 +229,23 @@ def verify_greedy_row(drafted: list[int], best: list[int]) -> VerifyResult:
     return VerifyResult.of_row(best[: n + 1], len(drafted))
 
 
+@dataclass(frozen=True)
+class VerifyUniforms:
+    """The uniforms :func:`verify_logits` draws for one row, in its order: γ float32 accept
+    uniforms (as Python floats), then one float64 for the recovered or bonus draw. A
+    caller may draw them ahead (:meth:`draw`) right after its drafter's own draws from the
+    same generator, where the generator's code is still warm: the same values, since
+    nothing draws in between."""
+
+    accepts: list[float]  # [γ]
+    sample: float
+
+    @classmethod
+    def draw(cls, gamma: int, generator: torch.Generator) -> VerifyUniforms:
+        accepts = _accept_uniforms(gamma, generator)
+        return cls(accepts, torch.rand(1, generator=generator, dtype=torch.float64).item())
+
+
 def verify_logits(
     draft_tokens: list[int],
     # [1, gamma, vocab], or gamma sparse rows of the same q, or None (point mass)
@@ -235,6 +254,7 @@ def verify_logits(
     params: SamplingParams,
     generator: torch.Generator,
     search: NucleusSearch | None = None,
+    uniforms: VerifyUniforms | None = None,
 ) -> VerifyResult:
     """``verify(tokens, draft_probs, logits_to_probs(logits, params), generator)`` for one
     sequence, bit for bit, doing less: it draws the same uniforms, processes the target's
@@ -242,19 +262,22 @@ def verify_logits(
     time and sparse where top-p cuts a nucleus (:class:`RowProbs`: p(x), the residual and
     the recovered or bonus draw read the nucleus's entries only; ``search``, where the
     runtime offers one, finds the nucleus: see :func:`row_probs`). ``draft_probs`` may
-    also be the γ rows of q kept sparse (a head's top-p rows, ``Draft.rows``)."""
+    also be the γ rows of q kept sparse (a head's top-p rows, ``Draft.rows``).
+    ``uniforms``: the ones it would draw from ``generator``, drawn ahead."""
     gamma = len(draft_tokens)
     if logits.dim() != 3 or logits.shape[:2] != (1, gamma + 1):
         raise ValueError(f"logits must be [1, {gamma + 1}, vocab], got {tuple(logits.shape)}")
     q_rows = _q_rows(draft_probs, gamma, logits.shape[-1])
-    accepts = _accept_uniforms(gamma, generator)  # [gamma] float32
-    sample_uniform = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
+    drawn = VerifyUniforms.draw(gamma, generator) if uniforms is None else uniforms
+    if len(drawn.accepts) != gamma:
+        raise ValueError(f"{len(drawn.accepts)} accept uniforms for {gamma} drafted tokens")
+    accepts, sample_uniform = drawn.accepts, drawn.sample  # [gamma] float32 values, float64
     rows = logits[0]  # [gamma + 1, vocab]
     for j, token in enumerate(draft_tokens):
         p = row_probs(rows[j], params, search)  # row j's processed distribution
         q = None if q_rows is None else q_rows[j]  # [vocab] or its sparse row
-        q_token = np.float32(1.0) if q is None else _q_of(q, token)
-        if accepts[j] * q_token < p.prob(token):  # float32, as the batched test
+        q_token = 1.0 if q is None else _q_of(q, token)
+        if float32(accepts[j] * q_token) < p.prob(token):  # float32, as the batched test
             continue
         weights = p.residual(token, q)
         # p == q up to rounding leaves no residual mass: sample from p, as verify does
@@ -282,17 +305,18 @@ def _q_rows(
     return draft_probs
 
 
-def _q_of(q: np.ndarray | RowProbs, token: int) -> np.float32:
+def _q_of(q: np.ndarray | RowProbs, token: int) -> float:
     """q(token) from a dense row or a sparse one (the same float32 value)."""
-    return q.prob(token) if isinstance(q, RowProbs) else q[token]
+    return q.prob(token) if isinstance(q, RowProbs) else float(q[token])
 
 
-def _accept_uniforms(gamma: int, generator: torch.Generator) -> np.ndarray:
+def _accept_uniforms(gamma: int, generator: torch.Generator) -> list[float]:
     """verify's [1, gamma] float32 accept uniforms for one row (the same values as a flat
-    draw of γ); none drawn for γ = 0 (an empty draw leaves the generator as it was)."""
+    draw of γ), as Python floats; none drawn for γ = 0 (an empty draw leaves the generator
+    as it was)."""
     if gamma == 0:
-        return np.zeros(0, dtype=np.float32)
-    return torch.rand(gamma, generator=generator, dtype=torch.float32).numpy()
+        return []
+    return torch.rand(gamma, generator=generator, dtype=torch.float32).tolist()
 
 
 def _emit(accepted: list[int], weights: RowProbs, uniform: float, gamma: int) -> VerifyResult:

@@ -471,7 +471,8 @@ class KernelNucleus:
         )  # fmt: skip
         if count < 0:
             return None
-        return RowProbs(scratch.probs[:count].copy(), scratch.kept[:count].astype(np.int64))
+        # lists straight from the C arrays: no numpy call on the caches a forward left cold
+        return RowProbs.of_lists(scratch.probs_c[:count], scratch.kept_c[:count])
 
     def _scratch_for(self, vocab: int) -> _NucleusScratch:
         """This thread's buffers, allocated once: a fresh 200 kB array would cost a mapping
@@ -492,6 +493,8 @@ class _NucleusScratch:
         self.entries = np.empty((vocab, 2), dtype=np.float64)
         self.capacity = vocab
         self.kept_at, self.probs_at = self.kept.ctypes.data, self.probs.ctypes.data
+        self.kept_c = (ctypes.c_int32 * NUCLEUS_MAX).from_buffer(self.kept)  # the same memory
+        self.probs_c = (ctypes.c_float * NUCLEUS_MAX).from_buffer(self.probs)
         self.entries_at = self.entries.ctypes.data
 
 
