@@ -722,7 +722,7 @@ class BatchEngine:
             assert proposal.draft is not None
             best = None
             if request.params.greedy and self._fused_argmax is not None:
-                best = self._fused_argmax.argmax_rows(logits)  # [1, drafted + 1] or None
+                best = self._fused_argmax.argmax_rows(logits)  # drafted + 1 ids or None
             result = verify_draft(
                 proposal.draft, logits, request.params, request.generator, self.verifier, best,
                 self._nucleus, proposal.uniforms,

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from speculative.drafters.base import Draft, Drafter, DraftsRowsTogether, RowAsk
@@ -137,7 +136,7 @@ def verify_draft(
     params: SamplingParams,
     generator: torch.Generator,
     verifier: Verifier | None = None,
-    best: np.ndarray | None = None,  # [1, γ+1] the logits' argmax, when the model took it
+    best: list[int] | None = None,  # [γ+1] the logits' argmax, when the model took it
     search: NucleusSearch | None = None,
     uniforms: VerifyUniforms | None = None,
 ) -> VerifyResult:
@@ -153,10 +152,10 @@ def verify_draft(
         probs = one_hot_argmax(logits) if params.greedy else logits_to_probs(logits, params)
         return verifier(drafted, draft.dense_probs(), probs, generator, validate=False)
     if params.greedy:
-        if best is not None and logits.shape[:2] == (1, len(draft.tokens) + 1):
-            return verify_greedy_row(draft.tokens, best[0].tolist())
+        if best is not None and len(best) == len(draft.tokens) + 1:
+            return verify_greedy_row(draft.tokens, best)
         drafted = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, -1)  # [1, γ]
-        return verify_greedy(drafted, logits, best)
+        return verify_greedy(drafted, logits)
     return verify_logits(draft.tokens, draft.q, logits, params, generator, search, uniforms)
 
 

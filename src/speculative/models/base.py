@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-import numpy as np
 import torch
 
 from speculative.sampling.probs import RowProbs
@@ -300,10 +299,11 @@ class SupportsFusedArgmax(Protocol):
     """A model whose forward also takes each logits row's argmax while computing the row
     (the native C kernels), so greedy verification need not read the logits again."""
 
-    def argmax_rows(self, logits: torch.Tensor) -> np.ndarray | None:
+    def argmax_rows(self, logits: torch.Tensor) -> list[int] | None:
         """[..., n, vocab] rows of the last forward's logits (any slice of consecutive
-        rows the sessions hand on) -> [..., n] int64, ``logits.argmax(-1)``; None when
-        ``logits`` are not such rows or the forward did not compute them."""
+        rows the sessions hand on) -> each row's argmax in row order,
+        ``logits.argmax(-1).flatten().tolist()``; None when ``logits`` are not such rows
+        or the forward did not compute them."""
         ...
 
 

@@ -392,10 +392,11 @@ class FusedArgmax:
         self.row_bytes = 4 * vocab
         self.start = logits.data_ptr()
 
-    def rows(self, view: torch.Tensor) -> np.ndarray | None:
+    def rows(self, view: torch.Tensor) -> list[int] | None:
         """[..., n, vocab] consecutive whole rows of ``logits`` (a view, such as the slice
-        a session hands on) -> [..., n] int64, the first index of each row's largest
-        value, as ``view.argmax(-1)``; None for anything else or a row with a NaN."""
+        a session hands on) -> the first index of each row's largest value, in row order,
+        as ``view.argmax(-1).flatten().tolist()``; None for anything else or a row with a
+        NaN."""
         shape = view.shape
         if not shape or shape[-1] != self.vocab or not view.is_contiguous():
             return None
@@ -404,9 +405,7 @@ class FusedArgmax:
         if first is None:
             return None
         best = self.best[first : first + n]
-        if min(best, default=0) < 0:
-            return None
-        return np.array(best, dtype=np.int64).reshape(tuple(shape[:-1]))
+        return None if min(best, default=0) < 0 else best
 
     def row(self, view: torch.Tensor) -> int:
         """The argmax of one [vocab] row of ``logits`` (a view of it): the index of its
@@ -810,6 +809,6 @@ class KernelDecoder(DecoderBase):
             logits, temperature, top_p, largest, threads=torch.get_num_threads()
         )
 
-    def argmax_rows(self, logits: torch.Tensor) -> np.ndarray | None:
+    def argmax_rows(self, logits: torch.Tensor) -> list[int] | None:
         """See :meth:`FusedArgmax.rows` (None before any forward)."""
         return None if self._argmax is None else self._argmax.rows(logits)

@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Generic, Protocol, TypeVar
 
-import numpy as np
 import torch
 
 from speculative.models.native.hugepages import zeros_on_huge_pages
@@ -199,7 +198,7 @@ class DecoderBase:
         logits = self.forward_segments(hidden.view(batch * k, width), segments)
         return logits.view(batch, k - logits_from, -1)
 
-    def argmax_rows(self, logits: torch.Tensor) -> np.ndarray | None:
+    def argmax_rows(self, logits: torch.Tensor) -> list[int] | None:
         """Each row's argmax as the last forward computed it, when ``logits`` are rows of
         that forward's output; None when this decoder does not compute it."""
         return None

@@ -25,7 +25,6 @@ import copy
 import warnings
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from speculative.models.base import RowInput, check_keep_slots, check_logits_from
@@ -335,7 +334,7 @@ class NativeLlama:
 
     __call__ = forward
 
-    def argmax_rows(self, logits: torch.Tensor) -> np.ndarray | None:
+    def argmax_rows(self, logits: torch.Tensor) -> list[int] | None:
         """See :class:`~speculative.models.base.SupportsFusedArgmax` (the C kernels)."""
         return self.decoder.argmax_rows(logits)
 
