@@ -217,13 +217,6 @@ def float32(x: float) -> float:
     return _FLOAT32.unpack(_FLOAT32.pack(x))[0]
 
 
-def _float32_q(q: np.ndarray | RowProbs | None) -> bool:
-    """Whether a residual's q takes the float32 plain-Python path (None: a point mass)."""
-    if q is None:
-        return True
-    return q._float32() if isinstance(q, RowProbs) else q.dtype == np.float32
-
-
 class RowProbs:
     """One processed next-token distribution, kept as the entries that may be nonzero:
     token ``support[i]`` has probability ``values[i]`` (ids increasing), every other
@@ -277,7 +270,8 @@ class RowProbs:
         return f"RowProbs(values={self.values!r}, support={self.support!r})"
 
     def _lists(self) -> tuple[list[float], list[int] | None] | None:
-        """(values, support ids or None) as Python lists for a small row, else None."""
+        """(values, support ids or None) as Python lists for a small row or one built from
+        lists, else None."""
         if self._value_list is None:
             if self.values.size > SMALL_DRAW:
                 return None
@@ -288,6 +282,13 @@ class RowProbs:
 
     def _float32(self) -> bool:
         return self._values is None or self._values.dtype == np.float32
+
+    @staticmethod
+    def _float32_operand(q: np.ndarray | RowProbs | None) -> bool:
+        """Whether a residual's q is float32 (None, a point mass, counts as such)."""
+        if q is None:
+            return True
+        return q._float32() if isinstance(q, RowProbs) else q.dtype == np.float32
 
     def prob(self, token: int) -> float:
         """p(token), exactly the row's value (a float32 one for a float32 row)."""
@@ -301,7 +302,7 @@ class RowProbs:
         """The unnormalized residual max(0, p - q); q: [vocab] float32 or a sparse row of
         the same q (the same values at every token), or None for a point mass at
         ``token`` (p with that token removed)."""
-        small = self._lists() if self._float32() and _float32_q(q) else None
+        small = self._lists() if self._float32() and self._float32_operand(q) else None
         if small is not None and small[1] is not None:
             return self._small_residual(small[0], small[1], token, q)
         if q is None:
