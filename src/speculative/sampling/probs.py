@@ -330,8 +330,9 @@ class RowProbs:
                 out[index] = 0.0
             return RowProbs.of_lists(out, ids)
         if isinstance(q, RowProbs):
-            small_q = q._lists() is not None
-            q_here = [q.prob(i) for i in ids] if small_q else q.at(np.array(ids)).tolist()
+            q_here = q._list_at(ids)
+            if q_here is None:  # a large q: one numpy lookup
+                q_here = q.at(np.array(ids, dtype=np.int64)).tolist()
         else:
             q_here = q[np.array(ids, dtype=np.int64)].tolist()
         out = []
@@ -345,14 +346,26 @@ class RowProbs:
         row's dtype."""
         if self.support is None:
             return self.values[ids]
-        small = self._lists()
-        if small is not None and ids.size <= SMALL_DRAW:  # plain Python
-            here = dict(zip(small[1], small[0], strict=True))
-            return np.array([here.get(i, 0.0) for i in ids.tolist()], dtype=self.values.dtype)
+        if ids.size <= SMALL_DRAW:  # plain Python where this row is small too
+            found = self._list_at(ids.tolist())
+            if found is not None:
+                return np.array(found, dtype=self.values.dtype)
         index = np.searchsorted(self.support, ids)  # [n]
         index = np.minimum(index, self.support.size - 1)
         found = self.support[index] == ids
         return np.where(found, self.values[index], self.values.dtype.type(0))
+
+    def _list_at(self, ids: list[int]) -> list[float] | None:
+        """The values at tokens ``ids`` (0 outside the support) as Python floats, read
+        from a small row's lists; None for a large row."""
+        small = self._lists()
+        if small is None:
+            return None
+        values, support = small
+        if support is None:
+            return [values[i] for i in ids]
+        here = dict(zip(support, values, strict=True))
+        return [here.get(i, 0.0) for i in ids]
 
     def on_ids(self, ids: np.ndarray, id_list: Sequence[int] | None = None) -> RowProbs:
         """This row over another vocabulary: entry i (token i here; every token when
