@@ -489,6 +489,69 @@ def test_kernels_match_torch_reference(tmp_path: Path, precision: str) -> None:
             assert cosine > minimum, f"{precision}: cosine {cosine:.5f}"
 
 
+def test_half_float_cache_holds_each_key_and_value_rounded_once(
+    tiny: tuple[LlamaForCausalLM, Path], backend: str
+) -> None:
+    """A half-float KV cache stores float32's keys and values rounded to nearest even
+    (torch's float -> half): the first layer's, which no cached value has touched yet, are
+    bit for bit the float32 cache's rounded; the logits stay within half-float rounding
+    of the float32 cache's."""
+    _, folder = tiny
+    ids = _ids(90, seed=21)  # more than one 64-slot chunk of the tiles' score pass
+    full = load_native(folder, max_length=128, backend=backend, kv_cache="fp32")
+    half = load_native(folder, max_length=128, backend=backend, kv_cache="fp16")
+    assert (full.kv_cache, half.kv_cache) == ("fp32", "fp16")
+    want, got = full.forward(ids[:, :80]), half.forward(ids[:, :80])
+    assert half.decoder.k_cache.dtype == torch.float16
+    exact, rounded = _slot_cache(full, 0, 80), _slot_cache(half, 0, 80)
+    assert torch.equal(rounded[:, 0], exact[:, 0].half())  # [2, kv, len, d]: layer 0
+    assert not torch.equal(rounded[:, 1:].float(), exact[:, 1:])  # it did round
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+    for chunk in (slice(80, 81), slice(81, 86)):  # a decode step, a block
+        torch.testing.assert_close(half.forward(ids[:, chunk]), full.forward(ids[:, chunk]),
+                                   atol=2e-2, rtol=0)  # fmt: skip
+
+
+def test_half_float_cache_kernels_match_torch_reference(tmp_path: Path) -> None:
+    """The C decoder reading a half-float cache (one-row steps, tiles whose keys it widens
+    chunk by chunk, a tree mask, two sequences' tiles in one pass) against the PyTorch
+    decoder on the same cache type: float32 weights, so they agree to float32 noise."""
+    require_kernels()
+    _tiny_llama(tmp_path)
+    ids = _ids(100, seed=12)
+    fast = load_native(tmp_path, max_length=128, backend="kernels", kv_cache="fp16")
+    slow = load_native(tmp_path, max_length=128, backend="torch", kv_cache="fp16")
+    for chunk in (slice(0, 70), slice(70, 71), slice(71, 76)):  # prefill, step, block
+        a, b = fast.forward(ids[:, chunk]), slow.forward(ids[:, chunk])
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    depth = torch.tensor([0, 1, 1]) + 76
+    tree = [m.forward(ids[:, 76:79], attention_mask=mask, position_ids=depth) for m in (fast, slow)]
+    torch.testing.assert_close(tree[0], tree[1], atol=1e-4, rtol=1e-4)
+    rows = {}
+    for name, model in (("fast", fast), ("slow", slow)):
+        model.reset()
+        slots = [model.acquire_slot(), model.acquire_slot()]
+        model.forward_rows([RowInput(slots[0], ids[0, :66]), RowInput(slots[1], ids[0, 10:80])])
+        rows[name] = model.forward_rows(
+            [RowInput(slots[0], ids[0, 66:70]), RowInput(slots[1], ids[0, 80:83])]
+        )
+    for a, b in zip(rows["fast"], rows["slow"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_kv_cache_types_and_their_errors(tiny: tuple[LlamaForCausalLM, Path]) -> None:
+    from speculative.models.native.model import kv_cache_dtype
+
+    assert kv_cache_dtype("fp32") == torch.float32
+    assert [kv_cache_dtype(p) for p in ("bf16", "int8", "int4")] == [torch.float16] * 3
+    assert kv_cache_dtype("int4", "fp32") == torch.float32
+    assert kv_cache_dtype("fp32", "fp16") == torch.float16
+    _, folder = tiny
+    with pytest.raises(ValueError, match="KV cache type 'int8'"):
+        load_native(folder, max_length=16, kv_cache="int8")
+
+
 def test_missing_compiler_falls_back_to_torch(
     tiny: tuple[LlamaForCausalLM, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -597,7 +660,9 @@ def test_self_drafter_starts_from_the_target_prefill(
         drafter = DraftModelDrafter(draft, VOCAB, f"self-{precision}", follow_target=follow)
         result = run(drafter)
         assert result.token_ids == plain, f"follow_target={follow}"
-        assert result.stats.acceptance_rate > 0.3
+        # a draft from a cache the target's prefill did not fill would be a guess: about
+        # 1 / VOCAB; int4 weights and a half-float cache on this random tiny model: 0.28-0.5
+        assert result.stats.acceptance_rate > 0.2
     # following the target: the prompt cache is copied, not fed through a draft pass
     draft = load_native(folder, precision, max_length=128, backend=backend)
     drafter = DraftModelDrafter(draft, VOCAB, "self", follow_target=True)

@@ -30,6 +30,7 @@ class BatchJob:
     target: str = "default"
     runtime: str = "auto"
     precision: str = "auto"
+    kv_cache: str = "auto"  # the native runtime's KV cache (see load_target)
     draft: str | None = "ngram"
     gamma: int | str = 4
     chat: bool | None = None
@@ -55,7 +56,9 @@ class RowDecoder:
 
         self.job = job
         self.gamma = parse_gamma(job.gamma)
-        self.loaded = loaded or load_target(job.target, job.runtime, job.precision)
+        self.loaded = loaded or load_target(
+            job.target, job.runtime, job.precision, kv_cache=job.kv_cache
+        )
         if not isinstance(self.loaded.lm, SupportsBatchRows):
             raise ValueError(
                 "batched generation (--prompts) needs a runtime with cache slots (native or hf)"

@@ -90,6 +90,7 @@ def load_target(
     runtime: str = "auto",
     precision: str = "auto",
     native_backend: str = "auto",
+    kv_cache: str = "auto",
 ) -> LoadedModel:
     """Load a target model by name, folder, .gguf file or hub id (offline-aware).
 
@@ -101,6 +102,9 @@ def load_target(
     this precision.
     native_backend: the native runtime's decoder: "kernels" (C), "torch", or "auto"
     (the kernels when they build here).
+    kv_cache: the native runtime's KV cache: "fp32", "fp16" (keys and values rounded to
+    half once when stored), or "auto" (fp32 for an fp32 model, fp16 for bf16, int8 and
+    int4, as llama.cpp keeps it); transformers keeps its own cache (only "auto").
     """
     from speculative.models.loading import resolve_model, stored_precision
 
@@ -114,7 +118,11 @@ def load_target(
         if runtime == "hf" and precision not in HF_PRECISIONS:
             precision = "fp32"  # transformers runs the file's values in float32
     if runtime == "native":
-        return _load_native_target(resolved, precision, native_backend)
+        return _load_native_target(resolved, precision, native_backend, kv_cache)
+    if kv_cache != "auto":
+        raise ValueError(
+            f"--kv-cache {kv_cache} is for the native runtime; transformers keeps its own cache"
+        )
     return _load_hf_target(resolved, precision)
 
 
@@ -159,12 +167,15 @@ def hf_loaded(hf: Any, precision: str = "fp32", eos: frozenset[int] | None = Non
     )
 
 
-def _load_native_target(resolved: Any, precision: str, backend: str) -> LoadedModel:
+def _load_native_target(resolved: Any, precision: str, backend: str, kv_cache: str) -> LoadedModel:
     from speculative.models.loading import load_tokenizer
     from speculative.models.native import PRECISIONS, load_native
+    from speculative.models.native.model import KV_CACHES
 
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"unknown KV cache {kv_cache!r}; choose one of {', '.join(KV_CACHES)}")
     tokenizer = load_tokenizer(resolved)
     if tokenizer is None:
         raise ValueError(f"model '{resolved.name}' ships no tokenizer; text generation needs one")
@@ -173,7 +184,7 @@ def _load_native_target(resolved: Any, precision: str, backend: str) -> LoadedMo
         # int4 runs a GGUF's Q4 weights exactly as stored; other precisions load the
         # converted float folder (much faster to read than the GGUF).
         source = resolved.source_gguf if other == "int4" and resolved.source_gguf else resolved.path
-        return load_native(source, precision=other, backend=backend)
+        return load_native(source, precision=other, backend=backend, kv_cache=kv_cache)
 
     lm = variant(precision)
     config = _read_config(resolved.path)

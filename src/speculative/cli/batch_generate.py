@@ -72,6 +72,7 @@ def job_from_args(args: argparse.Namespace) -> BatchJob:
         target=args.target,
         runtime=args.runtime,
         precision=args.precision,
+        kv_cache=args.kv_cache,
         draft=args.draft,
         gamma=parse_gamma(args.gamma),
         chat=args.chat,

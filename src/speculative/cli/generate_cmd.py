@@ -74,6 +74,19 @@ def add_model_arguments(
         "stored, bf16 checkpoints bf16, else fp32), fp32, bf16; native also int8, int4. "
         "Speculation is exact with respect to the target at this precision",
     )
+    add_kv_cache_argument(parser)
+
+
+def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-cache",
+        choices=["auto", "fp32", "fp16"],
+        default="auto",
+        help="KV cache of the native runtime: auto (fp32 for an fp32 target, else fp16, as "
+        "llama.cpp keeps it), fp32, or fp16 (keys and values rounded to half once when "
+        "stored: half the bytes attention reads each step; speculation stays exact "
+        "with respect to the target as it runs)",
+    )
 
 
 def add_tree_argument(parser: argparse.ArgumentParser) -> None:
@@ -211,7 +224,14 @@ def load_speculator(args: argparse.Namespace):
 
     gamma = parse_gamma(args.gamma)
     return Speculator.load(
-        args.target, args.draft, gamma, args.runtime, args.precision, args.tree, args.tree_budget
+        args.target,
+        args.draft,
+        gamma,
+        args.runtime,
+        args.precision,
+        args.tree,
+        args.tree_budget,
+        kv_cache=args.kv_cache,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 from speculative.cli.common import Formatter, add_json_flag, emit_json, positive_int
@@ -57,6 +58,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--precision",
         default="auto",
         help="target weight precision (auto: the model's own, e.g. int4 for a Q4 GGUF)",
+    )
+    parser.add_argument(
+        "--kv-cache",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "fp32", "fp16"],
+        help="native runtime KV cache(s): auto (fp32 for an fp32 target, else fp16), fp32, "
+        "fp16; several are measured side by side (a long --context shows the difference)",
     )
     parser.add_argument(
         "--drafters", nargs="*", default=["ngram"], help="drafters whose cost c to measure"
@@ -117,11 +126,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     targets = []
     for runtime in dict.fromkeys(args.runtime):
-        backends = dict.fromkeys(args.backend) if runtime != "hf" else ["auto"]
-        for backend in backends:
-            label = runtime if runtime == "hf" else f"{runtime}, {backend}"
+        native = runtime != "hf"
+        backends = dict.fromkeys(args.backend) if native else ["auto"]
+        caches = dict.fromkeys(args.kv_cache) if native else ["auto"]
+        for backend, kv_cache in itertools.product(backends, caches):
+            label = runtime if not native else f"{runtime}, {backend}, KV cache {kv_cache}"
             print(f"loading {args.target} ({label}, {args.precision}) ...", file=sys.stderr)
-            targets.append(load_target(args.target, runtime, args.precision, backend))
+            targets.append(load_target(args.target, runtime, args.precision, backend, kv_cache))
     context = probe_context(targets[0].lm.vocab_size, args.context)
     ks = list(range(1, args.max_k + 1))
     print(f"timing k = 1..{args.max_k} ({args.repeats} interleaved rounds) ...", file=sys.stderr)
@@ -201,13 +212,16 @@ def measure_overheads(target: object, drafters: dict, args: argparse.Namespace) 
 
 
 def kernels_of(lm: object) -> dict[str, str]:
-    """Which kernels run a native model's layers, and (C kernels) on which pages their
-    weights live (empty for other runtimes)."""
+    """Which kernels run a native model's layers, (C kernels) on which pages their
+    weights live, and its KV cache's element type (empty for other runtimes)."""
     decoder = getattr(lm, "decoder", None)
     kernels = dict(getattr(decoder, "kernels", {}))
     pages = getattr(decoder, "weight_pages", None)
     if pages is not None:
         kernels["weights"] = pages()
+    kv_cache = getattr(lm, "kv_cache", None)  # the native runtime's cache element type
+    if kv_cache is not None:
+        kernels["kv_cache"] = f"KV cache {kv_cache}"
     return kernels
 
 

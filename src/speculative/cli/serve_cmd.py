@@ -7,6 +7,7 @@ import os
 import sys
 
 from speculative.cli.common import CliError, Formatter, positive_int
+from speculative.cli.generate_cmd import add_kv_cache_argument
 from speculative.cli.serve_ray import add_replica_arguments, serve_replicas, uses_ray
 
 DESCRIPTION = """\
@@ -61,6 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--precision", default="auto", help="target precision (auto, fp32, bf16, int8, int4)"
     )
+    add_kv_cache_argument(parser)
     parser.add_argument(
         "--runtime",
         choices=["native", "hf"],
@@ -130,6 +132,7 @@ def build_config(args: argparse.Namespace):
         drafts=drafts,
         gamma=args.gamma,
         precision=args.precision,
+        kv_cache=args.kv_cache,
         runtime=args.runtime,
         max_batch=args.max_batch,
         served_model_name=args.served_model_name,

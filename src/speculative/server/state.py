@@ -33,6 +33,7 @@ class ServerConfig:
     gamma: int | str = 4  # or "auto": per-row γ chosen for the load (LoadAwareGamma)
     runtime: str = "native"
     precision: str = "auto"
+    kv_cache: str = "auto"  # the native runtime's KV cache (see load_target)
     max_batch: int = 8
     served_model_name: str | None = None  # default: the target's name
     api_key: str | None = None
@@ -184,7 +185,10 @@ def load_state(config: ServerConfig, compute: ComputeThread | None = None) -> Se
     compute = compute or ComputeThread()
 
     def load() -> ServerState:
-        return build_state(config, load_target(config.target, config.runtime, config.precision))
+        loaded = load_target(
+            config.target, config.runtime, config.precision, kv_cache=config.kv_cache
+        )
+        return build_state(config, loaded)
 
     state = compute.call(load)
     state.compute = compute

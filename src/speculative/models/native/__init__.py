@@ -16,6 +16,7 @@ def load_native(
     max_length: int = 2048,
     backend: str = "auto",
     max_slots: int = 64,
+    kv_cache: str = "auto",
 ) -> NativeLlama:
     """Load a HF folder (config.json + *.safetensors) or a .gguf file as a NativeLlama.
 
@@ -24,6 +25,8 @@ def load_native(
     backend: "kernels" (the C decoder), "torch" (PyTorch ops) or "auto" (the kernels when
     they build here, else torch with a warning).
     max_slots: most sequences the cache holds at once (batched decoding).
+    kv_cache: the cache's element type, "fp32", "fp16" or "auto" (fp32 for an fp32 model,
+    fp16 otherwise; see :func:`~speculative.models.native.model.kv_cache_dtype`).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
@@ -33,6 +36,7 @@ def load_native(
         max_length=max_length,
         backend=backend,
         max_slots=max_slots,
+        kv_cache=kv_cache,
     )
 
 

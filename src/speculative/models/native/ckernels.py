@@ -85,7 +85,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 14
+ABI_VERSION = 15
 # "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
@@ -252,7 +252,7 @@ class _Model(ctypes.Structure):
         ("vocab", ctypes.c_int32),
         ("max_length", ctypes.c_int32),
         ("eps", ctypes.c_float),
-        ("pad_", ctypes.c_int32),
+        ("kv_f16", ctypes.c_int32),
         ("layers", ctypes.c_void_p),
         ("final_norm", ctypes.c_void_p),
         ("lm_head", _Linear),
@@ -611,6 +611,7 @@ def kernel_model(
     lm_head: KernelLinear,
     cos: torch.Tensor,  # [max_length, head_dim / 2] float32
     sin: torch.Tensor,  # [max_length, head_dim / 2] float32
+    kv_f16: bool = False,  # the KV cache it reads and writes holds float16 (else float32)
 ) -> KernelModel:
     """The ``Model`` struct of a stack of packed decoder layers and an output head."""
     layer_array = (_Layer * len(layers))(*(_layer_struct(layer) for layer in layers))
@@ -624,7 +625,7 @@ def kernel_model(
         vocab=lm_head.out_features,
         max_length=cos.shape[0],
         eps=eps,
-        pad_=0,
+        kv_f16=int(kv_f16),
         layers=ctypes.addressof(layer_array),
         final_norm=_address(final_norm),
         lm_head=lm_head.struct(),
@@ -656,7 +657,10 @@ class KernelDecoder(DecoderBase):
         rotations: torch.Tensor,  # [max_length, head_dim / 2] complex64
         precision: str,
         library: ctypes.CDLL,
+        kv_dtype: torch.dtype = torch.float32,  # the cache's elements: float32 or float16
     ) -> None:
+        if kv_dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"the kernels keep a float32 or float16 KV cache, not {kv_dtype}")
         problem = kernel_shape_problem(
             config.hidden_size, config.intermediate_size, config.q_size, config.head_dim
         )
@@ -665,6 +669,7 @@ class KernelDecoder(DecoderBase):
         super().__init__()
         self.slot_dim = 0
         self.config = config
+        self.kv_dtype = kv_dtype
         self.layers = [
             PackedLayer.pack(w, functools.partial(KernelLinear.pack, precision=precision))
             for w in layers
@@ -704,6 +709,7 @@ class KernelDecoder(DecoderBase):
             lm_head=self.lm_head,
             cos=self._cos,
             sin=self._sin,
+            kv_f16=self.kv_dtype == torch.float16,
         )
         self._layer_array, self._model = model.layer_array, model.struct
         self._argmax: FusedArgmax | None = None  # the last forward's

@@ -98,6 +98,7 @@ class DecoderBase:
     v_cache: torch.Tensor
     kernels: dict[str, str]  # what runs the layers, for reports (e.g. weight shape -> kernel)
     library: object | None = None  # the C kernel library running the layers, if any
+    kv_dtype: torch.dtype = torch.float32  # the cache's elements: float32 or float16
 
     def __init__(self) -> None:
         self.kernels = {}
@@ -142,7 +143,8 @@ class DecoderBase:
         if batch == self._batch:
             return
         shape = self.cache_shape(batch)
-        k_cache, v_cache = zeros_on_huge_pages(shape), zeros_on_huge_pages(shape)
+        k_cache = zeros_on_huge_pages(shape, self.kv_dtype)
+        v_cache = zeros_on_huge_pages(shape, self.kv_dtype)
         kept = min(batch, self._batch)
         for new, old in ((k_cache, self.k_cache), (v_cache, self.v_cache)):
             if kept:

@@ -56,7 +56,7 @@ typedef struct {
 typedef struct {
     int32_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, max_length;
     float eps;
-    int32_t pad_;
+    int32_t kv_f16;  /* the KV cache holds IEEE half floats (else float32): see "the KV cache" */
     const Layer *layers;
     const float *final_norm;  /* [hidden], or NULL: the head reads the residual stream */
     Linear lm_head;
@@ -64,7 +64,7 @@ typedef struct {
     const float *sin;  /* [max_length, head_dim / 2] */
 } Model;
 
-int spec_abi_version(void) { return 14; }
+int spec_abi_version(void) { return 15; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 const char *spec_isa(void) { return "avx512"; }
@@ -774,11 +774,54 @@ static void silu_mul(const float *gate_up, int rows, int inter, float *act) {
     }
 }
 
+/* ---- the KV cache ---------------------------------------------------------------- */
+/* A cache holds float32 values, or IEEE half floats (Model.kv_f16): a key or value is
+ * rounded to half once, to nearest even (F16C's vcvtps2ph, torch's float -> half), when it
+ * is stored, and widened exactly when attention reads it, so every reader sees the same
+ * value. Half the bytes: attention streams a sequence's whole cache every step, which at
+ * a 1,000-token context costs as much as the int4 weights. Pointers to a cache are void;
+ * offsets count elements. The functions that read a cache take `f16` as a constant
+ * (always inlined from a dispatch on m->kv_f16), so each element type gets its own loops. */
+static inline __attribute__((always_inline)) void *kv_at(void *cache, size_t elements, int f16) {
+    return (char *)cache + elements * (f16 ? sizeof(uint16_t) : sizeof(float));
+}
+
+static inline __attribute__((always_inline)) const void *kv_at_c(const void *cache, size_t elements,
+                                                                 int f16) {
+    return (const char *)cache + elements * (f16 ? sizeof(uint16_t) : sizeof(float));
+}
+
+/* 8 cache elements from element i, as floats */
+static inline __attribute__((always_inline)) __m256 kv_load8(const void *cache, size_t i, int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i)))
+               : _mm256_loadu_ps((const float *)cache + i);
+}
+
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 kv_load16(const void *cache, size_t i, int f16) {
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + i)))
+               : _mm512_loadu_ps((const float *)cache + i);
+}
+#define KV_LOADV kv_load16
+#else
+#define KV_LOADV kv_load8
+#endif
+
+/* n floats (a multiple of 8) into a cache at element i */
+static inline void kv_store(void *cache, size_t i, const float *x, int n, int f16) {
+    if (!f16) {
+        memcpy((float *)cache + i, x, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *to = (uint16_t *)cache + i;
+    for (int j = 0; j < n; j += 8)
+        _mm_storeu_si128((__m128i *)(to + j),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+}
+
 /* Rotate interleaved pairs of q and k heads at each row's position; store k, v in cache. */
-/* RoPE on one row's queries and keys (at `position`), then its keys and values into cache
- * slot `slot` of k_cache / v_cache ([kv_heads, max_length, head_dim]). */
 static void rope_and_store_row(const Model *m, float *row, int64_t position, size_t slot,
-                               float *k_cache, float *v_cache) {
+                               void *k_cache, void *v_cache) {
     const int d = m->head_dim, half = d / 2, heads = m->heads, kv = m->kv_heads;
     const float *c = m->cos + (size_t)position * half;
     const float *s = m->sin + (size_t)position * half;
@@ -791,10 +834,9 @@ static void rope_and_store_row(const Model *m, float *row, int64_t position, siz
         }
     }
     for (int g = 0; g < kv; g++) {
-        memcpy(k_cache + ((size_t)g * m->max_length + slot) * d, row + (heads + g) * d,
-               (size_t)d * sizeof(float));
-        memcpy(v_cache + ((size_t)g * m->max_length + slot) * d, row + (heads + kv + g) * d,
-               (size_t)d * sizeof(float));
+        const size_t at = ((size_t)g * m->max_length + slot) * d;
+        kv_store(k_cache, at, row + (heads + g) * d, d, m->kv_f16);
+        kv_store(v_cache, at, row + (heads + kv + g) * d, d, m->kv_f16);
     }
 }
 
@@ -876,7 +918,7 @@ typedef __m256 vvec;
  * registers: independent FMA chains, enough to hide the FMA latency. */
 static inline __attribute__((always_inline)) void attention_values(
     int NP, int NV, const Model *m, int p0, int tile_rows, int r0, int n, Visible vis,
-    const float *values, int j, const float *weights, int wp0, float *out) {
+    const void *values, int j, const float *weights, int wp0, float *out, int f16) {
     const int d = m->head_dim, heads = m->heads;
     const float *w = weights + (size_t)(p0 - wp0) * m->max_length;  /* pair p0 + v: w + v * stride */
     const size_t stride = (size_t)m->max_length;
@@ -894,10 +936,10 @@ static inline __attribute__((always_inline)) void attention_values(
         const int seen = visible_prefix(row[v], vis);
         cached = seen < cached ? seen : cached;
     }
-    const float *value = values + j;
+    size_t value = (size_t)j;  /* element of slot s's values, dimension j */
     for (int s = 0; s < cached; s++, value += d) {
         vvec vals[8];
-        for (int c = 0; c < NV; c++) vals[c] = VV(loadu_ps)(value + VLANES * c);
+        for (int c = 0; c < NV; c++) vals[c] = KV_LOADV(values, value + VLANES * c, f16);
         for (int v = 0; v < NP; v++) {
             const float x = w[v * stride + s];
             total[v] += x;
@@ -908,7 +950,7 @@ static inline __attribute__((always_inline)) void attention_values(
     /* the others: each pair sees those its row may attend to */
     for (int s = cached; s < n; s++, value += d) {
         vvec vals[8];
-        for (int c = 0; c < NV; c++) vals[c] = VV(loadu_ps)(value + VLANES * c);
+        for (int c = 0; c < NV; c++) vals[c] = KV_LOADV(values, value + VLANES * c, f16);
         for (int v = 0; v < NP; v++) {
             if (!slot_visible(s, row[v], vis)) continue;
             const float x = w[v * stride + s];
@@ -931,8 +973,9 @@ static inline __attribute__((always_inline)) void attention_values(
  * query load, so that eight independent FMA chains hide the FMA latency, over the slots
  * the row sees without a test (visible_prefix); the rest one by one. Slots the pair
  * cannot see get 0, never read. */
-static inline void attention_scores(const float *q, const float *keys, int d, int s0, int s1,
-                                    int r, Visible vis, float *w) {
+static inline __attribute__((always_inline)) void attention_scores(
+    const float *q, const void *keys, int d, int s0, int s1, int r, Visible vis, float *w,
+    int f16) {
     int s = s0;
     const int seen = visible_prefix(r, vis);  /* slots before it need no visibility test */
 #if defined(__AVX512F__)
@@ -944,7 +987,7 @@ static inline void attention_scores(const float *q, const float *keys, int d, in
         for (int j = 0; j < d; j += 16) {
             const __m512 qz = _mm512_loadu_ps(q + j);
             for (int t = 0; t < 8; t++)
-                a[t] = _mm512_fmadd_ps(qz, _mm512_loadu_ps(keys + (size_t)(s + t) * d + j), a[t]);
+                a[t] = _mm512_fmadd_ps(qz, kv_load16(keys, (size_t)(s + t) * d + j, f16), a[t]);
         }
         __m256 h[8];
         for (int t = 0; t < 8; t++)  /* a0 + a1: the low and high halves (AVX-512 F alone) */
@@ -960,9 +1003,9 @@ static inline void attention_scores(const float *q, const float *keys, int d, in
         for (int j = 0; j < d; j += 16) {
             const __m256 q0 = _mm256_loadu_ps(q + j), q1 = _mm256_loadu_ps(q + j + 8);
             for (int t = 0; t < 4; t++) {
-                const float *key = keys + (size_t)(s + t) * d + j;
-                a0[t] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(key), a0[t]);
-                a1[t] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(key + 8), a1[t]);
+                const size_t key = (size_t)(s + t) * d + j;
+                a0[t] = _mm256_fmadd_ps(q0, kv_load8(keys, key, f16), a0[t]);
+                a1[t] = _mm256_fmadd_ps(q1, kv_load8(keys, key + 8, f16), a1[t]);
             }
         }
         _mm_storeu_ps(w + s, hsum8x4(_mm256_add_ps(a0[0], a1[0]), _mm256_add_ps(a0[1], a1[1]),
@@ -973,11 +1016,11 @@ static inline void attention_scores(const float *q, const float *keys, int d, in
             w[s] = 0.0f;
             continue;
         }
-        const float *key = keys + (size_t)s * d;
+        const size_t key = (size_t)s * d;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         for (int j = 0; j < d; j += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(key + j), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(key + j + 8), a1);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), kv_load8(keys, key + j, f16), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), kv_load8(keys, key + j + 8, f16), a1);
         }
         w[s] = hsum8(_mm256_add_ps(a0, a1));
     }
@@ -1017,11 +1060,11 @@ static inline int value_vectors(int d) {
  * shape compiled with its own constants (the value pass of attention() and of
  * attention_tile_group; inlined into both, so each keeps the code it had). */
 static inline __attribute__((always_inline)) void tile_values(int np, int nv, const Model *m, int p0, int tile_rows, int r0, int n,
-                        Visible vis, const float *values, int j, const float *weights, int wp0,
-                        float *out) {
+                        Visible vis, const void *values, int j, const float *weights, int wp0,
+                        float *out, int f16) {
     switch (np * 8 + nv) {
 #define VALUES(NP, NV) attention_values(NP, NV, m, p0, tile_rows, r0, n, vis, values, j, \
-                                        weights, wp0, out)
+                                        weights, wp0, out, f16)
     case 3 * 8 + 4: VALUES(3, 4); break;
     case 2 * 8 + 4: VALUES(2, 4); break;
     case 1 * 8 + 4: VALUES(1, 4); break;
@@ -1037,17 +1080,19 @@ static inline __attribute__((always_inline)) void tile_values(int np, int nv, co
 
 /* Head h of a single causal row (queries qkv, cache slots 0 .. start, the row's own
  * included): w, a row of max_length floats, holds its weights. */
-static void attention_head(const Model *m, const float *qkv, int start, const float *k_cache,
-                           const float *v_cache, float *out, int h, float *w) {
+static inline __attribute__((always_inline)) void attention_head_kv(
+    const Model *m, const float *qkv, int start, const void *k_cache, const void *v_cache,
+    float *out, int h, float *w, int f16) {
     const int d = m->head_dim, group = m->heads / m->kv_heads, n = start + 1;
     const size_t kv_offset = (size_t)(h / group) * m->max_length * d;
-    attention_scores(qkv + h * d, k_cache + kv_offset, d, 0, n, 0, causal(start), w);
+    attention_scores(qkv + h * d, kv_at_c(k_cache, kv_offset, f16), d, 0, n, 0, causal(start), w,
+                     f16);
     attention_weights(w, n, 0, causal(start));
     for (int j = 0; j < d; j += 64) {  /* head_dim is a multiple of 16 */
-        const float *values = v_cache + kv_offset;
+        const void *values = kv_at_c(v_cache, kv_offset, f16);
         /* as pair 0 of a one-row tile: weights at w, output at out + h * d */
         switch (min_int(64, d - j) / VLANES) {
-#define VALUES(NV) attention_values(1, NV, m, 0, 1, 0, n, causal(start), values, j, w, 0, out + h * d)
+#define VALUES(NV) attention_values(1, NV, m, 0, 1, 0, n, causal(start), values, j, w, 0, out + h * d, f16)
         case 8: VALUES(8); break;
         case 6: VALUES(6); break;
         case 4: VALUES(4); break;
@@ -1059,8 +1104,16 @@ static void attention_head(const Model *m, const float *qkv, int start, const fl
     }
 }
 
-static void attention_row(const Model *m, const float *qkv, int start, const float *k_cache,
-                          const float *v_cache, float *out, float *scratch) {
+static void attention_head(const Model *m, const float *qkv, int start, const void *k_cache,
+                           const void *v_cache, float *out, int h, float *w) {
+    if (m->kv_f16)
+        attention_head_kv(m, qkv, start, k_cache, v_cache, out, h, w, 1);
+    else
+        attention_head_kv(m, qkv, start, k_cache, v_cache, out, h, w, 0);
+}
+
+static void attention_row(const Model *m, const float *qkv, int start, const void *k_cache,
+                          const void *v_cache, float *out, float *scratch) {
 #pragma omp for schedule(static)
     for (int h = 0; h < m->heads; h++)
         attention_head(m, qkv, start, k_cache, v_cache, out, h, scratch + (size_t)h * m->max_length);
@@ -1071,40 +1124,80 @@ static void attention_row(const Model *m, const float *qkv, int start, const flo
  * chunk of ATT_SLOTS slots), attention_weights and attention_values blocks as the passes
  * make for this group, so every pair gets the same bits. w holds the group's group * rows
  * weight rows (max_length floats each). */
-static void attention_tile_group(const Model *m, const float *qkv, int rows, int start,
-                                 Visible vis, const float *k_cache, const float *v_cache,
-                                 float *out, int g, float *w) {
+/* The visibility of slots s0.. renumbered from 0 (the same slots seen). */
+static inline Visible visible_from(Visible v, int s0) {
+    v.base -= s0;
+    return v;
+}
+
+/* Keys of slots [s0, s1) of one kv group (keys: the group's first slot), as float32
+ * scores read them: a float32 cache's own (at `keys` + s0 * d), or a half-float cache's
+ * widened into `buffer` (ATT_SLOTS slots: a chunk's keys are read by every pair of the
+ * tile, up to 3 * ATT_ROWS of them, so they are converted once, not once per pair). */
+static inline const float *chunk_keys(const void *keys, int d, int s0, int s1, int f16,
+                                      float *buffer) {
+    if (!f16) return (const float *)keys + (size_t)s0 * d;
+    const uint16_t *half = (const uint16_t *)keys + (size_t)s0 * d;
+    for (int i = 0; i < (s1 - s0) * d; i += 8)  /* head_dim is a multiple of 16 */
+        _mm256_storeu_ps(buffer + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(half + i))));
+    return buffer;
+}
+
+/* One pair's scores over the chunk of slots [s0, s1) (see attention_scores), its keys
+ * from chunk_keys. */
+static inline void chunk_scores(const float *q, const float *chunk, int d, int s0, int s1, int r,
+                                Visible vis, float *w) {
+    attention_scores(q, chunk, d, 0, s1 - s0, r, visible_from(vis, s0), w + s0, 0);
+}
+
+/* Floats of the per-thread chunk buffers of a half-float cache (none for float32). */
+static int64_t widened_floats(const Model *m, int threads) {
+    return m->kv_f16 ? (int64_t)threads * ATT_SLOTS * m->head_dim : 0;
+}
+
+static inline __attribute__((always_inline)) void attention_tile_group_kv(
+    const Model *m, const float *qkv, int rows, int start, Visible vis, const void *k_cache,
+    const void *v_cache, float *out, int g, float *w, float *buffer, int f16) {
     const int d = m->head_dim, heads = m->heads, kv = m->kv_heads, group = heads / kv;
     const int width = (heads + 2 * kv) * d, R = rows, group_pairs = group * R;
     const size_t stride = (size_t)m->max_length;
     const int n = start + R, first = g * group_pairs;
-    const float *keys = k_cache + (size_t)g * stride * d;
-    const float *values = v_cache + (size_t)g * stride * d;
-    for (int s0 = 0; s0 < n; s0 += ATT_SLOTS)
+    const void *keys = kv_at_c(k_cache, (size_t)g * stride * d, f16);
+    const void *values = kv_at_c(v_cache, (size_t)g * stride * d, f16);
+    for (int s0 = 0; s0 < n; s0 += ATT_SLOTS) {
+        const int s1 = min_int(n, s0 + ATT_SLOTS);
+        const float *chunk = chunk_keys(keys, d, s0, s1, f16, buffer);
         for (int p = first; p < first + group_pairs; p++)
-            attention_scores(qkv + (size_t)(p % R) * width + p / R * d, keys, d, s0,
-                             min_int(n, s0 + ATT_SLOTS), p % R, vis,
-                             w + (size_t)(p - first) * stride);
+            chunk_scores(qkv + (size_t)(p % R) * width + p / R * d, chunk, d, s0, s1, p % R, vis,
+                         w + (size_t)(p - first) * stride);
+    }
     for (int p = first; p < first + group_pairs; p++)
         attention_weights(w + (size_t)(p - first) * stride, n, p % R, vis);
     const int nv = value_vectors(d);
     for (int j = 0; j < d; j += VLANES * nv)
         for (int p0 = first; p0 < first + group_pairs; p0 += 3) {
             tile_values(min_int(3, first + group_pairs - p0), nv, m, p0, R, 0, n, vis, values,
-                        j, w, first, out);
+                        j, w, first, out, f16);
         }
 }
 
-/* Attention of every (row, head) of one sequence (see above); scratch: attention_floats. */
-static void attention(const Model *m, const float *qkv, int rows, int start, Visible vis,
-                      const float *k_cache, const float *v_cache, float *out, float *scratch) {
+/* buffer: this thread's chunk buffer (widened_floats) */
+static void attention_tile_group(const Model *m, const float *qkv, int rows, int start,
+                                 Visible vis, const void *k_cache, const void *v_cache,
+                                 float *out, int g, float *w, float *buffer) {
+    if (m->kv_f16)
+        attention_tile_group_kv(m, qkv, rows, start, vis, k_cache, v_cache, out, g, w, buffer, 1);
+    else
+        attention_tile_group_kv(m, qkv, rows, start, vis, k_cache, v_cache, out, g, w, buffer, 0);
+}
+
+/* attention() for one cache element type (below). */
+static inline __attribute__((always_inline)) void attention_kv(
+    const Model *m, const float *qkv, int rows, int start, Visible vis, const void *k_cache,
+    const void *v_cache, float *out, float *scratch, float *buffer, int f16) {
     const int d = m->head_dim, heads = m->heads, kv = m->kv_heads, group = heads / kv;
     const int width = (heads + 2 * kv) * d;
     const size_t stride = (size_t)m->max_length;
-    if (rows == 1 && !vis.mask) {
-        attention_row(m, qkv, start, k_cache, v_cache, out, scratch);
-        return;
-    }
     for (int r0 = 0; r0 < rows; r0 += ATT_ROWS) {
         const int R = min_int(ATT_ROWS, rows - r0), pairs = heads * R, group_pairs = group * R;
         /* slots any row of the tile may see: causal rows stop at their own */
@@ -1113,12 +1206,14 @@ static void attention(const Model *m, const float *qkv, int rows, int start, Vis
         const int chunks = (n + ATT_SLOTS - 1) / ATT_SLOTS;
 #pragma omp for schedule(static)
         for (int item = 0; item < kv * chunks; item++) {
-            const int g = item / chunks, s1 = min_int(n, (item % chunks + 1) * ATT_SLOTS);
-            const float *keys = k_cache + (size_t)g * stride * d;
+            const int g = item / chunks, s0 = item % chunks * ATT_SLOTS;
+            const int s1 = min_int(n, s0 + ATT_SLOTS);
+            const float *chunk =
+                chunk_keys(kv_at_c(k_cache, (size_t)g * stride * d, f16), d, s0, s1, f16, buffer);
             for (int p = g * group_pairs; p < (g + 1) * group_pairs; p++) {
                 const int r = r0 + p % R;
-                attention_scores(qkv + (size_t)r * width + p / R * d, keys, d,
-                                 item % chunks * ATT_SLOTS, s1, r, vis, weights + p * stride);
+                chunk_scores(qkv + (size_t)r * width + p / R * d, chunk, d, s0, s1, r, vis,
+                             weights + p * stride);
             }
         }
 #pragma omp for schedule(static)
@@ -1130,11 +1225,24 @@ static void attention(const Model *m, const float *qkv, int rows, int start, Vis
         for (int item = 0; item < kv * dims * blocks; item++) {
             const int g = item / (dims * blocks), j = (item / blocks) % dims * VLANES * nv;
             const int p0 = g * group_pairs + item % blocks * 3;
-            const float *values = v_cache + (size_t)g * stride * d;
+            const void *values = kv_at_c(v_cache, (size_t)g * stride * d, f16);
             tile_values(min_int(3, (g + 1) * group_pairs - p0), nv, m, p0, R, r0, n, vis, values,
-                        j, weights, 0, out);
+                        j, weights, 0, out, f16);
         }
     }
+}
+
+/* Attention of every (row, head) of one sequence (see above); scratch: attention_floats;
+ * buffer: this thread's chunk buffer (widened_floats). */
+static void attention(const Model *m, const float *qkv, int rows, int start, Visible vis,
+                      const void *k_cache, const void *v_cache, float *out, float *scratch,
+                      float *buffer) {
+    if (rows == 1 && !vis.mask)
+        attention_row(m, qkv, start, k_cache, v_cache, out, scratch);
+    else if (m->kv_f16)  /* the same branch on every thread: the loops inside share work */
+        attention_kv(m, qkv, rows, start, vis, k_cache, v_cache, out, scratch, buffer, 1);
+    else
+        attention_kv(m, qkv, rows, start, vis, k_cache, v_cache, out, scratch, buffer, 0);
 }
 
 /* ---- the forward ------------------------------------------------------------------ */
@@ -1150,7 +1258,7 @@ int64_t spec_work_floats(const Model *m, int rows, int threads) {
     int64_t per_row = m->hidden + width + m->heads * d + 3 * (int64_t)m->intermediate;
     per_row += widest_input(m) / 4 + QUANT_ARRAYS * padded_groups(widest_input(m));  /* QuantRows */
     per_row += 2 * (int64_t)threads;  /* row_argmax's per-thread candidates */
-    return rows * per_row + attention_floats(m, rows);
+    return rows * per_row + attention_floats(m, rows) + widened_floats(m, threads);
 }
 
 /* argmax[r] = the first index of row r's largest logit, as numpy's and torch's argmax
@@ -1225,7 +1333,7 @@ static void row_argmax(const float *logits, int rows, int vocab, int32_t *argmax
  * slot 0, slot s at + seq_slot[s] * slot_floats). Ends in a barrier. */
 static void rope_and_store_batch(const Model *m, float *qkv, int nseq, const int32_t *seq_rows,
                                  const int32_t *seq_start, const int32_t *seq_slot,
-                                 const int64_t *positions, float *k_cache, float *v_cache,
+                                 const int64_t *positions, void *k_cache, void *v_cache,
                                  int64_t slot_floats, int rows) {
     const int width = (m->heads + 2 * m->kv_heads) * m->head_dim;
 #pragma omp for schedule(static)
@@ -1234,7 +1342,7 @@ static void rope_and_store_batch(const Model *m, float *qkv, int nseq, const int
         while (r >= r0 + seq_rows[s]) r0 += seq_rows[s++];
         const size_t cache = (size_t)seq_slot[s] * slot_floats;
         rope_and_store_row(m, qkv + (size_t)r * width, positions[r], (size_t)(seq_start[s] + r - r0),
-                           k_cache + cache, v_cache + cache);
+                           kv_at(k_cache, cache, m->kv_f16), kv_at(v_cache, cache, m->kv_f16));
     }
 }
 
@@ -1263,11 +1371,13 @@ static Visible seq_visible(const int32_t *seq_rows, const int32_t *seq_start,
 static void attention_batch(const Model *m, const float *qkv, int nseq, const int32_t *seq_rows,
                             const int32_t *seq_start, const int32_t *seq_slot,
                             const uint8_t *masks, const int64_t *mask_offset,
-                            const int32_t *seq_mask_base, const float *k_cache,
-                            const float *v_cache, int64_t slot_floats, float *attn,
-                            float *scratch, int rows) {
+                            const int32_t *seq_mask_base, const void *k_cache,
+                            const void *v_cache, int64_t slot_floats, float *attn,
+                            float *scratch, float *chunk_buffers, int rows) {
     const int d = m->head_dim, heads = m->heads, kv = m->kv_heads, group = heads / kv;
     const int width = (heads + 2 * kv) * d;
+    /* this thread's chunk buffer (a half-float cache's keys, widened; see chunk_keys) */
+    float *buffer = chunk_buffers + (size_t)omp_get_thread_num() * ATT_SLOTS * d;
     int single = 0, tiles = 0, widest = 1;
     for (int s = 0; s < nseq; s++) {
         if (shares_head_loop(seq_rows, mask_offset, s))
@@ -1296,13 +1406,15 @@ static void attention_batch(const Model *m, const float *qkv, int nseq, const in
             const size_t cache = (size_t)seq_slot[s] * slot_floats;
             const float *q = qkv + (size_t)r0 * width;
             float *out = attn + (size_t)r0 * heads * d;
+            const void *keys = kv_at_c(k_cache, cache, m->kv_f16);
+            const void *values = kv_at_c(v_cache, cache, m->kv_f16);
             if (shares_head_loop(seq_rows, mask_offset, s))
-                attention_head(m, q, seq_start[s], k_cache + cache, v_cache + cache, out, left, w);
+                attention_head(m, q, seq_start[s], keys, values, out, left, w);
             else
                 attention_tile_group(m, q, seq_rows[s], seq_start[s],
                                      seq_visible(seq_rows, seq_start, masks, mask_offset,
                                                  seq_mask_base, s),
-                                     k_cache + cache, v_cache + cache, out, left, w);
+                                     keys, values, out, left, w, buffer);
         }
     }
     for (int s = 0, r0 = 0; s < nseq; r0 += seq_rows[s], s++) {
@@ -1310,8 +1422,9 @@ static void attention_batch(const Model *m, const float *qkv, int nseq, const in
         if (one ? share_single : share_tiles && seq_rows[s] <= ATT_ROWS) continue;
         const size_t cache = (size_t)seq_slot[s] * slot_floats;
         const Visible vis = seq_visible(seq_rows, seq_start, masks, mask_offset, seq_mask_base, s);
-        attention(m, qkv + (size_t)r0 * width, seq_rows[s], seq_start[s], vis, k_cache + cache,
-                  v_cache + cache, attn + (size_t)r0 * heads * d, scratch);
+        attention(m, qkv + (size_t)r0 * width, seq_rows[s], seq_start[s], vis,
+                  kv_at_c(k_cache, cache, m->kv_f16), kv_at_c(v_cache, cache, m->kv_f16),
+                  attn + (size_t)r0 * heads * d, scratch, buffer);
     }
 }
 
@@ -1351,7 +1464,7 @@ static void forward_batch(const Model *m, float *hidden, int nseq, const int32_t
                           const int32_t *seq_start, const int32_t *seq_slot,
                           const int64_t *positions, const uint8_t *masks,
                           const int64_t *mask_offset, const int32_t *seq_mask_base,
-                          const int32_t *seq_logits_from, float *k_cache, float *v_cache,
+                          const int32_t *seq_logits_from, void *k_cache, void *v_cache,
                           int64_t slot_floats, float *logits, int32_t *argmax, float *work,
                           int threads) {
     const int H = m->hidden, d = m->head_dim, inter = m->intermediate;
@@ -1370,18 +1483,21 @@ static void forward_batch(const Model *m, float *hidden, int nseq, const int32_t
     const int64_t groups = padded_groups(widest);
     QuantRows qx = quant_rows_at(quant, rows, widest);
     float *found = (float *)qx.sum + rows * groups;  /* row_argmax */
+    /* a half-float cache's per-thread chunk buffers: the last widened_floats of work */
+    float *chunk_buffers = work + spec_work_floats(m, rows, threads) - widened_floats(m, threads);
 #pragma omp parallel num_threads(threads)
     {
         for (int l = 0; l < m->num_layers; l++) {
             const Layer *L = &m->layers[l];
             rms_norm(hidden, L->input_norm, rows, H, m->eps, normed);
             linear(&L->qkv, normed, rows, qkv, width, 0, &qx);
-            rope_and_store_batch(m, qkv, nseq, seq_rows, seq_start, seq_slot, positions,
-                                 k_cache + l * layer_cache, v_cache + l * layer_cache,
-                                 slot_floats, rows);
+            void *keys = kv_at(k_cache, l * layer_cache, m->kv_f16);
+            void *values = kv_at(v_cache, l * layer_cache, m->kv_f16);
+            rope_and_store_batch(m, qkv, nseq, seq_rows, seq_start, seq_slot, positions, keys,
+                                 values, slot_floats, rows);
             attention_batch(m, qkv, nseq, seq_rows, seq_start, seq_slot, masks, mask_offset,
-                            seq_mask_base, k_cache + l * layer_cache, v_cache + l * layer_cache,
-                            slot_floats, attn, scratch, rows);
+                            seq_mask_base, keys, values, slot_floats, attn, scratch, chunk_buffers,
+                            rows);
             linear(&L->o, attn, rows, hidden, H, 1, &qx);
             rms_norm(hidden, L->post_norm, rows, H, m->eps, normed);
             linear(&L->gate_up, normed, rows, gate_up, 2 * inter, 0, &qx);
@@ -1414,7 +1530,7 @@ void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *
                         const int32_t *seq_start, const int32_t *seq_slot,
                         const int64_t *positions, const uint8_t *masks,
                         const int64_t *mask_offset, const int32_t *seq_logits_from,
-                        float *k_cache, float *v_cache, int64_t slot_floats, float *logits,
+                        void *k_cache, void *v_cache, int64_t slot_floats, float *logits,
                         int32_t *argmax, float *work, int threads) {
     forward_batch(m, hidden, nseq, seq_rows, seq_start, seq_slot, positions, masks, mask_offset,
                   NULL, seq_logits_from, k_cache, v_cache, slot_floats, logits, argmax, work,
@@ -1429,7 +1545,7 @@ void spec_forward_batch(const Model *m, float *hidden, int nseq, const int32_t *
  * drafting head's tree, whose earlier nodes only their descendants see);
  * k_cache, v_cache: [layers, kv_heads, max_length, head_dim]; logits: [rows, vocab]. */
 void spec_forward(const Model *m, float *hidden, int rows, int start, const int64_t *positions,
-                  const uint8_t *mask, int mask_base, float *k_cache, float *v_cache,
+                  const uint8_t *mask, int mask_base, void *k_cache, void *v_cache,
                   float *logits, float *work, int threads) {
     const int32_t seq_rows = rows, seq_start = start, seq_slot = 0, base = mask_base;
     const int64_t mask_offset = mask ? 0 : -1;

@@ -36,14 +36,33 @@ from speculative.models.native.loading import Checkpoint, Weight
 from speculative.sampling.probs import RowProbs
 
 BACKENDS = ("auto", "kernels", "torch")
+KV_CACHES = ("auto", "fp32", "fp16")
+
+
+def kv_cache_dtype(precision: str, kv_cache: str = "auto") -> torch.dtype:
+    """The KV cache's element type: "fp32", "fp16" (IEEE half: each key and value rounded
+    once, to nearest even, when stored; attention reads it back exactly), or "auto": fp32
+    for an fp32 model, half for the precisions that already round their weights (bf16,
+    int8, int4), as llama.cpp does. Attention streams a sequence's whole cache every step:
+    half the bytes is most of a decode step's cost at long contexts and in large batches."""
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"unknown KV cache type {kv_cache!r}; expected one of {KV_CACHES}")
+    if kv_cache == "auto":
+        kv_cache = "fp32" if precision == "fp32" else "fp16"
+    return torch.float32 if kv_cache == "fp32" else torch.float16
 
 
 def build_decoder(
-    checkpoint: Checkpoint, precision: str, rotations: torch.Tensor, backend: str
+    checkpoint: Checkpoint,
+    precision: str,
+    rotations: torch.Tensor,
+    backend: str,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> tuple[DecoderBase, str]:
     """The decoder for ``backend`` ("auto" tries the kernels, then torch) and its name.
 
-    rotations: [max_length, head_dim / 2] complex64.
+    rotations: [max_length, head_dim / 2] complex64; kv_dtype: the cache's element type
+    (float32 or float16).
     """
     from speculative.models.native.ckernels import KernelDecoder, KernelsUnavailable, load_kernels
     from speculative.models.native.torch_decoder import TorchDecoder
@@ -56,7 +75,9 @@ def build_decoder(
     if backend in ("auto", "kernels"):
         try:
             library = load_kernels()
-            decoder = KernelDecoder(cfg, layers, final_norm, head, rotations, precision, library)
+            decoder = KernelDecoder(
+                cfg, layers, final_norm, head, rotations, precision, library, kv_dtype
+            )
             return decoder, "kernels"
         except KernelsUnavailable as error:
             if backend == "kernels":
@@ -66,7 +87,8 @@ def build_decoder(
                 RuntimeWarning,
                 stacklevel=3,
             )
-    return TorchDecoder(cfg, layers, final_norm, head, rotations, precision), "torch"
+    decoder = TorchDecoder(cfg, layers, final_norm, head, rotations, precision, kv_dtype=kv_dtype)
+    return decoder, "torch"
 
 
 class NativeLlama:
@@ -79,14 +101,17 @@ class NativeLlama:
         max_length: int = 2048,
         backend: str = "auto",
         max_slots: int = 64,
+        kv_cache: str = "auto",
     ):
-        """max_slots: most sequences the cache may hold at once (batched decoding)."""
+        """max_slots: most sequences the cache may hold at once (batched decoding);
+        kv_cache: the cache's element type (see :func:`kv_cache_dtype`)."""
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
         if max_length < 1:
             raise ValueError(f"max_length must be positive, got {max_length}")
+        kv_dtype = kv_cache_dtype(precision, kv_cache)
         cfg = checkpoint.config
         self.config: NativeConfig = cfg
         self.precision = precision
@@ -95,7 +120,10 @@ class NativeLlama:
         inv_freq = rope_inverse_frequencies(cfg)  # [head_dim // 2]
         angles = torch.outer(torch.arange(max_length, dtype=torch.float32), inv_freq)
         rotations = torch.polar(torch.ones_like(angles), angles)  # [max_length, d/2]
-        self.decoder, self.backend = build_decoder(checkpoint, precision, rotations, backend)
+        self.decoder, self.backend = build_decoder(
+            checkpoint, precision, rotations, backend, kv_dtype
+        )
+        self.kv_cache = "fp32" if kv_dtype == torch.float32 else "fp16"
         tied = cfg.tie_word_embeddings
         self._head_weight = None if tied else checkpoint.dense("lm_head.weight")  # [vocab, H]
         self.name = f"{checkpoint.name}-native-{precision}"

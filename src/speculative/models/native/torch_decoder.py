@@ -82,12 +82,16 @@ class TorchDecoder(DecoderBase):
         rotations: torch.Tensor,  # [max_length, head_dim / 2] complex64
         precision: str,
         linear_mode: str | None = None,
+        kv_dtype: torch.dtype = torch.float32,
     ) -> None:
         """linear_mode: which linear kernels to try (see :class:`LinearFactory`); None
-        reads ``SPECULATIVE_TORCH_LINEAR`` (default ``auto``)."""
+        reads ``SPECULATIVE_TORCH_LINEAR`` (default ``auto``). kv_dtype: the cache's
+        elements, float32 or float16 (stored rounded to nearest even, read back exactly,
+        as the C kernels do)."""
         super().__init__()
         self.slot_dim = 1
         self.config = config
+        self.kv_dtype = kv_dtype
         mode = linear_mode_from_env() if linear_mode is None else linear_mode
         make_linear = LinearFactory(precision, mode)
         self.layers = [PackedLayer.pack(w, make_linear) for w in layers]
@@ -248,8 +252,8 @@ class TorchDecoder(DecoderBase):
         pairs = torch.view_as_complex(qkv[:, : heads + kv_heads].unflatten(-1, (d // 2, 2)))
         rotated = torch.view_as_real(pairs * rotation).flatten(-2)  # [T, h + kv, d]
         self._store(index, b, tile.start, rotated[:, heads:], qkv[:, heads + kv_heads :])
-        keys = self.k_cache[index, b, :chunks].transpose(0, 1)  # [kv, chunks, C, d]
-        values = self.v_cache[index, b, :chunks].transpose(0, 1)  # [kv, chunks, C, d]
+        keys = self.k_cache[index, b, :chunks].transpose(0, 1).float()  # [kv, chunks, C, d]
+        values = self.v_cache[index, b, :chunks].transpose(0, 1).float()  # [kv, chunks, C, d]
         queries = rotated[:, :heads].reshape(tokens, kv_heads, group, d)
         queries = queries.permute(1, 0, 3, 2).unsqueeze(2)  # [kv, T, 1, d, group]
         scores = keys.unsqueeze(1) @ queries  # [kv, T, chunks, C, group]
