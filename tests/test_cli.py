@@ -158,3 +158,24 @@ def test_demo_drafts_with_the_shipped_head_where_one_ships(capsys, tmp_path):
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert report["draft"] == "ngram" and report["outputs_identical"] is True
+
+
+def test_generate_takes_a_kv_cache_type_and_refuses_one_for_transformers(capsys, tmp_path):
+    """``--kv-cache fp16`` runs the native runtime on a half-float cache (greedy speculation
+    still equals plain decoding on it); transformers keeps its own cache, so asking it for
+    one is a one-line error."""
+    from server_helpers import tiny_chat_folder
+
+    folder = str(tiny_chat_folder(tmp_path / "tiny"))
+    base = ["generate", "--target", folder, "--prompt", "hello", "--max-new-tokens", "8"]
+    texts = {}
+    for draft in ("ngram", "none"):
+        code, out, _err = run_cli(
+            capsys, *base, "--runtime", "native", "--kv-cache", "fp16", "--draft", draft, "--json"
+        )
+        assert code == 0
+        texts[draft] = last_json(out)["token_ids"]
+    assert texts["ngram"] == texts["none"]
+    code, _out, err = run_cli(capsys, *base, "--runtime", "hf", "--kv-cache", "fp16")
+    assert code == 2 and "transformers keeps its own cache" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

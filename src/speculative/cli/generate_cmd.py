@@ -77,15 +77,18 @@ def add_model_arguments(
     add_kv_cache_argument(parser)
 
 
-def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
+def add_kv_cache_argument(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """``--kv-cache``; ``several``: a list of them, measured side by side (profile)."""
     parser.add_argument(
         "--kv-cache",
+        nargs="+" if several else None,
         choices=["auto", "fp32", "fp16"],
-        default="auto",
+        default=["auto"] if several else "auto",
         help="KV cache of the native runtime: auto (fp32 for an fp32 target, else fp16, as "
         "llama.cpp keeps it), fp32, or fp16 (keys and values rounded to half once when "
         "stored: half the bytes attention reads each step; speculation stays exact "
-        "with respect to the target as it runs)",
+        "with respect to the target as it runs)"
+        + ("; several are measured side by side (a long --context shows it)" if several else ""),
     )
 
 

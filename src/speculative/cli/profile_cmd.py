@@ -7,6 +7,7 @@ import itertools
 import sys
 
 from speculative.cli.common import Formatter, add_json_flag, emit_json, positive_int
+from speculative.cli.generate_cmd import add_kv_cache_argument
 
 DESCRIPTION = """\
 Measure the costs that decide whether speculative decoding pays on this machine:
@@ -59,14 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         help="target weight precision (auto: the model's own, e.g. int4 for a Q4 GGUF)",
     )
-    parser.add_argument(
-        "--kv-cache",
-        nargs="+",
-        default=["auto"],
-        choices=["auto", "fp32", "fp16"],
-        help="native runtime KV cache(s): auto (fp32 for an fp32 target, else fp16), fp32, "
-        "fp16; several are measured side by side (a long --context shows the difference)",
-    )
+    add_kv_cache_argument(parser, several=True)
     parser.add_argument(
         "--drafters", nargs="*", default=["ngram"], help="drafters whose cost c to measure"
     )
