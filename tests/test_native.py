@@ -661,7 +661,7 @@ def test_self_drafter_starts_from_the_target_prefill(
         result = run(drafter)
         assert result.token_ids == plain, f"follow_target={follow}"
         # a draft from a cache the target's prefill did not fill would be a guess: about
-        # 1 / VOCAB; int4 weights and a half-float cache on this random tiny model: 0.28-0.5
+        # 1 / VOCAB; int4 weights and a half-float cache on this random tiny model: 0.28
         assert result.stats.acceptance_rate > 0.2
     # following the target: the prompt cache is copied, not fed through a draft pass
     draft = load_native(folder, precision, max_length=128, backend=backend)
