@@ -26,6 +26,7 @@ from speculative.bench import (
 from speculative.bench.llamacpp import llamacpp_missing
 from speculative.bench.prompts import categories, take_per_category
 from speculative.cli.main import main
+from speculative.targets import load_target
 from tiny import save_tiny, tiny_loaded
 
 TINY_PROMPTS = [
@@ -304,6 +305,25 @@ def test_cli_defaults_run_what_a_user_gets(capsys, tiny_target, prompts_file):
     for row in data["results"]:
         assert 0 < row["tokens_per_second"] < row["decode_tokens_per_second"]
     assert "decode tok/s" in out
+
+
+def test_load_runtimes_hands_a_named_kv_cache_to_the_loader(tiny_target):
+    """``--kv-cache fp16`` reaches the native model the bench loads; ``auto`` leaves the
+    loader's default (fp32 for this fp32 target) and passes no argument, so loaders that
+    take none still serve."""
+    from speculative.bench.runner import load_runtimes
+
+    def settings(kv_cache: str) -> BenchSettings:
+        return BenchSettings(target=str(tiny_target), runtimes=("native",), drafters=(),
+                             kv_cache=kv_cache, progress=False)  # fmt: skip
+
+    (half,) = load_runtimes(settings("fp16"), load_target)
+    assert half.target.lm.kv_cache == "fp16"
+    calls = []
+    (full,) = load_runtimes(
+        settings("auto"), lambda *args, **kw: calls.append(kw) or load_target(*args, **kw)
+    )
+    assert full.target.lm.kv_cache == "fp32" and calls == [{}]
 
 
 # --------------------------------------------------------------------------- real model

@@ -43,6 +43,7 @@ import torch
 from tqdm import tqdm
 
 from speculative.bench.prompts import BenchPrompt
+from speculative.bench.runner import kv_cache_of
 from speculative.drafters.registry import build_drafter
 from speculative.engine import BatchEngine, BatchRequest, LoadAwareGamma, StopCriteria
 from speculative.engine.costs import PassCostCurves, pass_cost_curves, rows_verify_cost
@@ -51,7 +52,7 @@ from speculative.models.base import PadsBatchRows, SupportsBatchRows
 from speculative.sampling import SamplingParams
 from speculative.targets import LoadedModel, encode_prompt, load_target
 
-Loader = Callable[[str, str, str], LoadedModel]
+Loader = Callable[..., LoadedModel]  # (target, runtime, precision, kv_cache=)
 GREEDY = SamplingParams(temperature=0.0)
 PLAIN, PEER = "plain", "transformers/generate"
 CURVE_POINTS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -65,6 +66,7 @@ class ConcurrencySettings:
     target: str = "default"
     runtimes: tuple[str, ...] = ("native",)
     precision: str = "auto"
+    kv_cache: str = "auto"  # the native runtime's KV cache (see load_target)
     drafter: str = "ngram"
     gamma: int = 4
     max_gamma: int = LOAD_AWARE_MAX_GAMMA  # load-aware: a row's own cap
@@ -288,7 +290,10 @@ def run_concurrency(
         raise ValueError("no prompts to run")
     if min(settings.concurrency) < 1:
         raise ValueError("concurrency levels must be >= 1")
-    loaded = [loader(settings.target, rt, settings.precision) for rt in settings.runtimes]
+    kv_cache = kv_cache_of(settings.kv_cache)
+    loaded = [
+        loader(settings.target, rt, settings.precision, **kv_cache) for rt in settings.runtimes
+    ]
     setups = {target.runtime: target for target in loaded}  # "auto" named as resolved
     for runtime, target in setups.items():
         if not isinstance(target.lm, SupportsBatchRows):

@@ -36,7 +36,7 @@ from speculative.engine.costs import TargetCosts, drafter_cost, verify_cost_curv
 from speculative.sampling import SamplingParams
 from speculative.targets import LoadedModel, encode_prompt, load_target
 
-Loader = Callable[[str, str, str], LoadedModel]
+Loader = Callable[..., LoadedModel]  # (target, runtime, precision, kv_cache=)
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class BenchSettings:
     target: str = "default"
     runtimes: tuple[str, ...] = ("hf",)
     precision: str = "fp32"
+    kv_cache: str = "auto"  # the native runtime's KV cache (see load_target)
     drafters: tuple[str, ...] = ("ngram", "self-bf16")
     gammas: tuple[GammaChoice, ...] = (
         GammaChoice("2", 2),
@@ -144,10 +145,18 @@ class RuntimeSetup:
     drafters: dict[str, Drafter | None]
 
 
+def kv_cache_of(kv_cache: str) -> dict[str, str]:
+    """A loader's ``kv_cache`` argument for a cache type (none for "auto", so loaders
+    that take no such argument still serve)."""
+    return {} if kv_cache == "auto" else {"kv_cache": kv_cache}
+
+
 def load_runtimes(settings: BenchSettings, loader: Loader) -> list[RuntimeSetup]:
     setups = []
     for runtime in settings.runtimes:
-        target = loader(settings.target, runtime, settings.precision)
+        target = loader(
+            settings.target, runtime, settings.precision, **kv_cache_of(settings.kv_cache)
+        )
         drafters: dict[str, Drafter | None] = {PLAIN: None}
         for spec in settings.drafters:
             try:

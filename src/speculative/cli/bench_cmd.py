@@ -17,6 +17,7 @@ from speculative.cli.common import (
     positive_int,
     probability,
 )
+from speculative.cli.generate_cmd import add_kv_cache_argument
 from speculative.drafters.tree import TREE_MODES
 
 DESCRIPTION = """\
@@ -108,6 +109,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         help="target weight precision (auto: the model's own, e.g. int4 for a Q4 GGUF)",
     )
+    add_kv_cache_argument(parser)
     parser.add_argument(
         "--drafters",
         nargs="*",
@@ -230,6 +232,7 @@ def settings_from_args(args: argparse.Namespace):
         target=args.target,
         runtimes=tuple(dict.fromkeys(args.runtime)),
         precision=args.precision,
+        kv_cache=args.kv_cache,
         drafters=drafters,
         gammas=tuple(parse_gamma_choices(args.gamma or mode.gammas)),
         trees=tuple(t for t in dict.fromkeys(args.tree) if t != "off"),
@@ -264,6 +267,7 @@ def concurrency_settings(args: argparse.Namespace):
         target=args.target,
         runtimes=tuple(dict.fromkeys(args.runtime)),
         precision=args.precision,
+        kv_cache=args.kv_cache,
         drafter=drafters[0] if drafters else "ngram",
         gamma=fixed[0] if fixed else 4,
         max_gamma=args.max_gamma,
