@@ -541,12 +541,12 @@ def test_half_float_cache_kernels_match_torch_reference(tmp_path: Path) -> None:
 
 
 def test_kv_cache_types_and_their_errors(tiny: tuple[LlamaForCausalLM, Path]) -> None:
-    from speculative.models.native.model import kv_cache_dtype
+    from speculative.models.native.model import resolved_kv_cache
 
-    assert kv_cache_dtype("fp32") == torch.float32
-    assert [kv_cache_dtype(p) for p in ("bf16", "int8", "int4")] == [torch.float16] * 3
-    assert kv_cache_dtype("int4", "fp32") == torch.float32
-    assert kv_cache_dtype("fp32", "fp16") == torch.float16
+    assert resolved_kv_cache("fp32") == "fp32"
+    assert [resolved_kv_cache(p) for p in ("bf16", "int8", "int4")] == ["fp16"] * 3
+    assert resolved_kv_cache("int4", "fp32") == "fp32"
+    assert resolved_kv_cache("fp32", "fp16") == "fp16"
     _, folder = tiny
     with pytest.raises(ValueError, match="KV cache type 'int8'"):
         load_native(folder, max_length=16, kv_cache="int8")

@@ -26,7 +26,7 @@ def load_native(
     they build here, else torch with a warning).
     max_slots: most sequences the cache holds at once (batched decoding).
     kv_cache: the cache's element type, "fp32", "fp16" or "auto" (fp32 for an fp32 model,
-    fp16 otherwise; see :func:`~speculative.models.native.model.kv_cache_dtype`).
+    fp16 otherwise; see :func:`~speculative.models.native.model.resolved_kv_cache`).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")

@@ -820,6 +820,8 @@ static inline void kv_store(void *cache, size_t i, const float *x, int n, int f1
 }
 
 /* Rotate interleaved pairs of q and k heads at each row's position; store k, v in cache. */
+/* RoPE on one row's queries and keys (at `position`), then its keys and values into cache
+ * slot `slot` of k_cache / v_cache ([kv_heads, max_length, head_dim]). */
 static void rope_and_store_row(const Model *m, float *row, int64_t position, size_t slot,
                                void *k_cache, void *v_cache) {
     const int d = m->head_dim, half = d / 2, heads = m->heads, kv = m->kv_heads;
@@ -1119,11 +1121,6 @@ static void attention_row(const Model *m, const float *qkv, int start, const voi
         attention_head(m, qkv, start, k_cache, v_cache, out, h, scratch + (size_t)h * m->max_length);
 }
 
-/* The three passes of attention() for one kv group g of a sequence of rows <= ATT_ROWS
- * rows, one after another in one work item: the same attention_scores calls (chunk by
- * chunk of ATT_SLOTS slots), attention_weights and attention_values blocks as the passes
- * make for this group, so every pair gets the same bits. w holds the group's group * rows
- * weight rows (max_length floats each). */
 /* The visibility of slots s0.. renumbered from 0 (the same slots seen). */
 static inline Visible visible_from(Visible v, int s0) {
     v.base -= s0;
@@ -1137,9 +1134,9 @@ static inline Visible visible_from(Visible v, int s0) {
 static inline const float *chunk_keys(const void *keys, int d, int s0, int s1, int f16,
                                       float *buffer) {
     if (!f16) return (const float *)keys + (size_t)s0 * d;
-    const uint16_t *half = (const uint16_t *)keys + (size_t)s0 * d;
+    const size_t first = (size_t)s0 * d;
     for (int i = 0; i < (s1 - s0) * d; i += 8)  /* head_dim is a multiple of 16 */
-        _mm256_storeu_ps(buffer + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(half + i))));
+        _mm256_storeu_ps(buffer + i, kv_load8(keys, first + i, 1));
     return buffer;
 }
 
@@ -1151,10 +1148,15 @@ static inline void chunk_scores(const float *q, const float *chunk, int d, int s
 }
 
 /* Floats of the per-thread chunk buffers of a half-float cache (none for float32). */
-static int64_t widened_floats(const Model *m, int threads) {
+static int64_t chunk_buffer_floats(const Model *m, int threads) {
     return m->kv_f16 ? (int64_t)threads * ATT_SLOTS * m->head_dim : 0;
 }
 
+/* The three passes of attention() for one kv group g of a sequence of rows <= ATT_ROWS
+ * rows, one after another in one work item: the same attention_scores calls (chunk by
+ * chunk of ATT_SLOTS slots), attention_weights and attention_values blocks as the passes
+ * make for this group, so every pair gets the same bits. w holds the group's group * rows
+ * weight rows (max_length floats each). */
 static inline __attribute__((always_inline)) void attention_tile_group_kv(
     const Model *m, const float *qkv, int rows, int start, Visible vis, const void *k_cache,
     const void *v_cache, float *out, int g, float *w, float *buffer, int f16) {
@@ -1181,7 +1183,7 @@ static inline __attribute__((always_inline)) void attention_tile_group_kv(
         }
 }
 
-/* buffer: this thread's chunk buffer (widened_floats) */
+/* buffer: this thread's chunk buffer (chunk_buffer_floats) */
 static void attention_tile_group(const Model *m, const float *qkv, int rows, int start,
                                  Visible vis, const void *k_cache, const void *v_cache,
                                  float *out, int g, float *w, float *buffer) {
@@ -1233,7 +1235,7 @@ static inline __attribute__((always_inline)) void attention_kv(
 }
 
 /* Attention of every (row, head) of one sequence (see above); scratch: attention_floats;
- * buffer: this thread's chunk buffer (widened_floats). */
+ * buffer: this thread's chunk buffer (chunk_buffer_floats). */
 static void attention(const Model *m, const float *qkv, int rows, int start, Visible vis,
                       const void *k_cache, const void *v_cache, float *out, float *scratch,
                       float *buffer) {
@@ -1258,7 +1260,7 @@ int64_t spec_work_floats(const Model *m, int rows, int threads) {
     int64_t per_row = m->hidden + width + m->heads * d + 3 * (int64_t)m->intermediate;
     per_row += widest_input(m) / 4 + QUANT_ARRAYS * padded_groups(widest_input(m));  /* QuantRows */
     per_row += 2 * (int64_t)threads;  /* row_argmax's per-thread candidates */
-    return rows * per_row + attention_floats(m, rows) + widened_floats(m, threads);
+    return rows * per_row + attention_floats(m, rows) + chunk_buffer_floats(m, threads);
 }
 
 /* argmax[r] = the first index of row r's largest logit, as numpy's and torch's argmax
@@ -1483,8 +1485,8 @@ static void forward_batch(const Model *m, float *hidden, int nseq, const int32_t
     const int64_t groups = padded_groups(widest);
     QuantRows qx = quant_rows_at(quant, rows, widest);
     float *found = (float *)qx.sum + rows * groups;  /* row_argmax */
-    /* a half-float cache's per-thread chunk buffers: the last widened_floats of work */
-    float *chunk_buffers = work + spec_work_floats(m, rows, threads) - widened_floats(m, threads);
+    /* a half-float cache's per-thread chunk buffers: the last chunk_buffer_floats of work */
+    float *chunk_buffers = work + spec_work_floats(m, rows, threads) - chunk_buffer_floats(m, threads);
 #pragma omp parallel num_threads(threads)
     {
         for (int l = 0; l < m->num_layers; l++) {

@@ -37,19 +37,20 @@ from speculative.sampling.probs import RowProbs
 
 BACKENDS = ("auto", "kernels", "torch")
 KV_CACHES = ("auto", "fp32", "fp16")
+KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
-def kv_cache_dtype(precision: str, kv_cache: str = "auto") -> torch.dtype:
-    """The KV cache's element type: "fp32", "fp16" (IEEE half: each key and value rounded
-    once, to nearest even, when stored; attention reads it back exactly), or "auto": fp32
-    for an fp32 model, half for the precisions that already round their weights (bf16,
-    int8, int4), as llama.cpp does. Attention streams a sequence's whole cache every step:
-    half the bytes is most of a decode step's cost at long contexts and in large batches."""
+def resolved_kv_cache(precision: str, kv_cache: str = "auto") -> str:
+    """The KV cache's element type, "fp32" or "fp16" (IEEE half: each key and value
+    rounded once, to nearest even, when stored; attention reads it back exactly); "auto":
+    fp32 for an fp32 model, half for the precisions that already round their weights
+    (bf16, int8, int4), as llama.cpp does. Attention streams a sequence's whole cache
+    every step, a large share of a decode step at long contexts and in large batches."""
     if kv_cache not in KV_CACHES:
         raise ValueError(f"unknown KV cache type {kv_cache!r}; expected one of {KV_CACHES}")
     if kv_cache == "auto":
-        kv_cache = "fp32" if precision == "fp32" else "fp16"
-    return torch.float32 if kv_cache == "fp32" else torch.float16
+        return "fp32" if precision == "fp32" else "fp16"
+    return kv_cache
 
 
 def build_decoder(
@@ -104,14 +105,14 @@ class NativeLlama:
         kv_cache: str = "auto",
     ):
         """max_slots: most sequences the cache may hold at once (batched decoding);
-        kv_cache: the cache's element type (see :func:`kv_cache_dtype`)."""
+        kv_cache: the cache's element type (see :func:`resolved_kv_cache`)."""
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
         if max_length < 1:
             raise ValueError(f"max_length must be positive, got {max_length}")
-        kv_dtype = kv_cache_dtype(precision, kv_cache)
+        self.kv_cache = resolved_kv_cache(precision, kv_cache)  # "fp32" or "fp16"
         cfg = checkpoint.config
         self.config: NativeConfig = cfg
         self.precision = precision
@@ -121,9 +122,8 @@ class NativeLlama:
         angles = torch.outer(torch.arange(max_length, dtype=torch.float32), inv_freq)
         rotations = torch.polar(torch.ones_like(angles), angles)  # [max_length, d/2]
         self.decoder, self.backend = build_decoder(
-            checkpoint, precision, rotations, backend, kv_dtype
+            checkpoint, precision, rotations, backend, KV_DTYPES[self.kv_cache]
         )
-        self.kv_cache = "fp32" if kv_dtype == torch.float32 else "fp16"
         tied = cfg.tie_word_embeddings
         self._head_weight = None if tied else checkpoint.dense("lm_head.weight")  # [vocab, H]
         self.name = f"{checkpoint.name}-native-{precision}"
