@@ -170,12 +170,11 @@ def hf_loaded(hf: Any, precision: str = "fp32", eos: frozenset[int] | None = Non
 def _load_native_target(resolved: Any, precision: str, backend: str, kv_cache: str) -> LoadedModel:
     from speculative.models.loading import load_tokenizer
     from speculative.models.native import PRECISIONS, load_native
-    from speculative.models.native.model import KV_CACHES
+    from speculative.models.native.model import resolved_kv_cache
 
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    if kv_cache not in KV_CACHES:
-        raise ValueError(f"unknown KV cache {kv_cache!r}; choose one of {', '.join(KV_CACHES)}")
+    resolved_kv_cache(precision, kv_cache)  # an unknown cache type fails before any loading
     tokenizer = load_tokenizer(resolved)
     if tokenizer is None:
         raise ValueError(f"model '{resolved.name}' ships no tokenizer; text generation needs one")
