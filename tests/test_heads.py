@@ -468,6 +468,111 @@ class ShiftedQEagle(EagleDrafter):
         return type(draft)(tokens=draft.tokens, rows=rows, vocab=draft.vocab)
 
 
+# ---- the catch-up window -----------------------------------------------------------------
+
+
+def counting_pairs(drafter: EagleDrafter) -> list[int]:
+    """The number of pairs of each step the drafter's chain runner takes (appended as it
+    runs)."""
+    runner, counts = drafter.chain.runner, []
+    step = runner.step
+
+    def counted(embeds, *args, **kwargs):
+        counts.append(embeds.shape[0])
+        return step(embeds, *args, **kwargs)
+
+    runner.step = counted
+    return counts
+
+
+def primed_eagle(target, folder: Path, window: int | None) -> tuple[EagleDrafter, ModelSession]:
+    drafter = build_drafter(f"eagle:{folder}", target)
+    assert isinstance(drafter, EagleDrafter)
+    drafter.window = window
+    session = ModelSession(target.lm)
+    drafter.prime(session)
+    return drafter, session
+
+
+def first_draft(drafter, session, context, params, seed=0):
+    """The drafter's 4-token draft after the target's session scored ``context``."""
+    session.logits_after(context)
+    return drafter.propose(context, 4, params, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("runtime", ["native-torch", "native-kernels"])
+def test_a_long_catch_up_runs_only_the_window_and_stays_lossless(trained, runtime):
+    """A head far behind the context (a long prompt) runs only the last ``window`` true
+    pairs (the work of a catch-up is bounded; its backlog says so), then drafts on top of
+    them; generation stays exactly plain decoding. A context that changed inside the
+    skipped pairs starts the cache over: the drafts are a fresh drafter's, bitwise."""
+    target = target_on(runtime, trained["model"])
+    long_prompt = PROMPT * 4  # 44 tokens
+    runs = {}
+    for window in (8, None):  # one session on the target at a time
+        drafter, session = primed_eagle(target, trained["eagle"], window)
+        session.logits_after(long_prompt)
+        backlog = drafter.draft_backlog(long_prompt)
+        counts = counting_pairs(drafter)
+        drafter.propose(long_prompt, 4, GREEDY, torch.Generator())
+        runs[window] = (backlog, counts, drafter)
+    assert runs[8][:2] == (8 - 1, [8, 1, 1, 1])  # the catch-up, then a step per draft
+    assert runs[None][:2] == (len(long_prompt) - 2, [len(long_prompt) - 1, 1, 1, 1])
+    windowed = runs[8][2]
+    plain = generate(target, None, GREEDY, prompt=long_prompt).token_ids
+    windowed.reset()
+    out = generate(target, windowed, GREEDY, prompt=long_prompt)
+    assert out.token_ids == plain and out.stats.accepted_tokens > 0
+
+    params = SamplingParams(temperature=1.0)
+    changed = [*long_prompt[:10], 9, *long_prompt[11:]]  # a token the window skipped
+    shorter = changed[:15]  # no longer than the window: all its pairs run, from slot 0
+    for context in (changed, shorter):
+        fresh, fresh_session = primed_eagle(target, trained["eagle"], 16)
+        want = first_draft(fresh, fresh_session, context, params, seed=1)
+        drafter, own = primed_eagle(target, trained["eagle"], 16)
+        first_draft(drafter, own, long_prompt, params)
+        got = first_draft(drafter, own, context, params, seed=1)
+        assert got.tokens == want.tokens
+        for a, b in zip(got.rows, want.rows, strict=True):
+            assert torch.equal(a.dense(target.lm.vocab_size), b.dense(target.lm.vocab_size))
+
+
+def test_a_windowed_head_drafts_trees_from_its_own_cache(trained):
+    """Trees read the windowed cache as chains do (slot i at position i): after a catch-up
+    that skipped pairs, the tree's expansion of its best child (the chain's first draft)
+    predicts what the chain's next step does, and the greedy tree holds the chain of two.
+    (Positions off by the skipped pairs would rotate the expansion's query against the
+    cached keys: its logits would differ.)"""
+    target = target_on("native-torch", trained["model"])
+    drafter, session = primed_eagle(target, trained["eagle"], 8)
+    context = PROMPT * 4
+    session.logits_after(context)
+    outputs: dict[str, list[torch.Tensor]] = {"tree": [], "chain": []}
+    for key, cache in (("tree", drafter.tree_cache), ("chain", drafter.chain)):
+        step = cache.runner.step
+
+        def kept(*args, step=step, key=key, **kwargs):
+            out, logits = step(*args, **kwargs)
+            outputs[key].append(logits)
+            return out, logits
+
+        cache.runner.step = kept
+    tree = drafter.propose_tree(context, 16, GREEDY, torch.Generator())
+    chain = drafter.propose(context, 2, GREEDY, torch.Generator())
+    assert drafter.tree_cache.first == drafter.chain.first == len(context) - 1 - 8
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+
+    def path(node: int) -> list[int]:
+        return [] if node < 0 else [*path(parents[node]), tokens[node]]
+
+    assert tokens[0] == chain.tokens[0]
+    # the calls: a catch-up, then the tree's first expansion (its best child first) / the
+    # chain's step after its first draft
+    assert torch.allclose(outputs["tree"][1][0], outputs["chain"][1][0], atol=1e-5)
+    assert chain.tokens in [path(node) for node in range(len(tokens))]
+
+
 # ---- trees -------------------------------------------------------------------------------
 
 

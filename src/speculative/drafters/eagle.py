@@ -4,6 +4,7 @@ The head reads the target's features of the committed positions (from the target
 session: the verify forward computed them) and its own predicted features for drafted
 ones. It keeps a small KV cache over the pairs it processed; the entries made from true
 features survive across rounds (rolled back by common prefix), drafted ones are redone.
+A head far behind (a long prompt) catches up on the last CATCH_UP_WINDOW pairs only.
 
 Pair t is (feature f_t, token x_{t+1}) at position t; processing it predicts f_{t+1},
 whose logits over the draft vocabulary give the distribution of x_{t+2}.
@@ -41,14 +42,25 @@ STATIC_WIDTH = (1, 2, 2, 3, 3, 3, 3, 3)  # expanded nodes per depth (first in dr
 DYNAMIC_TOP_K = 4  # EAGLE-2: children considered per expanded node
 DYNAMIC_WIDTH = 4  # EAGLE-2: nodes expanded per depth (best path probabilities)
 DYNAMIC_DEPTH = 3  # depths expanded (EAGLE-2 uses 6; see docs/trees.md)
+CATCH_UP_WINDOW = 128  # the most true pairs a catch-up runs (a long prompt: its last ones)
 
 
 @dataclass
 class HeadCache:
-    """A runner and the tokens x_{t+1} of the true pairs t = 0, 1, ... its cache holds."""
+    """A runner and the tokens x_{t+1} of the true pairs t = 0, 1, ... of the context it
+    follows. Its cache holds pairs ``first`` .. len(pairs) - 1: a catch-up that skipped
+    the pairs before ``first`` (see :meth:`EagleDrafter._catch_up`). Cache slot i holds
+    pair first + i, at RoPE position i (attention sees only differences of positions)."""
 
     runner: EagleRunner
     pairs: list[int] = field(default_factory=list)
+    first: int = 0
+
+    def restart(self, first: int, context: Sequence[int]) -> None:
+        """An empty cache that will hold pairs from ``first`` on of ``context``."""
+        self.runner.length = 0
+        self.first = first
+        self.pairs = list(context[1 : first + 1])
 
 
 class EagleDrafter(HeadDrafter):
@@ -68,10 +80,14 @@ class EagleDrafter(HeadDrafter):
         name: str = "eagle",
         runner: EagleRunner | None = None,
         search: NucleusSearch | None = None,
+        window: int | None = CATCH_UP_WINDOW,
     ) -> None:
         super().__init__(head, vocab_size, name, search)
+        if window is not None and window < 1:
+            raise ValueError(f"the catch-up window must be at least one pair, got {window}")
         self.chain = HeadCache(runner if runner is not None else TorchEagleRunner(head))
         self._tree: HeadCache | None = None
+        self.window = window  # None: every true pair, however many
 
     @property
     def tree_cache(self) -> HeadCache:
@@ -89,26 +105,37 @@ class EagleDrafter(HeadDrafter):
         """:class:`ReportsDraftCost`: the true pairs of ``context`` the chain's head cache
         lacks, beyond the one a round adds (rows that drafted nothing lag further)."""
         true = min(true_feature_count(self.target, context), len(context) - 1)
-        return max(0, true - common_prefix_length(self.chain.pairs, context[1 : true + 1]) - 1)
+        lacking = true - common_prefix_length(self.chain.pairs, context[1 : true + 1])
+        return max(0, min(lacking, self.window or lacking) - 1)
 
     def reset(self) -> None:
         for cache in (self.chain, self._tree):
             if cache is not None:
-                cache.runner.length = 0
-                cache.pairs = []
+                cache.restart(0, [])
 
     # ---- the head over the committed context ----------------------------------------
     def _catch_up(self, cache: HeadCache, context: Sequence[int]) -> _Feed | None:
         """Roll the head's cache back to the true pairs it shares with ``context`` and
         return the feed of the true pairs it lacks (at least the last one, whose
-        prediction drafting starts from), or None when the target gave no features."""
+        prediction drafting starts from), or None when the target gave no features.
+
+        Where it lacks more than ``window`` pairs (a long prompt, a row that has not
+        drafted for long), the cache starts over from the last ``window`` of them: the
+        head then attends over fewer pairs, which changes its drafts, never the output
+        (verification keeps it exact), and bounds what a catch-up costs."""
         true = min(true_feature_count(self.target, context), len(context) - 1)
         if true < 1:
             return None
         keep = common_prefix_length(cache.pairs, context[1 : true + 1])
         if keep == true:  # nothing new: redo the last true pair to get its prediction
             keep -= 1
-        cache.runner.length = keep
+        if keep < cache.first:  # the context changed in the pairs the cache skipped
+            cache.restart(0, context)
+            keep = 0
+        if self.window is not None and true - keep > self.window:
+            keep = true - self.window
+            cache.restart(keep, context)
+        cache.runner.length = keep - cache.first
         del cache.pairs[keep:]
         cache.pairs.extend(context[keep + 1 : true + 1])
         features = self.target.features  # type: ignore[union-attr]
@@ -140,7 +167,7 @@ class EagleDrafter(HeadDrafter):
         prediction ([H] feature, [N] logits); the feeds of rows whose runners step
         together in one call, else one call each. The feeds' drafters count their calls."""
         embeds = [embedding_rows(f.owner.head.embedding, f.tokens) for f in feeds]
-        positions = [f.owner.positions(f.start, len(f.tokens)) for f in feeds]
+        positions = [f.owner.positions(f.start - f.cache.first, len(f.tokens)) for f in feeds]
         runners = [f.cache.runner for f in feeds]
         together = runners[0].together
         if len(feeds) > 1 and together is not None and all(r.together is together for r in runners):
@@ -299,8 +326,8 @@ class EagleDrafter(HeadDrafter):
 
 @dataclass
 class _Feed:
-    """Pairs to append to a head cache: (features[i], tokens[i]) at positions start + i,
-    for ``owner`` (the drafter whose call it counts)."""
+    """Pairs to append to a head cache: (features[i], tokens[i]) as pairs start + i (at
+    positions start + i - cache.first), for ``owner`` (the drafter whose call it counts)."""
 
     owner: EagleDrafter
     cache: HeadCache
