@@ -849,9 +849,10 @@ static void rope_and_store_row(const Model *m, float *row, int64_t position, siz
  *            tile's rows (then from L1), four slots side by side (eight in the AVX-512
  *            build);
  *   softmax  for every (head, row) pair: max over the visible slots, exp;
- *   values   for every (kv group, 32 dimensions (64 in the AVX-512 build), block of 3
- *            pairs): each value row is read once for all the block's pairs, their 12 sums
- *            held in registers, and each pair's total of weights summed on the way.
+ *   values   for every (kv group, 32 dimensions (64 in the AVX-512 build), block of
+ *            VALUE_PAIRS pairs): each value row is read once for all the block's pairs,
+ *            their sums held in registers, and each pair's total of weights summed on the
+ *            way.
  * A single causal row (a decode step) takes one head per work item instead, the three steps
  * in a row, with no barrier between them (attention_row).
  * A (head, row) pair computes exactly what it would alone: its score for a slot is the same
@@ -913,11 +914,18 @@ typedef __m512 vvec;
 typedef __m256 vvec;
 #endif
 
+/* Pairs per block of a tile's value pass: each block's NP * NV sums, its NV value vectors
+ * and NP totals should fit the vector registers. The AVX-512 build's 32 hold 3 pairs of 4
+ * vectors; AVX2's 16 hold 2 pairs of 4 (3 spilled two sums and the totals to the stack,
+ * each slot then waiting on a store and a reload: 0.94-0.97x the time of a k = 4-16 pass
+ * after 1,024 tokens with 2, the same bits). */
+#define VALUE_PAIRS (VLANES == 16 ? 3 : 2)
+
 /* The value pass for NP <= 3 pairs p0 .. p0 + NP - 1 of the tile (all of one kv group) and
  * output dimensions j .. j + VLANES * NV - 1: out lane = (sum over the pair's visible slots
  * in order of w[s] * v[s, lane]) / total, total = the sum of those w[s] in slot order (the
- * scalar chains run beside the FMAs). NP * NV <= 12 sums (NV <= 8 for one pair) stay in
- * registers: independent FMA chains, enough to hide the FMA latency. */
+ * scalar chains run beside the FMAs). The NP * NV sums are independent FMA chains, enough
+ * to hide the FMA latency. */
 static inline __attribute__((always_inline)) void attention_values(
     int NP, int NV, const Model *m, int p0, int tile_rows, int r0, int n, Visible vis,
     const void *values, int j, const float *weights, int wp0, float *out, int f16) {
@@ -1177,9 +1185,9 @@ static inline __attribute__((always_inline)) void attention_tile_group_kv(
         attention_weights(w + (size_t)(p - first) * stride, n, p % R, vis);
     const int nv = value_vectors(d);
     for (int j = 0; j < d; j += VLANES * nv)
-        for (int p0 = first; p0 < first + group_pairs; p0 += 3) {
-            tile_values(min_int(3, first + group_pairs - p0), nv, m, p0, R, 0, n, vis, values,
-                        j, w, first, out, f16);
+        for (int p0 = first; p0 < first + group_pairs; p0 += VALUE_PAIRS) {
+            tile_values(min_int(VALUE_PAIRS, first + group_pairs - p0), nv, m, p0, R, 0, n, vis,
+                        values, j, w, first, out, f16);
         }
 }
 
@@ -1221,15 +1229,16 @@ static inline __attribute__((always_inline)) void attention_kv(
 #pragma omp for schedule(static)
         for (int p = 0; p < pairs; p++)
             attention_weights(weights + p * stride, n, r0 + p % R, vis);
-        /* items: (kv group, value_vectors(d) vectors of dimensions, block of 3 pairs) */
-        const int nv = value_vectors(d), blocks = (group_pairs + 2) / 3, dims = d / (VLANES * nv);
+        /* items: (kv group, value_vectors(d) vectors of dimensions, block of VALUE_PAIRS pairs) */
+        const int nv = value_vectors(d), blocks = (group_pairs + VALUE_PAIRS - 1) / VALUE_PAIRS;
+        const int dims = d / (VLANES * nv);
 #pragma omp for schedule(static)
         for (int item = 0; item < kv * dims * blocks; item++) {
             const int g = item / (dims * blocks), j = (item / blocks) % dims * VLANES * nv;
-            const int p0 = g * group_pairs + item % blocks * 3;
+            const int p0 = g * group_pairs + item % blocks * VALUE_PAIRS;
             const void *values = kv_at_c(v_cache, (size_t)g * stride * d, f16);
-            tile_values(min_int(3, (g + 1) * group_pairs - p0), nv, m, p0, R, r0, n, vis, values,
-                        j, weights, 0, out, f16);
+            tile_values(min_int(VALUE_PAIRS, (g + 1) * group_pairs - p0), nv, m, p0, R, r0, n,
+                        vis, values, j, weights, 0, out, f16);
         }
     }
 }
