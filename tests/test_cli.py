@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from speculative.cli.main import main
 
@@ -144,20 +145,40 @@ def test_help_lists_registry_drafters_and_no_flag_defaults(capsys, command):
         assert "self-int4" in out
 
 
-def test_demo_drafts_with_the_shipped_head_where_one_ships(capsys, tmp_path):
-    """`demo` with no --draft: `auto` (n-gram or the shipped EAGLE head) for the default
-    model, which ships a head; `ngram` for a target without one (no error), and the run's
-    outputs are identical to plain decoding."""
-    from server_helpers import tiny_chat_folder
-    from speculative.cli.demo_cmd import default_drafter
+def test_demo_and_generate_draft_with_the_shipped_head_where_one_ships(capsys, tmp_path):
+    """With no --draft, `demo` and `generate` take the `default` drafter: `auto` (n-gram or
+    the shipped EAGLE head) for a target named as the default model, which ships a head,
+    where its runtime gives features; `ngram` for a target without a head or without
+    features (no error). The runs' outputs are those of plain decoding."""
+    from dataclasses import replace
 
-    assert default_drafter("smollm2-135m-instruct") == "auto"
+    from server_helpers import tiny_chat_folder
+    from speculative.drafters.registry import build_drafter, default_drafter_name
+    from speculative.models.markov import MarkovLM
+    from speculative.targets import load_target
+
     folder = tiny_chat_folder(tmp_path / "tiny")
-    assert default_drafter(folder.name) == "ngram"
+    tiny = load_target(str(folder), "native")
+    assert default_drafter_name(tiny) == "ngram"
+    assert build_drafter("default", tiny).name == "ngram"
+    named = replace(tiny, name="smollm2-135m-instruct")  # the shipped head's target name
+    assert default_drafter_name(named) == "auto"
+    no_features = replace(named, lm=MarkovLM(torch.full((4, 4), 0.25)))
+    assert default_drafter_name(no_features) == "ngram"
+    with pytest.raises(ValueError, match="takes no argument"):
+        build_drafter("default:x", tiny)
     args = ["demo", "--target", str(folder), "--max-new-tokens", "12", "--json"]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert report["draft"] == "ngram" and report["outputs_identical"] is True
+    base = ["generate", "--target", str(folder), "--prompt", "hello", "--max-new-tokens", "8"]
+    texts = {}
+    for draft in ([], ["--draft", "none"]):
+        code, out, _err = run_cli(capsys, *base, *draft, "--json")
+        assert code == 0
+        texts[bool(draft)] = json.loads(out.splitlines()[-1])
+    assert texts[False]["token_ids"] == texts[True]["token_ids"]
+    assert texts[False]["stats"]["target_calls"] < texts[True]["stats"]["target_calls"]
 
 
 def test_generate_takes_a_kv_cache_type_and_refuses_one_for_transformers(capsys, tmp_path):

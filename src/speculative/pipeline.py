@@ -5,7 +5,7 @@ This is the library's front door for real models (the parts behind it: targets i
 tree settings in :mod:`speculative.engine`)::
 
     from speculative import Speculator
-    spec = Speculator.load(target="default", draft="ngram")
+    spec = Speculator.load(target="default")  # draft="default": auto, or ngram
     out = spec.generate("Write a haiku about caches.", max_new_tokens=64)
     print(out.text, out.stats.mean_accepted_length)
 
@@ -18,6 +18,7 @@ Drafter names (``draft=``):
   self-exit:N   the target's first N layers (+ final norm and head): early exit
   eagle, medusa heads trained on the target's features (shipped, or eagle:DIR / medusa:DIR)
   auto          n-gram lookup or the EAGLE head, chosen per round by tokens per cost
+  default       auto where an EAGLE head ships for the target, else ngram (the default)
   <path or id>  a separate, smaller causal LM sharing the target's vocabulary
 """
 
@@ -107,7 +108,7 @@ class Speculator:
     def load(
         cls,
         target: str = "default",
-        draft: str | None = "ngram",
+        draft: str | None = "default",
         gamma: int | str = 4,
         runtime: str = "auto",
         precision: str = "auto",
@@ -248,7 +249,7 @@ def generate(
     prompt: str,
     *,
     target: str = "default",
-    draft: str | None = "ngram",
+    draft: str | None = "default",
     gamma: int | str = 4,
     runtime: str = "auto",
     tree: str = "off",

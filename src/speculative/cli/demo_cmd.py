@@ -56,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from speculative.drafters.registry import build_drafter
+    from speculative.drafters.registry import build_drafter, default_drafter_name
     from speculative.engine.gamma import parse_gamma
     from speculative.pipeline import Speculator
     from speculative.targets import load_target
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     gamma = parse_gamma(args.gamma)
     print(f"loading target '{args.target}' ...", file=sys.stderr)
     target = load_target(args.target, args.runtime, args.precision, kv_cache=args.kv_cache)
-    args.draft = args.draft or default_drafter(target.name)
+    args.draft = args.draft or default_drafter_name(target)
     print(f"drafter '{args.draft}' ...", file=sys.stderr)
     drafter = build_drafter(args.draft, target)
     speculator = Speculator(target, drafter, gamma, tree=args.tree, tree_budget=args.tree_budget)
@@ -105,11 +105,3 @@ def run(args: argparse.Namespace) -> int:
             }
         )
     return 0 if identical else 1
-
-
-def default_drafter(target_name: str) -> str:
-    """``auto`` (n-gram lookup or the shipped EAGLE head, per round) where a head ships for
-    the target, else ``ngram`` (prompt lookup needs nothing trained)."""
-    from speculative.heads.store import shipped_head_dir
-
-    return "auto" if shipped_head_dir("eagle", target_name) is not None else "ngram"

@@ -52,8 +52,9 @@ On a terminal, green text came from accepted draft tokens and cyan text from the
 
 def add_model_arguments(
     parser: argparse.ArgumentParser,
-    draft_default: str | None = "ngram",
-    draft_help: str = "drafter (see above)",
+    draft_default: str | None = "default",
+    draft_help: str = "drafter (see above; 'default': auto where an EAGLE head ships for the "
+    "target, else ngram)",
 ) -> None:
     parser.add_argument(
         "--target",

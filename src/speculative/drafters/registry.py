@@ -8,6 +8,8 @@
   medusa        the Medusa heads shipped for the target (medusa:DIR: a trained folder)
   auto          per round, n-gram lookup or the EAGLE head, by expected tokens per cost
                 (auto:DIR: with the head in DIR)
+  default       the best drafter at hand: auto where an EAGLE head ships for the target
+                (and it gives features), else ngram
   <path or id>  a separate, smaller causal LM sharing the target's vocabulary
 
 Factories ask capability protocols (SupportsHiddenStates, SupportsEarlyExit), never
@@ -193,6 +195,23 @@ def _auto(argument: str, target: LoadedModel) -> Drafter:
     return AutoDrafter(_eagle(argument, target), "auto" if not argument else f"auto:{argument}")
 
 
+def default_drafter_name(target: LoadedModel) -> str:
+    """``auto`` (n-gram lookup or the shipped EAGLE head, per round: the fastest on the
+    bench and on long prompts) where a head ships for the target and its runtime gives
+    features, else ``ngram`` (prompt lookup needs nothing trained)."""
+    from speculative.heads.store import shipped_head_dir
+    from speculative.models.base import SupportsHiddenStates
+
+    has_head = shipped_head_dir("eagle", target.name) is not None
+    return "auto" if has_head and isinstance(target.lm, SupportsHiddenStates) else "ngram"
+
+
+def _default(argument: str, target: LoadedModel) -> Drafter | None:
+    if argument:
+        raise ValueError(f"'default' takes no argument, got 'default:{argument}'")
+    return build_drafter(default_drafter_name(target), target)
+
+
 def _draft_model(name: str, target: LoadedModel) -> Drafter:
     from speculative.drafters.model import DraftModelDrafter
     from speculative.models.loading import check_vocab_compatible
@@ -219,6 +238,7 @@ REGISTRY: tuple[Entry, ...] = (
     Entry("eagle", _eagle, "EAGLE head (shipped, or eagle:DIR)"),
     Entry("medusa", _medusa, "Medusa heads (shipped, or medusa:DIR)"),
     Entry("auto", _auto, "n-gram or EAGLE head per round (auto:DIR)"),
+    Entry("default", _default, "auto where a head ships for the target, else ngram"),
 )
 
 
