@@ -177,8 +177,11 @@ def test_demo_and_generate_draft_with_the_shipped_head_where_one_ships(capsys, t
         code, out, _err = run_cli(capsys, *base, *draft, "--json")
         assert code == 0
         texts[bool(draft)] = json.loads(out.splitlines()[-1])
+    assert (texts[False]["draft"], texts[True]["draft"]) == ("ngram", "none")  # which ran
     assert texts[False]["token_ids"] == texts[True]["token_ids"]
     assert texts[False]["stats"]["target_calls"] < texts[True]["stats"]["target_calls"]
+    code, _out, err = run_cli(capsys, *base)
+    assert code == 0 and "· draft ngram]" in err
 
 
 def test_generate_takes_a_kv_cache_type_and_refuses_one_for_transformers(capsys, tmp_path):

@@ -251,12 +251,14 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
     }
 
 
-def stats_line(stats: dict, colour: bool) -> str:
+def stats_line(stats: dict, colour: bool, draft: str | None = None) -> str:
+    """The one-line summary of a generation (``draft``: the drafter's name, shown last)."""
     line = (
         f"[{stats['new_tokens']} tokens in {stats['seconds']:.2f} s = "
         f"{stats['tokens_per_second']:.1f} tok/s · target calls {stats['target_calls']} · "
         f"τ {stats['mean_accepted_length']:.2f} tokens/call · "
-        f"α {stats['acceptance_rate']:.2f} ({stats['accepted_tokens']}/{stats['drafted_tokens']})]"
+        f"α {stats['acceptance_rate']:.2f} ({stats['accepted_tokens']}/{stats['drafted_tokens']})"
+        + (f" · draft {draft}]" if draft else "]")
     )
     return f"{DIM}{line}{RESET}" if colour else line
 
@@ -295,12 +297,12 @@ def run(args: argparse.Namespace) -> int:
             printer.push(round_)
         sys.stdout.write("\n")
     output = stream.output()
-    if args.json:
-        emit_json(output.to_dict())
+    draft = speculator.drafter.name if speculator.drafter is not None else "none"
+    if args.json:  # which drafter ran: --draft default names one
+        emit_json({**output.to_dict(), "draft": draft})
     else:
         if colour and speculator.drafter is not None:
             print(legend(colour), file=sys.stderr)
-        print(
-            stats_line(output.stats.to_dict(), use_colour(sys.stderr, args.colour)), file=sys.stderr
-        )
+        err_colour = use_colour(sys.stderr, args.colour)
+        print(stats_line(output.stats.to_dict(), err_colour, draft), file=sys.stderr)
     return 0
