@@ -169,14 +169,22 @@ class ShiftedFeaturesPool(SlotPool):
         return [logits for logits, _ in outputs]
 
 
-def batch_rows(target, name, folder, pool=None, n=30):
+def row_drafter(target, name, folder, window=None):
+    """A row's own head drafter (EAGLE: with catch-up ``window`` if given)."""
+    drafter = build_drafter(f"{name}:{folder}", target)
+    if window is not None:
+        drafter.window = window
+    return drafter
+
+
+def batch_rows(target, name, folder, pool=None, n=30, window=None):
     """The three ROW_PROMPTS decoded together (each with its own head instance, sampling
     settings and seed); returns their results."""
     engine = BatchEngine(target.lm, max_batch=3, pool=pool)
     requests = [
         BatchRequest(prompt, params, StopCriteria(max_new_tokens=n),
                      torch.Generator().manual_seed(10 + i),
-                     build_drafter(f"{name}:{folder}", target), 3)
+                     row_drafter(target, name, folder, window), 3)
         for i, (prompt, params) in enumerate(zip(ROW_PROMPTS, ROW_PARAMS, strict=True))
     ]  # fmt: skip
     return engine.run(requests)
@@ -206,6 +214,25 @@ def test_batched_rows_draft_from_their_own_features(trained, runtime, name):
         swapped = batch_rows(target, name, folder, ShiftedFeaturesPool(target.lm))
         assert [drafts(r) for r in swapped] != [drafts(r) for r in together]
         assert swapped[0].token_ids == together[0].token_ids  # still lossless (greedy row)
+
+
+def test_batched_rows_with_windowed_catch_ups_draft_as_alone(trained):
+    """Rows whose heads each skipped pairs of their own prompt (a catch-up window of 4:
+    each row's cache starts at its own pair, so a shared head step takes each row's
+    positions from its own start) draft in a batch bitwise as alone."""
+    target = target_on("native-kernels", trained["model"])
+    folder = trained["eagle"]
+    alone = []
+    for i, (prompt, params) in enumerate(zip(ROW_PROMPTS, ROW_PARAMS, strict=True)):
+        drafter = row_drafter(target, "eagle", folder, window=4)
+        alone.append(generate(target, drafter, params, 3, n=30, seed=10 + i, prompt=prompt))
+    together = batch_rows(target, "eagle", folder, window=4)
+    drafts = lambda r: (r.stats.drafted_tokens, r.stats.accepted_tokens, r.stats.positions.accepted)  # noqa: E731
+    assert sum(r.stats.accepted_tokens for r in together) > 0
+    for one, row in zip(alone, together, strict=True):
+        assert row.token_ids == one.token_ids and drafts(row) == drafts(one)
+    whole = batch_rows(target, "eagle", folder)  # the window changes the drafts
+    assert [drafts(r) for r in whole] != [drafts(r) for r in together]
 
 
 class OtherRowsSlot:
