@@ -917,7 +917,7 @@ typedef __m256 vvec;
 /* Pairs per block of a tile's value pass: each block's NP * NV sums, its NV value vectors
  * and NP totals should fit the vector registers. The AVX-512 build's 32 hold 3 pairs of 4
  * vectors; AVX2's 16 hold 2 pairs of 4 (3 spilled two sums and the totals to the stack,
- * each slot then waiting on a store and a reload: 0.94-0.97x the time of a k = 4-16 pass
+ * each slot then waiting on a store and a reload: 0.94-0.98x the time of k = 3-16 passes
  * after 1,024 tokens with 2, the same bits). */
 #define VALUE_PAIRS (VLANES == 16 ? 3 : 2)
 
