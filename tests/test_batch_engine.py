@@ -176,6 +176,53 @@ def test_load_aware_gamma_keeps_greedy_rows_exact(folder: Path) -> None:
         assert result.token_ids == _alone(spec, folder, backend)[0]
 
 
+class _ChoosesItsLength(PromptLookupDrafter):
+    """An n-gram drafter that says it picks its own draft length (``ChoosesDraftLength``):
+    it records the curve it is given and the γ of every propose call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.curve: dict[int, float] | None = None
+        self.asked: list[int] = []
+
+    def use_verify_cost(self, verify_cost: dict[int, float]) -> None:
+        self.curve = dict(verify_cost)
+
+    def propose(self, context, gamma, params, generator):
+        self.asked.append(gamma)
+        return super().propose(context, gamma, params, generator)
+
+
+def test_load_aware_lets_a_drafter_alone_in_the_pass_choose_its_length(folder: Path) -> None:
+    """Alone in the pass, a drafter that picks its own length gets the row's γ as its cap
+    (and the policy's measured K(k)/T(1) as its prior), as a single sequence does with
+    --gamma auto; beside another row, the load policy decides (here, on a curve where a
+    token costs a step: no drafts). Greedy rows stay exact either way."""
+    target = load_native(folder, max_length=96, backend="torch")
+    steep = lambda n: float(n)  # noqa: E731
+    prompt = _ids(30, 51)[0].tolist()[:6] * 4  # repetitive: the lookup finds matches
+    greedy = SamplingParams(temperature=0)
+    plain = SpeculativeEngine(target, None).generate(
+        prompt, greedy, StopCriteria(max_new_tokens=12), torch.Generator()
+    )
+
+    def run(rows: int) -> list[_ChoosesItsLength]:
+        drafters = [_ChoosesItsLength() for _ in range(rows)]
+        engine = BatchEngine(target, max_batch=rows, load=LoadAwareGamma(steep))
+        requests = [
+            BatchRequest(prompt, greedy, StopCriteria(max_new_tokens=12), torch.Generator(), d, 4)
+            for d in drafters
+        ]
+        for result in engine.run(requests):
+            assert result.token_ids == plain.token_ids
+        return drafters
+
+    (alone,) = run(1)
+    assert alone.curve == {k: float(k) for k in range(1, 10)}
+    assert alone.asked and set(alone.asked) == {4}
+    assert all(not d.asked for d in run(2))  # the load policy's γ: 0 on this curve
+
+
 def test_situation_acceptance_pools_rows_per_situation() -> None:
     """Per situation and draft position: long matches, all kept, rate near 1 at every
     position; 1-token matches, whose first draft always fails, near 0 at the first
