@@ -232,6 +232,7 @@ class BatchRow:
     situated: SupportsDraftSituation | None = None
     situates_policy: bool = False
     learns_costs: SupportsCostFeedback | None = None  # the γ policy, where it learns timings
+    chooses_length: bool = False  # the drafter picks its own length (ChoosesDraftLength)
     draft_cost: float = 0.0  # c until measured: the request's, else streamed_draft_cost
 
     def result(self) -> GenerationResult:
@@ -355,10 +356,11 @@ class BatchEngine:
         session = self.pool.open(features=reads, prompt=request.prompt_ids)  # raises when full
         if request.drafter is not None:
             request.drafter.reset()
-        if self.load is not None and provides(request.drafter, ChoosesDraftLength):
+        chooses_length = provides(request.drafter, ChoosesDraftLength)
+        if self.load is not None and chooses_length:
             # the load policy's measured K(k)/T(1) as the prior of its own V(k)
             curve = {k: self.load.cost(k) for k in range(1, AUTO_LENGTH_CAP + 2)}
-            request.drafter.use_verify_cost(curve)
+            cast(ChoosesDraftLength, request.drafter).use_verify_cost(curve)
         gamma = request.gamma
         policy = FixedGamma(gamma) if isinstance(gamma, int) else gamma
         drafter = request.drafter
@@ -373,6 +375,7 @@ class BatchEngine:
             situated=situated if request.tree is None else None,
             situates_policy=situated is not None and provides(policy, SupportsSituations),
             learns_costs=policy if provides(policy, SupportsCostFeedback) else None,
+            chooses_length=chooses_length,
             draft_cost=(
                 streamed_draft_cost(drafter, self._target_bytes)
                 if request.draft_cost is None
@@ -491,11 +494,7 @@ class BatchEngine:
         policy, which prices drafts by the row's acceptance over all its rounds, had such
         a drafter draft in 2 % of rounds at B = 1, 0.97× plain, where it chose alone
         1.12×.)"""
-        return (
-            len(rows) == 1
-            and extra_rows == 0
-            and provides(rows[0].request.drafter, ChoosesDraftLength)
-        )
+        return len(rows) == 1 and extra_rows == 0 and rows[0].chooses_length
 
     def _proposals_together(
         self, rows: list[BatchRow], wanted: list[int]
