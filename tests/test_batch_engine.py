@@ -743,6 +743,42 @@ def test_interleaved_streams_on_one_target_raise_instead_of_corrupting() -> None
     assert speculator.generate("the cat sat on the mat", **kwargs).token_ids == expected
 
 
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_engines_taking_turns_on_one_target_each_stay_exact(folder: Path, backend: str) -> None:
+    """Two single-sequence engines on one target, used one after the other: each
+    generation is exactly its run alone, though the other engine wrote the cache in
+    between (prompts with a shared opening, which a stale session would reuse)."""
+    _backend(backend)
+    specs = [replace(spec, drafter="none", gamma=0) for spec in _shared_prompt_specs()]
+    alone = [_alone(spec, folder, backend)[0] for spec in specs]
+    target = load_native(folder, max_length=96, backend=backend)
+    engines = [SpeculativeEngine(target, None, 0), SpeculativeEngine(target, None, 0)]
+    for turn in range(2):
+        for i, spec in enumerate(specs):
+            engine = engines[(i + turn) % 2]
+            generator = torch.Generator().manual_seed(spec.seed)
+            result = engine.generate(spec.prompt, spec.params, spec.stop, generator)
+            assert result.token_ids == alone[i], (turn, i)
+
+
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_batch_engines_taking_turns_on_one_target_each_stay_exact(
+    folder: Path, backend: str
+) -> None:
+    """Two batched engines on one target, one after the other, through the same cache
+    slots: a finished row's retained prompt is shared only while the slot still holds it,
+    not after the other engine's rows wrote it (each row equals its run alone)."""
+    _backend(backend)
+    ours = [replace(spec, drafter="none", gamma=0) for spec in _shared_prompt_specs()]
+    theirs = [replace(spec, prompt=spec.prompt[::-1]) for spec in ours]  # another opening
+    target = load_native(folder, max_length=96, backend=backend, max_slots=1)
+    engines = [BatchEngine(target, max_batch=1), BatchEngine(target, max_batch=1)]
+    for mine, other in zip(ours, theirs, strict=True):
+        for engine, spec in zip(engines, (mine, other), strict=True):
+            (result,) = engine.run([_request(spec, folder, backend)])
+            assert result.token_ids == _alone(spec, folder, backend)[0]
+
+
 def test_cli_batch_generate_matches_single_runs_and_resumes(tmp_path: Path, capsys) -> None:
     import json
 
@@ -912,8 +948,9 @@ def test_rows_after_finished_rows_reuse_their_retained_prompt(folder: Path, monk
         assert [r.token_ids for r in results] == alone
         fed[name] = sum(counts)
     assert fed["shared"] == fed["unshared"] - 4 * 23  # rows 3-6: 23 prompt positions kept
-    assert model.retained(0) > 0 and model.forward(torch.tensor([[1]])) is not None
-    assert model.retained(0) == 0
+    holder = model.holder(0)
+    assert model.retained(0, holder) > 0 and model.forward(torch.tensor([[1]])) is not None
+    assert model.retained(0, holder) == 0
 
 
 class _NoPrefixSharing(NativeLlama):

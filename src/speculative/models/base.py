@@ -254,9 +254,15 @@ class SharesSlotPrefix(Protocol):
         ``target`` itself then needs no copy), bit for bit."""
         ...
 
-    def retained(self, slot: int) -> int:
+    def holder(self, slot: int) -> int:
+        """The acquisition (``acquire_slot``) that holds ``slot``, or held it last: a number
+        no other acquisition of any slot of this model gets."""
+        ...
+
+    def retained(self, slot: int, holder: int) -> int:
         """Positions of a released slot (or a re-acquired one not yet written) that still
-        hold its last owner's keys and values: a later row may start from them."""
+        hold the keys and values acquisition ``holder`` left there: a later row may start
+        from them (none once another acquisition has written the slot)."""
         ...
 
 

@@ -140,8 +140,18 @@ class FeatureStore:
             self.append(start, tree[list(nodes)])
 
 
+# The model attribute naming the ModelSession whose tokens the model's single-sequence
+# cache holds: a session that finds another one named there (engines taking turns on one
+# model) starts over from an empty cache instead of trusting one it no longer holds.
+CACHE_HOLDER = "_speculative_cache_holder"
+
+
 class ModelSession:
-    """A model plus the token ids its cache currently holds (batch of one)."""
+    """A model plus the token ids its cache currently holds (batch of one).
+
+    Several sessions may use one model one after another (engines taking turns): each
+    pass records its session on the model (:data:`CACHE_HOLDER`), and a session whose
+    model another one has used since forgets what it cached and feeds it again."""
 
     def __init__(self, model: CausalLM) -> None:
         self.model = model
@@ -152,7 +162,7 @@ class ModelSession:
         self._hidden_model = model if isinstance(model, SupportsHiddenStates) else None
         self._skips_head = model if provides(model, SkipsOutputHead) else None
         self._pending: _Pending | None = None  # the planned row between request and receive
-        model.reset()
+        self.reset()
 
     @property
     def features(self) -> torch.Tensor | None:
@@ -181,9 +191,17 @@ class ModelSession:
         self._tree = None
         self._pending = None
         self._features.forget()
+        setattr(self.model, CACHE_HOLDER, self)
+
+    def _hold(self) -> None:
+        """Start over (an empty cache) unless the model's cache still holds this session's
+        tokens: no other session has used the model since this one's last pass."""
+        if getattr(self.model, CACHE_HOLDER, None) is not self:
+            self.reset()
 
     def sync(self, prefix: Sequence[int]) -> None:
         """Make the cache hold exactly ``prefix`` (rolling back and feeding as needed)."""
+        self._hold()
         self._drop_tree()
         keep = common_prefix_length(self.cached, prefix)
         self._truncate(keep)
@@ -201,6 +219,7 @@ class ModelSession:
         this model can import that model's cache; returns whether it did. ``other`` is a
         model's single sequence or one cache slot of a batch (a batched row primes its
         drafter exactly as the row alone does)."""
+        self._hold()
         self._drop_tree()
         model = self.model
         if not other.cached or not provides(model, SupportsCacheImport):
@@ -300,6 +319,7 @@ class ModelSession:
         tokens of ``context`` still to feed (the last one included)."""
         if len(context) == 0:
             raise ValueError("context must hold at least one token")
+        self._hold()
         self._drop_tree()
         keep = common_prefix_length(self.cached, context[:-1])
         self._truncate(keep)
@@ -357,6 +377,8 @@ class SlotSession:
     def __init__(self, model: SupportsBatchRows, features: bool = False) -> None:
         self.model = model
         self.slot = model.acquire_slot()
+        # the acquisition whose positions the slot holds (SharesSlotPrefix.holder)
+        self.holder = model.holder(self.slot) if provides(model, SharesSlotPrefix) else 0
         self.cached: list[int] = []
         self.prompt_prefix: list[int] = []  # the prompt tokens its prefill feeds (shareable)
         self.released = False
@@ -391,7 +413,7 @@ class SlotSession:
         if features:
             n = min(n, self._features.length if self._features is not None else 0)
         if self.released:  # what the slot still holds of this row
-            n = min(n, self.model.retained(self.slot))
+            n = min(n, self.model.retained(self.slot, self.holder))
         return n
 
     def adopt_prefix(self, donor: SlotSession, length: int) -> None:

@@ -131,9 +131,11 @@ class NativeLlama:
         self._batch = 0
         self._max_slots = max_slots
         self._slot_lengths: dict[int, int] = {}  # acquired slots (``forward_rows``)
-        # released (or re-acquired, not yet written) slots: positions still holding their
-        # last owner's keys and values (SharesSlotPrefix.retained)
-        self._retained: dict[int, int] = {}
+        self._holders: dict[int, int] = {}  # slot -> its acquisition (SharesSlotPrefix.holder)
+        self._acquisitions = 0  # acquisitions so far: each one's number
+        # released (or re-acquired, not yet written) slots: (positions still holding the
+        # keys and values of an acquisition, that acquisition) (SharesSlotPrefix.retained)
+        self._retained: dict[int, tuple[int, int]] = {}
 
     # ---- protocol -------------------------------------------------------------------
     @property
@@ -227,7 +229,7 @@ class NativeLlama:
         clone.config = clone.decoder.config
         clone.name = f"{self.name}[:{num_layers}/{total} layers]"
         clone._length, clone._batch = 0, 0
-        clone._slot_lengths, clone._retained = {}, {}
+        clone._slot_lengths, clone._retained, clone._holders = {}, {}, {}
         return clone
 
     # ---- batch rows (SupportsBatchRows) ---------------------------------------------
@@ -238,6 +240,8 @@ class NativeLlama:
             if slot not in self._slot_lengths and slot not in held:
                 self._grow(slot + 1)
                 self._slot_lengths[slot] = 0
+                self._acquisitions += 1
+                self._holders[slot] = self._acquisitions
                 return slot
         raise ValueError(f"no free cache slot: all {self._max_slots} are in use")
 
@@ -246,7 +250,7 @@ class NativeLlama:
         if self.slot_length(target) != 0:
             raise ValueError(f"slot {target} must be empty")
         live = source in self._slot_lengths and source != target
-        held = self._slot_lengths[source] if live else self.retained(source)
+        held = self._slot_lengths[source] if live else self._retained.get(source, (0, 0))[0]
         if not 0 < length <= held:
             raise ValueError(f"slot {source} holds {held} positions, not {length}")
         if source != target:  # a slot's own leftovers need no copy
@@ -254,13 +258,18 @@ class NativeLlama:
         self._retained.pop(target, None)
         self._slot_lengths[target] = length
 
-    def retained(self, slot: int) -> int:
+    def holder(self, slot: int) -> int:
         """See :class:`~speculative.models.base.SharesSlotPrefix`."""
-        return self._retained.get(slot, 0)
+        return self._holders.get(slot, 0)
+
+    def retained(self, slot: int, holder: int) -> int:
+        """See :class:`~speculative.models.base.SharesSlotPrefix`."""
+        length, left_by = self._retained.get(slot, (0, 0))
+        return length if left_by == holder else 0
 
     def release_slot(self, slot: int) -> None:
         self._check_slot(slot)
-        self._retained[slot] = self._slot_lengths.pop(slot)
+        self._retained[slot] = (self._slot_lengths.pop(slot), self._holders[slot])
 
     def slot_length(self, slot: int) -> int:
         self._check_slot(slot)
