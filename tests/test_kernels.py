@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from speculative.models.base import RowInput
+from speculative.models.base import KERNEL_OPS, RowInput
 from speculative.models.native import load_native
 from speculative.models.native.ckernels import (
     ISA_ENV,
@@ -314,6 +315,46 @@ def test_roofline_names_the_binding_limit(
     assert by_compute["4"]["multiply_adds"] > 4 * work["int8_macs"]
     floor = by_compute["1"]["compute_floor_ms"]
     assert by_compute["1"]["over_floor"] == pytest.approx(1.0 / floor)
+
+
+def test_the_op_clock_times_every_op_and_leaves_the_logits_alone(
+    tiny_folder: Path, isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clocked forward gives bitwise the unclocked one's logits; every op of it gets
+    time, all of it inside the call's wall time; a stopped clock adds nothing; the PyTorch
+    decoder has no clock, and ``kernel_op_ms`` leaves the clock stopped."""
+    from speculative.engine.costs import kernel_op_ms
+
+    monkeypatch.setenv(ISA_ENV, isa)
+    model = load_native(tiny_folder, "int4", max_length=64, backend="kernels")
+    ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(3))
+    model.reset()
+    model.forward(ids[:, :10])
+    unclocked = model.forward(ids[:, 10:14])
+    model.rollback(4)
+    seconds = torch.zeros(len(KERNEL_OPS), dtype=torch.float64)
+    assert model.clock_kernel_ops(seconds)
+    started = time.perf_counter()
+    clocked = model.forward(ids[:, 10:14])
+    wall = time.perf_counter() - started
+    assert torch.equal(clocked, unclocked)
+    assert (seconds > 0).all(), dict(zip(KERNEL_OPS, seconds.tolist(), strict=True))
+    assert seconds.sum() <= wall
+    model.rollback(4)
+    assert model.clock_kernel_ops(None)
+    before = seconds.clone()
+    model.forward(ids[:, 10:14])
+    assert torch.equal(seconds, before)
+    with pytest.raises(ValueError, match="float64"):
+        model.clock_kernel_ops(torch.zeros(len(KERNEL_OPS)))
+
+    by_k = kernel_op_ms(model, ids[0, :10].tolist(), [1, 4], repeats=2)
+    assert by_k is not None and list(by_k) == [1, 4]
+    assert all(list(ops) == [*KERNEL_OPS, "outside"] for ops in by_k.values())
+    assert model.decoder._model.op_seconds is None  # the clock stopped after timing
+    on_torch = load_native(tiny_folder, "int4", max_length=64, backend="torch")
+    assert not on_torch.clock_kernel_ops(seconds)
+    assert kernel_op_ms(on_torch, ids[0, :10].tolist(), [1], repeats=1) is None
 
 
 # ---- weights on transparent huge pages -------------------------------------------------

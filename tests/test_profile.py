@@ -36,12 +36,17 @@ def test_profile_json(tmp_path, capsys):
             "4",
             "--repeats",
             "2",
+            "--ops",
             "--json",
         ]
     )
     out = capsys.readouterr().out
     assert code == 0
     data = json.loads(out.strip().splitlines()[-1])
+    # --ops: where each T(k) goes, op by op, on the C kernels only
+    assert ["op_ms" in r for r in data["runtimes"]] == [True, False, False]
+    assert list(data["runtimes"][0]["op_ms"]) == ["1", "2", "3", "4"]
+    assert "where T(k) goes" in out and "attention" in out
     for key in (
         "runtime",
         "decode_ms_per_token",

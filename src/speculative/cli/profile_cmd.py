@@ -22,6 +22,10 @@ Measure the costs that decide whether speculative decoding pays on this machine:
                     T=0.8 top-p=0.95): the time outside the target's forwards and the
                     drafter's calls (sampling, verification, bookkeeping, cache sync), in
                     ms and as a share of one decode step
+  ops (--ops)       where each T(k) goes on the C kernels: ms of every op of the forward
+                    (norms, q/k/v, RoPE and cache store, attention, o, gate/up, SiLU,
+                    down, each summed over the layers; the output head), and "outside":
+                    the rest of the forward call (Python, the embedding, the call into C)
 
 Timings of all k (and of all runtimes, when several are given) are interleaved and the
 median of --repeats rounds is kept, so machine drift hits every configuration alike.
@@ -85,6 +89,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--gamma", type=positive_int, default=3, help="drafted tokens per round (overhead)"
+    )
+    parser.add_argument(
+        "--ops",
+        action="store_true",
+        help="also time every op of the C forward for each k (native kernels only)",
     )
     parser.add_argument(
         "--no-roofline",
@@ -171,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
             }
         )
         reports[-1].update(kernel_roofline(target.lm, ms, args, peaks))
+        if args.ops:
+            reports[-1].update(op_breakdown(target.lm, context, ks, args.repeats))
         if prefill is not None:
             reports[-1].update({"prefill_tokens": args.prefill, "prefill_ms": prefill})
     cpu = cpu_info()
@@ -251,6 +262,23 @@ def kernel_roofline(
     return out
 
 
+def op_breakdown(lm: object, context: list[int], ks: list[int], repeats: int) -> dict:
+    """``op_ms``: per k, the ms of every op of the C forward (empty where the model does
+    not run on the C kernels)."""
+    from speculative.engine.costs import kernel_op_ms
+
+    print(f"timing the ops of k = 1..{max(ks)} ...", file=sys.stderr)
+    ops = kernel_op_ms(lm, context, ks, repeats)  # type: ignore[arg-type]
+    return {} if ops is None else {"op_ms": {str(k): v for k, v in ops.items()}}
+
+
+def print_ops(by_k: dict[str, dict[str, float]]) -> None:
+    print("  where T(k) goes, ms (ops summed over the layers; outside: Python, the call into C)")
+    names = list(next(iter(by_k.values())))
+    for name in names:
+        print(f"  {name:<9} " + " ".join(f"{ops[name]:5.2f}" for ops in by_k.values()))
+
+
 def print_roofline(r: dict) -> None:
     peaks, line = r["machine_peaks"], r["roofline"]
     print(
@@ -284,6 +312,8 @@ def print_reports(reports: list[dict]) -> None:
         print("  T(k)/T(1) " + " ".join(f"{v:5.2f}" for v in curve.values()))
         if "roofline" in r:
             print_roofline(r)
+        if r.get("op_ms"):
+            print_ops(r["op_ms"])
         if r.get("prefill_ms") is not None:
             print(f"  prefill of {r['prefill_tokens']} tokens: {r['prefill_ms']:.0f} ms")
         for name, c in r["draft_cost"].items():

@@ -9,6 +9,7 @@
 - Round overhead: the wall time of a generation round outside the target's forwards and
   the drafter's calls (sampling, verification, bookkeeping, session sync), measured by
   timing those calls inside real generations (:func:`round_overheads`).
+- Where a C forward's time goes, op by op (:func:`kernel_op_ms`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -25,7 +27,13 @@ from speculative.capabilities import provides
 from speculative.drafters.base import Drafter, SupportsPriming
 from speculative.engine.loop import SpeculativeEngine
 from speculative.engine.stopping import StopCriteria
-from speculative.models.base import CausalLM, RowInput, SupportsBatchRows
+from speculative.models.base import (
+    KERNEL_OPS,
+    CausalLM,
+    ClocksKernelOps,
+    RowInput,
+    SupportsBatchRows,
+)
 from speculative.models.session import ModelSession
 from speculative.sampling import SamplingParams
 
@@ -112,6 +120,47 @@ def interleaved_forward_ms(
     for model in models:
         model.reset()
     return [{k: statistics.median(v) for k, v in times.items()} for times in samples]
+
+
+def kernel_op_ms(
+    model: CausalLM,
+    context: Sequence[int],
+    ks: Sequence[int],
+    repeats: int = 5,
+    warmup: int = 1,
+) -> dict[int, dict[str, float]] | None:
+    """Where one forward of k new tokens after ``context`` spends its time, for each k in
+    ``ks``: the median ms of every op of the C forward (:data:`KERNEL_OPS`, summed over
+    the layers), then "outside": the rest of the forward call's wall time (Python, the
+    embedding lookup, the call into C). The k values are interleaved within each repeat;
+    None when ``model`` cannot clock its ops (:class:`ClocksKernelOps`)."""
+    if not provides(model, ClocksKernelOps) or repeats < 1 or not ks:
+        return None
+    model = cast(ClocksKernelOps, model)
+    seconds = torch.zeros(len(KERNEL_OPS), dtype=torch.float64)  # [ops], the forward adds
+    if not model.clock_kernel_ops(seconds):
+        return None
+    probe = _probe_tokens(context, max(ks))
+    samples: dict[int, list[list[float]]] = {k: [] for k in ks}  # per k: [ops + outside]
+    try:
+        _prefill(model, context)
+        with torch.inference_mode():
+            for repeat in range(warmup + repeats):
+                for k in ks:
+                    seconds.zero_()
+                    elapsed = _timed_ms(lambda n=k: model.forward(_ids(probe[:n])))
+                    model.rollback(k)
+                    ops = (seconds * 1000.0).tolist()
+                    if repeat >= warmup:
+                        samples[k].append([*ops, elapsed - sum(ops)])
+    finally:
+        model.clock_kernel_ops(None)
+        model.reset()
+    names = (*KERNEL_OPS, "outside")
+    return {
+        k: {name: statistics.median(row[i] for row in rows) for i, name in enumerate(names)}
+        for k, rows in samples.items()
+    }
 
 
 def verify_cost_curve(

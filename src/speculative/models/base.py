@@ -342,3 +342,21 @@ class SupportsKernels(Protocol):
         """Per-token work of the kernels decoder (multiply-adds on the fp32 and int8 dot
         paths, weight bytes, KV bytes per slot: ``profile.decoder_work``), or None."""
         ...
+
+
+# The ops a C forward clocks (kernels.c's OP_* order): the norms (both of every layer and
+# the final one), the q/k/v projection, RoPE and the cache store, attention, the output
+# projection, gate and up, SiLU·up, down (each summed over the layers), the output head
+KERNEL_OPS = ("norm", "qkv", "rope", "attention", "o", "gate_up", "act", "down", "head")
+
+
+@runtime_checkable
+class ClocksKernelOps(Protocol):
+    """A model whose C forward can time its ops (``speculative profile --ops``): where a
+    forward's time goes, op by op (``ckernels.KERNEL_OPS``)."""
+
+    def clock_kernel_ops(self, seconds: torch.Tensor | None) -> bool:
+        """Have every later forward add each op's wall seconds to ``seconds``
+        ([len(KERNEL_OPS)] float64, kept alive by the caller), or stop (None). False when
+        this instance does not run on the C kernels (nothing is clocked)."""
+        ...

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from speculative.models.base import KERNEL_OPS
 from speculative.models.native.config import NativeConfig
 from speculative.models.native.decoder_base import DecoderBase, PackedLayer, Segment
 from speculative.models.native.hugepages import huge_page_bytes, place_on_huge_pages
@@ -85,7 +86,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 15
+ABI_VERSION = 16
 # "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
@@ -258,6 +259,7 @@ class _Model(ctypes.Structure):
         ("lm_head", _Linear),
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
+        ("op_seconds", ctypes.c_void_p),  # NULL, or where forwards add their ops' seconds
     ]
 
 
@@ -715,6 +717,19 @@ class KernelDecoder(DecoderBase):
         self._argmax: FusedArgmax | None = None  # the last forward's
         self._nucleus_search = KernelNucleus(self._library)
         self._call = _PassArguments()
+
+    def clock_ops(self, seconds: torch.Tensor | None) -> bool:
+        """Have every later forward add its ops' wall seconds (thread 0's clock after each
+        op's closing barrier) to ``seconds`` ([len(KERNEL_OPS)] float64, kept alive by the
+        caller), or stop clocking (None)."""
+        if seconds is not None and (
+            seconds.dtype != torch.float64
+            or seconds.shape != (len(KERNEL_OPS),)
+            or not seconds.is_contiguous()
+        ):
+            raise ValueError(f"op seconds must be a contiguous [{len(KERNEL_OPS)}] float64 tensor")
+        self._model.op_seconds = None if seconds is None else seconds.data_ptr()
+        return True
 
     def weight_pages(self) -> str:
         """Where the packed weights live: how much of them on transparent huge pages (reads

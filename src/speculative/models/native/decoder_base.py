@@ -210,6 +210,11 @@ class DecoderBase:
         has none (the sampling layer finds it)."""
         return None
 
+    def clock_ops(self, seconds: torch.Tensor | None) -> bool:
+        """Clock every later forward's ops into ``seconds`` (``ckernels.KERNEL_OPS``), or
+        stop (None); False: this decoder has no op clock."""
+        return False
+
     def forward_segments(
         self,
         hidden: torch.Tensor,  # [rows, hidden] float32, owned: left holding the features

@@ -62,9 +62,25 @@ typedef struct {
     Linear lm_head;
     const float *cos;  /* [max_length, head_dim / 2] */
     const float *sin;  /* [max_length, head_dim / 2] */
+    double *op_seconds;  /* [OP_COUNT] or NULL: where a forward adds its ops' wall clock */
 } Model;
 
-int spec_abi_version(void) { return 15; }
+/* The ops a forward clocks into Model.op_seconds (speculative.models.base.KERNEL_OPS
+ * names them in this order), summed over the layers. Each op ends in a barrier, so thread
+ * 0's clock after it marks its end on every thread: an op's time includes the threads'
+ * imbalance. */
+enum { OP_NORM, OP_QKV, OP_ROPE, OP_ATTENTION, OP_O, OP_GATE_UP, OP_ACT, OP_DOWN, OP_HEAD, OP_COUNT };
+
+/* Add the time since *last to op `op` (thread 0 only, when the model is clocked). */
+static inline void op_clock(const Model *m, int op, double *last) {
+    if (!m->op_seconds || omp_get_thread_num() != 0)
+        return;
+    const double now = omp_get_wtime();
+    m->op_seconds[op] += now - *last;
+    *last = now;
+}
+
+int spec_abi_version(void) { return 16; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 const char *spec_isa(void) { return "avx512"; }
@@ -1498,28 +1514,39 @@ static void forward_batch(const Model *m, float *hidden, int nseq, const int32_t
     float *chunk_buffers = work + spec_work_floats(m, rows, threads) - chunk_buffer_floats(m, threads);
 #pragma omp parallel num_threads(threads)
     {
+        double clock = m->op_seconds ? omp_get_wtime() : 0.0;  /* op_clock's, thread 0's */
         for (int l = 0; l < m->num_layers; l++) {
             const Layer *L = &m->layers[l];
             rms_norm(hidden, L->input_norm, rows, H, m->eps, normed);
+            op_clock(m, OP_NORM, &clock);
             linear(&L->qkv, normed, rows, qkv, width, 0, &qx);
+            op_clock(m, OP_QKV, &clock);
             void *keys = kv_at(k_cache, l * layer_cache, m->kv_f16);
             void *values = kv_at(v_cache, l * layer_cache, m->kv_f16);
             rope_and_store_batch(m, qkv, nseq, seq_rows, seq_start, seq_slot, positions, keys,
                                  values, slot_floats, rows);
+            op_clock(m, OP_ROPE, &clock);
             attention_batch(m, qkv, nseq, seq_rows, seq_start, seq_slot, masks, mask_offset,
                             seq_mask_base, keys, values, slot_floats, attn, scratch, chunk_buffers,
                             rows);
+            op_clock(m, OP_ATTENTION, &clock);
             linear(&L->o, attn, rows, hidden, H, 1, &qx);
+            op_clock(m, OP_O, &clock);
             rms_norm(hidden, L->post_norm, rows, H, m->eps, normed);
+            op_clock(m, OP_NORM, &clock);
             linear(&L->gate_up, normed, rows, gate_up, 2 * inter, 0, &qx);
+            op_clock(m, OP_GATE_UP, &clock);
             silu_mul(gate_up, rows, inter, act);
+            op_clock(m, OP_ACT, &clock);
             linear(&L->down, act, rows, hidden, H, 1, &qx);
+            op_clock(m, OP_DOWN, &clock);
         }
         /* The features: the final norm in place, so the caller's buffer ends holding them
          * and no norm runs after the pass (its first torch op would run on caches this
          * pass left cold: ~80 us). final_norm NULL: the head reads the residual stream
          * itself (a drafting head's layer, whose output feature goes to its output rows). */
         if (m->final_norm) rms_norm_rows(hidden, m->final_norm, rows, H, m->eps, hidden, H);
+        op_clock(m, OP_NORM, &clock);
         const float *head_input = hidden;
         int out = rows;
         if (seq_logits_from) {
@@ -1534,6 +1561,7 @@ static void forward_batch(const Model *m, float *hidden, int nseq, const int32_t
             linear(&m->lm_head, head_input, out, logits, m->vocab, 0, &qx);
             if (argmax) row_argmax(logits, out, m->vocab, argmax, found);
         }
+        op_clock(m, OP_HEAD, &clock);
     }
 }
 

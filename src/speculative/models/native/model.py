@@ -453,6 +453,10 @@ class NativeLlama:
 
         return decoder_work(self.decoder)
 
+    def clock_kernel_ops(self, seconds: torch.Tensor | None) -> bool:
+        """:class:`ClocksKernelOps`: the kernels decoder's op clock (False on PyTorch)."""
+        return self.decoder.clock_ops(seconds)
+
     def output_embedding(self) -> torch.Tensor:
         return self.embed if self._head_weight is None else self._head_weight
 
