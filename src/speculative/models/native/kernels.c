@@ -221,31 +221,40 @@ static void exp_inplace(float *v, int n) {
 #define ROW_PANEL 48     /* rows per sweep over the weights: a panel of x stays in cache */
 #endif
 /* Passes of at most this many token rows prefetch the int4 and int8-dot weight streams
- * with _MM_HINT_NTA instead of T1 (AVX2 build): weights read once then stay out of L2 and
- * of the L3 behind it, which keep the KV cache, the activations, and the Python and torch
- * code and data that run between passes. Zen 2 (family 23 model 49), the same bits:
- * passes of one model repeated, k = 1 0.86-0.87x the time, k = 2 0.90-0.91x, k = 3
- * 0.98-0.99x, k = 4-8 1.00-1.03x with NTA (so from 4 rows on, T1); a torch op right after
- * a pass 15 us instead of 63 us; generation alternated with the T1 build, 12-24 prompts:
- * plain 1.10-1.13x the tokens/s, n-gram 1.08-1.11x, auto 1.08-1.09x, EAGLE 1.10x. The
- * float path (fp32 / bf16 / int8 panels) keeps T1: NTA made bf16 1.03-1.07x slower. An
- * earlier session's NTA for every pass size measured 0.96-1.11x with no consistent sign. */
+ * with _MM_HINT_NTA, NTA_PREFETCH_BYTES ahead, instead of T1 (AVX2 build): weights read
+ * once then stay out of L2 and of the L3 behind it, which keep the KV cache, the
+ * activations, and the Python and torch code and data that run between passes.
+ * Zen 2 (family 23 model 49), the same bits, against T1 8 KiB ahead:
+ * - passes of one model repeated: k = 1 0.86-0.87x the time, k = 2 0.90-0.91x; NTA 8 KiB
+ *   ahead made k = 4-8 1.00-1.03x slower, 4 KiB ahead 0.97-1.00x (2 KiB ahead: k = 1
+ *   1.03x slower than 8 KiB); a torch op right after a pass 15 us instead of 63 us;
+ * - generation alternated with the T1 build (12-24 bench prompts, 128 tokens, greedy,
+ *   outputs identical), NTA up to 3 rows: plain 1.10-1.13x the tokens/s, n-gram
+ *   1.08-1.11x, auto 1.08-1.09x, EAGLE 1.10x; then up to 8 rows, 4 KiB ahead: EAGLE
+ *   gamma = 3 a further 1.02-1.03x, n-gram gamma = 4 and auto 1.01-1.02x, plain 0.99-1.00x.
+ * Larger passes (prefill, wide batches) keep T1 (not measured with NTA). The float path
+ * (fp32 / bf16 / int8 panels) keeps T1: NTA made bf16 1.03-1.07x slower. */
 #ifndef STREAM_NTA_ROWS
 #if defined(__AVX512F__)
 #define STREAM_NTA_ROWS 0  /* not measured on an AVX-512 machine: T1 throughout */
 #else
-#define STREAM_NTA_ROWS 3
+#define STREAM_NTA_ROWS 8
 #endif
+#endif
+#ifndef NTA_PREFETCH_BYTES
+#define NTA_PREFETCH_BYTES 4096  /* lines held in L1 alone: not too far ahead */
 #endif
 
-/* Prefetch the 64-byte lines [p, p + bytes) of a weight stream, non-temporal or into L2. */
-static inline __attribute__((always_inline)) void prefetch_weights(const void *p, int bytes,
+/* Prefetch a weight block's lines ahead of [block, block + bytes): non-temporally
+ * NTA_PREFETCH_BYTES ahead, or into L2 PREFETCH_BYTES ahead. */
+static inline __attribute__((always_inline)) void prefetch_weights(const void *block, int bytes,
                                                                    int nta) {
+    const char *ahead = (const char *)block + (nta ? NTA_PREFETCH_BYTES : PREFETCH_BYTES);
     for (int b = 0; b < bytes; b += 64) {
         if (nta)
-            _mm_prefetch((const char *)p + b, _MM_HINT_NTA);
+            _mm_prefetch(ahead + b, _MM_HINT_NTA);
         else
-            _mm_prefetch((const char *)p + b, _MM_HINT_T1);
+            _mm_prefetch(ahead + b, _MM_HINT_T1);
     }
 }
 
@@ -531,7 +540,7 @@ static inline void q4_panel8(const uint8_t *blocks, int groups, int in, const Qu
     for (int r = 0; r < rows; r++) _mm256_store_ps(acc + r * 16, _mm256_setzero_ps());
     for (int g = 0; g < groups; g++) {
         const uint8_t *block = blocks + (size_t)g * Q4_BLOCK_BYTES;
-        prefetch_weights(block + PREFETCH_BYTES, Q4_BLOCK_BYTES, nta);
+        prefetch_weights(block, Q4_BLOCK_BYTES, nta);
         __m256i u[8];
         for (int c = 0; c < 4; c++) {
             const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 32 * c));
@@ -675,7 +684,7 @@ static inline void q8d_panel8(const int8_t *blocks, int groups, int in, const Qu
     for (int r = 0; r < rows; r++) _mm256_store_ps(acc + r * 8, _mm256_setzero_ps());
     for (int g = 0; g < groups; g++) {
         const int8_t *block = blocks + (size_t)g * Q8D_BLOCK_BYTES;
-        prefetch_weights(block + PREFETCH_BYTES, Q8D_BLOCK_BYTES, nta);
+        prefetch_weights(block, Q8D_BLOCK_BYTES, nta);
         __m256i a[8];
         for (int j = 0; j < 8; j++) a[j] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(block + 32 * j)));
         for (int r = 0; r < rows; r++) {
