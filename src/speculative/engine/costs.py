@@ -136,9 +136,9 @@ def kernel_op_ms(
     None when ``model`` cannot clock its ops (:class:`ClocksKernelOps`)."""
     if not provides(model, ClocksKernelOps) or repeats < 1 or not ks:
         return None
-    model = cast(ClocksKernelOps, model)
+    clock = cast(ClocksKernelOps, model)
     seconds = torch.zeros(len(KERNEL_OPS), dtype=torch.float64)  # [ops], the forward adds
-    if not model.clock_kernel_ops(seconds):
+    if not clock.clock_kernel_ops(seconds):
         return None
     probe = _probe_tokens(context, max(ks))
     samples: dict[int, list[list[float]]] = {k: [] for k in ks}  # per k: [ops + outside]
@@ -154,7 +154,7 @@ def kernel_op_ms(
                     if repeat >= warmup:
                         samples[k].append([*ops, elapsed - sum(ops)])
     finally:
-        model.clock_kernel_ops(None)
+        clock.clock_kernel_ops(None)
         model.reset()
     names = (*KERNEL_OPS, "outside")
     return {

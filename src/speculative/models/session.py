@@ -13,6 +13,7 @@ call returns ``1 + len(new)`` next-token distributions.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -140,18 +141,20 @@ class FeatureStore:
             self.append(start, tree[list(nodes)])
 
 
-# The model attribute naming the ModelSession whose tokens the model's single-sequence
-# cache holds: a session that finds another one named there (engines taking turns on one
-# model) starts over from an empty cache instead of trusting one it no longer holds.
+# The model attribute naming (a weak reference to) the ModelSession whose tokens the
+# model's single-sequence cache holds: a session that finds another one named there
+# (engines taking turns on one model) starts over from an empty cache instead of trusting
+# one it no longer holds.
 CACHE_HOLDER = "_speculative_cache_holder"
 
 
 class ModelSession:
     """A model plus the token ids its cache currently holds (batch of one).
 
-    Several sessions may use one model one after another (engines taking turns): each
-    pass records its session on the model (:data:`CACHE_HOLDER`), and a session whose
-    model another one has used since forgets what it cached and feeds it again."""
+    Several sessions may use one model one after another (engines taking turns): a session
+    records itself on the model whenever it starts over from an empty cache
+    (:data:`CACHE_HOLDER`), and one that finds another recorded there since forgets what
+    it cached and feeds it again."""
 
     def __init__(self, model: CausalLM) -> None:
         self.model = model
@@ -191,12 +194,13 @@ class ModelSession:
         self._tree = None
         self._pending = None
         self._features.forget()
-        setattr(self.model, CACHE_HOLDER, self)
+        setattr(self.model, CACHE_HOLDER, weakref.ref(self))
 
     def _hold(self) -> None:
         """Start over (an empty cache) unless the model's cache still holds this session's
-        tokens: no other session has used the model since this one's last pass."""
-        if getattr(self.model, CACHE_HOLDER, None) is not self:
+        tokens: no other session has started over on the model since this one did."""
+        holder = getattr(self.model, CACHE_HOLDER, None)
+        if holder is None or holder() is not self:
             self.reset()
 
     def sync(self, prefix: Sequence[int]) -> None:

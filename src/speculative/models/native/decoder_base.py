@@ -211,8 +211,8 @@ class DecoderBase:
         return None
 
     def clock_ops(self, seconds: torch.Tensor | None) -> bool:
-        """Clock every later forward's ops into ``seconds`` (``ckernels.KERNEL_OPS``), or
-        stop (None); False: this decoder has no op clock."""
+        """Clock every later forward's ops into ``seconds`` (``models.base.KERNEL_OPS``),
+        or stop (None); False: this decoder has no op clock."""
         return False
 
     def forward_segments(
