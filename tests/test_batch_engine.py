@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from speculative.drafters.model import DraftModelDrafter
 from speculative.drafters.ngram import PromptLookupDrafter
 from speculative.engine import SpeculativeEngine, StopCriteria
 from speculative.engine.batch import BatchEngine, BatchRequest
-from speculative.engine.gamma import LoadAwareGamma, PassTimes, RowLoad
+from speculative.engine.gamma import FixedGamma, LoadAwareGamma, PassTimes, RowLoad
 from speculative.models.native import NativeLlama, load_native
 from speculative.sampling import SamplingParams
 from test_native import VOCAB, _ids, _tiny_llama, require_kernels
@@ -460,18 +461,36 @@ def test_hopeless_rounds_skip_the_policy_until_the_batch_changes(folder: Path) -
             asked.append(len(rows))
             return super().choose(rows, extra_tokens, padded, extra_rows)
 
+    class OwnGamma(FixedGamma):  # a row's own γ policy, counting what it is asked and told
+        def __init__(self) -> None:
+            super().__init__(3)
+            self.asked = self.told = 0
+
+        def next_gamma(self) -> int:
+            self.asked += 1
+            return super().next_gamma()
+
+        def update(self, drafted: int, num_accepted: int) -> None:
+            self.told += 1
+
     spec = next(s for s in _specs() if s.params.greedy and s.drafter == "ngram")
     target = load_native(folder, max_length=96, backend=backend)
     for curve, every_round in ((lambda n: float(n), False), ({1: 1.0, 32: 1.0}, True)):
         asked.clear()
         engine = BatchEngine(target, max_batch=2, load=Counting(curve))
-        results = engine.run(_request(spec, folder, backend) for _ in range(2))
+        requests = [replace(_request(spec, folder, backend), gamma=OwnGamma()) for _ in range(2)]
+        results = engine.run(requests)
         assert [r.token_ids for r in results] == [_alone(spec, folder, backend)[0]] * 2
         rounds = engine.target_passes - 1  # two rows decoding in every pass but the first
+        own = [cast(OwnGamma, request.gamma) for request in requests]
         if every_round:
             assert len(asked) == 2 * rounds  # the optimistic check, then the choice
+            assert [(g.asked, g.told) for g in own] == [(rounds, rounds)] * 2
         else:
             assert 0 < len(asked) <= rounds // 3 + 1
+            # the rows' own policies are asked and told only the rounds the load policy
+            # was asked in (a skipped round's γ 0 was the load's verdict, not theirs)
+            assert all(g.asked == g.told == len(asked) for g in own)
 
     # one row: where its drafter says no situation (a draft model: its α cannot move
     # until it drafts), a choice of nothing skips as well; an n-gram row, whose α follows

@@ -160,14 +160,16 @@ def test_rows_skip_the_logits_they_do_not_ask_for(
             for (_, p), t, n in zip(slots, ids, froms, strict=True)]  # fmt: skip
     full.rollback_slot(slots[0][0], 5)  # the first row fed 7 tokens, not 12
     asked = part.forward_rows_with_hidden(rows)
-    for (logits, features), (want_logits, want_features), n, row in zip(
-        asked, every, froms, rows, strict=True
+    asked_features = asked[1].split([row.input_ids.numel() for row in rows])
+    every_features = every[1].split(12)
+    for logits, features, want_logits, want_features, n, row in zip(
+        asked[0], asked_features, every[0], every_features, froms, rows, strict=True
     ):
         k = row.input_ids.numel()
         assert logits.shape[0] == k - n
         assert torch.equal(logits, want_logits[n:k]) and torch.equal(features, want_features[:k])
     if backend == "kernels":  # the argmax the kernels took is each row's kept logits' own
-        for logits, _ in asked:
+        for logits in asked[0]:
             assert part.argmax_rows(logits) == logits.argmax(-1).tolist()
     nexts = [RowInput(f, t[12:14]) for (f, _), t in zip(slots, ids, strict=True)]
     nexts[0] = RowInput(slots[0][0], ids[0][7:9])
@@ -177,7 +179,9 @@ def test_rows_skip_the_logits_they_do_not_ask_for(
     assert all(torch.equal(a, b) for a, b in zip(after_part, after_full, strict=True))
     single = load_native(folder, precision, max_length=64, backend=backend)
     logits, features = single.forward_from(ids[2][None, :12], 11, hidden=True)
-    assert torch.equal(logits[0], every[2][0][11:12]) and torch.equal(features[0], every[2][1])
+    assert torch.equal(logits[0], every[0][2][11:12]) and torch.equal(
+        features[0], every_features[2]
+    )
     with pytest.raises(ValueError, match="logits_from"):
         part.forward_rows([RowInput(slots[1][1], ids[1][14:16], logits_from=2)])
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from scipy import stats
 
+import speculative.models.session as session_module
 from speculative.drafters.auto import AutoDrafter
 from speculative.drafters.eagle import EagleDrafter
 from speculative.drafters.registry import REGISTRY, build_drafter
@@ -162,11 +163,10 @@ class ShiftedFeaturesPool(SlotPool):
     feature of the previous token at each position), so a head drafts from misaligned
     features."""
 
-    def forward_rows(self, rows):
-        outputs = self.model.forward_rows_with_hidden(rows)
-        for row, (_, features) in zip(rows, outputs, strict=True):
-            self._sessions[row.slot].take_features(features.roll(1, dims=0))
-        return [logits for logits, _ in outputs]
+    def _keep_features(self, sessions, rows, features):
+        sizes = [row.input_ids.numel() for row in rows]
+        shifted = [part.roll(1, dims=0) for part in features.split(sizes)]
+        super()._keep_features(sessions, rows, torch.cat(shifted))
 
 
 def row_drafter(target, name, folder, window=None):
@@ -377,13 +377,42 @@ def test_slot_features_equal_the_single_sequence_features(trained):
     for session, logits in zip((a, b, plain), pool.forward_rows(rows), strict=True):
         session.receive(logits)
     assert plain.features is None and len(plain.cached) == len(PROMPT)
-    row = a.request([*PROMPT[:-1], 11])  # rollback by common prefix, then catch up
-    a.receive(pool.forward_rows([row])[0])
-    assert len(a.cached) == len(PROMPT) and a.features.shape[0] == len(PROMPT)
+    row = a.request([*PROMPT[:-1], 11])  # rollback by common prefix (into the first
+    a.receive(pool.forward_rows([row])[0])  # pass's rows, not yet read), then catch up
+    assert len(a.cached) == len(PROMPT) and a.feature_count == len(PROMPT)
     assert torch.equal(a.features, expected)
-    assert b.features.shape[0] == 5
+    assert b.feature_count == 5
     assert torch.equal(b.features, expected[:5])
     a.release(), b.release(), plain.release()
+
+
+def test_slot_features_read_late_equal_those_read_every_pass(trained, monkeypatch):
+    """A batch's rows keep their features as references to the passes' outputs until a
+    head reads them (and copy them once a store holds ``MAX_CHUNKS`` of them): a row
+    read only at the end, after passes, rollbacks into them and a bound reached, holds
+    bitwise the features of a row read after every pass, on the same tokens."""
+    monkeypatch.setattr(session_module, "MAX_CHUNKS", 3)
+    target = target_on("native-kernels", trained["model"])
+    pool = SlotPool(target.lm)
+    late, every = pool.open(features=True), pool.open(features=True)
+    contexts = [PROMPT, [*PROMPT, 9], [*PROMPT, 9, 4], [*PROMPT, 9, 5], [*PROMPT, 9, 5, 6]]
+    drafts = [[7, 8], [], [3], [2, 2], []]  # fed after each context (rolled back after)
+    for context, new in zip(contexts, drafts, strict=True):
+        rows = [late.request(context, new), every.request(context, new)]
+        for session, logits in zip((late, every), pool.forward_rows(rows), strict=True):
+            session.receive(logits)
+        assert late.feature_count == every.features.shape[0] == len(every.cached)
+    final = [*contexts[-1], 1]
+    rows = [late.request(final), every.request(final)]  # rolls the last drafts back
+    for session, logits in zip((late, every), pool.forward_rows(rows), strict=True):
+        session.receive(logits)
+    assert late.feature_count == len(final)
+    assert torch.equal(late.features, every.features)
+    features = late.features.clone()
+    late.release(), every.release()
+    single = ModelSession(target.lm)  # and both are the single sequence's
+    single.logits_after(final)
+    assert torch.equal(features, single.features)
 
 
 def test_trained_heads_agree_with_the_target(trained):
@@ -984,6 +1013,10 @@ class ShiftedFeatures:
     def features(self) -> torch.Tensor:
         f = self.session.features  # [n, hidden]
         return torch.cat([f[:1], f[:-1]])
+
+    @property
+    def feature_count(self) -> int:
+        return self.session.feature_count
 
 
 def guesses_of(head, tokens, features, greedy):

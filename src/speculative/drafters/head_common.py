@@ -167,7 +167,5 @@ def true_feature_count(target: FeatureSource | None, context: Sequence[int]) -> 
     """How many leading positions of ``context`` have the target's features at hand."""
     if target is None:
         return 0
-    features = target.features
-    if features is None:
-        return 0
-    return common_prefix_length(target.cached[: features.shape[0]], context)
+    count = target.feature_count
+    return common_prefix_length(target.cached[:count], context) if count else 0

@@ -165,10 +165,12 @@ class HopelessRounds:
     optimistic acceptance drafted nothing (the batch fills the kernels' flat region), or
     the choice was nothing for rows whose α cannot move before they draft (no
     situation), the next ``rounds`` rounds with as many rows skip the policy's work (row
-    rates, a choice), which costs a few per cent of a pass there. Each verdict of
-    nothing that follows such a skip doubles the next skip, up to ``most`` rounds (a
-    batch too full to draft stays so while its rows decode); a row joining or leaving,
-    or a choice that drafts, starts over, and the policy is asked at once."""
+    rates, a choice) and the rows' own γ policies' (neither asked for a γ nor told the
+    round: the load, not their acceptance, kept them from drafting), which costs a few
+    per cent of a pass there. Each verdict of nothing that follows such a skip doubles
+    the next skip, up to ``most`` rounds (a batch too full to draft stays so while its
+    rows decode); a row joining or leaving, or a choice that drafts, starts over, and
+    the policy is asked at once."""
 
     rounds: int = 3
     most: int = 24
@@ -262,6 +264,8 @@ class _Planned:
     proposal: Proposal
     propose_seconds: float = 0.0  # this round's drafting time
     asked: int = 0  # the γ the row was asked to draft
+    unasked: bool = False  # a round the load policy skipped (HopelessRounds): the row's
+    # own γ policy was neither asked nor is told the round
 
 
 def streamed_draft_cost(drafter: Drafter | None, target_bytes: int) -> float:
@@ -463,10 +467,9 @@ class BatchEngine:
     def _propose(
         self, rows: list[BatchRow], extra_tokens: int = 0, extra_rows: int = 0
     ) -> list[_Planned]:
-        wanted = [self._own_gamma(row) for row in rows]
         load = None if self._chooses_alone(rows, extra_rows) else self.load
-        if load is not None and self._hopeless.skip(len(self.rows)):
-            wanted = [0] * len(rows)
+        unasked = load is not None and self._hopeless.skip(len(self.rows))
+        wanted = [0] * len(rows) if unasked else [self._own_gamma(row) for row in rows]
         if load is not None and self.draining and len(self.rows) > 1 and any(wanted):
             wanted = self._furthest_behind(rows, wanted)
         if load is not None and any(wanted):
@@ -482,7 +485,7 @@ class BatchEngine:
                 seconds = time.perf_counter() - started
             if gamma > 0 or row.request.tree is not None:  # the drafter was asked
                 self._measure_propose(row, seconds, calls)
-            planned.append(_Planned(row, proposal, seconds, gamma))
+            planned.append(_Planned(row, proposal, seconds, gamma, unasked))
         return planned
 
     @staticmethod
@@ -749,7 +752,7 @@ class BatchEngine:
                 self._nucleus, proposal.uniforms,
             )  # fmt: skip
         emitted, num_accepted = accepted(result)
-        if request.drafter is not None and proposal.tree is None:
+        if request.drafter is not None and proposal.tree is None and not planned.unasked:
             row.gamma_policy.update(proposal.drafted, num_accepted)
             if row.situation is not None:
                 self.situations.record(row.situation, proposal.drafted, num_accepted, planned.asked)

@@ -274,9 +274,10 @@ class SupportsBatchRowFeatures(Protocol):
 
     def forward_rows_with_hidden(
         self, rows: Sequence[RowInput]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """As ``forward_rows``; per row (logits [k_row - logits_from, vocab], features
-        [k_row, hidden]), both float32, each the row's own alone."""
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """As ``forward_rows`` (per row logits [k_row - logits_from, vocab]), with the
+        pass's features [Σ k_row, hidden]: every row's, in the order of ``rows``, each
+        the row's own alone; both float32."""
         ...
 
 

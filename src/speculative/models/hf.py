@@ -293,9 +293,13 @@ class HFCausalLM:
 
     def forward_rows_with_hidden(
         self, rows: Sequence[RowInput]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """As :meth:`forward_rows`, with every row's final hidden states [k_row, hidden]."""
-        return [(logits, features) for logits, features in self._forward_rows(rows, True)]
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """As :meth:`forward_rows`, with the rows' final hidden states [Σ k_row, hidden]
+        (rows in order)."""
+        outputs = self._forward_rows(rows, True)
+        if not outputs:
+            return [], torch.empty(0, self.hidden_size)
+        return [logits for logits, _ in outputs], torch.cat([f for _, f in outputs])  # type: ignore[misc]
 
     def _forward_rows(
         self, rows: Sequence[RowInput], hidden: bool

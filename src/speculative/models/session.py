@@ -85,37 +85,76 @@ class _Pending:
     chain: int
     tree: bool = False  # tokens[chain:] are a token tree (possibly empty)
     features: torch.Tensor | None = None  # [k, hidden] when the model gives features
+    taken: bool = False  # the chain's features went to the store by reference (take)
+
+
+# The most passes' features a store references before it copies them (a row that drafts
+# nothing for long: each reference keeps its pass's [Σ k, hidden] output alive).
+MAX_CHUNKS = 256
+
+
+@dataclass
+class _Chunk:
+    """Features of positions [start, start + rows) not yet copied to a store's buffer:
+    rows ``first`` .. of a pass's features (kept alive, never copied, until read)."""
+
+    start: int
+    features: torch.Tensor  # [Σ k, hidden] the pass's
+    first: int
+    rows: int
 
 
 class FeatureStore:
     """The model's features of a cache's first positions, kept in step with its tokens
     (what drafting heads read), plus those of a scored tree's nodes until its path is
-    kept."""
+    kept.
+
+    A batch's pass hands every row its features as a reference to the pass's output
+    (:meth:`take`): copying them to the row's buffer waits until a head reads them
+    (:meth:`view`). After a pass the caches are cold (its weights streamed through
+    them), and a copy per row and round then cost about 1 % of a decode step at B = 8,
+    paid also by rows that draft nothing (a batch too full to draft); a reference
+    costs a tenth of that, and a row that drafts copies each position once all the same.
+    """
 
     def __init__(self) -> None:
         self._buffer = torch.empty(0)  # [capacity, hidden]
+        self._chunks: list[_Chunk] = []  # positions after the buffer's, in order
         self.length = 0  # positions [0, length) hold valid features
         self.tree: torch.Tensor | None = None  # [n, hidden] features of a scored tree's nodes
 
     def view(self, cached: int) -> torch.Tensor:
-        """[n, hidden] the features of the first n <= ``cached`` positions."""
-        return self._buffer[: min(self.length, cached)]
+        """[n, hidden] the features of the first n = :meth:`count` positions."""
+        self._settle()
+        return self._buffer[: self.count(cached)]
+
+    def count(self, cached: int) -> int:
+        """How many first positions (of the ``cached`` ones) have features."""
+        return min(self.length, cached)
 
     def truncate(self, keep: int) -> None:
         self.length = min(self.length, keep)
+        while self._chunks and self._chunks[-1].start >= keep:
+            self._chunks.pop()
+        if self._chunks:
+            last = self._chunks[-1]
+            last.rows = min(last.rows, keep - last.start)
 
     def forget(self) -> None:
         """Nothing is valid any more (a reset, or a cache taken over without features)."""
         self.length = 0
         self.tree = None
+        self._chunks.clear()
 
     def append(self, start: int, features: torch.Tensor) -> None:
         """features: [k, hidden] of the positions appended at ``start`` (the cache's length
         before them)."""
         k = features.shape[0]
         if self.length < start:  # a gap (adopted cache): nothing before is valid
-            self.length = 0
+            self.forget()
             return
+        self.truncate(start)
+        self._settle()
         if start + k > self._buffer.shape[0]:
             capacity = max(2 * self._buffer.shape[0], start + k, 256)
             grown = torch.empty(capacity, features.shape[1])
@@ -125,14 +164,32 @@ class FeatureStore:
         self._buffer[start : start + k] = features
         self.length = start + k
 
+    def take(self, start: int, features: torch.Tensor, first: int, rows: int) -> None:
+        """Rows ``first`` .. ``first + rows`` of a pass's ``features`` [Σ k, hidden] are
+        positions [start, start + rows): referenced now, copied when read."""
+        if self.length != start:
+            if self.length < start:  # a gap (adopted cache): nothing before is valid
+                self.forget()
+                return
+            self.truncate(start)
+        if len(self._chunks) >= MAX_CHUNKS:  # bound the passes' outputs kept alive
+            self._settle()
+        self._chunks.append(_Chunk(start, features, first, rows))
+        self.length = start + rows
+
+    def _settle(self) -> None:
+        """Copy the referenced chunks to the buffer."""
+        chunks, self._chunks = self._chunks, []
+        for chunk in chunks:
+            self.append(chunk.start, chunk.features[chunk.first : chunk.first + chunk.rows])
+
     def received(self, start: int, features: torch.Tensor | None, pending: _Pending) -> None:
         """A row's pass fed ``pending.tokens`` at ``start`` with these features [k, hidden]
-        (None: the pass gave none): keep the chain's, hold the tree's apart."""
-        if features is None:
-            self.tree = None
-            return
-        self.append(start, features[: pending.chain])
-        self.tree = features[pending.chain :] if pending.tree else None
+        (None: the pass gave none, or gave them by reference to :meth:`take`): keep the
+        chain's, hold the tree's apart."""
+        if features is not None and not pending.taken:
+            self.append(start, features[: pending.chain])
+        self.tree = features[pending.chain :] if pending.tree and features is not None else None
 
     def keep_path(self, start: int, nodes: Sequence[int]) -> None:
         """The kept tree nodes' features follow them to ``start`` onwards."""
@@ -176,6 +233,11 @@ class ModelSession:
         if self._hidden_model is None:
             return None
         return self._features.view(len(self.cached))
+
+    @property
+    def feature_count(self) -> int:
+        """n of :attr:`features` (0 without them), without reading them."""
+        return 0 if self._hidden_model is None else self._features.count(len(self.cached))
 
     def keep_features(self, keep: bool) -> None:
         """Whether this session's passes compute the model's features (drafting heads read
@@ -408,6 +470,11 @@ class SlotSession:
             return None
         return self._features.view(len(self.cached))
 
+    @property
+    def feature_count(self) -> int:
+        """n of :attr:`features` (0 without them), without reading them."""
+        return 0 if self._features is None else self._features.count(len(self.cached))
+
     def shareable(self, prefix: Sequence[int], features: bool) -> int:
         """How many first positions of ``prefix`` another slot may copy from this one:
         prompt positions (computed by prefill passes, as the copy's own prefill would
@@ -429,12 +496,19 @@ class SlotSession:
             assert donor.features is not None
             self._features.append(0, donor.features[:length])
 
-    def take_features(self, features: torch.Tensor) -> None:
-        """The features [k, hidden] of the planned row, from the pool's pass (before
-        :meth:`receive` gets its logits)."""
-        if self._pending is None:
+    def take_features(self, features: torch.Tensor, first: int) -> None:
+        """The planned row's features are rows ``first`` .. of the pass's ``features``
+        [Σ k, hidden] (given before :meth:`receive` gets the row's logits): the chain's go
+        to the store by reference; a tree's nodes' it holds apart until its path is
+        kept."""
+        pending = self._pending
+        if pending is None:
             raise ValueError("features without a request")
-        self._pending.features = features
+        assert self._features is not None
+        self._features.take(len(self.cached), features, first, pending.chain)
+        pending.taken = True
+        if pending.tree:
+            pending.features = features[first : first + len(pending.tokens)]
 
     def request(self, context: Sequence[int], new: Sequence[int] = ()) -> RowInput:
         """The row that scores ``context[-1]`` and each of ``new`` (the logits of
@@ -570,6 +644,12 @@ class FeatureSource(Protocol):
     @property
     def features(self) -> torch.Tensor | None: ...
 
+    @property
+    def feature_count(self) -> int:
+        """How many first cached positions have features (the rows of ``features``; 0
+        without them), without reading them."""
+        ...
+
 
 @runtime_checkable
 class RowSession(FeatureSource, Protocol):
@@ -662,11 +742,20 @@ class SlotPool:
         if not any(session.keeps_features for session in sessions):
             return self.model.forward_rows(rows)
         assert provides(self.model, SupportsBatchRowFeatures)
-        outputs = self.model.forward_rows_with_hidden(rows)
-        for session, (_, features) in zip(sessions, outputs, strict=True):
+        logits, features = self.model.forward_rows_with_hidden(rows)  # [Σ k, hidden]
+        self._keep_features(sessions, rows, features)
+        return logits
+
+    def _keep_features(
+        self, sessions: list[SlotSession], rows: Sequence[RowInput], features: torch.Tensor
+    ) -> None:
+        """The pass's features [Σ k, hidden] to the sessions that keep them (each its rows
+        of it)."""
+        first = 0
+        for session, row in zip(sessions, rows, strict=True):
             if session.keeps_features:
-                session.take_features(features)
-        return [logits for logits, _ in outputs]
+                session.take_features(features, first)
+            first += row.input_ids.shape[0]
 
 
 class SinglePool:

@@ -297,14 +297,11 @@ class NativeLlama:
 
     def forward_rows_with_hidden(
         self, rows: Sequence[RowInput]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """As :meth:`forward_rows`, with every row's features [k_row, hidden] (the final
-        residual stream after the final norm, as :meth:`forward_with_hidden`)."""
-        logits, features = self._forward_rows(rows)  # features: [total, hidden]
-        if not rows:
-            return []
-        sizes = [row.input_ids.numel() for row in rows]
-        return list(zip(logits, _split(features, sizes), strict=True))
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """As :meth:`forward_rows`, with the pass's features [Σ k_row, hidden] (the final
+        residual stream after the final norm, as :meth:`forward_with_hidden`), rows in
+        order."""
+        return self._forward_rows(rows)
 
     def _forward_rows(self, rows: Sequence[RowInput]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Per-row logits and the features [total, hidden] of the pass."""
