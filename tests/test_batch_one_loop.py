@@ -280,6 +280,23 @@ def test_load_aware_cost_curve_never_falls() -> None:
     assert policy.cost(200) > policy.cost(7)  # extended past the last point, and cached
 
 
+def test_load_aware_reads_its_curve_as_verify_cost_at_does() -> None:
+    """The policy's curves (their points sorted once) read bitwise as ``verify_cost_at``
+    at, between and below measured points, and along the line through the last two past
+    the end (the rows curve likewise)."""
+    from speculative.engine.gamma import LoadAwareGamma
+    from speculative.theory import verify_cost_at
+
+    curve = {16: 5.9, 1: 1.0, 3: 1.4, 2: 1.05, 8: 3.1}  # unsorted on purpose
+    rows = {4: 2.5, 1: 1.0}
+    policy = LoadAwareGamma(curve, rows_cost=rows)
+    for n in range(1, 17):
+        assert policy.cost(n) == max(verify_cost_at(curve, m) for m in range(1, n + 1))
+    assert policy.cost(20) == 5.9 + (5.9 - 3.1) / (16 - 8) * (20 - 16)
+    assert policy.row_cost(3) == verify_cost_at(rows, 3) - policy.cost(3) > 0
+    assert policy.row_cost(6) == 2.5 + (2.5 - 1.0) / (4 - 1) * (6 - 4) - policy.cost(6) > 0
+
+
 def test_load_aware_charges_padding_on_a_padding_runtime() -> None:
     """One well-predicted row among seven poor ones: on total tokens its 8 drafts are
     cheap, but a runtime that pads every row to the longest pays them 8 times over."""

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 from speculative.drafters.base import ChoosesDraftLength
 from speculative.theory import (
@@ -322,10 +323,13 @@ class LoadAwareGamma:
     )
     _costs: dict[int, float] = field(default_factory=dict, repr=False)  # n -> K(n)/T(1)
     _row_costs: dict[int, float] = field(default_factory=dict, repr=False)  # r -> row_cost
+    _curves: tuple[_ExtendedCurve, _ExtendedCurve | None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0, got {self.margin}")
+        rows = None if self.rows_cost is None else _ExtendedCurve(self.rows_cost)
+        self._curves = (_ExtendedCurve(self.verify_cost), rows)
 
     def cost(self, n: int) -> float:
         """K(n)/T(1), non-decreasing in n (the running maximum of the curve from 1 to n),
@@ -335,7 +339,7 @@ class LoadAwareGamma:
             known = max((m for m in self._costs if m < n), default=0)
             running = self._costs.get(known, 0.0)
             for m in range(known + 1, n + 1):  # filled from 1 up: every m < n is cached
-                running = max(running, _extended(self.verify_cost, m))
+                running = max(running, self._curves[0].at(m))
                 self._costs[m] = running
         return self._costs[n]
 
@@ -346,7 +350,8 @@ class LoadAwareGamma:
         if self.rows_cost is None or rows <= 1:
             return 0.0
         if rows not in self._row_costs:
-            self._row_costs[rows] = max(0.0, _extended(self.rows_cost, rows) - self.cost(rows))
+            curve = cast(_ExtendedCurve, self._curves[1])
+            self._row_costs[rows] = max(0.0, curve.at(rows) - self.cost(rows))
         return self._row_costs[rows]
 
     def model_cost(self, rows: int, tokens: int) -> float:
@@ -466,14 +471,39 @@ def _geometric(alpha: float, count: int) -> float:
     return alpha * (1.0 - alpha**count) / (1.0 - alpha)
 
 
-def _extended(curve: VerifyCost, n: int) -> float:
-    """The curve at n; past the last measured point of a mapping, extended along the line
-    through its last two points (not flat)."""
-    if callable(curve) or len(curve) < 2 or n <= max(curve):
-        return verify_cost_at(curve, n)
-    a, b = sorted(curve)[-2:]
-    slope = (curve[b] - curve[a]) / (b - a)
-    return curve[b] + slope * (n - b)
+class _ExtendedCurve:
+    """A verify-cost curve read at many n: the curve at n (:func:`verify_cost_at`); past
+    the last measured point of a mapping, extended along the line through its last two
+    points (not flat). A mapping's points are sorted once, not on every read as
+    ``verify_cost_at`` sorts them (10 µs a read: a fresh load policy's first prices
+    read it a hundred times, inside the rounds they price)."""
+
+    def __init__(self, curve: VerifyCost) -> None:
+        self.curve = curve
+        self.keys = None if callable(curve) else sorted(int(x) for x in curve)
+
+    def at(self, n: int) -> float:
+        curve, keys = self.curve, self.keys
+        if keys is None or not keys:
+            return verify_cost_at(curve, n)
+        assert not callable(curve)
+        if len(keys) >= 2 and n > keys[-1]:
+            a, b = keys[-2:]
+            slope = (curve[b] - curve[a]) / (b - a)
+            return curve[b] + slope * (n - b)
+        at = bisect.bisect_right(keys, n) - 1  # the largest measured point <= n
+        if at < 0:
+            value = float(curve[keys[0]])
+        else:
+            lo = keys[at]
+            value = float(curve[lo])
+            if lo != n and at + 1 < len(keys):  # interpolate, as verify_cost_at does
+                hi = keys[at + 1]
+                frac = (n - lo) / (hi - lo)
+                value = (1 - frac) * float(curve[lo]) + frac * float(curve[hi])
+        if math.isnan(value) or value <= 0:
+            raise ValueError(f"verify cost T({n})/T(1) must be > 0, got {value}")
+        return value
 
 
 GAMMA_SCHEDULES = ("auto", "heuristic")
