@@ -297,9 +297,10 @@ class HFCausalLM:
         """As :meth:`forward_rows`, with the rows' final hidden states [Σ k_row, hidden]
         (rows in order)."""
         outputs = self._forward_rows(rows, True)
-        if not outputs:
+        features = [f for _, f in outputs if f is not None]  # every row's, asked for
+        if not features:
             return [], torch.empty(0, self.hidden_size)
-        return [logits for logits, _ in outputs], torch.cat([f for _, f in outputs])  # type: ignore[misc]
+        return [logits for logits, _ in outputs], torch.cat(features)
 
     def _forward_rows(
         self, rows: Sequence[RowInput], hidden: bool
