@@ -280,6 +280,25 @@ def test_load_aware_cost_curve_never_falls() -> None:
     assert policy.cost(200) > policy.cost(7)  # extended past the last point, and cached
 
 
+def test_verify_cost_at_reads_measured_points_and_interpolates_between() -> None:
+    """A mapping's value at a measured point, linear between two, the first point's below
+    it and the last one's past it (flat: extending is the load policy's choice); the same
+    with the keys given sorted; a callable as itself; an empty mapping or a value <= 0 is
+    an error."""
+    from speculative.theory import verify_cost_at
+
+    curve = {8: 3.1, 1: 1.0, 3: 1.4}  # unsorted on purpose
+    expected = {0: 1.0, 1: 1.0, 2: 1.2, 3: 1.4, 5: 1.4 + 2 / 5 * 1.7, 8: 3.1, 12: 3.1}
+    for k, value in expected.items():
+        assert verify_cost_at(curve, k) == pytest.approx(value)
+        assert verify_cost_at(curve, k, sorted(curve)) == verify_cost_at(curve, k)
+    assert verify_cost_at(lambda k: 0.5 * k, 4) == 2.0
+    with pytest.raises(ValueError, match="empty"):
+        verify_cost_at({}, 2)
+    with pytest.raises(ValueError, match="must be > 0"):
+        verify_cost_at({1: 1.0, 3: -1.0}, 3)
+
+
 def test_load_aware_reads_its_curve_as_verify_cost_at_does() -> None:
     """The policy's curves (their points sorted once) read bitwise as ``verify_cost_at``
     at, between and below measured points, and along the line through the last two past

@@ -11,8 +11,9 @@
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -78,22 +79,23 @@ def speedup(alpha: float, gamma: int, c: float) -> float:
     return expected_tokens(alpha, gamma) / (_check_gamma(gamma) * _check_cost(c) + 1)
 
 
-def verify_cost_at(verify_cost: VerifyCost, k: int) -> float:
-    """T(k)/T(1) from a mapping (nearest measured k at or below, else above) or a callable."""
+def verify_cost_at(verify_cost: VerifyCost, k: int, known: Sequence[int] | None = None) -> float:
+    """T(k)/T(1) from a mapping (nearest measured k at or below, else above; linear
+    between measured points) or a callable. ``known``: the mapping's keys, sorted, for a
+    caller that reads one mapping many times (else sorted here, on every call)."""
     if callable(verify_cost):
         value = float(verify_cost(k))
     else:
         if not verify_cost:
             raise ValueError("verify_cost mapping is empty")
-        known = sorted(int(x) for x in verify_cost)
-        below = [x for x in known if x <= k]
-        value = float(verify_cost[below[-1] if below else known[0]])
-        if below and below[-1] != k:
-            above = [x for x in known if x > k]
-            if above:  # interpolate linearly between measured points
-                lo, hi = below[-1], above[0]
-                frac = (k - lo) / (hi - lo)
-                value = (1 - frac) * float(verify_cost[lo]) + frac * float(verify_cost[hi])
+        if known is None:
+            known = sorted(int(x) for x in verify_cost)
+        at = bisect.bisect_right(known, k) - 1  # the largest measured point <= k
+        value = float(verify_cost[known[max(at, 0)]])
+        if at >= 0 and known[at] != k and at + 1 < len(known):
+            lo, hi = known[at], known[at + 1]  # interpolate linearly between them
+            frac = (k - lo) / (hi - lo)
+            value = (1 - frac) * float(verify_cost[lo]) + frac * float(verify_cost[hi])
     if math.isnan(value) or value <= 0:
         raise ValueError(f"verify cost T({k})/T(1) must be > 0, got {value}")
     return value

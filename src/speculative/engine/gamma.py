@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import math
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -474,9 +473,9 @@ def _geometric(alpha: float, count: int) -> float:
 class _ExtendedCurve:
     """A verify-cost curve read at many n: the curve at n (:func:`verify_cost_at`); past
     the last measured point of a mapping, extended along the line through its last two
-    points (not flat). A mapping's points are sorted once, not on every read as
-    ``verify_cost_at`` sorts them (10 µs a read: a fresh load policy's first prices
-    read it a hundred times, inside the rounds they price)."""
+    points (not flat). A mapping's points are sorted once, not on every read (10 µs a
+    read: a fresh load policy's first prices read it a hundred times, inside the rounds
+    they price)."""
 
     def __init__(self, curve: VerifyCost) -> None:
         self.curve = curve
@@ -484,26 +483,12 @@ class _ExtendedCurve:
 
     def at(self, n: int) -> float:
         curve, keys = self.curve, self.keys
-        if keys is None or not keys:
-            return verify_cost_at(curve, n)
+        if keys is None or len(keys) < 2 or n <= keys[-1]:
+            return verify_cost_at(curve, n, keys)
         assert not callable(curve)
-        if len(keys) >= 2 and n > keys[-1]:
-            a, b = keys[-2:]
-            slope = (curve[b] - curve[a]) / (b - a)
-            return curve[b] + slope * (n - b)
-        at = bisect.bisect_right(keys, n) - 1  # the largest measured point <= n
-        if at < 0:
-            value = float(curve[keys[0]])
-        else:
-            lo = keys[at]
-            value = float(curve[lo])
-            if lo != n and at + 1 < len(keys):  # interpolate, as verify_cost_at does
-                hi = keys[at + 1]
-                frac = (n - lo) / (hi - lo)
-                value = (1 - frac) * float(curve[lo]) + frac * float(curve[hi])
-        if math.isnan(value) or value <= 0:
-            raise ValueError(f"verify cost T({n})/T(1) must be > 0, got {value}")
-        return value
+        a, b = keys[-2:]
+        slope = (curve[b] - curve[a]) / (b - a)
+        return curve[b] + slope * (n - b)
 
 
 GAMMA_SCHEDULES = ("auto", "heuristic")
