@@ -112,9 +112,9 @@ class FeatureStore:
     A batch's pass hands every row its features as a reference to the pass's output
     (:meth:`take`): copying them to the row's buffer waits until a head reads them
     (:meth:`view`). After a pass the caches are cold (its weights streamed through
-    them), and the split and a copy per row and round then cost about 1 % of a decode
-    step at B = 8, paid also by rows that draft nothing (a batch too full to draft); the
-    references cost a third of that, and a row that drafts copies each position once
+    them), and the split and a copy per row and round then cost 1–2 % of a decode step
+    at B = 8, paid also by rows that draft nothing (a batch too full to draft); the
+    references cost about half of that, and a row that drafts copies each position once
     all the same.
     """
 
