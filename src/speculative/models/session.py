@@ -154,8 +154,9 @@ class FeatureStore:
         if self.length < start:  # a gap (adopted cache): nothing before is valid
             self.forget()
             return
-        self.truncate(start)
-        self._settle()
+        if self._chunks:  # referenced positions first (those from ``start`` on dropped)
+            self.truncate(start)
+            self._settle()
         if start + k > self._buffer.shape[0]:
             capacity = max(2 * self._buffer.shape[0], start + k, 256)
             grown = torch.empty(capacity, features.shape[1])
