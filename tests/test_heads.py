@@ -57,13 +57,17 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     model = save_tiny(root / "model", seed=0, layers=2)
     data = write_corpus(root / "data.jsonl", model)
     out = {"model": model, "data": data}
-    for method in ("eagle", "medusa"):
+    # "eagle" fuses the target's layer 0 with its feature (EAGLE-3, the default's "auto" on
+    # two layers); "eagle-last" reads the last layer's feature alone (EAGLE-1/2)
+    for name, method, layers in (
+        ("eagle", "eagle", "auto"), ("eagle-last", "eagle", "none"), ("medusa", "medusa", "auto")
+    ):  # fmt: skip
         options = TrainDraftOptions(
-            out=root / method, method=method, target=str(model), data=[data], steps=60,
-            draft_vocab=16, batch_tokens=1024, lr=3e-3, progress=False,
+            out=root / name, method=method, target=str(model), data=[data], steps=60,
+            draft_vocab=16, batch_tokens=1024, lr=3e-3, progress=False, feature_layers=layers,
         )  # fmt: skip
         train_draft(options)
-        out[method] = root / method
+        out[name] = root / name
     torch.set_num_threads(threads)
     return out
 
@@ -110,6 +114,102 @@ def test_features_give_the_logits_and_follow_the_cache(trained, runtime):
     assert torch.allclose(session.features, fresh[0], atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("layers") / "model", seed=1, layers=4)
+
+
+@pytest.mark.parametrize("runtime", ["native-kernels", "native-torch", "hf"])
+def test_layer_features_carry_the_states_after_those_layers(four_layers, runtime):
+    """With feature layers (SupportsLayerFeatures) every feature carries, after the usual
+    one, the residual stream after each chosen layer: transformers' own hidden states of
+    those layers from an independent forward. The logits and the usual feature stay bit
+    for bit, and a batch's rows get the features each gets alone."""
+    from transformers import AutoModelForCausalLM
+
+    from speculative.models.base import RowInput, SupportsLayerFeatures
+
+    reference = AutoModelForCausalLM.from_pretrained(four_layers).float().eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        states = reference(input_ids=ids, output_hidden_states=True).hidden_states
+    assert not torch.allclose(states[1], states[3], atol=1e-2)  # layers tell apart
+    lm = target_on(runtime, four_layers).lm
+    assert isinstance(lm, SupportsLayerFeatures) and lm.num_layers == 4
+    h = lm.hidden_size
+    plain_logits, plain = lm.forward_with_hidden(ids)
+    lm.set_feature_layers((0, 2))
+    lm.reset()
+    logits, features = lm.forward_with_hidden(ids)
+    assert features.shape == (1, len(PROMPT), 3 * h)
+    assert torch.equal(logits, plain_logits) and torch.equal(features[..., :h], plain)
+    for i, layer in enumerate((0, 2), 1):
+        got = features[0, :, i * h : (i + 1) * h]
+        assert torch.allclose(got, states[layer + 1][0], rtol=1e-4, atol=1e-4)
+    slots = [lm.acquire_slot(), lm.acquire_slot()]
+    tails = (PROMPT[:4], PROMPT)
+    rows = [RowInput(slot, torch.tensor(t)) for slot, t in zip(slots, tails, strict=True)]
+    _, together = lm.forward_rows_with_hidden(rows)
+    assert together.shape == (4 + len(PROMPT), 3 * h)
+    assert torch.allclose(together[4:], features[0], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(together[:4], features[0, :4], rtol=1e-5, atol=1e-5)
+    if runtime.startswith("native"):  # rows are computed alone: the same bits
+        assert torch.equal(together[4:], features[0])
+    for slot in slots:
+        lm.release_slot(slot)
+    lm.set_feature_layers(())
+    lm.reset()
+    assert torch.equal(lm.forward_with_hidden(ids)[1], plain)
+    with pytest.raises(ValueError, match="increasing indices in \\[0, 3\\)"):
+        lm.set_feature_layers((3,))  # the last layer's state is the usual feature
+    with pytest.raises(ValueError, match="increasing"):
+        lm.set_feature_layers((2, 0))
+
+
+def test_eagle3_layers_are_a_low_a_middle_and_a_high_layer():
+    from speculative.models.base import eagle3_layers
+
+    assert eagle3_layers(30) == (2, 15, 27)  # the default model
+    assert eagle3_layers(32) == (2, 16, 29)
+    assert eagle3_layers(4) == (1, 2)  # below the last layer, without repeats
+    assert eagle3_layers(2) == (0,)
+    assert eagle3_layers(1) == ()
+
+
+def test_a_fused_head_sets_its_layers_and_refuses_what_cannot_give_them(trained, tmp_path):
+    """Loading a head that fuses middle layers has the target give them; a runtime
+    without them, another head's layers, or resuming features of other layers are clear
+    errors."""
+    from speculative.heads.store import give_layer_features
+
+    config = json.loads((trained["eagle"] / "config.json").read_text())
+    assert config["head"]["feature_layers"] == [0]  # "auto" on two layers
+    assert config["training"]["feature_layers"] == [0]
+    assert (
+        json.loads((trained["eagle-last"] / "config.json").read_text())["head"]["feature_layers"]
+        == []
+    )
+    lm = target_on("native-kernels", trained["model"]).lm
+    assert lm.feature_layers == ()
+    head = load_head(trained["eagle"], lm)
+    assert head.config.feature_layers == (0,) and lm.feature_layers == (0,)
+    with pytest.raises(ValueError, match="already gives the states of layers \\[0\\]"):
+        give_layer_features(lm, (1,))
+    with pytest.raises(ValueError, match="cannot give middle-layer features"):
+        give_layer_features(MarkovLM(torch.full((4, 4), 0.25)), (0,))
+    options = TrainDraftOptions(
+        out=tmp_path / "head", target=str(trained["model"]), data=[trained["data"]], steps=2,
+        draft_vocab=16, batch_tokens=512, progress=False, feature_layers="none",
+    )  # fmt: skip
+    train_draft(options)
+    options.resume, options.feature_layers = True, "auto"
+    with pytest.raises(ValueError, match="holds features of layers none"):
+        train_draft(options)
+    options.resume, options.feature_layers = False, "0,1"
+    with pytest.raises(ValueError, match="increasing indices in \\[0, 1\\)"):
+        train_draft(options)
+
+
 def test_a_session_computes_features_only_when_asked(trained):
     """Plain decoding does not pay for features: a session told not to keep them gives the
     same logits and none; asked again over cached positions that have none, it starts
@@ -138,11 +238,11 @@ def test_a_model_without_features_is_a_clear_error(trained):
 
 
 @pytest.mark.parametrize("runtime", ["native-kernels", "native-torch", "hf"])
-@pytest.mark.parametrize("name", ["eagle", "medusa", "auto"])
+@pytest.mark.parametrize("name", ["eagle", "eagle-last", "medusa", "auto"])
 def test_greedy_equals_plain_greedy(trained, runtime, name):
     target = target_on(runtime, trained["model"])
-    folder = trained["medusa" if name == "medusa" else "eagle"]
-    drafter = build_drafter(f"{name}:{folder}", target)
+    folder = trained[name if name in ("medusa", "eagle-last") else "eagle"]
+    drafter = build_drafter(f"{name.removesuffix('-last')}:{folder}", target)
     plain = generate(target, None, GREEDY).token_ids
     for gamma in (1, 4):
         out = generate(target, drafter, GREEDY, gamma)
@@ -905,8 +1005,9 @@ def test_eagle_drafting_runs_the_head_as_it_was_trained():
 # ---- heads on the target's C kernels ----------------------------------------------------
 
 
+@pytest.mark.parametrize("eagle_name", ["eagle", "eagle-last"])
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
-def test_kernel_runners_compute_the_heads(trained, precision):
+def test_kernel_runners_compute_the_heads(trained, precision, eagle_name):
     """The C runners compute what the PyTorch heads compute: at the head's own bf16 values
     (fp32 target) to bf16 rounding of the rows, at int4 (int4 target) to quantization; the
     EAGLE runner's cache carries over calls and takes a [k, k] mask among new pairs and a
@@ -921,10 +1022,13 @@ def test_kernel_runners_compute_the_heads(trained, precision):
     target = target_on("native-kernels", trained["model"])
     library = target.lm.kernel_library()
     tolerance = 5e-3 if precision == "fp32" else 0.15  # bf16 rows: 3 digits; int4: 4 bits
-    eagle = load_head(trained["eagle"], target.lm)
+    eagle = load_head(trained[eagle_name], target.lm)
     fast, slow = KernelEagleRunner.of(eagle, library, precision, 64), TorchEagleRunner(eagle)
     torch.manual_seed(0)
     embeds = eagle.embedding[torch.randint(0, target.lm.vocab_size, (8,))]
+    # true pairs read the target's features (with a fused head's layers: wider), drafted
+    # pairs the head's own [H] predictions
+    true_features = torch.randn(8, eagle.config.feature_width)
     features = torch.randn(8, embeds.shape[1])
     tree = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)  # a parent and its child
     child = torch.ones(1, 8, dtype=torch.bool)
@@ -932,8 +1036,9 @@ def test_kernel_runners_compute_the_heads(trained, precision):
     calls = [(slice(0, 5), torch.arange(5), None), (slice(5, 7), torch.tensor([5, 6]), tree),
              (slice(7, 8), torch.tensor([6]), child)]  # fmt: skip
     for rows, positions, mask in calls:
-        got = fast.step(embeds[rows], features[rows], positions, mask)
-        want = slow.step(embeds[rows], features[rows], positions, mask)
+        read = true_features[rows] if mask is None else features[rows]
+        got = fast.step(embeds[rows], read, positions, mask)
+        want = slow.step(embeds[rows], read, positions, mask)
         for a, b in zip(got, want, strict=True):
             assert (a - b).norm() <= tolerance * b.norm()
     assert fast.length == slow.length == 8
@@ -1048,7 +1153,7 @@ def drafted_first_tokens(drafter, lm, tokens: list[int], start: int, shifted=Fal
 
 
 @pytest.mark.parametrize("runtime", ["native-torch", "native-kernels"])
-@pytest.mark.parametrize("method", ["eagle", "medusa"])
+@pytest.mark.parametrize("method", ["eagle", "eagle-last", "medusa"])
 def test_drafting_agrees_with_the_target_as_the_training_metric_says(trained, method, runtime):
     """On the target's own greedy text, the drafter's first draft token after every
     context is the token the training's held-out metric scores for that position (row
@@ -1058,7 +1163,7 @@ def test_drafting_agrees_with_the_target_as_the_training_metric_says(trained, me
 
     target = target_on(runtime, trained["model"])
     head = load_head(trained[method], target.lm)
-    drafter = build_drafter(f"{method}:{trained[method]}", target)
+    drafter = build_drafter(f"{method.removesuffix('-last')}:{trained[method]}", target)
     prompt = [5, 9, 4, 12]
     tokens = prompt + generate(target, None, GREEDY, n=30, prompt=prompt).token_ids
     features, greedy = teacher_forced(target.lm, tokens)

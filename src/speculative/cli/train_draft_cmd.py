@@ -18,7 +18,9 @@ DESCRIPTION = """\
 Train a drafting head on the target's own features and distributions.
 
   eagle   one decoder layer over [token embedding, target feature] predicting the next
-          feature and token (trained through --unroll draft steps, as drafting runs it)
+          feature and token (trained through --unroll draft steps, as drafting runs it);
+          by default the target feature fuses a low, a middle and a high layer's states
+          as EAGLE-3 does (--feature-layers)
   medusa  K residual heads on the last feature, head k predicting k tokens further
 
 Both reuse the target's frozen embedding and output head, restricted to a draft
@@ -98,6 +100,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="share of positions whose distributions enter the loss (the output-head "
         "matmuls dominate training time)",
     )
+    parser.add_argument(
+        "--feature-layers",
+        default="auto",
+        metavar="auto|none|L,L,...",
+        help="eagle: the target's middle layers whose states the head fuses with its "
+        "features, as EAGLE-3 does (auto: layers 2, L/2 and L-3 of L; none: the last "
+        "layer's feature alone, as EAGLE-1/2; or 0-based indices, e.g. 2,15,27)",
+    )
     parser.add_argument("--medusa-heads", type=positive_int, default=4)
     parser.add_argument(
         "--max-tokens", type=positive_int, default=512, help="tokens per training sequence"
@@ -138,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         held_out=args.held_out,
         medusa_heads=args.medusa_heads,
+        feature_layers=args.feature_layers,
         unroll=args.unroll,
         batch_tokens=args.batch_tokens,
         lr=args.lr,
@@ -152,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{report['method']} head for {report['target']} -> {report['out']}\n"
         f"data: {report['records']} records, {report['train_tokens']} train / "
-        f"{report['heldout_tokens']} held-out tokens, draft vocab {report['draft_vocab']}\n"
+        f"{report['heldout_tokens']} held-out tokens, draft vocab {report['draft_vocab']}, "
+        f"feature layers {', '.join(map(str, report['feature_layers'])) or 'none'}\n"
         f"time: features {report['extract_seconds']}s, training {report['train_seconds']}s "
         f"({report['steps']} steps)\n"
         f"held-out ({report['heldout_source']}) top-1 per draft step: {top1}\n"

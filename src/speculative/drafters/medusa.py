@@ -49,11 +49,12 @@ class MedusaDrafter(HeadDrafter):
 
     def _feature(self, context: Sequence[int]) -> torch.Tensor | None:
         """The target's feature [H] of context[-2] (whose own logits gave the last token:
-        the normal state after a verification), or None when it is not at hand."""
+        the normal state after a verification), or None when it is not at hand. Of a
+        target whose features carry middle layers too, their first H: the last layer's."""
         n = len(context)
         if n < 2 or true_feature_count(self.target, context) < n - 1:
             return None
-        return self.target.features[n - 2]  # type: ignore[union-attr]
+        return self.target.features[n - 2, : self.head.config.hidden_size]  # type: ignore[union-attr]
 
     def _head_logits(self, context: Sequence[int], count: int) -> torch.Tensor | None:
         """Draft logits [count, N] of heads 1..count, or None without the feature."""

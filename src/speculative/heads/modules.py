@@ -29,13 +29,26 @@ class HeadConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     medusa_heads: int = 0  # medusa: K
+    # eagle: the target's middle layers whose states it fuses (EAGLE-3; see
+    # SupportsLayerFeatures), () for the last layer's feature alone
+    feature_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(int(x) for x in self.feature_layers))
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features the head reads: [..., hidden * (1 + layers)]."""
+        return self.hidden_size * (1 + len(self.feature_layers))
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["feature_layers"] = list(self.feature_layers)
+        return out
 
 
 class RMSNorm(nn.Module):
@@ -68,13 +81,36 @@ class KVCache:
     length: int = 0
 
 
+class LayerFusion(nn.Module):
+    """EAGLE-3's fusion of the target's layer states: fc([norm(s_1) | ... | norm(s_n)])
+    over the feature layers' states ([..., H * (1 + n)] features: the last layer's, unused
+    here, then the n layers') -> [..., H], in place of the last layer's feature."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        h, n = config.hidden_size, len(config.feature_layers)
+        self.hidden = h
+        self.norms = nn.ModuleList(RMSNorm(h, config.rms_norm_eps) for _ in range(n))
+        self.fc = nn.Linear(n * h, h, bias=False)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        h = self.hidden
+        states = [
+            norm(features[..., h * (i + 1) : h * (i + 2)]) for i, norm in enumerate(self.norms)
+        ]
+        return self.fc(torch.cat(states, -1))
+
+
 class EagleHead(nn.Module):
-    """fc(2H -> H) then one Llama decoder layer; its output is the predicted next feature."""
+    """fc(2H -> H) then one Llama decoder layer; its output is the predicted next feature.
+    With feature layers (EAGLE-3) the target's features are first fused by a
+    :class:`LayerFusion`; drafted pairs read the head's own predicted features as they are."""
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.config = config
+        self.layer_fusion = LayerFusion(config) if config.feature_layers else None
         self.embed_norm = RMSNorm(h, eps)
         self.feature_norm = RMSNorm(h, eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
@@ -89,8 +125,20 @@ class EagleHead(nn.Module):
         self.up = nn.Linear(h, config.intermediate_size, bias=False)
         self.down = nn.Linear(config.intermediate_size, h, bias=False)
 
+    def target_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features as the head reads them: [..., feature_width] -> [..., H]
+        (the fused layers', or the last layer's feature). A predicted feature ([..., H]
+        where the target's are wider) passes unchanged."""
+        if features.shape[-1] == self.config.hidden_size:
+            return features
+        if self.layer_fusion is None:
+            return features[..., : self.config.hidden_size]
+        return self.layer_fusion(features)
+
     def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """[..., H] embeddings of x_{t+1} and features f_t -> the layer's input [..., H]."""
+        """[..., H] embeddings of x_{t+1} and features f_t (the target's, any width, or
+        predicted [..., H]) -> the layer's input [..., H]."""
+        features = self.target_features(features)
         return self.fc(torch.cat([self.embed_norm(embeds), self.feature_norm(features)], -1))
 
     def _qkv(
@@ -223,7 +271,9 @@ class MedusaHeads(nn.Module):
             nn.init.zeros_(block.bias)
 
     def forward(self, features: torch.Tensor) -> list[torch.Tensor]:
-        """features: [..., H] -> K predicted features [..., H] (fed to the head rows)."""
+        """features: [..., H] (or a target's wider features: their first H, the last
+        layer's) -> K predicted features [..., H] (fed to the head rows)."""
+        features = features[..., : self.config.hidden_size]
         return [features + F.silu(block(features)) for block in self.blocks]
 
 

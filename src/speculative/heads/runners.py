@@ -139,6 +139,18 @@ class KernelEagleHead:
         self.head = head
         self.library = library
         self.config = cfg
+        fusion = module.layer_fusion  # EAGLE-3's, or None
+        self.layer_fc = (
+            None
+            if fusion is None
+            else KernelLinear.pack(fusion.fc.weight.detach().float(), None, layer_format)
+        )
+        self._layer_fc = None if self.layer_fc is None else self.layer_fc.struct()
+        self.layer_norms = (  # [n, H]
+            None
+            if fusion is None
+            else torch.stack([norm.weight.detach().float() for norm in fusion.norms]).contiguous()
+        )
         self.embed_norm = module.embed_norm.weight.detach().float().contiguous()
         self.feature_norm = module.feature_norm.weight.detach().float().contiguous()
         self.fc = KernelLinear.pack(module.fc.weight.detach().float(), None, layer_format)
@@ -214,8 +226,37 @@ class KernelEagleHead:
             self._free.append(slot)
 
     def weight_bytes(self) -> int:
-        """Bytes of weights one step reads (fusion layer, decoder layer, output rows)."""
-        return self.fc.weight_bytes() + self.layer.weight_bytes() + self.rows.weight_bytes()
+        """Bytes of weights one step reads (fusion layer, decoder layer, output rows; and
+        the layer fusion, which true pairs run)."""
+        fused = 0 if self.layer_fc is None else self.layer_fc.weight_bytes()
+        return fused + self.fc.weight_bytes() + self.layer.weight_bytes() + self.rows.weight_bytes()
+
+    def target_features(
+        self, features: torch.Tensor, work: torch.Tensor, threads: int
+    ) -> torch.Tensor:
+        """The target's features [k, W] as the head reads them, [k, H]
+        (:meth:`EagleHead.target_features` on the kernels: EAGLE-3's layer fusion in one
+        parallel region); a predicted [k, H] feature passes unchanged."""
+        h = self.config.hidden_size
+        if features.shape[1] == h:
+            return features
+        if self.layer_fc is None or self.layer_norms is None:
+            return features[:, :h]
+        rows = _float_rows(features)
+        out = torch.empty(rows.shape[0], h)
+        self.library.spec_parts_linear(
+            ctypes.byref(self._layer_fc),
+            rows.data_ptr() + 4 * h,  # the layers' states, after the last layer's feature
+            rows.shape[1],
+            self.layer_norms.data_ptr(),
+            self.layer_norms.shape[0],
+            self.config.rms_norm_eps,
+            rows.shape[0],
+            out.data_ptr(),
+            work.data_ptr(),
+            threads,
+        )
+        return out
 
     def _fuse(
         self, embeds: torch.Tensor, features: torch.Tensor, work: torch.Tensor, threads: int
@@ -250,7 +291,9 @@ class KernelEagleHead:
         floats = self._work_floats.get((k, threads))
         if floats is None:
             lib = self.library
-            fused = lib.spec_fused_linear_work_floats(k, 2 * self.config.hidden_size) + 8
+            cfg = self.config
+            widest = max(2, len(cfg.feature_layers)) * cfg.hidden_size  # fc's or the layers'
+            fused = lib.spec_fused_linear_work_floats(k, widest) + 8
             floats = max(fused, lib.spec_work_floats(self._model.pointer, k, threads))
             self._work_floats[(k, threads)] = floats
         if self._work_buffer.numel() < floats:
@@ -275,7 +318,8 @@ class KernelEagleHead:
         with self._lock:  # the slots do not move under a step
             offset = 4 * runner.slot * self._slot_floats  # bytes to the runner's slot
             work = self._work(k, threads)
-            hidden = self._fuse(embeds, features, work, threads)
+            read = self.target_features(features, work, threads)  # [k, H]
+            hidden = self._fuse(embeds, read, work, threads)
             logits = torch.empty(k, self.rows.out_features)
             pos = positions
             if pos.dtype != torch.int64 or not pos.is_contiguous():
@@ -303,7 +347,7 @@ class KernelEagleHead:
         self,
         runners: Sequence[KernelEagleRunner],
         embeds: Sequence[torch.Tensor],  # per runner [k_i, H]
-        features: Sequence[torch.Tensor],  # per runner [k_i, H]
+        features: Sequence[torch.Tensor],  # per runner [k_i, H] (or the target's, wider)
         positions: Sequence[torch.Tensor],  # per runner [k_i] int64
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # per runner ([k_i, H], [k_i, N])
         """Causal steps of several runners (each appending its k_i pairs to its own cache)
@@ -326,7 +370,8 @@ class KernelEagleHead:
         pos = torch.cat(list(positions)).to(torch.int64).contiguous()  # [k]
         with self._lock:  # the slots do not move under a step
             work = self._work(k, threads)
-            hidden = self._fuse(torch.cat(list(embeds)), torch.cat(list(features)), work, threads)
+            read = torch.cat([self.target_features(f, work, threads) for f in features])
+            hidden = self._fuse(torch.cat(list(embeds)), read, work, threads)
             logits = torch.empty(k, self.rows.out_features)
             self.library.spec_forward_batch(
                 self._model.pointer,

@@ -11,6 +11,7 @@ with a message.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from speculative.heads.modules import HeadConfig, build_head
-from speculative.models.base import SupportsHiddenStates
+from speculative.models.base import SupportsHiddenStates, SupportsLayerFeatures
 
 WEIGHTS = "head.safetensors"
 CONFIG = "config.json"
@@ -83,7 +84,11 @@ class TrainedHead:
 def bind(
     config: HeadConfig, module: nn.Module, draft_to_target: torch.Tensor, model: Any, name: str = ""
 ) -> TrainedHead:
+    """The head over ``model``'s rows; a head that fuses middle layers (EAGLE-3) has the
+    model give those layers' states with its features from now on."""
     target = require_features(model)
+    if config.feature_layers:
+        give_layer_features(model, config.feature_layers)
     return TrainedHead(
         config=config,
         module=module,
@@ -92,6 +97,24 @@ def bind(
         embedding=target.input_embedding().float(),
         target_name=name,
     )
+
+
+def give_layer_features(model: object, layers: Sequence[int]) -> None:
+    """Have ``model``'s features carry the states of ``layers`` (SupportsLayerFeatures),
+    or a clear ValueError: a runtime without them, layers the model lacks, or a model
+    already giving other layers (for another head)."""
+    wanted = tuple(layers)
+    if not isinstance(model, SupportsLayerFeatures):
+        raise ValueError(
+            f"the head fuses the target's layers {list(wanted)}, and this runtime "
+            f"({type(model).__name__}) cannot give middle-layer features"
+        )
+    if model.feature_layers and model.feature_layers != wanted:
+        raise ValueError(
+            f"the target already gives the states of layers {list(model.feature_layers)} "
+            f"(another head's); this head reads {list(wanted)}"
+        )
+    model.set_feature_layers(wanted)
 
 
 def save_head(

@@ -241,6 +241,48 @@ class SupportsHiddenStates(Protocol):
 
 
 @runtime_checkable
+class SupportsLayerFeatures(Protocol):
+    """A :class:`SupportsHiddenStates` model whose features can also carry the residual
+    stream after chosen middle layers (EAGLE-3 fuses a low, a middle and a high layer's
+    states: the last layer's feature is specialised to the next token, earlier ones keep
+    more of the context a drafting head needs for the tokens after it).
+
+    After ``set_feature_layers(layers)`` every feature the model returns
+    (``forward_with_hidden``, ``forward_rows_with_hidden``) is
+    [..., hidden * (1 + len(layers))]: the usual feature (the output head's input) first,
+    then the residual stream after each of ``layers`` (0-based, increasing, below the last
+    layer) in order. Logits are unchanged, bit for bit; ``()`` restores plain features.
+    """
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]: ...
+
+    def set_feature_layers(self, layers: Sequence[int]) -> None: ...
+
+
+def check_feature_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """``layers`` as a tuple, or ValueError unless increasing indices of middle layers
+    (0 <= layer < num_layers - 1: the last layer's state is the usual feature)."""
+    chosen = tuple(int(layer) for layer in layers)
+    if list(chosen) != sorted(set(chosen)) or any(not 0 <= x < num_layers - 1 for x in chosen):
+        raise ValueError(
+            f"feature layers must be increasing indices in [0, {num_layers - 1}) for a "
+            f"{num_layers}-layer model, got {list(chosen)}"
+        )
+    return chosen
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layers (2, L / 2, L - 3 of L), kept below the last
+    layer and without repeats: (2, 15, 27) for the default model's 30 layers."""
+    wanted = {min(2, num_layers - 2), num_layers // 2, num_layers - 3}
+    return tuple(sorted(x for x in wanted if 0 <= x < num_layers - 1))
+
+
+@runtime_checkable
 class SharesSlotPrefix(Protocol):
     """A :class:`SupportsBatchRows` model that can start a slot from another slot's first
     positions: a row whose prompt begins as a live row's did copies those keys and values

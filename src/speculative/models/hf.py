@@ -22,7 +22,12 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from speculative.models.base import RowInput, check_keep_slots, check_logits_from
+from speculative.models.base import (
+    RowInput,
+    check_feature_layers,
+    check_keep_slots,
+    check_logits_from,
+)
 from speculative.models.loading import (
     ResolvedModel,
     clear_quantizer,
@@ -93,6 +98,7 @@ class HFCausalLM:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self._kv_heads = int(heads), int(head_dim)  # per layer's cache
         self._dtype, self._device = model.dtype, model.device
+        self._feature_layers: tuple[int, ...] = ()  # SupportsLayerFeatures
 
     # ----------------------------------------------------------------- properties
 
@@ -209,7 +215,7 @@ class HFCausalLM:
                 **extra,
             )
             logits = output.logits.float()  # [batch, k, vocab]
-            features = output.hidden_states[-1].float()  # [batch, k, hidden]
+            features = self._features(output.hidden_states)  # [batch, k, hidden (* (1 + n))]
         self._length += k
         self._batch = batch
         return logits, features
@@ -217,6 +223,22 @@ class HFCausalLM:
     @property
     def hidden_size(self) -> int:
         return int(self.model.config.get_text_config().hidden_size)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self._feature_layers
+
+    def set_feature_layers(self, layers: Sequence[int]) -> None:
+        """See :class:`~speculative.models.base.SupportsLayerFeatures`."""
+        self._feature_layers = check_feature_layers(layers, self.num_layers)
+
+    def _features(self, states: Sequence[torch.Tensor]) -> torch.Tensor:
+        """transformers' hidden states (the embeddings, then each layer's output, the last
+        after the final norm) -> the features: the last, then the feature layers' (layer
+        l's output is states[l + 1]). [..., hidden * (1 + len(feature_layers))] float32."""
+        if not self._feature_layers:
+            return states[-1].float()
+        return torch.cat([states[-1], *(states[x + 1] for x in self._feature_layers)], -1).float()
 
     def input_embedding(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight.detach().float()  # [vocab, hidden]
@@ -299,7 +321,7 @@ class HFCausalLM:
         outputs = self._forward_rows(rows, True)
         features = [f for _, f in outputs if f is not None]  # every row's, asked for
         if not features:
-            return [], torch.empty(0, self.hidden_size)
+            return [], torch.empty(0, self.hidden_size * (1 + len(self._feature_layers)))
         return [logits for logits, _ in outputs], torch.cat(features)
 
     def _forward_rows(
@@ -330,7 +352,7 @@ class HFCausalLM:
                 output_hidden_states=hidden,
             )
             logits = output.logits.float()  # [B, K, vocab]
-            features = output.hidden_states[-1].float() if hidden else None  # [B, K, hidden]
+            features = self._features(output.hidden_states) if hidden else None  # [B, K, ...]
             for b, (slot_cache, k) in enumerate(zip(caches, ks, strict=True)):
                 self._keep_new(slot_cache, cache, b, cached, k)
         return [

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from speculative.heads.modules import HeadConfig, build_head
-from speculative.heads.store import require_features, save_head
+from speculative.heads.store import give_layer_features, require_features, save_head
+from speculative.models.base import SupportsLayerFeatures, check_feature_layers, eagle3_layers
 from speculative.training import features as feats
 from speculative.training.data import MIN_TOKENS, encode_record, is_held_out, read_records
 from speculative.training.trainer import Trainer, TrainSettings, evaluate
@@ -37,6 +38,8 @@ class TrainDraftOptions:
     max_tokens: int = 512
     held_out: float = 0.05
     medusa_heads: int = 4
+    # eagle: "auto" (EAGLE-3's low, middle and high layers), "none", or "2,15,27"
+    feature_layers: str = "auto"
     unroll: int = 3
     batch_tokens: int = 2048
     lr: float = 1e-3
@@ -47,7 +50,30 @@ class TrainDraftOptions:
     loss_fraction: float = 0.5
 
 
-def head_config(lm: Any, method: str, draft_vocab: int, medusa_heads: int) -> HeadConfig:
+def chosen_layers(spec: str, method: str, lm: Any) -> tuple[int, ...]:
+    """--feature-layers for ``lm``: () for Medusa and "none", EAGLE-3's layers for "auto",
+    else the comma-separated indices (ValueError when the target lacks them)."""
+    if method != "eagle" or spec == "none":
+        return ()
+    num_layers = getattr(lm, "num_layers", None)
+    if not isinstance(lm, SupportsLayerFeatures) or num_layers is None:
+        if spec == "auto":
+            return ()  # the runtime gives the last layer's feature only
+        raise ValueError(f"--feature-layers {spec}: this runtime cannot give middle layers")
+    if spec == "auto":
+        return eagle3_layers(num_layers)
+    try:
+        layers = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--feature-layers takes auto, none or indices like 2,15,27, got {spec!r}"
+        ) from None
+    return check_feature_layers(layers, num_layers)
+
+
+def head_config(
+    lm: Any, method: str, draft_vocab: int, medusa_heads: int, layers: tuple[int, ...] = ()
+) -> HeadConfig:
     """The head's shape from the target's config (native or transformers names)."""
     cfg = getattr(lm, "config", None)
     if cfg is not None and hasattr(cfg, "get_text_config"):
@@ -72,6 +98,7 @@ def head_config(lm: Any, method: str, draft_vocab: int, medusa_heads: int) -> He
         rope_theta=float(read("rope_theta", default=10000.0)),
         rms_norm_eps=float(read("rms_norm_eps", default=1e-5)),
         medusa_heads=medusa_heads if method == "medusa" else 0,
+        feature_layers=layers,
     )
 
 
@@ -100,12 +127,23 @@ def self_distill_records(options: TrainDraftOptions, target: Any) -> list[dict[s
     return list(read_records([path]))
 
 
-def prepare_features(options: TrainDraftOptions, target: Any) -> dict[str, Any]:
-    """Extract (or, on --resume, reuse) the feature chunks and the draft vocabulary."""
+def prepare_features(
+    options: TrainDraftOptions, target: Any, layers: tuple[int, ...] = ()
+) -> dict[str, Any]:
+    """Extract (or, on --resume, reuse) the feature chunks and the draft vocabulary; with
+    ``layers`` the chunks hold those layers' states after each feature."""
     folder = options.out / "features"
     meta_path = folder / "meta.json"
     if options.resume and meta_path.is_file():
-        return json.loads(meta_path.read_text())
+        meta = json.loads(meta_path.read_text())
+        cached = tuple(meta.get("feature_layers", ()))
+        if cached != layers:
+            raise ValueError(
+                f"{folder} holds features of layers {list(cached) or 'none'}, not "
+                f"{list(layers) or 'none'}: resume with --feature-layers "
+                f"{','.join(map(str, cached)) or 'none'}, or use another --out"
+            )
+        return meta
     records = collect_records(options, target)
     separate = list(read_records(options.eval_data))
     sequences = []
@@ -131,6 +169,7 @@ def prepare_features(options: TrainDraftOptions, target: Any) -> dict[str, Any]:
         "heldout_tokens": held_tokens,
         "extract_seconds": time.perf_counter() - started,
         "draft_to_target": vocab.tolist(),
+        "feature_layers": list(layers),
     }
     meta_path.write_text(json.dumps(meta))
     return meta
@@ -156,9 +195,14 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
     options.out.mkdir(parents=True, exist_ok=True)
     target = load_target(options.target, options.runtime, options.precision)
     lm = require_features(target.lm, f"target '{target.name}' on the {target.runtime} runtime")
-    meta = prepare_features(options, target)
+    layers = chosen_layers(options.feature_layers, options.method, lm)
+    if layers:
+        give_layer_features(lm, layers)  # the features cached below carry them
+    meta = prepare_features(options, target, layers)
     draft_to_target = torch.tensor(meta["draft_to_target"], dtype=torch.long)
-    config = head_config(target.lm, options.method, draft_to_target.numel(), options.medusa_heads)
+    config = head_config(
+        target.lm, options.method, draft_to_target.numel(), options.medusa_heads, layers
+    )
     module = build_head(config)
     embedding = lm.input_embedding().float()
     rows = lm.output_embedding()[draft_to_target].float().contiguous()
@@ -193,6 +237,7 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
         "train_tokens": meta["train_tokens"],
         "heldout_tokens": meta["heldout_tokens"],
         "draft_vocab": draft_to_target.numel(),
+        "feature_layers": list(layers),
         "steps": trainer.step,
         "extract_seconds": round(meta["extract_seconds"], 1),
         "train_seconds": round(trainer.seconds, 1),

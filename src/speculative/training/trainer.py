@@ -44,7 +44,7 @@ class TrainSettings:
 @dataclass
 class Batch:
     tokens: torch.Tensor  # [B, L] int64 (0-padded)
-    features: torch.Tensor  # [B, L, H] float32 (0-padded)
+    features: torch.Tensor  # [B, L, W] float32 (0-padded): W = H, or H * (1 + layers)
     greedy: torch.Tensor  # [B, L] int64
     lengths: torch.Tensor  # [B] int64
 
@@ -143,9 +143,10 @@ def batch_loss(
     total = torch.zeros(())
     top1 = 0.0
     eagle = isinstance(module, EagleHead)
+    last = batch.features[..., : rows.shape[1]]  # the last layer's features [B, L, H]
     for s, (pred, offset) in enumerate(predictions(module, batch, embedding, steps)):
         t = pred.shape[1]
-        target = _shift(batch.features, offset, t)  # [B, T, H]
+        target = _shift(last, offset, t)  # [B, T, H]
         valid = torch.arange(t) + offset < batch.lengths.unsqueeze(1)  # [B, T]
         chosen = _loss_rows(valid, fraction)  # [M] flat row indices
         pred_rows = pred.reshape(-1, pred.shape[-1])[chosen]  # [M, H]

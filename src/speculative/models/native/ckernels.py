@@ -165,6 +165,9 @@ def _open_library(path: str) -> ctypes.CDLL:
     library.spec_fused_linear.argtypes = [pointer, pointer, pointer, pointer, pointer]
     library.spec_fused_linear.argtypes += [ctypes.c_float, i32, pointer, pointer, i32]
     library.spec_fused_linear.restype = None
+    library.spec_parts_linear.argtypes = [pointer, pointer, ctypes.c_int64, pointer, i32]
+    library.spec_parts_linear.argtypes += [ctypes.c_float, i32, pointer, pointer, i32]
+    library.spec_parts_linear.restype = None
     library.spec_nucleus.argtypes = [pointer, i64, i64, ctypes.c_float, ctypes.c_double]
     library.spec_nucleus.argtypes += [ctypes.c_double, ctypes.c_float, pointer, pointer, i32]
     library.spec_nucleus.argtypes += [pointer, i64, i32]
@@ -260,6 +263,8 @@ class _Model(ctypes.Structure):
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
         ("op_seconds", ctypes.c_void_p),  # NULL, or where forwards add their ops' seconds
+        ("layer_out", ctypes.c_void_p),  # NULL, or where forwards copy chosen layers' outputs
+        ("layer_mask", ctypes.c_uint64),  # bit l: copy the residual stream after layer l
     ]
 
 
@@ -730,6 +735,22 @@ class KernelDecoder(DecoderBase):
             raise ValueError(f"op seconds must be a contiguous [{len(KERNEL_OPS)}] float64 tensor")
         self._model.op_seconds = None if seconds is None else seconds.data_ptr()
         return True
+
+    def copy_layers_into(self, layers: Sequence[int], out: torch.Tensor | None) -> None:
+        """Have later forwards copy the residual stream after each of ``layers`` (0-based,
+        increasing) into ``out`` ([len(layers), rows, hidden] float32, the forward's rows;
+        kept alive by the caller), or stop (None)."""
+        if out is None:
+            self._model.layer_out, self._model.layer_mask = None, 0
+            return
+        if list(layers) != sorted(set(layers)) or not all(
+            0 <= layer < self.config.num_layers for layer in layers
+        ):
+            raise ValueError(f"layers must be increasing indices below {self.config.num_layers}")
+        if out.dtype != torch.float32 or not out.is_contiguous() or out.shape[0] != len(layers):
+            raise ValueError("out must be a contiguous [len(layers), rows, hidden] float32 tensor")
+        self._model.layer_out = out.data_ptr()
+        self._model.layer_mask = sum(1 << layer for layer in layers)
 
     def weight_pages(self) -> str:
         """Where the packed weights live: how much of them on transparent huge pages (reads

@@ -210,6 +210,12 @@ class DecoderBase:
         has none (the sampling layer finds it)."""
         return None
 
+    def copy_layers_into(self, layers: Sequence[int], out: torch.Tensor | None) -> None:
+        """Have later forwards copy the residual stream after each of ``layers`` (0-based,
+        increasing) into ``out`` ([len(layers), rows, hidden] float32, the forward's rows in
+        order), or stop (None)."""
+        raise NotImplementedError
+
     def clock_ops(self, seconds: torch.Tensor | None) -> bool:
         """Clock every later forward's ops into ``seconds`` (``models.base.KERNEL_OPS``),
         or stop (None); False: this decoder has no op clock."""

@@ -63,6 +63,10 @@ typedef struct {
     const float *cos;  /* [max_length, head_dim / 2] */
     const float *sin;  /* [max_length, head_dim / 2] */
     double *op_seconds;  /* [OP_COUNT] or NULL: where a forward adds its ops' wall clock */
+    float *layer_out;    /* NULL, or [count of layer_mask's bits, rows, hidden]: where a
+                            forward copies the residual stream after each layer l whose bit
+                            is set in layer_mask, in layer order (middle-layer features) */
+    uint64_t layer_mask;
 } Model;
 
 /* The ops a forward clocks into Model.op_seconds (speculative.models.base.KERNEL_OPS
@@ -787,11 +791,13 @@ static void linear(const Linear *L, const float *x, int rows, float *y, int ldy,
 
 /* out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight, rows shared among threads; row r
  * of out starts at out + r * ldo. */
-static void rms_norm_rows(const float *x, const float *weight, int rows, int n, float eps,
-                          float *out, int ldo) {
+/* out[r] = rms_norm(x[r]) * weight for rows of n floats, x's rows ldx floats apart and
+ * out's ldo apart (rows split over the threads). */
+static void rms_norm_strided(const float *x, int64_t ldx, const float *weight, int rows, int n,
+                             float eps, float *out, int ldo) {
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
-        const float *xr = x + (size_t)r * n;
+        const float *xr = x + (size_t)r * ldx;
         float *yr = out + (size_t)r * ldo;
         __m256 acc = _mm256_setzero_ps();
         for (int i = 0; i < n; i += 8) {
@@ -805,6 +811,11 @@ static void rms_norm_rows(const float *x, const float *weight, int rows, int n, 
             _mm256_storeu_ps(yr + i, _mm256_mul_ps(v, _mm256_loadu_ps(weight + i)));
         }
     }
+}
+
+static void rms_norm_rows(const float *x, const float *weight, int rows, int n, float eps,
+                          float *out, int ldo) {
+    rms_norm_strided(x, n, weight, rows, n, eps, out, ldo);
 }
 
 static void rms_norm(const float *x, const float *weight, int rows, int n, float eps, float *out) {
@@ -1507,6 +1518,18 @@ static void gather_wanted(const float *x, int width, int nseq, const int32_t *se
     }  /* implicit barrier */
 }
 
+/* The residual stream after layer l ([rows, H]) into its place in m->layer_out: the
+ * layers below l whose bits are set come first. Rows are split over the threads; the
+ * barrier after the loop orders the copy before the next layer's writes. */
+static void copy_layer_out(const Model *m, int l, const float *hidden, int rows) {
+    const int H = m->hidden;
+    const int before = __builtin_popcountll(m->layer_mask & ((1ULL << l) - 1));
+    float *to = m->layer_out + (size_t)before * rows * H;
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++)
+        memcpy(to + (size_t)r * H, hidden + (size_t)r * H, (size_t)H * sizeof(float));
+}
+
 /* Append the new tokens of `nseq` sequences in one pass: every linear layer runs once
  * over all rows of all sequences (one weight stream for the whole batch); RoPE, the cache
  * store and attention run per sequence with its own start, positions, mask and cache slot
@@ -1577,6 +1600,7 @@ static void forward_batch(const Model *m, float *hidden, int nseq, const int32_t
             op_clock(m, OP_ACT, &clock);
             linear(&L->down, act, rows, hidden, H, 1, &qx);
             op_clock(m, OP_DOWN, &clock);
+            if (m->layer_out && (m->layer_mask >> l & 1)) copy_layer_out(m, l, hidden, rows);
         }
         /* The features: the final norm in place, so the caller's buffer ends holding them
          * and no norm runs after the pass (its first torch op would run on caches this
@@ -1664,6 +1688,25 @@ void spec_fused_linear(const Linear *L, const float *a, const float *a_weight, c
     {
         rms_norm_rows(a, a_weight, rows, half, eps, fused, in);
         rms_norm_rows(b, b_weight, rows, half, eps, fused + half, in); /* ends in a barrier */
+        linear(L, fused, rows, y, L->out_features, 0, &qx);
+    }
+}
+
+/* y [rows, out] = W . [rms_norm(x[r], part 0) * weights[0] | ... | part n - 1's] for each
+ * row r: x's rows, `ldx` floats apart, hold the n = `parts` parts of in / n floats side by
+ * side (an EAGLE-3 head's fusion of the target's layer states; weights [n, in / n]): the
+ * norms and the layer in one parallel region on `threads` threads. Work: as
+ * spec_fused_linear_work_floats(rows, in). */
+void spec_parts_linear(const Linear *L, const float *x, int64_t ldx, const float *weights,
+                       int parts, float eps, int rows, float *y, float *work, int threads) {
+    const int in = L->in_features, width = in / parts;
+    float *fused = work;
+    QuantRows qx = quant_rows_at(work + (size_t)rows * in, rows, in);
+#pragma omp parallel num_threads(threads)
+    {
+        for (int p = 0; p < parts; p++)  /* each ends in a barrier */
+            rms_norm_strided(x + (size_t)p * width, ldx, weights + (size_t)p * width, rows, width,
+                             eps, fused + (size_t)p * width, in);
         linear(L, fused, rows, y, L->out_features, 0, &qx);
     }
 }

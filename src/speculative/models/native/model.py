@@ -27,7 +27,12 @@ from collections.abc import Sequence
 
 import torch
 
-from speculative.models.base import RowInput, check_keep_slots, check_logits_from
+from speculative.models.base import (
+    RowInput,
+    check_feature_layers,
+    check_keep_slots,
+    check_logits_from,
+)
 from speculative.models.native.config import NativeConfig, rope_inverse_frequencies
 from speculative.models.native.decoder_base import DecoderBase, Segment
 from speculative.models.native.layers import layer_weights
@@ -136,6 +141,7 @@ class NativeLlama:
         # released (or re-acquired, not yet written) slots: (positions still holding the
         # keys and values of an acquisition, that acquisition) (SharesSlotPrefix.retained)
         self._retained: dict[int, tuple[int, int]] = {}
+        self._feature_layers: tuple[int, ...] = ()  # SupportsLayerFeatures
 
     # ---- protocol -------------------------------------------------------------------
     @property
@@ -306,18 +312,22 @@ class NativeLlama:
     def _forward_rows(self, rows: Sequence[RowInput]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Per-row logits and the features [total, hidden] of the pass."""
         if not rows:
-            return [], torch.empty(0, self.config.hidden_size)
+            return [], torch.empty(0, self.config.hidden_size * (1 + len(self._feature_layers)))
         segments = [self._segment(row) for row in rows]
         if len({row.slot for row in rows}) != len(rows):
             raise ValueError("a slot appears twice in one forward_rows call")
         ids = rows[0].input_ids if len(rows) == 1 else torch.cat([row.input_ids for row in rows])
         # [total, hidden], a copy the decoder updates in place
         hidden = torch.index_select(self.embed, 0, ids)
-        logits = self.decoder.forward_segments(hidden, segments)  # [wanted, vocab]
+        layers = self._capture_layers(hidden.shape[0])
+        try:
+            logits = self.decoder.forward_segments(hidden, segments)  # [wanted, vocab]
+        finally:
+            self._stop_capture(layers)
         for segment in segments:
             self._slot_lengths[segment.slot] = segment.start + segment.rows
             self._retained.pop(segment.slot, None)  # written: the last owner's data is gone
-        return _split(logits, [segment.logit_rows for segment in segments]), hidden
+        return _split(logits, [segment.logit_rows for segment in segments]), _widen(hidden, layers)
 
     def _segment(self, row: RowInput) -> Segment:
         start = self.slot_length(row.slot)
@@ -431,9 +441,37 @@ class NativeLlama:
         positions = self._positions(position_ids, batch, k, start)  # [batch, k] or None
         # [batch, k, hidden], a copy the decoder updates in place
         states = torch.index_select(self.embed, 0, input_ids.reshape(-1)).view(batch, k, -1)
-        logits = self.decoder.forward(states, start, positions, attention_mask, logits_from)
+        layers = self._capture_layers(batch * k) if hidden else None
+        try:
+            logits = self.decoder.forward(states, start, positions, attention_mask, logits_from)
+        finally:
+            self._stop_capture(layers)
         self._length = start + k
-        return logits, states if hidden else None
+        if not hidden:
+            return logits, None
+        return logits, _widen(states.view(batch * k, -1), layers).view(batch, k, -1)
+
+    # ---- middle-layer features (SupportsLayerFeatures; num_layers above) -------------
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self._feature_layers
+
+    def set_feature_layers(self, layers: Sequence[int]) -> None:
+        """See :class:`~speculative.models.base.SupportsLayerFeatures`."""
+        self._feature_layers = check_feature_layers(layers, self.config.num_layers)
+
+    def _capture_layers(self, rows: int) -> torch.Tensor | None:
+        """Have the next forward copy the feature layers' states of its ``rows`` rows into
+        a new [layers, rows, hidden] tensor (returned), or None without feature layers."""
+        if not self._feature_layers:
+            return None
+        out = torch.empty(len(self._feature_layers), rows, self.config.hidden_size)
+        self.decoder.copy_layers_into(self._feature_layers, out)
+        return out
+
+    def _stop_capture(self, layers: torch.Tensor | None) -> None:
+        if layers is not None:
+            self.decoder.copy_layers_into((), None)
 
     def input_embedding(self) -> torch.Tensor:
         return self.embed  # [vocab, hidden]
@@ -499,6 +537,15 @@ class NativeLlama:
         if positions.min() < 0 or positions.max() >= self._max_length:
             raise ValueError(f"position_ids must lie in [0, {self._max_length})")
         return positions
+
+
+def _widen(features: torch.Tensor, layers: torch.Tensor | None) -> torch.Tensor:
+    """[rows, H] features and [n, rows, H] layer states -> [rows, H * (1 + n)] (the
+    features alone without layers)."""
+    if layers is None:
+        return features
+    rows = features.shape[0]
+    return torch.cat([features, layers.transpose(0, 1).reshape(rows, -1)], dim=1)
 
 
 def _split(rows: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

@@ -111,6 +111,12 @@ class TorchDecoder(DecoderBase):
         self.rotations = rotations
         # padding rows of the last tile write (never read) slots up to T - 1 past the end
         self._chunks = -(-(rotations.shape[0] + MAX_ROW_TILE - 1) // KEY_CHUNK)
+        # (layers, [len(layers), rows, hidden]): where forwards copy those layers' states
+        self._layer_out: tuple[tuple[int, ...], torch.Tensor] | None = None
+
+    def copy_layers_into(self, layers: Sequence[int], out: torch.Tensor | None) -> None:
+        """See :meth:`DecoderBase.copy_layers_into`."""
+        self._layer_out = None if out is None else (tuple(layers), out)
 
     def cache_shape(self, batch: int) -> tuple[int, ...]:
         """[layers, batch, chunks, kv_heads, KEY_CHUNK, head_dim]: slot s lives in chunk
@@ -157,7 +163,7 @@ class TorchDecoder(DecoderBase):
         first = 0
         for segment in segments:
             rows = slice(first, first + segment.rows)
-            logits.append(self._forward_one(hidden[rows], segment)[segment.logits_from :])
+            logits.append(self._forward_one(hidden[rows], segment, first)[segment.logits_from :])
             first += segment.rows
         return torch.cat(logits) if logits else torch.empty(0, self.vocab_size)
 
@@ -165,6 +171,7 @@ class TorchDecoder(DecoderBase):
         self,
         hidden: torch.Tensor,  # [k, hidden], updated in place into the features
         segment: Segment,
+        row0: int = 0,  # the segment's first row in the call (where its layer states go)
     ) -> torch.Tensor:  # [k, vocab]
         k, start = segment.rows, segment.start
         positions = segment.rope_positions()  # [k]
@@ -175,7 +182,9 @@ class TorchDecoder(DecoderBase):
             tile = _Tile.make(start, first, rows, visible, self.row_tile)
             rotation = self.rotations[positions[tile.tokens]].unsqueeze(1)  # [T, 1, d/2]
             residual = hidden[tile.tokens]  # [T, hidden], a copy: left holding the features
-            logits[first : first + rows] = self._tile(residual, segment.slot, tile, rotation)
+            logits[first : first + rows] = self._tile(
+                residual, segment.slot, tile, rotation, row0 + first
+            )
             hidden[first : first + rows] = residual[:rows]
         return logits
 
@@ -200,10 +209,14 @@ class TorchDecoder(DecoderBase):
         b: int,
         tile: _Tile,
         rotation: torch.Tensor,  # [T, 1, head_dim / 2] complex64
+        row0: int = 0,  # the tile's first row in the call
     ) -> torch.Tensor:  # [rows, vocab]
         """Run one tile of sequence ``b`` through every layer and the output head."""
+        wanted = self._layer_out
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, b, tile, rotation)
+            if wanted is not None and index in wanted[0]:
+                wanted[1][wanted[0].index(index), row0 : row0 + tile.rows] = hidden[: tile.rows]
         eps = self.config.rms_norm_eps
         hidden.copy_(F.rms_norm(hidden, hidden.shape[-1:], self.final_norm, eps))
         return self.lm_head(hidden)[: tile.rows]
