@@ -789,10 +789,8 @@ static void linear(const Linear *L, const float *x, int rows, float *y, int ldy,
 
 /* ---- elementwise ------------------------------------------------------------------ */
 
-/* out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight, rows shared among threads; row r
- * of out starts at out + r * ldo. */
-/* out[r] = rms_norm(x[r]) * weight for rows of n floats, x's rows ldx floats apart and
- * out's ldo apart (rows split over the threads). */
+/* out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight for rows of n floats, rows shared
+ * among threads; row r of x starts at x + r * ldx, of out at out + r * ldo. */
 static void rms_norm_strided(const float *x, int64_t ldx, const float *weight, int rows, int n,
                              float eps, float *out, int ldo) {
 #pragma omp for schedule(static)
