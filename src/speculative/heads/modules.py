@@ -271,9 +271,7 @@ class MedusaHeads(nn.Module):
             nn.init.zeros_(block.bias)
 
     def forward(self, features: torch.Tensor) -> list[torch.Tensor]:
-        """features: [..., H] (or a target's wider features: their first H, the last
-        layer's) -> K predicted features [..., H] (fed to the head rows)."""
-        features = features[..., : self.config.hidden_size]
+        """features: [..., H] -> K predicted features [..., H] (fed to the head rows)."""
         return [features + F.silu(block(features)) for block in self.blocks]
 
 

@@ -55,20 +55,19 @@ def chosen_layers(spec: str, method: str, lm: Any) -> tuple[int, ...]:
     else the comma-separated indices (ValueError when the target lacks them)."""
     if method != "eagle" or spec == "none":
         return ()
-    num_layers = getattr(lm, "num_layers", None)
-    if not isinstance(lm, SupportsLayerFeatures) or num_layers is None:
+    if not isinstance(lm, SupportsLayerFeatures):
         if spec == "auto":
             return ()  # the runtime gives the last layer's feature only
         raise ValueError(f"--feature-layers {spec}: this runtime cannot give middle layers")
     if spec == "auto":
-        return eagle3_layers(num_layers)
+        return eagle3_layers(lm.num_layers)
     try:
         layers = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError:
         raise ValueError(
             f"--feature-layers takes auto, none or indices like 2,15,27, got {spec!r}"
         ) from None
-    return check_feature_layers(layers, num_layers)
+    return check_feature_layers(layers, lm.num_layers)
 
 
 def head_config(
