@@ -58,17 +58,31 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     data = write_corpus(root / "data.jsonl", model)
     out = {"model": model, "data": data}
     # "eagle" fuses the target's layer 0 with its feature (EAGLE-3, the default's "auto" on
-    # two layers); "eagle-last" reads the last layer's feature alone (EAGLE-1/2)
+    # two layers); "eagle-last" reads the last layer's feature alone (EAGLE-1/2); "medusa"
+    # trains on "eagle"'s cached features, as the README's recipe does
     for name, method, layers in (
         ("eagle", "eagle", "auto"), ("eagle-last", "eagle", "none"), ("medusa", "medusa", "auto")
     ):  # fmt: skip
-        options = TrainDraftOptions(
-            out=root / name, method=method, target=str(model), data=[data], steps=60,
-            draft_vocab=16, batch_tokens=1024, lr=3e-3, progress=False, feature_layers=layers,
-        )  # fmt: skip
-        train_draft(options)
-        out[name] = root / name
+        cache = out["eagle"] if method == "medusa" else None
+        out[name] = train_small_head(root / name, method, model, data, layers, cache)
     torch.set_num_threads(threads)
+    return out
+
+
+def train_small_head(
+    out: Path, method: str, model: Path, data: Path, layers: str, cache_of: Path | None = None
+) -> Path:
+    """train_draft on the tiny model (60 steps); with ``cache_of`` it resumes on that
+    head's cached features (a link to its features folder) instead of extracting."""
+    options = TrainDraftOptions(
+        out=out, method=method, target=str(model), data=[data], steps=60, draft_vocab=16,
+        batch_tokens=1024, lr=3e-3, progress=False, feature_layers=layers,
+    )  # fmt: skip
+    if cache_of is not None:
+        out.mkdir(parents=True)
+        (out / "features").symlink_to(cache_of / "features", target_is_directory=True)
+        options.resume = True
+    train_draft(options)
     return out
 
 
@@ -208,6 +222,25 @@ def test_a_fused_head_sets_its_layers_and_refuses_what_cannot_give_them(trained,
     options.resume, options.feature_layers = False, "0,1"
     with pytest.raises(ValueError, match="increasing indices in \\[0, 1\\)"):
         train_draft(options)
+
+
+@pytest.mark.parametrize(("method", "reference"), [("medusa", "medusa"), ("eagle", "eagle-last")])
+def test_a_head_of_no_layers_trains_the_same_on_a_fused_cache(trained, tmp_path, method, reference):
+    """A head that reads the last layer's feature alone (Medusa; EAGLE with
+    --feature-layers none) resumes on a cache that also holds middle layers ("eagle"'s,
+    where "medusa" trained) and learns exactly what it learns on a cache of the feature
+    alone ("eagle-last"'s): the same weights, bit for bit."""
+    cache = trained["eagle"] if method == "eagle" else trained["eagle-last"]
+    wide = json.loads((trained["eagle"] / "features" / "meta.json").read_text())
+    assert wide["feature_layers"] == [0]
+    layers = "none" if method == "eagle" else "auto"
+    head = train_small_head(tmp_path / "head", method, trained["model"], trained["data"],
+                            layers, cache)  # fmt: skip
+    target = target_on("native-torch", trained["model"])
+    got = load_head(head, target.lm).module.state_dict()
+    want = load_head(trained[reference], target.lm).module.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[key], want[key]) for key in want)
 
 
 def test_a_session_computes_features_only_when_asked(trained):

@@ -124,7 +124,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="reuse OUT's cached features and continue from its checkpoint",
+        help="reuse OUT's cached features and continue from its checkpoint (a Medusa "
+        "head, or --feature-layers none, can reuse an EAGLE head's cache of any layers)",
     )
     add_json_flag(parser)
     parser.set_defaults(run=run)

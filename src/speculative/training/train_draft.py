@@ -130,13 +130,15 @@ def prepare_features(
     options: TrainDraftOptions, target: Any, layers: tuple[int, ...] = ()
 ) -> dict[str, Any]:
     """Extract (or, on --resume, reuse) the feature chunks and the draft vocabulary; with
-    ``layers`` the chunks hold those layers' states after each feature."""
+    ``layers`` the chunks hold those layers' states after each feature. A head that reads
+    no layers (Medusa, ``--feature-layers none``) resumes on any cache: the first H columns
+    are the last layer's feature; one that reads layers needs a cache of the same ones."""
     folder = options.out / "features"
     meta_path = folder / "meta.json"
     if options.resume and meta_path.is_file():
         meta = json.loads(meta_path.read_text())
         cached = tuple(meta.get("feature_layers", ()))
-        if cached != layers:
+        if cached != layers and layers:  # a head of no layers reads any cache's first H
             raise ValueError(
                 f"{folder} holds features of layers {list(cached) or 'none'}, not "
                 f"{list(layers) or 'none'}: resume with --feature-layers "

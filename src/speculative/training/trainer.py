@@ -127,7 +127,7 @@ def predictions(
         outputs = module.unrolled(embeds, batch.features[:, :rows], steps)
         return [(out, s + 1) for s, out in enumerate(outputs)]
     assert isinstance(module, MedusaHeads)
-    outputs = module(batch.features)
+    outputs = module(batch.features[..., : module.config.hidden_size])  # the last layer's
     return [(out, k + 1) for k, out in enumerate(outputs[:steps])]
 
 
