@@ -584,11 +584,20 @@ static inline __attribute__((always_inline)) __m512i vnni_dot16(const __m512i u[
     return dot;
 }
 
+/* Two adjacent panels stream side by side, so the bytes PREFETCH_BYTES past one panel's
+ * block belong to the other panel, in flight already, or to the next pair at another
+ * group. The lines to ask for are the same blocks of a later pair: `lead` bytes on, whole
+ * pairs (two panels of panel_bytes), at least PREFETCH_BYTES. */
+static inline size_t pair_lead(size_t panel_bytes) {
+    const size_t pair = 2 * panel_bytes;
+    return pair * ((PREFETCH_BYTES + pair - 1) / pair);
+}
+
 static inline __attribute__((always_inline)) void prefetch_two(const void *a, const void *b,
-                                                               int bytes) {
+                                                               int bytes, size_t lead) {
     for (int i = 0; i < bytes; i += 64) {
-        _mm_prefetch((const char *)a + PREFETCH_BYTES + i, _MM_HINT_T1);
-        _mm_prefetch((const char *)b + PREFETCH_BYTES + i, _MM_HINT_T1);
+        _mm_prefetch((const char *)a + lead + i, _MM_HINT_T1);
+        _mm_prefetch((const char *)b + lead + i, _MM_HINT_T1);
     }
 }
 
@@ -597,11 +606,12 @@ static inline __attribute__((always_inline)) void prefetch_two(const void *a, co
 static inline void q4_panel16(const uint8_t *blocks, const uint8_t *blocks2, int groups, int in,
                               const QuantRows *qx, int r0, int rows, float *acc) {
     const __m512i low = _mm512_set1_epi8(0x0F);
+    const size_t lead = pair_lead((size_t)(blocks2 - blocks));
     for (int r = 0; r < rows; r++) _mm512_store_ps(acc + r * 16, _mm512_setzero_ps());
     for (int g = 0; g < groups; g++) {
         const uint8_t *block = blocks + (size_t)g * Q4_BLOCK_BYTES;
         const uint8_t *block2 = blocks2 + (size_t)g * Q4_BLOCK_BYTES;
-        prefetch_two(block, block2, Q4_BLOCK_BYTES);
+        prefetch_two(block, block2, Q4_BLOCK_BYTES, lead);
         __m512i u[8];
         for (int c = 0; c < 4; c++) {
             const __m512i bytes = two_panels(block + 32 * c, block2 + 32 * c);
@@ -723,11 +733,12 @@ static inline void q8d_panel8(const int8_t *blocks, int groups, int in, const Qu
 static inline void q8d_panel16(const int8_t *blocks, const int8_t *blocks2, int groups, int in,
                                const QuantRows *qx, int r0, int rows, float *acc) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const size_t lead = pair_lead((size_t)(blocks2 - blocks));
     for (int r = 0; r < rows; r++) _mm512_store_ps(acc + r * 16, _mm512_setzero_ps());
     for (int g = 0; g < groups; g++) {
         const int8_t *block = blocks + (size_t)g * Q8D_BLOCK_BYTES;
         const int8_t *block2 = blocks2 + (size_t)g * Q8D_BLOCK_BYTES;
-        prefetch_two(block, block2, Q8D_BLOCK_BYTES);
+        prefetch_two(block, block2, Q8D_BLOCK_BYTES, lead);
         __m512i u[8];
         for (int j = 0; j < 8; j++) u[j] = _mm512_xor_si512(two_panels(block + 32 * j, block2 + 32 * j), flip);
         for (int r = 0; r < rows; r++) {
