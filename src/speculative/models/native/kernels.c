@@ -731,7 +731,10 @@ static inline void q8d_panel8(const int8_t *blocks, int groups, int in, const Qu
  * sum(w x) + 128 sum(x), drops 128 * sum(x) (QuantRows.sum, exact): the same integer as
  * q8d_panel8's, so the same bits, without a sign step per row. */
 #ifndef Q8D_PANEL16_ROWS
-#define Q8D_PANEL16_ROWS 8  /* measured (Zen 4): below it q8d_panel8 is as fast or faster */
+/* Measured on Zen 4 (family 25 model 17): with the pair-ahead prefetch (prefetch_two) the
+ * head over 3-7 rows takes 0.55-0.75x the time of q8d_panel8's (which had been as fast
+ * below 8 rows while the prefetch asked for the other panel's lines), over 2 rows 1.1x. */
+#define Q8D_PANEL16_ROWS 3
 #endif
 static inline void q8d_panel16(const int8_t *blocks, const int8_t *blocks2, int groups, int in,
                                const QuantRows *qx, int r0, int rows, float *acc) {
