@@ -590,7 +590,7 @@ static inline __attribute__((always_inline)) __m512i vnni_dot16(const __m512i u[
 /* Two adjacent panels stream side by side, so the bytes PREFETCH_BYTES past one panel's
  * block belong to the other panel, in flight already, or to the next pair at another
  * group. The lines to ask for are the same blocks of a later pair: `lead` bytes on, whole
- * pairs (two panels of panel_bytes), at least PREFETCH_BYTES. */
+ * pairs (two panels of panel_bytes each), at least PREFETCH_BYTES. */
 static inline size_t pair_lead(size_t panel_bytes) {
     const size_t pair = 2 * panel_bytes;
     return pair * ((PREFETCH_BYTES + pair - 1) / pair);
@@ -606,10 +606,11 @@ static inline __attribute__((always_inline)) void prefetch_two(const void *a, co
 
 /* q4_panel8 for two adjacent panels at once (16 outputs, one zmm lane each): the same
  * per-lane operations, so the same bits. */
-static inline void q4_panel16(const uint8_t *blocks, const uint8_t *blocks2, int groups, int in,
+static inline void q4_panel16(const uint8_t *blocks, size_t panel_bytes, int groups, int in,
                               const QuantRows *qx, int r0, int rows, float *acc) {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const size_t lead = pair_lead((size_t)(blocks2 - blocks));
+    const uint8_t *blocks2 = blocks + panel_bytes;  /* the next panel's */
+    const size_t lead = pair_lead(panel_bytes);
     for (int r = 0; r < rows; r++) _mm512_store_ps(acc + r * 16, _mm512_setzero_ps());
     for (int g = 0; g < groups; g++) {
         const uint8_t *block = blocks + (size_t)g * Q4_BLOCK_BYTES;
@@ -668,7 +669,7 @@ static void linear_q4(const Linear *L, const float *x, int rows, float *y, int l
             int done = 1;
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
             if (cn >= Q4_PANEL16_ROWS && p + 1 < p1) {
-                q4_panel16(blocks, blocks + panel_bytes, groups, in, qx, c0, cn, acc);
+                q4_panel16(blocks, panel_bytes, groups, in, qx, c0, cn, acc);
                 done = 2;
             } else
 #endif
@@ -732,14 +733,16 @@ static inline void q8d_panel8(const int8_t *blocks, int groups, int in, const Qu
  * q8d_panel8's, so the same bits, without a sign step per row. */
 #ifndef Q8D_PANEL16_ROWS
 /* Measured on Zen 4 (family 25 model 17): with the pair-ahead prefetch (prefetch_two) the
- * head over 3-7 rows takes 0.55-0.75x the time of q8d_panel8's (which had been as fast
- * below 8 rows while the prefetch asked for the other panel's lines), over 2 rows 1.1x. */
+ * head over 3-7 rows takes 0.56-0.96x the time of q8d_panel8's (which had been as fast
+ * below 8 rows while the prefetch asked for the other panel's lines), over 2 rows
+ * 1.08-1.13x. */
 #define Q8D_PANEL16_ROWS 3
 #endif
-static inline void q8d_panel16(const int8_t *blocks, const int8_t *blocks2, int groups, int in,
+static inline void q8d_panel16(const int8_t *blocks, size_t panel_bytes, int groups, int in,
                                const QuantRows *qx, int r0, int rows, float *acc) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const size_t lead = pair_lead((size_t)(blocks2 - blocks));
+    const int8_t *blocks2 = blocks + panel_bytes;  /* the next panel's */
+    const size_t lead = pair_lead(panel_bytes);
     for (int r = 0; r < rows; r++) _mm512_store_ps(acc + r * 16, _mm512_setzero_ps());
     for (int g = 0; g < groups; g++) {
         const int8_t *block = blocks + (size_t)g * Q8D_BLOCK_BYTES;
@@ -774,7 +777,7 @@ static void linear_q8d(const Linear *L, const float *x, int rows, float *y, int 
             int done = 1, width = 8;  /* panels done; floats per row of acc */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
             if (cn >= Q8D_PANEL16_ROWS && p + 1 < p1) {
-                q8d_panel16(blocks, blocks + panel_bytes, groups, in, qx, c0, cn, acc);
+                q8d_panel16(blocks, panel_bytes, groups, in, qx, c0, cn, acc);
                 done = 2, width = 16;
             } else
 #endif
