@@ -7,11 +7,13 @@ import random
 import pytest
 import torch
 
+from speculative.drafters.auto import longest_match
 from speculative.drafters.ngram import (
     ContextIndex,
     Match,
     PromptLookupDrafter,
     best_match,
+    continuation,
     find_continuation,
     match_situation,
 )
@@ -99,8 +101,34 @@ def test_find_continuation_prefers_the_longest_most_recent_match():
     context = [4, 5, 6, 1, 0, 6, 2, 4, 5, 6]
     assert find_continuation(context, 2, max_ngram=3, min_ngram=1) == [1, 0]
     assert find_continuation([1, 2, 3], 4, max_ngram=3, min_ngram=1) == []  # no match
-    assert find_continuation([5, 5, 5], 4, max_ngram=1, min_ngram=1) == [5]  # overlap ends
+    # the copy overlaps what it drafts: a run goes on past the context's end
+    assert find_continuation([5, 5, 5], 4, max_ngram=1, min_ngram=1) == [5, 5, 5, 5]
     assert find_continuation([1, 2, 9, 1, 2], 2, max_ngram=2, min_ngram=2) == [9, 1]
+
+
+def test_continuation_overlaps_the_copy_it_writes():
+    assert continuation([1, 2, 3, 4], 1, 3) == [2, 3, 4]  # inside the context
+    assert continuation([1, 2, 3, 4], 2, 5) == [3, 4, 3, 4, 3]  # past it: repeats [3, 4]
+    assert continuation([1, 2], 2, 3) == [] and continuation([1, 2], 0, 0) == []
+
+
+@pytest.mark.parametrize("drafter_kind", ["ngram", "auto"])
+def test_lookup_drafts_a_whole_loop_whatever_its_period(drafter_kind: str):
+    # a context that repeats a loop of `period` tokens: the longest match ends `period`
+    # tokens back, and the draft must be the loop's next `gamma` tokens, not `period`
+    rng = random.Random(0)
+    for period in (1, 2, 3, 5):
+        loop = [rng.randrange(100, 200) for _ in range(period)]
+        prefix = [rng.randrange(0, 100) for _ in range(7)]
+        context = prefix + loop * (12 // period + 2) + loop[:1]
+        truth = [loop[(len(context) - len(prefix) + i) % period] for i in range(8)]
+        if drafter_kind == "ngram":
+            drafter = PromptLookupDrafter()
+            draft = drafter.propose(context, 8, SamplingParams(0.0), torch.Generator())
+            assert draft.tokens == truth
+        else:
+            situation, follow = longest_match(ContextIndex(), context, 8)
+            assert follow == truth and situation == 8  # the whole earlier loop matched
 
 
 @pytest.mark.parametrize("seed", range(5))

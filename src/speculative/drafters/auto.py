@@ -8,13 +8,12 @@ drafting time per token. It also keeps the measured time of a verification of k 
 for each k it has seen (the target's pass and the rest of the round: what a round of
 k − 1 drafts costs beyond drafting). A round of g drafts is expected to emit
 (1 − α^(g+1)) / (1 − α) tokens in g·d + V(g + 1) seconds; a plain step emits one token in
-V(1). Each option takes the g (up to the round's γ, and for n-grams up to the tokens that
-followed the match) with the most tokens per second; the best of the options and the
-plain step wins. So a draft runs only where it pays on this machine: where verifying more
-tokens costs more (int4 on AVX2: T(5)/T(1) ≈ 1.3–1.7) a weak guess drafts fewer tokens or
-none. V(k) is kept as a scale that every round updates times a shape per k
-(:class:`VerifyTimes`). The head drafts one token at least every EXPLORE rounds so that its
-estimate stays current.
+V(1). Each option takes the g (up to the round's γ) with the most tokens per second; the
+best of the options and the plain step wins. So a draft runs only where it pays on this
+machine: where verifying more tokens costs more (int4 on AVX2: T(5)/T(1) ≈ 1.3–1.7) a
+weak guess drafts fewer tokens or none. V(k) is kept as a scale that every round updates
+times a shape per k (:class:`VerifyTimes`). The head drafts one token at least every
+EXPLORE rounds so that its estimate stays current.
 """
 
 from __future__ import annotations
@@ -36,7 +35,12 @@ from speculative.drafters.base import (
     RowAsk,
     SupportsPriming,
 )
-from speculative.drafters.ngram import SITUATION_CLASSES, ContextIndex, match_situation
+from speculative.drafters.ngram import (
+    SITUATION_CLASSES,
+    ContextIndex,
+    continuation,
+    match_situation,
+)
 from speculative.models.session import FeatureSource, RowSession
 from speculative.sampling import SamplingParams
 from speculative.theory import decayed_average, expected_tokens
@@ -142,13 +146,13 @@ def best_length(estimate: Estimate, cap: int, verify: VerifyTimes) -> Choice:
 
 
 def longest_match(index: ContextIndex, context: Sequence[int], gamma: int) -> tuple[int, list[int]]:
-    """(the match's length class, up to ``gamma`` tokens that followed it) for the
+    """(the match's length class, the ``gamma`` tokens of its continuation) for the
     longest earlier match of the context's end within WINDOW tokens (class 0 and no
     tokens: none), found with ``index`` (kept for the sequence across rounds)."""
     match = index.best_match(context, MAX_NGRAM, 1, WINDOW)
     if match is None or gamma < 1:
         return 0, []
-    return match_situation(match), index.tokens[match.end : match.end + gamma]
+    return match_situation(match), continuation(index.tokens, match.end, gamma)
 
 
 @dataclass
