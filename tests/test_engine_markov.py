@@ -187,3 +187,23 @@ def test_engine_bad_input():
         engine.generate([], SamplingParams(), StopCriteria(max_new_tokens=3), torch.Generator())
     with pytest.raises(ValueError, match="max_new_tokens"):
         StopCriteria(max_new_tokens=0)
+
+
+def test_ngram_drafts_a_whole_short_loop_every_round():
+    # a target that repeats 0 1 2: the context's end matches 3 tokens back, and every round
+    # still drafts γ = 6 tokens (the copy runs on past the context's end), all of them kept
+    loop = np.zeros((5, 5))
+    for state in range(5):
+        loop[state, (state + 1) % 3] = 1.0
+    engine = SpeculativeEngine(MarkovLM(loop), PromptLookupDrafter(), 6)
+    result = engine.generate(
+        [0, 1, 2, 0],
+        SamplingParams(temperature=0.0),
+        StopCriteria(max_new_tokens=35),
+        torch.Generator().manual_seed(0),
+    )
+    assert result.token_ids == [(1 + i) % 3 for i in range(35)]
+    assert result.stats.accepted_tokens == result.stats.drafted_tokens
+    # 7 tokens a round (6 drafts and the bonus); drafts that stopped at the context's end
+    # (3 a round) took 9
+    assert result.stats.target_calls == 5
