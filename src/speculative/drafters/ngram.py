@@ -38,8 +38,10 @@ def continuation(context: Sequence[int], end: int, count: int) -> list[int]:
     ``context`` or ``count`` < 1."""
     if not 0 <= end < len(context) or count < 1:
         return []
-    period = [int(t) for t in context[end:]]
-    return (period * (count // len(period) + 1))[:count]
+    copied = [int(t) for t in context[end : end + count]]  # all of the tail when short
+    if len(copied) == count:
+        return copied
+    return (copied * (count // len(copied) + 1))[:count]
 
 
 def find_continuation(
