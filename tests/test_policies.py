@@ -361,3 +361,71 @@ def test_position_counts_merge_as_if_recorded_together() -> None:
     assert together.accepted == expected_accepted
     pairs = zip(expected_accepted, expected_reached, strict=True)
     assert together.rates() == [a / r if r else 0.0 for a, r in pairs]
+
+
+# the curve one calibration measured on Zen 4 (not monotone), and the rounds then timed:
+# plain rounds 3.95 ms, rounds of 3 tokens (γ = 2) 4.84 ms, sampling and commit included
+NOISY_CURVE = {1: 1.0, 2: 1.024, 3: 1.002, 4: 1.103, 5: 1.089, 6: 1.311, 7: 1.393}
+
+
+def test_adaptive_gamma_prices_a_noisy_curve_non_decreasing():
+    policy = AdaptiveGamma(c=0.001, verify_cost=NOISY_CURVE, max_gamma=6)
+    shapes = policy.verify_shapes(7)
+    assert shapes == pytest.approx([1.0, 1.024, 1.024, 1.103, 1.103, 1.311, 1.393])
+    assert policy.round_cost(2) == pytest.approx(0.002 + 1.024)
+
+
+def _weak_policy() -> AdaptiveGamma:
+    """A policy that has seen γ = 2 rounds keep one draft in twenty (α estimated 0.15)."""
+    policy = AdaptiveGamma(c=0.001, verify_cost=NOISY_CURVE, max_gamma=6)
+    for i in range(60):
+        policy.update(2, 1 if i % 10 == 0 else 0)
+    return policy
+
+
+def test_adaptive_gamma_prices_rounds_from_their_timings():
+    """Priced from the curve alone, a weak draft looks nearly free and the policy drafts;
+    once plain rounds and 3-token rounds are timed (1.23x), it drafts nothing but its
+    probes, and a length it has not timed is priced from the nearest timed one."""
+    blind, timed = _weak_policy(), _weak_policy()
+    for _ in range(3):
+        timed.observe_round(1, 3.95e-3)
+        timed.observe_round(3, 4.84e-3)
+    shapes = timed.verify_shapes(5)
+    assert shapes[2] == pytest.approx(4.84 / 3.95)
+    assert shapes[1] == pytest.approx(4.84 / 3.95)  # k = 2 scaled from k = 3, not below it
+    assert shapes[3] == pytest.approx(4.84 / 3.95 * 1.103 / 1.024)
+    assert [timed.next_gamma() for _ in range(7)] == [0] * 7  # the 8th would probe
+    # negative control: the same acceptance priced from the curve alone drafts every round
+    assert all(blind.next_gamma() > 0 for _ in range(7))
+    # two timed rounds are not enough to override the curve (min_rounds 3)
+    early = _weak_policy()
+    for _ in range(2):
+        early.observe_round(1, 3.95e-3)
+        early.observe_round(3, 4.84e-3)
+    assert early.verify_shapes(3) == blind.verify_shapes(3)
+
+
+def test_the_engine_times_every_round_for_the_policy():
+    """Each round, plain ones included, reaches observe_round with its γ + 1 tokens and a
+    positive time; greedy output stays plain decoding's."""
+    from speculative.engine import SpeculativeEngine, StopCriteria
+    from speculative.models import MarkovLM, seed_matrices
+
+    class Recording(AdaptiveGamma):
+        def observe_round(self, tokens, seconds):
+            timed.append((tokens, seconds))
+            super().observe_round(tokens, seconds)
+
+    timed: list = []
+    target = MarkovLM(seed_matrices()[0])
+    policy = Recording(c=0.01, verify_cost={k: 1.0 for k in range(1, 14)})
+    prompt, stop = [0, 3, 0, 3, 0, 3, 1, 2, 0, 3, 0], StopCriteria(max_new_tokens=40)
+    params = SamplingParams(0.0)
+    spec = SpeculativeEngine(target, PromptLookupDrafter(), policy).generate(
+        prompt, params, stop, torch.Generator()
+    )
+    plain = SpeculativeEngine(target, None).generate(prompt, params, stop, torch.Generator())
+    assert spec.token_ids == plain.token_ids
+    assert [t for t, _ in timed] == [g + 1 for g in spec.stats.gammas]
+    assert all(s > 0 for _, s in timed) and 0 in spec.stats.gammas

@@ -47,6 +47,7 @@ from speculative.engine.gamma import (
     LOAD_AWARE_MAX_GAMMA,
     FixedGamma,
     GammaPolicy,
+    LearnsRoundCosts,
     LoadAwareGamma,
     PositionCounts,
     RowLoad,
@@ -234,6 +235,7 @@ class BatchRow:
     situated: SupportsDraftSituation | None = None
     situates_policy: bool = False
     learns_costs: SupportsCostFeedback | None = None  # the γ policy, where it learns timings
+    learns_rounds: LearnsRoundCosts | None = None  # ... and what a round of k tokens costs
     chooses_length: bool = False  # the drafter picks its own length (ChoosesDraftLength)
     draft_cost: float = 0.0  # c until measured: the request's, else streamed_draft_cost
 
@@ -379,6 +381,7 @@ class BatchEngine:
             situated=situated if request.tree is None else None,
             situates_policy=situated is not None and provides(policy, SupportsSituations),
             learns_costs=policy if provides(policy, SupportsCostFeedback) else None,
+            learns_rounds=policy if provides(policy, LearnsRoundCosts) else None,
             chooses_length=chooses_length,
             draft_cost=(
                 streamed_draft_cost(drafter, self._target_bytes)
@@ -420,7 +423,9 @@ class BatchEngine:
         rounds = {}
         for p, logits in zip(planned, outputs[len(chunks) :], strict=True):
             _feed_back_costs(p, seconds)
+            started = time.perf_counter()
             rounds[p.row.row_id] = self._commit(p, p.row.session.receive(logits))
+            _feed_back_round(p, seconds + time.perf_counter() - started)
         return rounds
 
     def run(self, requests: Iterable[BatchRequest]) -> list[GenerationResult]:
@@ -782,6 +787,14 @@ def _feed_back_costs(planned: _Planned, pass_seconds: float) -> None:
     policy, drafted = planned.row.learns_costs, planned.proposal.drafted
     if drafted and planned.proposal.tree is None and policy is not None:
         policy.observe_costs(drafted, planned.propose_seconds, pass_seconds)
+
+
+def _feed_back_round(planned: _Planned, seconds: float) -> None:
+    """Tell a γ policy that prices rounds from their timings what this one cost: the
+    pass and the row's verification and commit, plain rounds included."""
+    policy = planned.row.learns_rounds
+    if policy is not None and planned.proposal.tree is None:
+        policy.observe_round(planned.proposal.drafted + 1, seconds)
 
 
 def _default_pool(target: CausalLM, max_batch: int) -> RowPool:

@@ -37,6 +37,14 @@ class SupportsCostFeedback(Protocol):
 
 
 @runtime_checkable
+class LearnsRoundCosts(Protocol):
+    """A policy that learns what a round verifying k tokens really costs: the engine
+    reports every round's pass and verification (plain rounds as k = 1)."""
+
+    def observe_round(self, tokens: int, seconds: float) -> None: ...
+
+
+@runtime_checkable
 class SupportsSituations(Protocol):
     """A policy that learns acceptance per round situation (what a drafter that
     :class:`~speculative.drafters.base.SupportsDraftSituation` says of the coming round):
@@ -138,6 +146,12 @@ class AdaptiveGamma:
     n-gram match's length), the counts are also kept per situation, each situation's
     positions smoothed towards the pooled estimate of all rounds, and γ is chosen from the
     current situation's: long after long matches, short or none after short ones.
+
+    Round costs (:class:`LearnsRoundCosts`): T(k)/T(1) is the measured curve only until
+    rounds of k tokens and plain rounds have been timed ``min_rounds`` times each; then it
+    is their ratio (:meth:`verify_shapes`). One calibration can be off by tens of percent
+    on a shared machine (T(3)/T(1) 1.00 where rounds of 3 tokens took 1.23× a plain one,
+    their sampling and commit included), and a γ priced from it loses to plain decoding.
     """
 
     c: float
@@ -154,6 +168,10 @@ class AdaptiveGamma:
     idle_rounds: int = 0
     overhead: float = 0.0  # measured drafting per round beyond γ·c, in target steps
     step_seconds: float | None = None  # measured T(1), from the verification passes
+    min_rounds: int = 3  # timed rounds of a length (and plain ones) before they price it
+    round_decay: float = 0.8  # running means of the timed rounds
+    round_seconds: dict[int, float] = field(default_factory=dict)  # k -> mean seconds
+    round_counts: dict[int, int] = field(default_factory=dict)  # k -> rounds timed
 
     def __post_init__(self) -> None:
         self.pooled = PositionCounts.empty(self.max_gamma)
@@ -170,18 +188,54 @@ class AdaptiveGamma:
             return pooled
         return self.by_situation[self.situation].rates(pooled, self.prior_weight)
 
+    def observe_round(self, tokens: int, seconds: float) -> None:
+        """One round's measured pass and verification, over ``tokens`` = γ + 1 tokens."""
+        if tokens < 1 or seconds <= 0:
+            return
+        before = self.round_seconds.get(tokens)
+        self.round_seconds[tokens] = decayed_average(before, seconds, self.round_decay)
+        self.round_counts[tokens] = self.round_counts.get(tokens, 0) + 1
+
+    def _timed(self, k: int) -> bool:
+        return self.round_counts.get(k, 0) >= self.min_rounds
+
+    def verify_shapes(self, largest: int) -> list[float]:
+        """T(k)/T(1) as priced for k = 1..``largest`` (index k − 1): non-decreasing in k
+        (a pass over more tokens never costs less; a lower reading is noise), each point
+        the timed rounds' ratio where both lengths are timed, else the curve scaled by
+        the nearest timed length's ratio."""
+        known = None if callable(self.verify_cost) else sorted(int(k) for k in self.verify_cost)
+        curve, top = [], 0.0  # the measured curve, non-decreasing
+        for k in range(1, largest + 1):
+            top = max(top, verify_cost_at(self.verify_cost, k, known))
+            curve.append(top)
+        plain = self.round_seconds.get(1) if self._timed(1) else None
+        timed = [k for k in range(2, largest + 1) if plain and self._timed(k)]
+        shapes, shape = [], 1.0
+        for k in range(1, largest + 1):
+            point = curve[k - 1] / curve[0]
+            if k > 1 and plain and timed:
+                near = min(timed, key=lambda t: (abs(t - k), t))
+                ratio = self.round_seconds[near] / plain
+                point = ratio * curve[k - 1] / curve[near - 1]  # the ratio itself at k = near
+            shape = max(shape, point)
+            shapes.append(shape)
+        return shapes
+
     def round_cost(self, gamma: int) -> float:
         """Cost of a round drafting γ tokens, in target decode steps."""
-        return gamma * self.c + self.overhead + verify_cost_at(self.verify_cost, gamma + 1)
+        return gamma * self.c + self.overhead + self.verify_shapes(gamma + 1)[gamma]
 
     def next_gamma(self) -> int:
         rates = self.position_acceptance()
+        shapes = self.verify_shapes(self.max_gamma + 1)
         best_gamma, best_value = 1, 0.0
         for gamma in range(1, self.max_gamma + 1):
-            value = expected_tokens_positional(rates, gamma) / self.round_cost(gamma)
+            cost = gamma * self.c + self.overhead + shapes[gamma]
+            value = expected_tokens_positional(rates, gamma) / cost
             if value > best_value:
                 best_gamma, best_value = gamma, value
-        plain = 1.0 / verify_cost_at(self.verify_cost, 1)
+        plain = 1.0  # a plain round: T(1)/T(1)
         if best_value > plain:
             return best_gamma
         # Speculation does not pay now; still probe now and then so estimates can recover.
