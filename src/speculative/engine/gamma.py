@@ -222,17 +222,18 @@ class AdaptiveGamma:
             shapes.append(shape)
         return shapes
 
-    def round_cost(self, gamma: int) -> float:
-        """Cost of a round drafting γ tokens, in target decode steps."""
-        return gamma * self.c + self.overhead + self.verify_shapes(gamma + 1)[gamma]
+    def round_cost(self, gamma: int, shapes: Sequence[float] | None = None) -> float:
+        """Cost of a round drafting γ tokens, in target decode steps (``shapes``: the
+        :meth:`verify_shapes` to price it with, when already at hand)."""
+        shapes = self.verify_shapes(gamma + 1) if shapes is None else shapes
+        return gamma * self.c + self.overhead + shapes[gamma]
 
     def next_gamma(self) -> int:
         rates = self.position_acceptance()
         shapes = self.verify_shapes(self.max_gamma + 1)
         best_gamma, best_value = 1, 0.0
         for gamma in range(1, self.max_gamma + 1):
-            cost = gamma * self.c + self.overhead + shapes[gamma]
-            value = expected_tokens_positional(rates, gamma) / cost
+            value = expected_tokens_positional(rates, gamma) / self.round_cost(gamma, shapes)
             if value > best_value:
                 best_gamma, best_value = gamma, value
         plain = 1.0  # a plain round: T(1)/T(1)
