@@ -17,7 +17,13 @@ from speculative.drafters.ngram import (
     find_continuation,
     match_situation,
 )
-from speculative.engine.gamma import AdaptiveGamma, FixedGamma, HeuristicGamma
+from speculative.engine.gamma import (
+    AdaptiveGamma,
+    FixedGamma,
+    HeuristicGamma,
+    RoundTimes,
+    make_gamma_policy,
+)
 from speculative.engine.stats import PositionAcceptance
 from speculative.models.session import common_prefix_length
 from speculative.sampling import SamplingParams
@@ -404,6 +410,45 @@ def test_adaptive_gamma_prices_rounds_from_their_timings():
         early.observe_round(1, 3.95e-3)
         early.observe_round(3, 4.84e-3)
     assert early.verify_shapes(3) == blind.verify_shapes(3)
+
+
+def test_a_new_generation_prices_rounds_from_the_ones_before():
+    """γ = auto is rebuilt for every generation; given the timings the last one kept, the
+    next prices its first round from them, not from the curve (a fresh policy does)."""
+    rounds = RoundTimes()
+    first = make_gamma_policy("auto", 0.001, NOISY_CURVE, rounds=rounds)
+    assert isinstance(first, AdaptiveGamma)
+    for _ in range(3):
+        first.observe_round(1, 3.95e-3)
+        first.observe_round(3, 4.84e-3)
+    second = make_gamma_policy("auto", 0.001, NOISY_CURVE, rounds=rounds)
+    fresh = make_gamma_policy("auto", 0.001, NOISY_CURVE)
+    assert isinstance(second, AdaptiveGamma) and isinstance(fresh, AdaptiveGamma)
+    assert second.verify_shapes(3)[2] == pytest.approx(4.84 / 3.95)
+    assert fresh.verify_shapes(3) == pytest.approx([1.0, 1.024, 1.024])  # the control
+    # drafting is priced in plain rounds once they are timed: 2 ms of drafting at γ = 2
+    second.observe_costs(2, 2e-3, 4.84e-3)
+    fresh.observe_costs(2, 2e-3, 4.84e-3)
+    share = 1 - second.cost_decay  # of the first measurement in the running mean
+    assert second.overhead == pytest.approx(share * (2 / 3.95 - 2 * 0.001))
+    assert fresh.overhead == pytest.approx(share * (2 / (4.84 / 1.002) - 2 * 0.001))
+
+
+def test_a_speculator_keeps_its_round_timings_across_generations():
+    """Every round of every generation of one Speculator reaches the same timings."""
+    from speculative.pipeline import Speculator
+    from tiny import tiny_loaded
+
+    target = tiny_loaded(layers=2)
+    flat = {k: 1.0 for k in range(1, 14)}
+    auto = Speculator(target, PromptLookupDrafter(), "auto", draft_cost=0.01, verify_cost=flat)
+    rounds = []
+    for prompt in ("the cat sat on the mat and the cat", "a b a b a b a"):
+        out = auto.generate(prompt, max_new_tokens=16, chat=False)
+        rounds += [g + 1 for g in out.stats.gammas]
+    timed = auto.round_times.counts
+    assert timed == {k: rounds.count(k) for k in set(rounds)}
+    assert all(auto.round_times.seconds[k] > 0 for k in timed)
 
 
 def test_the_engine_times_every_round_for_the_policy():

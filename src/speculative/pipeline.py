@@ -42,7 +42,7 @@ from speculative.engine import (
     StopCriteria,
     budget_from_verify_cost,
 )
-from speculative.engine.gamma import make_gamma_policy, parse_gamma
+from speculative.engine.gamma import RoundTimes, make_gamma_policy, parse_gamma
 from speculative.engine.tree import make_tree_round
 from speculative.sampling import SamplingParams
 from speculative.targets import LoadedModel, encode_prompt, load_target
@@ -78,7 +78,9 @@ class Speculator:
     gamma: drafted tokens per round, "auto" (:class:`AdaptiveGamma`) or "heuristic"
     (:class:`HeuristicGamma`). With "auto" and no
     ``draft_cost`` / ``verify_cost`` given, both are measured on first use (a few seconds):
-    the draft cost c and the target's verify-cost curve T(k)/T(1).
+    the draft cost c and the target's verify-cost curve T(k)/T(1); the rounds every
+    generation runs are timed, and each generation's "auto" starts from the timings of the
+    ones before (:class:`~speculative.engine.gamma.RoundTimes`).
     tree: "off" (chains), "static" or "dynamic" token trees of at most ``tree_budget`` nodes
     ("auto": sized from the verify-cost curve, measured on first use like γ "auto").
     """
@@ -103,6 +105,8 @@ class Speculator:
         self.tree = tree
         self.tree_budget = tree_budget
         make_tree_round(tree, drafter)  # validate now
+        # γ "auto": every generation's rounds, timed; each new policy starts from them
+        self.round_times = RoundTimes()
 
     @classmethod
     def load(
@@ -145,7 +149,7 @@ class Speculator:
         if self.gamma == "auto" and (self.draft_cost is None or self.verify_cost is None):
             self.calibrate()
         policy = make_gamma_policy(
-            self.gamma, self.draft_cost or 0.0, self.verify_cost, self.drafter
+            self.gamma, self.draft_cost or 0.0, self.verify_cost, self.drafter, self.round_times
         )
         tree = make_tree_round(self.tree, self.drafter, self.resolved_tree_budget())
         return SpeculativeEngine(self.target.lm, self.drafter, policy, tree)

@@ -24,7 +24,7 @@ from speculative.engine import (
     SpeculativeEngine,
     StopCriteria,
 )
-from speculative.engine.gamma import make_gamma_policy, parse_gamma
+from speculative.engine.gamma import RoundTimes, make_gamma_policy, parse_gamma
 from speculative.engine.tree import TreeRound
 from speculative.models.base import CausalLM
 from speculative.sampling import SamplingParams
@@ -59,11 +59,11 @@ class Method(Protocol):
 
 # --------------------------------------------------------------------------- γ schedules
 
-PolicyFactory = Callable[[float, dict[int, float], object], GammaPolicy | int]
+PolicyFactory = Callable[[float, dict[int, float], object, RoundTimes | None], GammaPolicy | int]
 
 SCHEDULES: dict[str, PolicyFactory] = {
-    "auto": lambda c, curve, drafter: make_gamma_policy("auto", c, curve, drafter),
-    "heuristic": lambda c, curve, drafter: HeuristicGamma(),
+    "auto": lambda c, curve, drafter, rounds: make_gamma_policy("auto", c, curve, drafter, rounds),
+    "heuristic": lambda c, curve, drafter, rounds: HeuristicGamma(),
 }
 
 
@@ -75,11 +75,17 @@ class GammaChoice:
     fixed: int | None = None
 
     def policy(
-        self, c: float, curve: dict[int, float], drafter: object = None
+        self,
+        c: float,
+        curve: dict[int, float],
+        drafter: object = None,
+        rounds: RoundTimes | None = None,
     ) -> GammaPolicy | int:
+        """A fresh policy (one per run); ``rounds``: the method's timed rounds so far,
+        which an "auto" policy goes on adding to (:class:`RoundTimes`)."""
         if self.fixed is not None:
             return FixedGamma(self.fixed)
-        return SCHEDULES[self.label](c, curve, drafter)
+        return SCHEDULES[self.label](c, curve, drafter, rounds)
 
 
 def parse_gamma_choices(values: Sequence[str]) -> list[GammaChoice]:

@@ -12,6 +12,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from tqdm import tqdm
 
@@ -33,6 +34,7 @@ from speculative.drafters.base import draft_model_of
 from speculative.drafters.registry import build_drafter
 from speculative.engine import GenerationStats
 from speculative.engine.costs import TargetCosts, drafter_cost, verify_cost_curve
+from speculative.engine.gamma import RoundTimes
 from speculative.sampling import SamplingParams
 from speculative.targets import LoadedModel, encode_prompt, load_target
 
@@ -219,7 +221,7 @@ def build_methods(
                     gamma=choice.label,
                     target=setup.target,
                     drafter=drafter,
-                    make_policy=lambda ch=choice, c=c, d=drafter: ch.policy(c, curve, d),
+                    make_policy=partial(choice.policy, c, curve, drafter, RoundTimes()),
                     params=sampling_params(settings),
                 )
             )

@@ -127,6 +127,29 @@ class HeuristicGamma:
 
 
 @dataclass
+class RoundTimes:
+    """Running mean seconds of timed rounds by the tokens they verified (γ + 1), with how
+    many rounds each mean has seen. One generation's :class:`AdaptiveGamma` is rebuilt for
+    the next, so a caller that decodes many (a :class:`~speculative.pipeline.Speculator`,
+    a bench method) hands each new policy the same instance: a generation then prices its
+    first rounds from the timings of the ones before instead of the calibration curve."""
+
+    decay: float = 0.8  # weight of the previous mean
+    seconds: dict[int, float] = field(default_factory=dict)  # k -> running mean seconds
+    counts: dict[int, int] = field(default_factory=dict)  # k -> rounds timed
+
+    def record(self, tokens: int, seconds: float) -> None:
+        if tokens < 1 or seconds <= 0:
+            return
+        self.seconds[tokens] = decayed_average(self.seconds.get(tokens), seconds, self.decay)
+        self.counts[tokens] = self.counts.get(tokens, 0) + 1
+
+    def timed(self, tokens: int, min_rounds: int) -> float | None:
+        """The running mean of rounds of ``tokens`` once ``min_rounds`` were timed."""
+        return self.seconds[tokens] if self.counts.get(tokens, 0) >= min_rounds else None
+
+
+@dataclass
 class AdaptiveGamma:
     """Pick γ maximizing the generalized speedup from running per-position acceptance.
 
@@ -169,9 +192,7 @@ class AdaptiveGamma:
     overhead: float = 0.0  # measured drafting per round beyond γ·c, in target steps
     step_seconds: float | None = None  # measured T(1), from the verification passes
     min_rounds: int = 3  # timed rounds of a length (and plain ones) before they price it
-    round_decay: float = 0.8  # running means of the timed rounds
-    round_seconds: dict[int, float] = field(default_factory=dict)  # k -> mean seconds
-    round_counts: dict[int, int] = field(default_factory=dict)  # k -> rounds timed
+    rounds: RoundTimes = field(default_factory=RoundTimes)  # may outlive this policy
 
     def __post_init__(self) -> None:
         self.pooled = PositionCounts.empty(self.max_gamma)
@@ -190,14 +211,10 @@ class AdaptiveGamma:
 
     def observe_round(self, tokens: int, seconds: float) -> None:
         """One round's measured pass and verification, over ``tokens`` = γ + 1 tokens."""
-        if tokens < 1 or seconds <= 0:
-            return
-        before = self.round_seconds.get(tokens)
-        self.round_seconds[tokens] = decayed_average(before, seconds, self.round_decay)
-        self.round_counts[tokens] = self.round_counts.get(tokens, 0) + 1
+        self.rounds.record(tokens, seconds)
 
-    def _timed(self, k: int) -> bool:
-        return self.round_counts.get(k, 0) >= self.min_rounds
+    def _timed(self, k: int) -> float | None:
+        return self.rounds.timed(k, self.min_rounds)
 
     def verify_shapes(self, largest: int) -> list[float]:
         """T(k)/T(1) as priced for k = 1..``largest`` (index k − 1): non-decreasing in k
@@ -209,14 +226,14 @@ class AdaptiveGamma:
         for k in range(1, largest + 1):
             top = max(top, verify_cost_at(self.verify_cost, k, known))
             curve.append(top)
-        plain = self.round_seconds.get(1) if self._timed(1) else None
-        timed = [k for k in range(2, largest + 1) if plain and self._timed(k)]
+        plain = self._timed(1)
+        timed = {k: seconds for k in range(2, largest + 1) if plain and (seconds := self._timed(k))}
         shapes, shape = [], 1.0
         for k in range(1, largest + 1):
             point = curve[k - 1] / curve[0]
             if k > 1 and plain and timed:
                 near = min(timed, key=lambda t: (abs(t - k), t))
-                ratio = self.round_seconds[near] / plain
+                ratio = timed[near] / plain
                 point = ratio * curve[k - 1] / curve[near - 1]  # the ratio itself at k = near
             shape = max(shape, point)
             shapes.append(shape)
@@ -249,12 +266,16 @@ class AdaptiveGamma:
             self.by_situation[self.situation].record(drafted, num_accepted, self.decay)
 
     def observe_costs(self, gamma: int, draft_seconds: float, verify_seconds: float) -> None:
-        """One round's measured drafting and verification times (γ > 0 rounds)."""
+        """One round's measured drafting and verification times (γ > 0 rounds). The
+        drafting is priced in plain rounds, the unit :meth:`verify_shapes` prices the
+        verification in once they are timed; until then in T(1) as this pass and the
+        curve imply."""
         if gamma < 1 or verify_seconds <= 0:
             return
         step = verify_seconds / verify_cost_at(self.verify_cost, gamma + 1)
         self.step_seconds = decayed_average(self.step_seconds, step, self.cost_decay)
-        excess = max(0.0, draft_seconds / self.step_seconds - gamma * self.c)
+        unit = self._timed(1) or self.step_seconds
+        excess = max(0.0, draft_seconds / unit - gamma * self.c)
         self.overhead = decayed_average(self.overhead, excess, self.cost_decay)
 
 
@@ -555,17 +576,23 @@ def make_gamma_policy(
     c: float = 0.3,
     verify_cost: dict[int, float] | None = None,
     drafter: object | None = None,
+    rounds: RoundTimes | None = None,
 ) -> GammaPolicy | int:
     """An int, ``"auto"`` (:class:`AdaptiveGamma` with the given cost estimates) or
     ``"heuristic"`` (:class:`HeuristicGamma`, transformers' +2/−1 schedule). With a
     measured ``verify_cost``, "auto" hands a drafter that chooses its own draft length
-    (:class:`ChoosesDraftLength`) the curve, and caps it at AUTO_LENGTH_CAP instead."""
+    (:class:`ChoosesDraftLength`) the curve, and caps it at AUTO_LENGTH_CAP instead.
+    ``rounds``: the timed rounds of earlier generations, which "auto" keeps adding to."""
     gamma = parse_gamma(gamma)
     if gamma == "auto" and verify_cost and isinstance(drafter, ChoosesDraftLength):
         drafter.use_verify_cost(verify_cost)
         return max(1, min(AUTO_LENGTH_CAP, max(verify_cost) - 1))
     if gamma == "auto":
-        return AdaptiveGamma(c=c, verify_cost=verify_cost or {1: 1.0, 2: 1.8})
+        return AdaptiveGamma(
+            c=c,
+            verify_cost=verify_cost or {1: 1.0, 2: 1.8},
+            rounds=RoundTimes() if rounds is None else rounds,
+        )
     if gamma == "heuristic":
         return HeuristicGamma()
     return gamma
