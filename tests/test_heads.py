@@ -917,6 +917,35 @@ def test_auto_verify_times_follow_the_machine_at_every_length():
     assert times.at(5) == pytest.approx(steady, rel=0.1)
 
 
+def test_auto_learns_the_verify_shape_of_the_length_most_rounds_use():
+    """Rounds of 2 tokens take 1.2x a plain one, 9 rounds in 10 verify 2, and the prior (a
+    calibration) says 0.97. Learnt from adjacent plain and 2-token rounds, the shape
+    reaches 1.2; learnt against the scale (the control, the rule before), it stays near
+    1.08, where a 1-token draft looks cheaper than it is."""
+    from speculative.drafters.auto import DECAY, VerifyTimes
+    from speculative.theory import decayed_average
+
+    class AgainstScale(VerifyTimes):
+        def record(self, k: int, seconds: float) -> None:
+            shape = self.shape_at(k)
+            self.scale = decayed_average(self.scale, seconds / shape, DECAY)
+            if k > 1:
+                self.shape[k] = 0.99 * shape + 0.01 * seconds / self.scale
+
+    prior = {1: 1.0, 2: 0.97, 3: 0.97}
+    learnt, control = VerifyTimes(prior=dict(prior)), AgainstScale(prior=dict(prior))
+    rng = random.Random(0)
+    for _ in range(1200):
+        k = 1 if rng.random() < 0.1 else 2
+        seconds = (1.0 if k == 1 else 1.2) * 3.5e-3 * rng.uniform(0.85, 1.15)
+        learnt.record(k, seconds)
+        control.record(k, seconds)
+    assert learnt.shape_at(2) == pytest.approx(1.2, rel=0.03)
+    assert learnt.at(1) == pytest.approx(3.5e-3, rel=0.05)
+    assert learnt.shape_at(3) == pytest.approx(learnt.shape_at(2))  # the prior's step: 0
+    assert control.shape_at(2) < 1.1
+
+
 def test_gamma_auto_hands_auto_the_measured_curve_and_a_cap():
     """--gamma auto: a drafter that chooses its own length gets the measured T(k) as the
     prior of its timings and a fixed cap; other drafters keep the adaptive policy."""

@@ -50,7 +50,7 @@ MAX_NGRAM = 16  # the longest match compared
 EXPLORE = 8  # rounds without the head after which it drafts one token (keeps α current)
 WINDOW = 2048
 PRIOR_SLOPE = 0.1  # V(k) / V(1) - 1 per extra verified token, until V(k) is timed
-SHAPE_WEIGHT = 0.01  # weight of a round in V(k)'s shape (its scale takes 1 - DECAY)
+PAIR_WEIGHT = 0.05  # weight of an adjacent pair of rounds in V(k)'s shape, once learnt
 
 
 @dataclass
@@ -95,17 +95,24 @@ class VerifyTimes:
     """Running estimate of V(k), the seconds of a round that verifies k tokens, as a scale
     times a shape: V(k) = scale · shape(k), shape(1) = 1.
 
-    Every timed round updates the scale (so a machine that slows down or speeds up moves
-    every V(k) at once, including lengths no longer chosen); a round of k tokens also
-    moves shape(k), more slowly, toward what it measured: a change of speed goes mostly
-    into the scale, and one slow round (a cold pass) cannot fix the shape. Until k is
-    timed, shape(k) is the nearest timed shape scaled by the prior: the target's measured
+    Every timed round updates the scale, so a machine that slows down or speeds up moves
+    every V(k) at once, including lengths no longer chosen. The shape is learnt from
+    adjacent rounds only: a round of k tokens right after a plain one, or a plain one right
+    after a round of k, moves shape(k) toward the ratio of the two times, taken
+    milliseconds apart (a running mean over the first pairs, then PAIR_WEIGHT a pair).
+    Learnt against the scale instead (toward seconds ÷ scale), the shape of a length that
+    most rounds use cannot move: the scale is then that length's own time ÷ its shape,
+    whatever the shape (a calibration that read T(2)/T(1) as 0.97, where rounds of 2
+    tokens took 1.14–1.21× a plain one, stayed near 0.99 after 1,200 rounds). Until k is
+    paired, shape(k) is the nearest learnt shape scaled by the prior: the target's measured
     verify-cost curve where the drafter was given it (``--gamma auto``), else
     1 + PRIOR_SLOPE (k − 1)."""
 
     scale: float | None = None  # seconds of V(1)
     shape: dict[int, float] = field(default_factory=lambda: {1: 1.0})
     prior: dict[int, float] | None = None  # a measured T(k)/T(1), if given
+    pairs: dict[int, int] = field(default_factory=dict)  # k -> adjacent pairs learnt from
+    last: tuple[int, float] | None = None  # the previous round's tokens and seconds
 
     def shape_at(self, k: int) -> float:
         if k in self.shape:
@@ -114,14 +121,34 @@ class VerifyTimes:
         return self.shape[near] * prior_shape(k, self.prior) / prior_shape(near, self.prior)
 
     def record(self, k: int, seconds: float) -> None:
-        shape = self.shape_at(k)
-        self.scale = decayed_average(self.scale, seconds / shape, DECAY)
-        if k > 1:
-            self.shape[k] = (1 - SHAPE_WEIGHT) * shape + SHAPE_WEIGHT * seconds / self.scale
+        self.scale = decayed_average(self.scale, seconds / self.shape_at(k), DECAY)
+        pair = adjacent_ratio(self.last, k, seconds)
+        if pair is not None:
+            longer, ratio = pair
+            count = self.pairs.get(longer, 0)
+            weight = max(PAIR_WEIGHT, 1.0 / (count + 2))  # the prior counts as one pair
+            self.shape[longer] = (1 - weight) * self.shape_at(longer) + weight * ratio
+            self.pairs[longer] = count + 1
+        self.last = (k, seconds)
 
     def at(self, k: int) -> float:
         """V(k) in seconds (in units of V(1) = 1 while nothing is timed)."""
         return self.shape_at(k) * (1.0 if self.scale is None else self.scale)
+
+
+def adjacent_ratio(
+    last: tuple[int, float] | None, k: int, seconds: float
+) -> tuple[int, float] | None:
+    """(k', V(k') ÷ V(1)) from this round (``k`` tokens, ``seconds``) and the one before
+    (``last``) when one of the two was plain and the other verified k' > 1 tokens."""
+    if last is None:
+        return None
+    before, before_seconds = last
+    if k > 1 and before == 1:
+        return k, seconds / before_seconds
+    if k == 1 and before > 1:
+        return before, before_seconds / seconds
+    return None
 
 
 @dataclass(frozen=True)
