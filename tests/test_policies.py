@@ -21,7 +21,6 @@ from speculative.engine.gamma import (
     AdaptiveGamma,
     FixedGamma,
     HeuristicGamma,
-    RoundTimes,
     make_gamma_policy,
 )
 from speculative.engine.stats import PositionAcceptance
@@ -412,30 +411,25 @@ def test_adaptive_gamma_prices_rounds_from_their_timings():
     assert early.verify_shapes(3) == blind.verify_shapes(3)
 
 
-def test_a_new_generation_prices_rounds_from_the_ones_before():
-    """γ = auto is rebuilt for every generation; given the timings the last one kept, the
-    next prices its first round from them, not from the curve (a fresh policy does)."""
-    rounds = RoundTimes()
-    first = make_gamma_policy("auto", 0.001, NOISY_CURVE, rounds=rounds)
-    assert isinstance(first, AdaptiveGamma)
+def test_adaptive_gamma_prices_drafting_in_timed_plain_rounds():
+    """Drafting time beyond γ·c is priced in the unit its verification is priced in: timed
+    plain rounds once there are some (3.95 ms), else T(1) as the pass and the curve imply
+    (4.84 ms ÷ T(3) 1.002): the control, a policy that timed no plain round."""
+    timed = make_gamma_policy("auto", 0.001, NOISY_CURVE)
+    untimed = make_gamma_policy("auto", 0.001, NOISY_CURVE)
+    assert isinstance(timed, AdaptiveGamma) and isinstance(untimed, AdaptiveGamma)
     for _ in range(3):
-        first.observe_round(1, 3.95e-3)
-        first.observe_round(3, 4.84e-3)
-    second = make_gamma_policy("auto", 0.001, NOISY_CURVE, rounds=rounds)
-    fresh = make_gamma_policy("auto", 0.001, NOISY_CURVE)
-    assert isinstance(second, AdaptiveGamma) and isinstance(fresh, AdaptiveGamma)
-    assert second.verify_shapes(3)[2] == pytest.approx(4.84 / 3.95)
-    assert fresh.verify_shapes(3) == pytest.approx([1.0, 1.024, 1.024])  # the control
-    # drafting is priced in plain rounds once they are timed: 2 ms of drafting at γ = 2
-    second.observe_costs(2, 2e-3, 4.84e-3)
-    fresh.observe_costs(2, 2e-3, 4.84e-3)
-    share = 1 - second.cost_decay  # of the first measurement in the running mean
-    assert second.overhead == pytest.approx(share * (2 / 3.95 - 2 * 0.001))
-    assert fresh.overhead == pytest.approx(share * (2 / (4.84 / 1.002) - 2 * 0.001))
+        timed.observe_round(1, 3.95e-3)
+    timed.observe_costs(2, 2e-3, 4.84e-3)  # 2 ms of drafting at γ = 2
+    untimed.observe_costs(2, 2e-3, 4.84e-3)
+    share = 1 - timed.cost_decay  # of the first measurement in the running mean
+    assert timed.overhead == pytest.approx(share * (2 / 3.95 - 2 * 0.001))
+    assert untimed.overhead == pytest.approx(share * (2 / (4.84 / 1.002) - 2 * 0.001))
 
 
-def test_a_speculator_keeps_its_round_timings_across_generations():
-    """Every round of every generation of one Speculator reaches the same timings."""
+def test_a_speculator_keeps_its_gamma_policy_across_generations():
+    """γ = auto goes on from what earlier generations taught it: every round of every
+    generation reaches the next one's policy; a new curve starts a new policy."""
     from speculative.pipeline import Speculator
     from tiny import tiny_loaded
 
@@ -446,9 +440,14 @@ def test_a_speculator_keeps_its_round_timings_across_generations():
     for prompt in ("the cat sat on the mat and the cat", "a b a b a b a"):
         out = auto.generate(prompt, max_new_tokens=16, chat=False)
         rounds += [g + 1 for g in out.stats.gammas]
-    timed = auto.round_times.counts
-    assert timed == {k: rounds.count(k) for k in set(rounds)}
-    assert all(auto.round_times.seconds[k] > 0 for k in timed)
+    policy = auto.engine().gamma_policy
+    assert isinstance(policy, AdaptiveGamma)
+    assert policy.rounds.counts == {k: rounds.count(k) for k in set(rounds)}
+    assert all(policy.rounds.seconds[k] > 0 for k in policy.rounds.counts)
+    auto.verify_cost = {k: 1.0 + 0.1 * (k - 1) for k in range(1, 14)}  # a new calibration
+    fresh = auto.engine().gamma_policy
+    assert isinstance(fresh, AdaptiveGamma) and fresh.verify_cost == auto.verify_cost
+    assert fresh.rounds.counts == {}
 
 
 def test_the_engine_times_every_round_for_the_policy():

@@ -24,7 +24,7 @@ Drafter names (``draft=``):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,7 @@ from speculative.engine import (
     StopCriteria,
     budget_from_verify_cost,
 )
-from speculative.engine.gamma import RoundTimes, make_gamma_policy, parse_gamma
+from speculative.engine.gamma import GammaPolicy, make_gamma_policy, parse_gamma
 from speculative.engine.tree import make_tree_round
 from speculative.sampling import SamplingParams
 from speculative.targets import LoadedModel, encode_prompt, load_target
@@ -78,9 +78,10 @@ class Speculator:
     gamma: drafted tokens per round, "auto" (:class:`AdaptiveGamma`) or "heuristic"
     (:class:`HeuristicGamma`). With "auto" and no
     ``draft_cost`` / ``verify_cost`` given, both are measured on first use (a few seconds):
-    the draft cost c and the target's verify-cost curve T(k)/T(1); the rounds every
-    generation runs are timed, and each generation's "auto" starts from the timings of the
-    ones before (:class:`~speculative.engine.gamma.RoundTimes`).
+    the draft cost c and the target's verify-cost curve T(k)/T(1). The γ policy is kept
+    from one generation to the next while those stay the same: "auto" goes on from the
+    acceptance, drafting overhead and round timings it has learnt (running estimates, so a
+    new text moves them within a few rounds) instead of starting from its priors again.
     tree: "off" (chains), "static" or "dynamic" token trees of at most ``tree_budget`` nodes
     ("auto": sized from the verify-cost curve, measured on first use like γ "auto").
     """
@@ -105,8 +106,7 @@ class Speculator:
         self.tree = tree
         self.tree_budget = tree_budget
         make_tree_round(tree, drafter)  # validate now
-        # γ "auto": every generation's rounds, timed; each new policy starts from them
-        self.round_times = RoundTimes()
+        self._kept_policy: tuple[Hashable, GammaPolicy | int] | None = None
 
     @classmethod
     def load(
@@ -148,11 +148,20 @@ class Speculator:
     def engine(self) -> SpeculativeEngine:
         if self.gamma == "auto" and (self.draft_cost is None or self.verify_cost is None):
             self.calibrate()
-        policy = make_gamma_policy(
-            self.gamma, self.draft_cost or 0.0, self.verify_cost, self.drafter, self.round_times
-        )
         tree = make_tree_round(self.tree, self.drafter, self.resolved_tree_budget())
-        return SpeculativeEngine(self.target.lm, self.drafter, policy, tree)
+        return SpeculativeEngine(self.target.lm, self.drafter, self.gamma_policy(), tree)
+
+    def gamma_policy(self) -> GammaPolicy | int:
+        """The γ policy of the next generation: the last one's while γ, c and the curve
+        are unchanged (a new calibration builds a new one)."""
+        curve = None if self.verify_cost is None else tuple(sorted(self.verify_cost.items()))
+        inputs = (self.gamma, self.draft_cost, curve)
+        if self._kept_policy is None or self._kept_policy[0] != inputs:
+            policy = make_gamma_policy(
+                self.gamma, self.draft_cost or 0.0, self.verify_cost, self.drafter
+            )
+            self._kept_policy = (inputs, policy)
+        return self._kept_policy[1]
 
     def resolved_tree_budget(self) -> int:
         """The tree budget; "auto" measures the verify-cost curve once (calibrate)."""

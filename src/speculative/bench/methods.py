@@ -24,7 +24,7 @@ from speculative.engine import (
     SpeculativeEngine,
     StopCriteria,
 )
-from speculative.engine.gamma import RoundTimes, make_gamma_policy, parse_gamma
+from speculative.engine.gamma import make_gamma_policy, parse_gamma
 from speculative.engine.tree import TreeRound
 from speculative.models.base import CausalLM
 from speculative.sampling import SamplingParams
@@ -59,11 +59,11 @@ class Method(Protocol):
 
 # --------------------------------------------------------------------------- γ schedules
 
-PolicyFactory = Callable[[float, dict[int, float], object, RoundTimes | None], GammaPolicy | int]
+PolicyFactory = Callable[[float, dict[int, float], object], GammaPolicy | int]
 
 SCHEDULES: dict[str, PolicyFactory] = {
-    "auto": lambda c, curve, drafter, rounds: make_gamma_policy("auto", c, curve, drafter, rounds),
-    "heuristic": lambda c, curve, drafter, rounds: HeuristicGamma(),
+    "auto": lambda c, curve, drafter: make_gamma_policy("auto", c, curve, drafter),
+    "heuristic": lambda c, curve, drafter: HeuristicGamma(),
 }
 
 
@@ -75,17 +75,11 @@ class GammaChoice:
     fixed: int | None = None
 
     def policy(
-        self,
-        c: float,
-        curve: dict[int, float],
-        drafter: object = None,
-        rounds: RoundTimes | None = None,
+        self, c: float, curve: dict[int, float], drafter: object = None
     ) -> GammaPolicy | int:
-        """A fresh policy (one per run); ``rounds``: the method's timed rounds so far,
-        which an "auto" policy goes on adding to (:class:`RoundTimes`)."""
         if self.fixed is not None:
             return FixedGamma(self.fixed)
-        return SCHEDULES[self.label](c, curve, drafter, rounds)
+        return SCHEDULES[self.label](c, curve, drafter)
 
 
 def parse_gamma_choices(values: Sequence[str]) -> list[GammaChoice]:
@@ -119,7 +113,9 @@ class EngineMethod:
     gamma: str
     target: LoadedModel
     drafter: Drafter | None
-    make_policy: Callable[[], GammaPolicy | int]
+    # the method's γ policy, kept across its runs as a Speculator keeps it across
+    # generations (an adaptive one's estimates carry over from one prompt to the next)
+    policy: GammaPolicy | int
     engine: str = OURS
     params: SamplingParams = GREEDY
     make_tree: Callable[[], TreeRound | None] = lambda: None  # token trees instead of chains
@@ -127,9 +123,7 @@ class EngineMethod:
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunRecord:
         # A fresh engine per run: its target session starts from a reset cache, so runs of
         # different methods sharing one model never see each other's cache.
-        engine = SpeculativeEngine(
-            self.target.lm, self.drafter, self.make_policy(), self.make_tree()
-        )
+        engine = SpeculativeEngine(self.target.lm, self.drafter, self.policy, self.make_tree())
         criteria = StopCriteria(max_new_tokens, eos_token_ids=self.target.eos_token_ids)
         generator = torch.Generator().manual_seed(0)
         started = time.perf_counter()

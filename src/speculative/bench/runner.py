@@ -12,7 +12,6 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 from tqdm import tqdm
 
@@ -34,7 +33,6 @@ from speculative.drafters.base import draft_model_of
 from speculative.drafters.registry import build_drafter
 from speculative.engine import GenerationStats
 from speculative.engine.costs import TargetCosts, drafter_cost, verify_cost_curve
-from speculative.engine.gamma import RoundTimes
 from speculative.sampling import SamplingParams
 from speculative.targets import LoadedModel, encode_prompt, load_target
 
@@ -207,7 +205,7 @@ def build_methods(
             methods.append(
                 EngineMethod(
                     f"{setup.runtime}/plain", setup.runtime, PLAIN, "-", setup.target, None,
-                    lambda: 0, params=sampling_params(settings),
+                    0, params=sampling_params(settings),
                 )
             )  # fmt: skip
             continue
@@ -221,7 +219,7 @@ def build_methods(
                     gamma=choice.label,
                     target=setup.target,
                     drafter=drafter,
-                    make_policy=partial(choice.policy, c, curve, drafter, RoundTimes()),
+                    policy=choice.policy(c, curve, drafter),
                     params=sampling_params(settings),
                 )
             )
@@ -258,7 +256,7 @@ def tree_methods(
             gamma=f"tree-{shape}",
             target=setup.target,
             drafter=drafter,
-            make_policy=lambda: budget,  # unused: a tree round drafts up to its budget
+            policy=budget,  # unused: a tree round drafts up to its budget
             params=sampling_params(settings),
             make_tree=lambda shape=shape: make_tree_round(shape, drafter, budget),
         )

@@ -129,10 +129,7 @@ class HeuristicGamma:
 @dataclass
 class RoundTimes:
     """Running mean seconds of timed rounds by the tokens they verified (γ + 1), with how
-    many rounds each mean has seen. One generation's :class:`AdaptiveGamma` is rebuilt for
-    the next, so a caller that decodes many (a :class:`~speculative.pipeline.Speculator`,
-    a bench method) hands each new policy the same instance: a generation then prices its
-    first rounds from the timings of the ones before instead of the calibration curve."""
+    many rounds each mean has seen."""
 
     decay: float = 0.8  # weight of the previous mean
     seconds: dict[int, float] = field(default_factory=dict)  # k -> running mean seconds
@@ -192,7 +189,7 @@ class AdaptiveGamma:
     overhead: float = 0.0  # measured drafting per round beyond γ·c, in target steps
     step_seconds: float | None = None  # measured T(1), from the verification passes
     min_rounds: int = 3  # timed rounds of a length (and plain ones) before they price it
-    rounds: RoundTimes = field(default_factory=RoundTimes)  # may outlive this policy
+    rounds: RoundTimes = field(default_factory=RoundTimes)
 
     def __post_init__(self) -> None:
         self.pooled = PositionCounts.empty(self.max_gamma)
@@ -576,23 +573,17 @@ def make_gamma_policy(
     c: float = 0.3,
     verify_cost: dict[int, float] | None = None,
     drafter: object | None = None,
-    rounds: RoundTimes | None = None,
 ) -> GammaPolicy | int:
     """An int, ``"auto"`` (:class:`AdaptiveGamma` with the given cost estimates) or
     ``"heuristic"`` (:class:`HeuristicGamma`, transformers' +2/−1 schedule). With a
     measured ``verify_cost``, "auto" hands a drafter that chooses its own draft length
-    (:class:`ChoosesDraftLength`) the curve, and caps it at AUTO_LENGTH_CAP instead.
-    ``rounds``: the timed rounds of earlier generations, which "auto" keeps adding to."""
+    (:class:`ChoosesDraftLength`) the curve, and caps it at AUTO_LENGTH_CAP instead."""
     gamma = parse_gamma(gamma)
     if gamma == "auto" and verify_cost and isinstance(drafter, ChoosesDraftLength):
         drafter.use_verify_cost(verify_cost)
         return max(1, min(AUTO_LENGTH_CAP, max(verify_cost) - 1))
     if gamma == "auto":
-        return AdaptiveGamma(
-            c=c,
-            verify_cost=verify_cost or {1: 1.0, 2: 1.8},
-            rounds=RoundTimes() if rounds is None else rounds,
-        )
+        return AdaptiveGamma(c=c, verify_cost=verify_cost or {1: 1.0, 2: 1.8})
     if gamma == "heuristic":
         return HeuristicGamma()
     return gamma
