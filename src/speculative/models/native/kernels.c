@@ -1311,7 +1311,7 @@ static inline __attribute__((always_inline)) int group_scores(int G, const float
  * heads at a time (each value widened once for them). w holds one row of max_length
  * floats per head of the group. Each (head, row) pair computes what attention_head
  * computes, bit for bit. Measured on Zen 4 (family 25 model 17) against one item per
- * head: attention 0.82x the time for 8 rows after 96 tokens; the pass 0.95-0.98x at
+ * head: attention 0.70-0.82x the time for 8 rows after 96 tokens; the pass 0.95-0.98x at
  * B = 2-16 after 96 tokens and 0.90-0.95x at B = 4-8 after 300 (logits torch.equal).
  * AVX-512 only: the AVX2 build keeps one item per head (DECODE_BY_GROUP), since the same
  * grouping there (values two heads at a time, scores per head) made B = 2 and 8 passes
