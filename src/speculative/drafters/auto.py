@@ -102,8 +102,8 @@ class VerifyTimes:
     milliseconds apart (a running mean over the first pairs, then PAIR_WEIGHT a pair).
     Learnt against the scale instead (toward seconds ÷ scale), the shape of a length that
     most rounds use cannot move: the scale is then that length's own time ÷ its shape,
-    whatever the shape (a calibration that read T(2)/T(1) as 0.97, where rounds of 2
-    tokens took 1.14–1.21× a plain one, stayed near 0.99 after 1,200 rounds). Until k is
+    whatever the shape (a prior of 0.97 where rounds of 2 tokens take 1.2× a plain one
+    stays at 1.08 after 1,200 rounds with one in ten plain; the pairs reach 1.18). Until k is
     paired, shape(k) is the nearest learnt shape scaled by the prior: the target's measured
     verify-cost curve where the drafter was given it (``--gamma auto``), else
     1 + PRIOR_SLOPE (k − 1)."""
