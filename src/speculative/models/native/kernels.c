@@ -655,11 +655,12 @@ static inline void q4_panel16(const uint8_t *blocks, size_t panel_bytes, int gro
  * half-float keys and values per pass, which the weight stream has evicted since the
  * last pass; attention then ran about twice as long as on warm caches. Measured on Zen 4
  * (family 25 model 17), the same bits: attention 0.67-0.68x the time at 8 and 16 rows,
- * the pass 0.93-0.96x, batched greedy decoding 1.03-1.04x the tokens/s at B = 8 (64 tokens
- * after the bench's prompts; B = 2 within noise). A thread walks the sequences of its thread_range, as the decode
- * rows' attention shares them out (sequence by sequence); the prefetch is a hint, so any
- * other split only costs L2 misses. Single sequences are not walked: their attention is
- * split by heads, and their keys and values are an eighth of B = 8's. */
+ * the pass 0.93-0.96x, batched greedy decoding 1.03-1.04x the tokens/s at B = 8 (64
+ * tokens after the bench's prompts; B = 2 within noise). A thread walks the sequences of
+ * its thread_range, as the decode rows' attention shares them out (sequence by
+ * sequence); the prefetch is a hint, so any other split only costs L2 misses. Single
+ * sequences are not walked: their attention is split by heads, and their keys and values
+ * are an eighth of B = 8's. */
 typedef struct {
     const char *keys, *values;  /* the layer's caches at cache slot 0 */
     const int32_t *seq_start, *seq_slot;
@@ -1596,9 +1597,9 @@ static void rope_and_store_batch(const Model *m, float *qkv, int nseq, const int
  * (verification), they share one work-sharing loop: one item per (sequence, kv group)
  * of a decode row (attention_group; per (sequence, head) in the AVX2 build,
  * attention_head) and of a tile (attention_tile_group), each on weight rows of its
- * thread's. B sequences then cost one
- * barrier instead of B (decode rows) or 3 B (tiles). The other sequences run attention()
- * one after another. A pair's arithmetic is the same either way. */
+ * thread's. B sequences then cost one barrier instead of B (decode rows) or 3 B (tiles).
+ * The other sequences run attention() one after another. A pair's arithmetic is the same
+ * either way. */
 /* Decode rows' work items: one per kv group (attention_group) in the AVX-512 build, one
  * per head (attention_head) in the AVX2 one. */
 #if defined(__AVX512F__)
