@@ -933,6 +933,10 @@ static void silu_mul(const float *gate_up, int rows, int inter, float *act) {
  * a 1,000-token context costs as much as the int4 weights. Pointers to a cache are void;
  * offsets count elements. The functions that read a cache take `f16` as a constant
  * (always inlined from a dispatch on m->kv_f16), so each element type gets its own loops. */
+/* fn(args..., f16) with f16 the cache's element type as a constant (1: half floats), so
+ * that each type gets its own inlined loops; the same branch on every thread. */
+#define KV_TYPED(m, fn, ...) ((m)->kv_f16 ? fn(__VA_ARGS__, 1) : fn(__VA_ARGS__, 0))
+
 static inline __attribute__((always_inline)) void *kv_at(void *cache, size_t elements, int f16) {
     return (char *)cache + elements * (f16 ? sizeof(uint16_t) : sizeof(float));
 }
@@ -1267,10 +1271,7 @@ static inline __attribute__((always_inline)) void attention_head_kv(
 
 static void attention_head(const Model *m, const float *qkv, int start, const void *k_cache,
                            const void *v_cache, float *out, int h, float *w) {
-    if (m->kv_f16)
-        attention_head_kv(m, qkv, start, k_cache, v_cache, out, h, w, 1);
-    else
-        attention_head_kv(m, qkv, start, k_cache, v_cache, out, h, w, 0);
+    KV_TYPED(m, attention_head_kv, m, qkv, start, k_cache, v_cache, out, h, w);
 }
 
 #if defined(__AVX512F__)
@@ -1350,10 +1351,7 @@ static inline __attribute__((always_inline)) void attention_group_kv(
 
 static void attention_group(const Model *m, const float *qkv, int start, const void *k_cache,
                             const void *v_cache, float *out, int g, float *w) {
-    if (m->kv_f16)
-        attention_group_kv(m, qkv, start, k_cache, v_cache, out, g, w, 1);
-    else
-        attention_group_kv(m, qkv, start, k_cache, v_cache, out, g, w, 0);
+    KV_TYPED(m, attention_group_kv, m, qkv, start, k_cache, v_cache, out, g, w);
 }
 #endif
 
@@ -1430,10 +1428,8 @@ static inline __attribute__((always_inline)) void attention_tile_group_kv(
 static void attention_tile_group(const Model *m, const float *qkv, int rows, int start,
                                  Visible vis, const void *k_cache, const void *v_cache,
                                  float *out, int g, float *w, float *buffer) {
-    if (m->kv_f16)
-        attention_tile_group_kv(m, qkv, rows, start, vis, k_cache, v_cache, out, g, w, buffer, 1);
-    else
-        attention_tile_group_kv(m, qkv, rows, start, vis, k_cache, v_cache, out, g, w, buffer, 0);
+    KV_TYPED(m, attention_tile_group_kv, m, qkv, rows, start, vis, k_cache, v_cache, out, g, w,
+             buffer);
 }
 
 /* attention() for one cache element type (below). */
@@ -1485,10 +1481,8 @@ static void attention(const Model *m, const float *qkv, int rows, int start, Vis
                       float *buffer) {
     if (rows == 1 && !vis.mask)
         attention_row(m, qkv, start, k_cache, v_cache, out, scratch);
-    else if (m->kv_f16)  /* the same branch on every thread: the loops inside share work */
-        attention_kv(m, qkv, rows, start, vis, k_cache, v_cache, out, scratch, buffer, 1);
-    else
-        attention_kv(m, qkv, rows, start, vis, k_cache, v_cache, out, scratch, buffer, 0);
+    else  /* the loops inside share work among the threads */
+        KV_TYPED(m, attention_kv, m, qkv, rows, start, vis, k_cache, v_cache, out, scratch, buffer);
 }
 
 /* ---- the forward ------------------------------------------------------------------ */
