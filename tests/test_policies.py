@@ -443,7 +443,6 @@ def test_a_speculator_keeps_its_gamma_policy_across_generations():
     policy = auto.engine().gamma_policy
     assert isinstance(policy, AdaptiveGamma)
     assert policy.rounds.counts == {k: rounds.count(k) for k in set(rounds)}
-    assert all(policy.rounds.seconds[k] > 0 for k in policy.rounds.counts)
     auto.verify_cost = {k: 1.0 + 0.1 * (k - 1) for k in range(1, 14)}  # a new calibration
     fresh = auto.engine().gamma_policy
     assert isinstance(fresh, AdaptiveGamma) and fresh.verify_cost == auto.verify_cost
