@@ -159,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  ({target.runtime}: skipping drafter {name}: {exc})", file=sys.stderr)
                 costs[name] = None
                 continue
+            if drafter is None:  # "none": plain decoding, always measured
+                continue
             model = draft_model_of(drafter)
             costs[name] = drafter_cost(drafter, model, target.lm, context, step, args.repeats)
             drafters[name] = drafter
