@@ -9,6 +9,7 @@ from speculative import __version__
 from speculative.cli import (
     bench_cmd,
     bench_serve_cmd,
+    build_corpus_cmd,
     check_cmd,
     demo_cmd,
     generate_cmd,
@@ -42,6 +43,7 @@ def build_parser() -> Parser:
         bench_cmd,
         check_cmd,
         train_draft_cmd,
+        build_corpus_cmd,
         serve_cmd,
         bench_serve_cmd,
     ):
