@@ -14,7 +14,7 @@ import torch
 from scipy import stats
 
 import speculative.models.session as session_module
-from speculative.drafters.auto import AutoDrafter, Found
+from speculative.drafters.auto import AutoDrafter
 from speculative.drafters.eagle import EagleDrafter
 from speculative.drafters.registry import REGISTRY, build_drafter
 from speculative.drafters.tree import TreeDrafter
@@ -840,12 +840,6 @@ def _timed_auto(curve: dict[int, float], ngram_alpha: float, head_alpha: float) 
     return drafter
 
 
-def _ngram(situation: int, follow: int) -> list[Found]:
-    """What n-gram lookup found: a match of class ``situation`` followed by ``follow``
-    tokens."""
-    return [Found("ngram", situation, list(range(follow)))]
-
-
 FLAT = {k: 0.005 for k in range(1, 10)}  # fp32 / AVX-512: k tokens cost one step
 STEEP = {k: 0.005 * (1 + 0.5 * (k - 1)) for k in range(1, 10)}  # each token half a step
 
@@ -854,15 +848,13 @@ def test_auto_drafts_the_length_that_pays_on_the_measured_verify_curve():
     """The choice follows tokens per second: a good cheap guess drafts all γ on a flat
     curve; on a steep one a weak guess drafts nothing (verifying it costs more than it
     brings) while a near-certain one still drafts, fewer tokens than γ."""
-    flat_good = _timed_auto(FLAT, ngram_alpha=0.9, head_alpha=0.5).choose(_ngram(4, 8), gamma=8)
+    flat_good = _timed_auto(FLAT, ngram_alpha=0.9, head_alpha=0.5).choose(4, 8, gamma=8)
     assert (flat_good.option, flat_good.drafts) == ("ngram", 8)
-    weak = _timed_auto(STEEP, ngram_alpha=0.3, head_alpha=0.3).choose(_ngram(4, 8), gamma=8)
+    weak = _timed_auto(STEEP, ngram_alpha=0.3, head_alpha=0.3).choose(4, 8, gamma=8)
     assert weak.option == "none"
     # the control: the same weak guesses on the flat curve do draft
-    assert (
-        _timed_auto(FLAT, ngram_alpha=0.3, head_alpha=0.3).choose(_ngram(4, 8), 8).option != "none"
-    )
-    sure = _timed_auto(STEEP, ngram_alpha=0.95, head_alpha=0.3).choose(_ngram(4, 8), gamma=8)
+    assert _timed_auto(FLAT, ngram_alpha=0.3, head_alpha=0.3).choose(4, 8, 8).option != "none"
+    sure = _timed_auto(STEEP, ngram_alpha=0.95, head_alpha=0.3).choose(4, 8, gamma=8)
     assert sure.option == "ngram" and 1 <= sure.drafts < 8
 
 
@@ -872,16 +864,13 @@ def test_auto_prefers_the_option_with_more_tokens_per_second():
     without it the head drafts one token."""
     from speculative.drafters.auto import EXPLORE
 
-    assert _timed_auto(FLAT, 0.7, 0.7).choose(_ngram(4, 4), 4).option == "ngram"
-    assert _timed_auto(FLAT, 0.1, 0.9).choose(_ngram(4, 4), 4).option == "head"
-    assert _timed_auto(FLAT, 0.9, 0.9).choose(_ngram(0, 0), 4).option == "head"
+    assert _timed_auto(FLAT, 0.7, 0.7).choose(4, 4, 4).option == "ngram"
+    assert _timed_auto(FLAT, 0.1, 0.9).choose(4, 4, 4).option == "head"
+    assert _timed_auto(FLAT, 0.9, 0.9).choose(0, 0, 4).option == "head"
     drafter = _timed_auto(FLAT, 0.9, 0.0)
-    assert drafter.choose(_ngram(4, 4), 4).option == "ngram"
+    assert drafter.choose(4, 4, 4).option == "ngram"
     drafter._since_head = EXPLORE
-    assert (drafter.choose(_ngram(4, 4), 4).option, drafter.choose(_ngram(4, 4), 4).drafts) == (
-        "head",
-        1,
-    )
+    assert (drafter.choose(4, 4, 4).option, drafter.choose(4, 4, 4).drafts) == ("head", 1)
 
 
 def test_auto_observe_without_a_proposal_changes_nothing(trained):

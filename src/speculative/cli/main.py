@@ -9,7 +9,6 @@ from speculative import __version__
 from speculative.cli import (
     bench_cmd,
     bench_serve_cmd,
-    build_corpus_cmd,
     check_cmd,
     demo_cmd,
     generate_cmd,
@@ -43,7 +42,6 @@ def build_parser() -> Parser:
         bench_cmd,
         check_cmd,
         train_draft_cmd,
-        build_corpus_cmd,
         serve_cmd,
         bench_serve_cmd,
     ):

@@ -1,11 +1,10 @@
-"""``auto``: per round, draft from a lookup (n-gram lookup in the sequence itself, or in a
-corpus of the target's own answers where one ships) or from a head, whichever promises
-more tokens per second, at the draft length that promises most; or draft nothing.
+"""``auto``: per round, draft from n-gram lookup or from a head, whichever promises more
+tokens per second, at the draft length that promises most; or draft nothing.
 
-For each option the drafter keeps running estimates of its per-token acceptance α (a
-lookup separately per match-length class: for n-gram lookup 1, 2, 3, 4–7 and 8 or more
-tokens of the longest earlier match, :func:`~speculative.drafters.ngram.best_match`) and
-of its drafting time per token. It also keeps the measured time of a verification of k tokens,
+For each option the drafter keeps running estimates of its per-token acceptance α (the
+n-gram option separately per match-length class: 1, 2, 3, 4–7 and 8 or more tokens of
+the longest earlier match, :func:`~speculative.drafters.ngram.best_match`) and of its
+drafting time per token. It also keeps the measured time of a verification of k tokens,
 for each k it has seen (the target's pass and the rest of the round: what a round of
 k − 1 drafts costs beyond drafting). A round of g drafts is expected to emit
 (1 − α^(g+1)) / (1 − α) tokens in g·d + V(g + 1) seconds; a plain step emits one token in
@@ -22,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import cast
 
 import torch
 
@@ -36,7 +35,6 @@ from speculative.drafters.base import (
     RowAsk,
     SupportsPriming,
 )
-from speculative.drafters.corpus import MATCH_CLASSES, CorpusDrafter
 from speculative.drafters.ngram import (
     SITUATION_CLASSES,
     ContextIndex,
@@ -157,68 +155,9 @@ def adjacent_ratio(
 class Choice:
     """An option at a draft length and its expected tokens per second."""
 
-    option: str  # a lookup's name ("ngram", "corpus"), "head" or "none"
+    option: str  # "ngram", "head" or "none"
     drafts: int
     rate: float
-
-
-@dataclass(frozen=True)
-class Found:
-    """What a lookup would draft this round: the class of its match (its α is learnt per
-    class; 0: no match) and the tokens it would copy."""
-
-    source: str
-    situation: int
-    tokens: list[int]
-
-
-class Lookup(Protocol):
-    """A point-mass draft source that costs no model pass: one round's :class:`Found`."""
-
-    name: str
-    classes: tuple[int, ...]  # the situations it reports, besides 0
-    prior_alpha: float
-
-    def find(self, context: Sequence[int], gamma: int) -> Found: ...
-
-    def reset(self) -> None: ...
-
-
-class ContextLookup:
-    """n-gram lookup in the sequence itself (the longest earlier match within WINDOW)."""
-
-    name = "ngram"
-    classes = SITUATION_CLASSES
-    prior_alpha = 0.5
-
-    def __init__(self) -> None:
-        self.index = ContextIndex()  # the sequence drafted for, kept across rounds
-
-    def find(self, context: Sequence[int], gamma: int) -> Found:
-        situation, follow = longest_match(self.index, context, gamma)
-        return Found(self.name, situation, follow)
-
-    def reset(self) -> None:
-        self.index = ContextIndex()
-
-
-class CorpusLookup:
-    """Lookup in a corpus of the target's answers (:class:`CorpusDrafter`'s match and
-    vote)."""
-
-    classes = MATCH_CLASSES
-    prior_alpha = 0.3
-
-    def __init__(self, corpus: CorpusDrafter) -> None:
-        self.corpus = corpus
-        self.name = "corpus"
-
-    def find(self, context: Sequence[int], gamma: int) -> Found:
-        situation = self.corpus.draft_situation(context)
-        return Found(self.name, situation, self.corpus.continuation(context, gamma))
-
-    def reset(self) -> None:
-        self.corpus.reset()
 
 
 def best_length(estimate: Estimate, cap: int, verify: VerifyTimes) -> Choice:
@@ -265,17 +204,16 @@ class _Round:
     draft: Draft = field(default_factory=lambda: Draft(tokens=[]))
 
     def choose(self) -> None:
-        """The option and length (a lookup's draft is taken here: point masses)."""
+        """The option and length (an n-gram draft is taken here: point masses)."""
         drafter, ask = self.drafter, self.ask
-        found = [lookup.find(ask.context, ask.gamma) for lookup in drafter.lookups]
-        self.choice = drafter.choose(found, ask.gamma)
-        for f in found:
-            if self.choice.option == f.source:
-                self.draft = Draft(tokens=f.tokens[: self.choice.drafts])
-                self.chosen = drafter.estimates[f.source][f.situation]
-        if self.choice.option == "head":
+        situation, follow = longest_match(drafter.index, ask.context, ask.gamma)
+        self.choice = drafter.choose(situation, len(follow), ask.gamma)
+        if self.choice.option == "ngram":
+            self.draft = Draft(tokens=follow[: self.choice.drafts])
+            self.chosen = drafter.ngram[situation]
+        elif self.choice.option == "head":
             self.chosen = drafter.model
-        # else a plain step promises more tokens per second than any draft
+        # else a plain step promises more tokens per second than either draft
 
     def head_ask(self) -> RowAsk:
         ask = self.ask
@@ -284,29 +222,18 @@ class _Round:
 
 
 class AutoDrafter:
-    """Chooses per round between lookups (n-gram lookup in the sequence, by default) and
-    ``head`` (any model-based drafter)."""
+    """Chooses per round between n-gram lookup and ``head`` (any model-based drafter)."""
 
-    def __init__(
-        self, head: Drafter, name: str = "auto", lookups: Sequence[Lookup] | None = None
-    ) -> None:
+    def __init__(self, head: Drafter, name: str = "auto") -> None:
         self.name = name
         self.head = head
-        self.lookups: list[Lookup] = list(lookups) if lookups is not None else [ContextLookup()]
-        self.estimates = {
-            lookup.name: {n: Estimate(lookup.prior_alpha, prior_cost=0.01) for n in lookup.classes}
-            for lookup in self.lookups
-        }  # a lookup's name -> its match class -> α and cost
+        self.ngram = {n: Estimate(alpha=0.5, prior_cost=0.01) for n in SITUATION_CLASSES}
         self.model = Estimate(alpha=0.7, prior_cost=0.15)
         self.verify = VerifyTimes()
         self._pending: _Pending | None = None
-        self.choices = {**{lookup.name: 0 for lookup in self.lookups}, "head": 0, "none": 0}
+        self.choices = {"ngram": 0, "head": 0, "none": 0}
         self._since_head = 0
-
-    @property
-    def ngram(self) -> dict[int, Estimate]:
-        """The n-gram lookup's estimates per match class."""
-        return self.estimates["ngram"]
+        self.index = ContextIndex()  # the sequence drafted for, for the n-gram lookup
 
     @property
     def forward_calls(self) -> int:
@@ -316,8 +243,7 @@ class AutoDrafter:
         self.head.reset()
         self._pending = None
         self._since_head = 0
-        for lookup in self.lookups:
-            lookup.reset()
+        self.index = ContextIndex()
 
     def prime(self, target: RowSession) -> None:
         if isinstance(self.head, SupportsPriming):
@@ -342,18 +268,16 @@ class AutoDrafter:
         """Take the target's measured T(k)/T(1) as the prior shape of V(k)."""
         self.verify.prior = {int(k): float(v) for k, v in verify_cost.items()}
 
-    def choose(self, found: Sequence[Found], gamma: int) -> Choice:
-        """The option and draft length for a round of at most ``gamma`` drafts, given what
-        each lookup would copy (``found``)."""
+    def choose(self, situation: int, follow: int, gamma: int) -> Choice:
+        """The option and draft length for a round of at most ``gamma`` drafts, with an
+        n-gram match of class ``situation`` followed by ``follow`` tokens."""
         if self._since_head >= EXPLORE:
             return Choice("head", 1, 0.0)
         best = Choice("none", 0, 1.0 / self.verify.at(1))
-        for f in found:
-            if not f.tokens or f.situation == 0:
-                continue
-            option = best_length(self.estimates[f.source][f.situation], len(f.tokens), self.verify)
-            if option.rate > best.rate:
-                best = Choice(f.source, option.drafts, option.rate)
+        if follow:
+            ngram = best_length(self.ngram[situation], follow, self.verify)
+            if ngram.rate > best.rate:
+                best = Choice("ngram", ngram.drafts, ngram.rate)
         head = best_length(self.model, gamma, self.verify)
         if head.rate > best.rate:
             best = Choice("head", head.drafts, head.rate)

@@ -6,11 +6,8 @@
   self-exit:N   the target's first N layers (+ final norm and head): early exit
   eagle         the EAGLE head shipped for the target (eagle:DIR: a trained folder)
   medusa        the Medusa heads shipped for the target (medusa:DIR: a trained folder)
-  corpus        lookup in a corpus of the target's own answers (shipped for the target,
-                or corpus:DIR: one from `speculative build-corpus`)
-  auto          per round, n-gram lookup, corpus lookup (where a corpus ships for the
-                target) or the EAGLE head, by expected tokens per cost (auto:DIR: with
-                the head in DIR)
+  auto          per round, n-gram lookup or the EAGLE head, by expected tokens per cost
+                (auto:DIR: with the head in DIR)
   default       the best drafter at hand: auto where an EAGLE head ships for the target
                 (and it gives features), else ngram
   <path or id>  a separate, smaller causal LM sharing the target's vocabulary
@@ -192,45 +189,10 @@ def _medusa(argument: str, target: LoadedModel) -> Drafter:
     return MedusaDrafter(head, target.lm.vocab_size, name, runner)
 
 
-def load_corpus_index(argument: str, target: LoadedModel) -> Any:
-    """The suffix index of the corpus in folder ``argument``, or of the one shipped for
-    ``target`` (None: none ships); built once per target, its drafters share it."""
-    return target.shared(("corpus", argument), lambda: _read_corpus(argument, target))
-
-
-def _read_corpus(argument: str, target: LoadedModel) -> Any:
-    from speculative.corpora.store import load_corpus, shipped_corpus_dir, tokenizer_fingerprint
-    from speculative.drafters.corpus import SuffixIndex
-
-    folder = Path(argument) if argument else shipped_corpus_dir(target.name)
-    if folder is None:
-        return None
-    fingerprint = tokenizer_fingerprint(target.tokenizer, target.lm.vocab_size)
-    return SuffixIndex(load_corpus(folder, fingerprint).tokens)
-
-
-def _corpus(argument: str, target: LoadedModel) -> Drafter:
-    from speculative.drafters.corpus import CorpusDrafter
-
-    index = load_corpus_index(argument, target)
-    if index is None:
-        raise ValueError(
-            f"no corpus ships for '{target.name}'; build one from its answers with "
-            "`speculative build-corpus --data FILE.jsonl --out DIR` and use --draft corpus:DIR"
-        )
-    return CorpusDrafter(index, "corpus" if not argument else f"corpus:{argument}")
-
-
 def _auto(argument: str, target: LoadedModel) -> Drafter:
-    from speculative.drafters.auto import AutoDrafter, ContextLookup, CorpusLookup, Lookup
-    from speculative.drafters.corpus import CorpusDrafter
+    from speculative.drafters.auto import AutoDrafter
 
-    lookups: list[Lookup] = [ContextLookup()]
-    index = load_corpus_index("", target)
-    if index is not None:
-        lookups.append(CorpusLookup(CorpusDrafter(index)))
-    name = "auto" if not argument else f"auto:{argument}"
-    return AutoDrafter(_eagle(argument, target), name, lookups)
+    return AutoDrafter(_eagle(argument, target), "auto" if not argument else f"auto:{argument}")
 
 
 def default_drafter_name(target: LoadedModel) -> str:
@@ -275,8 +237,7 @@ REGISTRY: tuple[Entry, ...] = (
     ),
     Entry("eagle", _eagle, "EAGLE head (shipped, or eagle:DIR)"),
     Entry("medusa", _medusa, "Medusa heads (shipped, or medusa:DIR)"),
-    Entry("corpus", _corpus, "lookup in a corpus of the target's answers (corpus:DIR)"),
-    Entry("auto", _auto, "n-gram, corpus lookup or EAGLE head per round (auto:DIR)"),
+    Entry("auto", _auto, "n-gram or EAGLE head per round (auto:DIR)"),
     Entry("default", _default, "auto where a head ships for the target, else ngram"),
 )
 
