@@ -86,7 +86,8 @@ def test_gamma_auto_calibrates_and_stays_exact(tmp_path, runtime):
 def test_profile_reports_the_round_overhead(tmp_path, capsys):
     folder = save_tiny(tmp_path / "tiny", layers=2)
     args = ["profile", "--target", str(folder), "--runtime", "native", "--backend", "kernels"]
-    args += ["--drafters", "ngram", "--max-k", "2", "--repeats", "1", "--no-roofline"]
+    # "none" (plain decoding, always measured) may be named too: it used to crash
+    args += ["--drafters", "none", "ngram", "--max-k", "2", "--repeats", "1", "--no-roofline"]
     assert main([*args, "--overhead-tokens", "12", "--json"]) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {(r["drafter"], r["sampling"]): r for r in data["round_overhead"]}
