@@ -860,8 +860,9 @@ def test_auto_drafts_the_length_that_pays_on_the_measured_verify_curve():
 
 def test_auto_prefers_the_option_with_more_tokens_per_second():
     """Equal α: the cheaper option wins; a much better head beats a cheap weak n-gram;
-    without a match only the head or a plain step can be chosen; every EXPLORE rounds
-    without it the head drafts one token."""
+    without a match only the head or a plain step can be chosen; after EXPLORE rounds
+    without it the head drafts one token in the next round that would otherwise be a plain
+    step, never in place of an n-gram draft that pays."""
     from speculative.drafters.auto import EXPLORE
 
     assert _timed_auto(FLAT, 0.7, 0.7).choose(4, 4, 4).option == "ngram"
@@ -869,8 +870,10 @@ def test_auto_prefers_the_option_with_more_tokens_per_second():
     assert _timed_auto(FLAT, 0.9, 0.9).choose(0, 0, 4).option == "head"
     drafter = _timed_auto(FLAT, 0.9, 0.0)
     assert drafter.choose(4, 4, 4).option == "ngram"
+    assert drafter.choose(0, 0, 4).option == "none"  # a hopeless head: a plain step
     drafter._since_head = EXPLORE
-    assert (drafter.choose(4, 4, 4).option, drafter.choose(4, 4, 4).drafts) == ("head", 1)
+    assert drafter.choose(4, 4, 4).option == "ngram"  # the n-gram draft is not displaced
+    assert (drafter.choose(0, 0, 4).option, drafter.choose(0, 0, 4).drafts) == ("head", 1)
 
 
 def test_auto_observe_without_a_proposal_changes_nothing(trained):

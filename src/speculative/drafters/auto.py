@@ -12,8 +12,9 @@ V(1). Each option takes the g (up to the round's γ) with the most tokens per se
 best of the options and the plain step wins. So a draft runs only where it pays on this
 machine: where verifying more tokens costs more (int4 on AVX2: T(5)/T(1) ≈ 1.3–1.7) a
 weak guess drafts fewer tokens or none. V(k) is kept as a scale that every round updates
-times a shape per k (:class:`VerifyTimes`). The head drafts one token at least every
-EXPLORE rounds so that its estimate stays current.
+times a shape per k (:class:`VerifyTimes`). After EXPLORE rounds without it, the head
+drafts one token in the next round that would otherwise be a plain step, so that its
+estimate stays current; it never displaces an n-gram draft that pays.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from speculative.theory import decayed_average, expected_tokens
 
 DECAY = 0.9  # weight of the past in the running estimates
 MAX_NGRAM = 16  # the longest match compared
-EXPLORE = 8  # rounds without the head after which it drafts one token (keeps α current)
+EXPLORE = 8  # rounds without the head after which a plain round drafts one (keeps α current)
 WINDOW = 2048
 PRIOR_SLOPE = 0.1  # V(k) / V(1) - 1 per extra verified token, until V(k) is timed
 PAIR_WEIGHT = 0.05  # weight of an adjacent pair of rounds in V(k)'s shape, once learnt
@@ -271,8 +272,6 @@ class AutoDrafter:
     def choose(self, situation: int, follow: int, gamma: int) -> Choice:
         """The option and draft length for a round of at most ``gamma`` drafts, with an
         n-gram match of class ``situation`` followed by ``follow`` tokens."""
-        if self._since_head >= EXPLORE:
-            return Choice("head", 1, 0.0)
         best = Choice("none", 0, 1.0 / self.verify.at(1))
         if follow:
             ngram = best_length(self.ngram[situation], follow, self.verify)
@@ -281,6 +280,8 @@ class AutoDrafter:
         head = best_length(self.model, gamma, self.verify)
         if head.rate > best.rate:
             best = Choice("head", head.drafts, head.rate)
+        if self._since_head >= EXPLORE and best.option == "none":
+            return Choice("head", 1, 0.0)  # explore where it displaces a plain step only
         return best
 
     def propose(
