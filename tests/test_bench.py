@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -211,12 +212,15 @@ def test_bench_covers_every_config_and_category_with_identical_outputs(tiny_benc
     # the bf16 copy agrees with the target often: rounds emit more than one token
     assert 0 < bf16.acceptance_rate <= 1 and 1 < bf16.mean_accepted_length <= 3
     assert bf16.per_position_acceptance and bf16.draft_cost > 0
-    # predictions come from this run's measured α, c and verify-cost curve
+    # predictions come from this run's measured α (by position for the generalized one),
+    # c, verify-cost curve and the γ its rounds drafted
     curve = run.costs["hf"].target.verify_cost
     alpha, c = bf16.acceptance_rate, bf16.draft_cost
     assert bf16.predicted_speedup == pytest.approx(theory.speedup(alpha, 2, c))
+    drafted = [x.stats for x in run.measurements if x.method == bf16.config and x.stats]
+    rounds = Counter(g for stats in drafted for g in stats.gammas)
     assert bf16.predicted_speedup_generalized == pytest.approx(
-        theory.generalized_speedup(alpha, 2, c, curve)
+        theory.mixed_speedup(bf16.per_position_acceptance, rounds, c, curve)
     )
     assert bf16.realized_over_predicted == pytest.approx(
         bf16.speedup_vs_plain / bf16.predicted_speedup

@@ -14,6 +14,7 @@ from speculative.theory import (
     expected_tokens,
     expected_tokens_positional,
     generalized_speedup,
+    mixed_speedup,
     optimal_gamma,
     speedup,
     tv_distance,
@@ -92,3 +93,48 @@ def test_positional_expected_tokens():
 def test_theory_rejects_bad_input(call, fragment):
     with pytest.raises(ValueError, match=fragment):
         call()
+
+
+def test_mixed_speedup_is_what_rounds_of_mixed_gamma_deliver():
+    """Rounds that draft different γ (plain steps among them), each draft kept with
+    probability α until the first rejection: the simulated tokens over the simulated cost
+    is mixed_speedup's value; pricing the run at its mean γ (the control) is far off."""
+    rng = np.random.default_rng(0)
+    alpha, c = 0.55, 0.02
+    curve = {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.2, 5: 1.45}
+    rounds = {0: 30000, 1: 10000, 4: 20000}  # plain steps, short and long drafts
+    tokens = cost = 0.0
+    for gamma, count in rounds.items():
+        kept = rng.random((count, gamma)) < alpha  # [rounds, γ] each draft's test
+        run = np.cumprod(kept, axis=1).sum(axis=1) if gamma else np.zeros(count)
+        tokens += float((run + 1).sum())
+        cost += count * (gamma * c + curve[gamma + 1])
+    simulated = tokens / cost
+    assert mixed_speedup(alpha, rounds, c, curve) == pytest.approx(simulated, rel=0.01)
+    mean_gamma = round(sum(g * n for g, n in rounds.items()) / sum(rounds.values()))
+    assert abs(generalized_speedup(alpha, mean_gamma, c, curve) / simulated - 1) > 0.05
+    assert mixed_speedup(alpha, {3: 10}, c, curve) == generalized_speedup(alpha, 3, c, curve)
+
+
+def test_mixed_speedup_by_position_is_what_correlated_drafts_deliver():
+    """Drafts kept as n-gram copies are: the first 0.4 of the time, each later one 0.85 of
+    the time once the one before was kept. Priced by position the rounds' simulated speedup
+    is met; one pooled α (accepted ÷ drafted, the control) misses it by far."""
+    rng = np.random.default_rng(1)
+    first, later, c = 0.4, 0.85, 0.01
+    curve = {1: 1.0, 2: 1.02, 3: 1.05, 4: 1.1, 5: 1.2}
+    rounds = {0: 20000, 2: 20000, 4: 20000}
+    tokens = cost = drafted = kept_total = 0.0
+    for gamma, count in rounds.items():
+        odds = np.array([first] + [later] * (gamma - 1))  # [γ]
+        kept = rng.random((count, gamma)) < odds  # [rounds, γ]
+        run = np.cumprod(kept, axis=1).sum(axis=1) if gamma else np.zeros(count)
+        tokens += float((run + 1).sum())
+        cost += count * (gamma * c + curve[gamma + 1])
+        drafted += count * gamma
+        kept_total += float(run.sum())
+    simulated = tokens / cost
+    by_position = mixed_speedup([first, later, later, later], rounds, c, curve)
+    assert by_position == pytest.approx(simulated, rel=0.01)
+    pooled = mixed_speedup(kept_total / drafted, rounds, c, curve)
+    assert abs(pooled / simulated - 1) > 0.05

@@ -117,6 +117,43 @@ def generalized_speedup(alpha: float, gamma: int, c: float, verify_cost: VerifyC
     return expected_tokens(alpha, gamma) / (gamma * c + verify_cost_at(verify_cost, gamma + 1))
 
 
+def mixed_speedup(
+    acceptance: float | Sequence[float],
+    rounds: Mapping[int, int],
+    c: float,
+    verify_cost: VerifyCost,
+) -> float:
+    """:func:`generalized_speedup` for a run whose rounds drafted different γ: ``rounds``
+    maps γ (0: a plain step) to how many rounds drafted it. Expected tokens over expected
+    cost, summed over the rounds: Σ n_γ E(γ) / Σ n_γ (γc + T(γ+1)/T(1)), with E(γ) from
+    one α (``acceptance`` a float: :func:`expected_tokens`) or from the conditional
+    acceptance of each draft position (a sequence: :func:`expected_tokens_positional`).
+    A run that mixes γ (γ = auto, n-gram rounds without a match) is not a run at its mean
+    γ: half plain steps and half rounds of 2 drafts at α = 0.5, c = 0.01 and T(2), T(3) =
+    1.05, 1.1 give 1.30x, where γ = 1 every round would give 1.42x."""
+    c = _check_cost(c)
+    if isinstance(acceptance, Sequence):
+        rates = list(acceptance)
+
+        def tokens_of(gamma: int) -> float:
+            return expected_tokens_positional(rates, gamma)
+    else:
+        alpha = _check_alpha(acceptance)
+
+        def tokens_of(gamma: int) -> float:
+            return expected_tokens(alpha, gamma)
+
+    tokens = cost = 0.0
+    for gamma, count in rounds.items():
+        if gamma < 0 or count < 0:
+            raise ValueError(f"need γ >= 0 and counts >= 0, got {count} rounds of γ = {gamma}")
+        tokens += count * (tokens_of(gamma) if gamma else 1.0)
+        cost += count * (gamma * c + verify_cost_at(verify_cost, gamma + 1))
+    if cost <= 0:
+        raise ValueError("need at least one round")
+    return tokens / cost
+
+
 def optimal_gamma(
     alpha: float,
     c: float,

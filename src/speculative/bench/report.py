@@ -4,6 +4,7 @@ terminal table, the Markdown report and the JSON payload."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ class StatsTotals:
     new_tokens: int = 0
     target_calls: int = 0
     positions: PositionAcceptance = field(default_factory=PositionAcceptance)
+    rounds: Counter[int] = field(default_factory=Counter)  # γ drafted -> rounds
 
     def add(self, measurement: Measurement) -> None:
         stats = measurement.stats
@@ -38,6 +40,7 @@ class StatsTotals:
         self.new_tokens += stats.new_tokens
         self.target_calls += stats.target_calls
         self.positions.merge(stats.positions)
+        self.rounds.update(stats.gammas)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -106,12 +109,23 @@ def _throughput(items: Sequence[Measurement]) -> tuple[int, float, float]:
 def _predictions(
     totals: StatsTotals, c: float | None, curve: dict[int, float]
 ) -> tuple[float | None, float | None]:
-    """Seed-formula and generalized speedups from measured α, c and the mean γ."""
+    """The seed formula's speedup from measured α, c and the mean γ; the generalized one
+    from c, the measured T(k) and each draft position's measured acceptance, over the γ
+    each round drafted (:func:`~speculative.theory.mixed_speedup`: a run that mixes γ is
+    not a run at its mean γ, and drafts are not kept independently of each other: after a
+    kept n-gram draft the next is kept more often than the mean α says). Realized ÷ this
+    prediction then checks the cost model alone."""
     alpha, mean_gamma = totals.acceptance_rate, totals.mean_gamma
     if alpha is None or mean_gamma is None or c is None:
         return None, None
     gamma = max(1, round(mean_gamma))
-    return theory.speedup(alpha, gamma, c), theory.generalized_speedup(alpha, gamma, c, curve)
+    positions = totals.per_position_acceptance
+    generalized = (
+        theory.mixed_speedup(positions or alpha, totals.rounds, c, curve)
+        if totals.rounds
+        else theory.generalized_speedup(alpha, gamma, c, curve)
+    )
+    return theory.speedup(alpha, gamma, c), generalized
 
 
 def _decode_throughput(items: Sequence[Measurement]) -> float | None:
@@ -457,8 +471,10 @@ def markdown_report(run: BenchRun, rows: Sequence[ResultRow], plots: Sequence[st
         f"{run.settings.repeats} run(s) after a warm-up; configurations interleaved prompt by "
         "prompt. `×plain`: tokens/s ÷ our plain decoding; `×hf-same`: ÷ transformers' "
         "`generate()` with the same method (plain, `assistant_model`, "
-        "`prompt_lookup_num_tokens`). `pred` is the seed formula from measured α and c, "
-        "`pred T(k)` the generalized one with the measured verify-cost curve.",
+        "`prompt_lookup_num_tokens`). `pred` is the seed formula from measured α and c at "
+        "the mean γ, `pred T(k)` the generalized one with the measured verify-cost curve "
+        "and each draft position's measured acceptance, over the γ each round drafted "
+        "(realized ÷ it checks the cost model).",
         "",
         f"CPU: {cpu_info().summary()}.",
         "",
