@@ -119,12 +119,9 @@ def _predictions(
     if alpha is None or mean_gamma is None or c is None:
         return None, None
     gamma = max(1, round(mean_gamma))
+    # a run that drafted recorded its rounds' γ and each position's acceptance
     positions = totals.per_position_acceptance
-    generalized = (
-        theory.mixed_speedup(positions or alpha, totals.rounds, c, curve)
-        if totals.rounds
-        else theory.generalized_speedup(alpha, gamma, c, curve)
-    )
+    generalized = theory.mixed_speedup(positions, totals.rounds, c, curve)
     return theory.speedup(alpha, gamma, c), generalized
 
 
