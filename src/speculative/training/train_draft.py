@@ -12,7 +12,15 @@ from typing import Any
 import torch
 
 from speculative.heads.modules import HeadConfig, build_head
-from speculative.heads.store import give_layer_features, require_features, save_head
+from speculative.heads.store import (
+    TrainedHead,
+    give_layer_features,
+    load_head,
+    read_head_config,
+    require_features,
+    save_head,
+    shipped_head_dir,
+)
 from speculative.models.base import SupportsLayerFeatures, check_feature_layers, eagle3_layers
 from speculative.training import features as feats
 from speculative.training.data import MIN_TOKENS, encode_record, is_held_out, read_records
@@ -32,14 +40,15 @@ class TrainDraftOptions:
     data: list[Path] = field(default_factory=list)
     eval_data: list[Path] = field(default_factory=list)  # held-out text (else a split of data)
     self_distill: int = 0
-    draft_vocab: int = 8192
+    draft_vocab: int | None = None  # None: 8192, or the --init head's
     steps: int = 0
     epochs: float = 2.0
     max_tokens: int = 512
     held_out: float = 0.05
     medusa_heads: int = 4
-    # eagle: "auto" (EAGLE-3's low, middle and high layers), "none", or "2,15,27"
-    feature_layers: str = "auto"
+    # eagle: "auto" (EAGLE-3's low, middle and high layers), "none", or "2,15,27";
+    # None: "auto", or the --init head's
+    feature_layers: str | None = None
     unroll: int = 3
     batch_tokens: int = 2048
     lr: float = 1e-3
@@ -48,6 +57,12 @@ class TrainDraftOptions:
     threads: int = 0
     progress: bool = True
     loss_fraction: float = 0.5
+    # a trained head to start from (a fine-tune): its folder, or "shipped" for the head
+    # shipped for the target; its shape, draft vocabulary and feature layers are kept
+    init: str | None = None
+
+
+DEFAULT_DRAFT_VOCAB = 8192
 
 
 def chosen_layers(spec: str, method: str, lm: Any) -> tuple[int, ...]:
@@ -68,6 +83,54 @@ def chosen_layers(spec: str, method: str, lm: Any) -> tuple[int, ...]:
             f"--feature-layers takes auto, none or indices like 2,15,27, got {spec!r}"
         ) from None
     return check_feature_layers(layers, lm.num_layers)
+
+
+@dataclass
+class InitialHead:
+    """The head a fine-tune starts from (``--init``), loaded for the target."""
+
+    where: str  # the folder, as the report names it
+    head: TrainedHead
+    training: dict[str, Any]  # how that head was trained (its config's "training")
+
+
+def initial_head(spec: str, method: str, target: Any) -> InitialHead:
+    """``--init``: "shipped" (the head shipped for ``target``) or a trained head's folder;
+    loading checks the method and that it was trained for this target."""
+    if spec == "shipped":
+        folder = shipped_head_dir(method, target.name)
+        if folder is None:
+            raise ValueError(
+                f"--init shipped: no {method} head ships for '{target.name}'; give a "
+                "folder written by train-draft"
+            )
+        where = f"shipped ({folder.name})"
+    else:
+        folder, where = Path(spec), spec
+        if not folder.is_dir():
+            raise ValueError(f"--init {spec}: no such folder (a trained head, or 'shipped')")
+    head = load_head(folder, target.lm, method)
+    return InitialHead(where, head, read_head_config(folder).get("training", {}))
+
+
+def fine_tune_shape(options: TrainDraftOptions, init: InitialHead) -> tuple[int, ...]:
+    """The feature layers of a fine-tune: the initial head's; asking for other layers or
+    another draft vocabulary size is an error (a fine-tune keeps the head's shape)."""
+    config = init.head.config
+    if options.draft_vocab is not None and options.draft_vocab != config.draft_vocab:
+        raise ValueError(
+            f"--draft-vocab {options.draft_vocab}: the --init head drafts over "
+            f"{config.draft_vocab} tokens, and a fine-tune keeps them"
+        )
+    layers = config.feature_layers
+    wanted = options.feature_layers
+    named = "none" if not layers else ",".join(map(str, layers))
+    if wanted not in (None, named) and not (wanted == "auto" and layers):
+        raise ValueError(
+            f"--feature-layers {wanted}: the --init head reads layers {named}, and a "
+            "fine-tune keeps them"
+        )
+    return layers
 
 
 def head_config(
@@ -162,7 +225,8 @@ def prepare_features(
     counts, train_tokens, held_tokens = feats.extract(
         target.lm, sequences, folder, options.progress
     )
-    vocab = feats.draft_vocabulary(counts, options.draft_vocab, target.lm.vocab_size)
+    size = options.draft_vocab or DEFAULT_DRAFT_VOCAB
+    vocab = feats.draft_vocabulary(counts, size, target.lm.vocab_size)
     meta = {
         "records": len(records),
         "heldout_source": "eval data" if separate else "split of the training data",
@@ -196,15 +260,23 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
     options.out.mkdir(parents=True, exist_ok=True)
     target = load_target(options.target, options.runtime, options.precision)
     lm = require_features(target.lm, f"target '{target.name}' on the {target.runtime} runtime")
-    layers = chosen_layers(options.feature_layers, options.method, lm)
-    if layers:
-        give_layer_features(lm, layers)  # the features cached below carry them
+    init = initial_head(options.init, options.method, target) if options.init else None
+    if init is not None:
+        layers = fine_tune_shape(options, init)  # loading gave the target its layers
+    else:
+        layers = chosen_layers(options.feature_layers or "auto", options.method, lm)
+        if layers:
+            give_layer_features(lm, layers)  # the features cached below carry them
     meta = prepare_features(options, target, layers)
-    draft_to_target = torch.tensor(meta["draft_to_target"], dtype=torch.long)
-    config = head_config(
-        target.lm, options.method, draft_to_target.numel(), options.medusa_heads, layers
-    )
-    module = build_head(config)
+    if init is not None:
+        config, module = init.head.config, init.head.module
+        draft_to_target = init.head.draft_to_target
+    else:
+        draft_to_target = torch.tensor(meta["draft_to_target"], dtype=torch.long)
+        config = head_config(
+            target.lm, options.method, draft_to_target.numel(), options.medusa_heads, layers
+        )
+        module = build_head(config)
     embedding = lm.input_embedding().float()
     rows = lm.output_embedding()[draft_to_target].float().contiguous()
     settings = TrainSettings(
@@ -218,6 +290,12 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
         seed=options.seed,
     )
     checkpoint = options.out / "checkpoint.pt"
+    held_paths = feats.chunk_paths(options.out / "features", "heldout")
+    steps = options.unroll + 2 if options.method == "eagle" else config.medusa_heads
+    marker = turn_marker(target.tokenizer)
+    before = None
+    if init is not None:  # the starting point, scored on the same held-out text
+        before = evaluate(module, held_paths, embedding, rows, draft_to_target, steps, marker)
     trainer = Trainer(config, module, embedding, rows, settings, checkpoint)
     if options.resume and checkpoint.is_file():
         trainer.load(checkpoint)
@@ -226,9 +304,6 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
     )
     train_paths = feats.chunk_paths(options.out / "features", "train")
     metrics = trainer.run(train_paths, total, options.progress)
-    held_paths = feats.chunk_paths(options.out / "features", "heldout")
-    steps = options.unroll + 2 if options.method == "eagle" else options.medusa_heads
-    marker = turn_marker(target.tokenizer)
     held = evaluate(module, held_paths, embedding, rows, draft_to_target, steps, marker)
     report = {
         "method": options.method,
@@ -252,6 +327,11 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
         # accepted ÷ drafted of that greedy chain: the bench's acceptance rate α at γ = steps
         "heldout_acceptance_rate": round(held.accepted / steps, 4),
     }
+    if init is not None and before is not None:
+        report["init"] = init.where
+        report["init_heldout_top1"] = [round(x, 4) for x in before.top1]
+        report["init_heldout_accepted"] = round(before.accepted, 3)
+        report["init_training"] = init.training  # how the starting head was trained
     save_head(options.out, config, module, draft_to_target, lm, target.name, {"training": report})
     (options.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
