@@ -1104,6 +1104,8 @@ def test_a_fine_tune_keeps_the_shape_of_its_head(trained, tmp_path):
         fine_tune(trained, tmp_path / "b", eagle, 1, draft_vocab=12)
     with pytest.raises(ValueError, match="reads layers 0, and a fine-tune keeps them"):
         fine_tune(trained, tmp_path / "c", eagle, 1, feature_layers="none")
+    with pytest.raises(ValueError, match="layers auto: the --init head reads layers none"):
+        fine_tune(trained, tmp_path / "f", str(trained["eagle-last"]), 1, feature_layers="auto")
     with pytest.raises(ValueError, match="no eagle head ships for 'model'"):
         fine_tune(trained, tmp_path / "d", "shipped", 1)
     with pytest.raises(ValueError, match="no such folder"):

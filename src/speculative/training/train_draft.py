@@ -113,7 +113,7 @@ def initial_head(spec: str, method: str, target: Any) -> InitialHead:
     return InitialHead(where, head, read_head_config(folder).get("training", {}))
 
 
-def fine_tune_shape(options: TrainDraftOptions, init: InitialHead) -> tuple[int, ...]:
+def fine_tune_shape(options: TrainDraftOptions, init: InitialHead, lm: Any) -> tuple[int, ...]:
     """The feature layers of a fine-tune: the initial head's; asking for other layers or
     another draft vocabulary size is an error (a fine-tune keeps the head's shape)."""
     config = init.head.config
@@ -124,8 +124,8 @@ def fine_tune_shape(options: TrainDraftOptions, init: InitialHead) -> tuple[int,
         )
     layers = config.feature_layers
     wanted = options.feature_layers
-    named = "none" if not layers else ",".join(map(str, layers))
-    if wanted not in (None, named) and not (wanted == "auto" and layers):
+    if wanted is not None and chosen_layers(wanted, options.method, lm) != layers:
+        named = ",".join(map(str, layers)) or "none"
         raise ValueError(
             f"--feature-layers {wanted}: the --init head reads layers {named}, and a "
             "fine-tune keeps them"
@@ -262,7 +262,7 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
     lm = require_features(target.lm, f"target '{target.name}' on the {target.runtime} runtime")
     init = initial_head(options.init, options.method, target) if options.init else None
     if init is not None:
-        layers = fine_tune_shape(options, init)  # loading gave the target its layers
+        layers = fine_tune_shape(options, init, lm)  # loading gave the target its layers
     else:
         layers = chosen_layers(options.feature_layers or "auto", options.method, lm)
         if layers:
