@@ -3,6 +3,9 @@
     apt-get update && apt-get install -y python3.11-doc     # Python's documentation sources
     PYTHONPATH=src .venv/bin/python scripts/prepare_draft_data.py --out data/draft \
         --self-distill 600
+    # more answers for a fine-tune (train-draft --init): a new seed, no prompt drawn before
+    PYTHONPATH=src .venv/bin/python scripts/prepare_draft_data.py --out data/draft-s4 \
+        --docs 0 --self-distill 4000 --seed 4 --exclude data/draft*/selfdistill.jsonl
 
 Writes into --out:
   docs.jsonl         chat-templated records: Python documentation passages as answers
@@ -109,6 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="target precision answering (default: the model's own, what decoding runs)",
     )
+    parser.add_argument(
+        "--exclude",
+        type=Path,
+        nargs="*",
+        default=[],
+        metavar="FILE",
+        help="JSONL prompts or transcripts of earlier runs (their prompts.jsonl or "
+        "selfdistill.jsonl): prompts whose first user turn they hold are not drawn again, "
+        "so every answer is new text (files in --out itself are ignored: a rerun continues)",
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="rows decoded together")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
@@ -136,7 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"docs.jsonl: {len(records)} records")
     if args.self_distill <= 0 and args.eval <= 0:
         return 0
-    prompts = build_prompts(args.self_distill, args.seed, passages(docs), code)
+    from speculative.training.selfdistill import first_turns
+
+    missing = [str(path) for path in args.exclude if not path.is_file()]
+    if missing:
+        parser.error(f"--exclude: no such file: {', '.join(missing)}")
+    # the --out folder's own files are not earlier runs: a rerun continues its own prompts
+    earlier = [path for path in args.exclude if path.resolve().parent != args.out.resolve()]
+    drawn = first_turns(earlier)
+    prompts = build_prompts(args.self_distill, args.seed, passages(docs), code, exclude=drawn)
+    if drawn:
+        print(f"prompts.jsonl: {len(prompts)} prompts, none of the {len(drawn)} in --exclude")
     with (args.out / "prompts.jsonl").open("w", encoding="utf-8") as handle:
         for messages in prompts:
             handle.write(json.dumps({"messages": messages}) + "\n")

@@ -13,11 +13,13 @@ from server_helpers import tiny_chat_folder
 from speculative.batch_jobs import BatchJob, RowDecoder
 from speculative.pipeline import Speculator
 from speculative.targets import load_target
+from speculative.training.prompts import build_prompts
 from speculative.training.selfdistill import (
     SAMPLED_EVERY,
     answer_prompts,
     answer_records,
     answered,
+    first_turns,
     prompt_key,
     unanswered,
     write_transcripts,
@@ -54,3 +56,28 @@ def test_batched_answers_are_the_targets_own(loaded, tmp_path: Path) -> None:
     assert unanswered(path, PROMPTS) == []
     extra = [{"role": "user", "content": "a cat"}]
     assert unanswered(path, [*PROMPTS, extra]) == [extra]
+
+
+def test_prompts_drawn_by_an_earlier_run_are_not_drawn_again(tmp_path: Path) -> None:
+    prose = ["One sentence here. Another one there. A third one.", "Cats sleep. Dogs bark."]
+    code = ["def f(x):\n    y = x\n    return y"]
+    earlier = build_prompts(400, seed=0, prose=prose, code=code)
+    # an earlier run's files: its prompts, and transcripts whose first turn was answered
+    # and then followed by a second user turn
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(json.dumps({"messages": m}) + "\n" for m in earlier[:200])
+    )
+    answer = {"role": "assistant", "content": "ok"}
+    follow = {"role": "user", "content": "and then?"}
+    transcripts = [[*m, answer, follow, answer] for m in earlier[200:]]
+    (tmp_path / "selfdistill.jsonl").write_text(
+        "".join(json.dumps({"messages": m}) + "\n" for m in transcripts)
+    )
+    drawn = first_turns([tmp_path / "prompts.jsonl", tmp_path / "selfdistill.jsonl"])
+    assert drawn == {prompt_key(m) for m in earlier}
+    later = build_prompts(400, seed=1, prose=prose, code=code, exclude=drawn)
+    keys = [prompt_key(m) for m in later]
+    assert len(set(keys)) == 400 and not drawn.intersection(keys)
+    # the control: without the exclusion the same seed repeats many earlier prompts
+    again = {prompt_key(m) for m in build_prompts(400, seed=1, prose=prose, code=code)}
+    assert len(drawn & again) > 40

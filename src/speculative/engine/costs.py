@@ -452,7 +452,7 @@ def sampling_label(params: SamplingParams) -> str:
 
 
 @dataclass(frozen=True)
-class RoundTimes:
+class TimedRound:
     """One round: wall, target and drafter seconds, and the tokens it emitted."""
 
     wall: float
@@ -478,7 +478,7 @@ def round_overheads(
     tokens after ``prompt`` ``repeats`` times (all configurations interleaved, seeds
     0..repeats-1) and split each round's wall time into target forwards, drafter calls and
     the overhead around them."""
-    samples: dict[tuple[str, int], list[RoundTimes]] = {}
+    samples: dict[tuple[str, int], list[TimedRound]] = {}
     for repeat in range(repeats):
         for name, drafter in drafters.items():
             for index, params in enumerate(settings):
@@ -518,7 +518,7 @@ def _timed_rounds(
     tokens: int,
     gamma: int,
     seed: int,
-) -> list[RoundTimes]:
+) -> list[TimedRound]:
     """The rounds of one generation after its first (the prefill's) round."""
     engine = SpeculativeEngine(target, drafter, gamma)
     target_clock, draft_clock = CallClock(), CallClock()
@@ -536,6 +536,6 @@ def _timed_rounds(
                     break
                 after = (time.perf_counter(), target_clock.seconds, draft_clock.seconds)
                 spent = [b - a for a, b in zip(before, after, strict=True)]
-                out.append(RoundTimes(*spent, tokens=len(round_.tokens)))
+                out.append(TimedRound(*spent, tokens=len(round_.tokens)))
     target.reset()
     return out

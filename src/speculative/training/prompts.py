@@ -8,9 +8,10 @@ and deliberately differ from the benchmark's evaluation prompts.
 
 from __future__ import annotations
 
+import json
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 TOPICS = (
     "photosynthesis",
@@ -455,13 +456,22 @@ def code_snippets(sources: Sequence[str], max_lines: int = 14) -> list[str]:
     return found
 
 
+def prompt_key(messages: Sequence[dict[str, str]]) -> str:
+    """A transcript's identity (equal messages, equal key)."""
+    return json.dumps(list(messages), sort_keys=True)
+
+
 def build_prompts(
     count: int,
     seed: int = 0,
     prose: Sequence[str] = (),
     code: Sequence[str] = (),
+    exclude: Container[str] = frozenset(),
 ) -> list[list[dict[str, str]]]:
-    """``count`` chat transcripts (each ending with a user turn) in several styles."""
+    """``count`` chat transcripts (each ending with a user turn) in several styles, none
+    repeated and none whose :func:`prompt_key` is in ``exclude`` (earlier runs' prompts:
+    every answer to these is then new text). An empty ``exclude`` draws what it always
+    drew for a seed."""
     rng = random.Random(seed)
     makers = [_topic_prompt, _topic_prompt, _topic_prompt, _code_prompt, _math_prompt]
     if prose:
@@ -472,7 +482,9 @@ def build_prompts(
     prompts: list[list[dict[str, str]]] = []
     while len(prompts) < count:
         messages = rng.choice(makers)(rng, prose, code)
-        key = repr(messages)
+        key = prompt_key(messages)
+        if key in exclude:
+            continue
         if key not in seen or len(seen) > 50 * count:
             seen.add(key)
             prompts.append(messages)

@@ -15,6 +15,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from speculative.training.prompts import prompt_key
+
 SAMPLED_EVERY = 4  # every 4th prompt is answered at temperature 0.8 / top-p 0.95
 
 Messages = list[dict[str, str]]
@@ -77,14 +79,26 @@ def answered(path: Path) -> set[str]:
     return done
 
 
+def first_turns(paths: Sequence[Path]) -> set[str]:
+    """The first user turns (as :func:`prompt_key`) of the transcripts or prompts in JSONL
+    files (``{"messages": [...]}`` a line): what earlier runs drew, for
+    ``build_prompts(exclude=...)``."""
+    keys = set()
+    for path in paths:
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            try:
+                messages = json.loads(line)["messages"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+            if messages and messages[0].get("role") == "user":
+                keys.add(prompt_key(messages[:1]))
+    return keys
+
+
 def unanswered(path: Path, prompts: Sequence[Messages]) -> list[Messages]:
     """The prompts the transcript file at ``path`` does not answer yet, in order."""
     done = answered(path)
     return [messages for messages in prompts if prompt_key(messages) not in done]
-
-
-def prompt_key(messages: Messages) -> str:
-    return json.dumps(messages, sort_keys=True)
 
 
 def write_transcripts(path: Path, transcripts: Iterator[tuple[Messages, int]]) -> int:
