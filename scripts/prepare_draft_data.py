@@ -204,12 +204,11 @@ def answer_into(
 def second_turns(path: Path, prompts: list, args: argparse.Namespace) -> list:
     """Follow-up turns for the first --follow-ups share of the answered first turns."""
     from speculative.training.prompts import follow_ups
-    from speculative.training.selfdistill import prompt_key
+    from speculative.training.selfdistill import prompt_key, read_transcripts
 
     first = {prompt_key(messages) for messages in prompts}
     answers = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        messages = json.loads(line)["messages"]
+    for messages in read_transcripts(path):
         if prompt_key(messages[:-1]) in first:
             answers[prompt_key(messages[:-1])] = messages
     chosen = [answers[prompt_key(m)] for m in prompts if prompt_key(m) in answers]

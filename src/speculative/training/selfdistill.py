@@ -69,30 +69,28 @@ def answered(path: Path) -> set[str]:
     answers: a rerun skips them, so an interrupted run continues where it stopped."""
     if not Path(path).is_file():
         return set()
-    done = set()
+    return {prompt_key(messages[:-1]) for messages in read_transcripts(path)}
+
+
+def read_transcripts(path: Path) -> Iterator[Messages]:
+    """The ``messages`` of each line of a JSONL file (lines that hold none are skipped)."""
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         try:
-            messages = json.loads(line)["messages"]
+            yield json.loads(line)["messages"]
         except (json.JSONDecodeError, KeyError, TypeError):
             continue
-        done.add(prompt_key(messages[:-1]))
-    return done
 
 
 def first_turns(paths: Sequence[Path]) -> set[str]:
     """The first user turns (as :func:`prompt_key`) of the transcripts or prompts in JSONL
     files (``{"messages": [...]}`` a line): what earlier runs drew, for
     ``build_prompts(exclude=...)``."""
-    keys = set()
-    for path in paths:
-        for line in Path(path).read_text(encoding="utf-8").splitlines():
-            try:
-                messages = json.loads(line)["messages"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-            if messages and messages[0].get("role") == "user":
-                keys.add(prompt_key(messages[:1]))
-    return keys
+    return {
+        prompt_key(messages[:1])
+        for path in paths
+        for messages in read_transcripts(path)
+        if messages and messages[0].get("role") == "user"
+    }
 
 
 def unanswered(path: Path, prompts: Sequence[Messages]) -> list[Messages]:
