@@ -830,7 +830,7 @@ def test_auto_uses_both_and_is_lossless(trained):
 def _timed_auto(curve: dict[int, float], ngram_alpha: float, head_alpha: float) -> AutoDrafter:
     """An AutoDrafter whose verification times V(k) are ``curve`` (seconds) and whose
     options have the given α, n-gram drafting at 1 % and the head at 15 % of V(1)."""
-    from speculative.drafters.auto import VerifyTimes
+    from speculative.round_costs import VerifyTimes
 
     drafter = AutoDrafter(head=None)  # type: ignore[arg-type]  # choose() never calls it
     drafter.verify = VerifyTimes(curve[1], {k: v / curve[1] for k, v in curve.items()})
@@ -898,7 +898,7 @@ def test_auto_verify_times_follow_the_machine_at_every_length():
     """V(k): the prior shape until timed; a slowdown seen at one length moves every
     length (a V(1) timed early and never again must not stay stale); one pass five times
     as slow moves V(k) by less than half and normal rounds bring it back."""
-    from speculative.drafters.auto import PRIOR_SLOPE, VerifyTimes
+    from speculative.round_costs import PRIOR_SLOPE, VerifyTimes
 
     times = VerifyTimes()
     assert times.at(3) == pytest.approx(1 + 2 * PRIOR_SLOPE)  # units of V(1) before any
@@ -925,13 +925,13 @@ def test_auto_learns_the_verify_shape_of_the_length_most_rounds_use():
     calibration) says 0.97. Learnt from adjacent plain and 2-token rounds, the shape
     reaches 1.2; learnt against the scale (the control, the rule before), it stays near
     1.08, where a 1-token draft looks cheaper than it is."""
-    from speculative.drafters.auto import DECAY, VerifyTimes
+    from speculative.round_costs import VerifyTimes
     from speculative.theory import decayed_average
 
     class AgainstScale(VerifyTimes):
         def record(self, k: int, seconds: float) -> None:
             shape = self.shape_at(k)
-            self.scale = decayed_average(self.scale, seconds / shape, DECAY)
+            self.scale = decayed_average(self.scale, seconds / shape, self.decay)
             if k > 1:
                 self.shape[k] = 0.99 * shape + 0.01 * seconds / self.scale
 
@@ -951,10 +951,10 @@ def test_auto_learns_the_verify_shape_of_the_length_most_rounds_use():
 def test_gamma_auto_hands_auto_the_measured_curve_and_a_cap():
     """--gamma auto: a drafter that chooses its own length gets the measured T(k) as the
     prior of its timings and a fixed cap; other drafters keep the adaptive policy."""
-    from speculative.drafters.auto import prior_shape
     from speculative.drafters.ngram import PromptLookupDrafter
     from speculative.engine import AdaptiveGamma
     from speculative.engine.gamma import AUTO_LENGTH_CAP, make_gamma_policy
+    from speculative.round_costs import prior_shape
 
     curve = {1: 1.0, 2: 1.05, 3: 1.3, 4: 1.6, 5: 2.0}  # steeper than the default prior
     drafter = AutoDrafter(head=None)  # type: ignore[arg-type]  # only its timings are used

@@ -390,25 +390,36 @@ def _weak_policy() -> AdaptiveGamma:
 
 def test_adaptive_gamma_prices_rounds_from_their_timings():
     """Priced from the curve alone, a weak draft looks nearly free and the policy drafts;
-    once plain rounds and 3-token rounds are timed (1.23x), it drafts nothing but its
-    probes, and a length it has not timed is priced from the nearest timed one."""
+    once rounds of 2 and 3 tokens have been timed next to plain ones (1.16x and 1.23x),
+    it drafts nothing but its probes, and a length it has not timed is priced from the
+    nearest timed one by the curve."""
     blind, timed = _weak_policy(), _weak_policy()
-    for _ in range(3):
-        timed.observe_round(1, 3.95e-3)
-        timed.observe_round(3, 4.84e-3)
+    for _ in range(20):
+        for k, seconds in ((1, 3.95e-3), (2, 4.60e-3), (1, 3.95e-3), (3, 4.84e-3)):
+            timed.observe_round(k, seconds)
     shapes = timed.verify_shapes(5)
-    assert shapes[2] == pytest.approx(4.84 / 3.95)
-    assert shapes[1] == pytest.approx(4.84 / 3.95)  # k = 2 scaled from k = 3, not below it
-    assert shapes[3] == pytest.approx(4.84 / 3.95 * 1.103 / 1.024)
+    assert shapes[1] == pytest.approx(4.60 / 3.95, rel=0.01)
+    assert shapes[2] == pytest.approx(4.84 / 3.95, rel=0.01)
+    assert shapes[3] == pytest.approx(shapes[2] * 1.103 / 1.024)  # T(4) from T(3), the curve
+    assert timed.rounds.at(1) == pytest.approx(3.95e-3, rel=0.01)
     assert [timed.next_gamma() for _ in range(7)] == [0] * 7  # the 8th would probe
     # negative control: the same acceptance priced from the curve alone drafts every round
     assert all(blind.next_gamma() > 0 for _ in range(7))
-    # two timed rounds are not enough to override the curve (min_rounds 3)
-    early = _weak_policy()
-    for _ in range(2):
-        early.observe_round(1, 3.95e-3)
-        early.observe_round(3, 4.84e-3)
-    assert early.verify_shapes(3) == blind.verify_shapes(3)
+
+
+def test_adaptive_gamma_learns_a_shape_from_adjacent_rounds_only():
+    """Rounds of 3 tokens with no plain one beside them move the scale (V(1)) but not the
+    shape: a slower machine is not taken for a steeper curve."""
+    apart, control = _weak_policy(), _weak_policy()
+    for _ in range(60):
+        apart.observe_round(3, 4.84e-3)
+    assert apart.verify_shapes(4) == _weak_policy().verify_shapes(4)
+    assert apart.rounds.at(1) == pytest.approx(4.84e-3 / 1.024, rel=0.02)  # T(3) as the curve
+    # the control: the same rounds interleaved do move the shape of 3 tokens
+    for _ in range(10):
+        control.observe_round(1, 3.95e-3)
+        control.observe_round(3, 4.84e-3)
+    assert control.verify_shapes(4)[2] > 1.15
 
 
 def test_adaptive_gamma_prices_drafting_in_timed_plain_rounds():

@@ -12,7 +12,8 @@ V(1). Each option takes the g (up to the round's γ) with the most tokens per se
 best of the options and the plain step wins. So a draft runs only where it pays on this
 machine: where verifying more tokens costs more (int4 on AVX2: T(5)/T(1) ≈ 1.3–1.7) a
 weak guess drafts fewer tokens or none. V(k) is kept as a scale that every round updates
-times a shape per k (:class:`VerifyTimes`). After EXPLORE rounds without it, the head
+times a shape per k (:class:`~speculative.round_costs.VerifyTimes`, the estimator the
+adaptive γ policy keeps too). After EXPLORE rounds without it, the head
 drafts one token in the next round that would otherwise be a plain step, so that its
 estimate stays current; it never displaces an n-gram draft that pays.
 """
@@ -43,6 +44,7 @@ from speculative.drafters.ngram import (
     match_situation,
 )
 from speculative.models.session import FeatureSource, RowSession
+from speculative.round_costs import VerifyTimes
 from speculative.sampling import SamplingParams
 from speculative.theory import decayed_average, expected_tokens
 
@@ -50,8 +52,6 @@ DECAY = 0.9  # weight of the past in the running estimates
 MAX_NGRAM = 16  # the longest match compared
 EXPLORE = 8  # rounds without the head after which a plain round drafts one (keeps α current)
 WINDOW = 2048
-PRIOR_SLOPE = 0.1  # V(k) / V(1) - 1 per extra verified token, until V(k) is timed
-PAIR_WEIGHT = 0.05  # weight of an adjacent pair of rounds in V(k)'s shape, once learnt
 
 
 @dataclass
@@ -76,80 +76,6 @@ class Estimate:
 
     def update_seconds(self, seconds: float) -> None:
         self.seconds = decayed_average(self.seconds, seconds, DECAY)
-
-
-def prior_shape(k: int, curve: dict[int, float] | None = None) -> float:
-    """V(k) / V(1) before any verification of k tokens is timed: the measured verify-cost
-    curve T(k)/T(1) where given (extended past its end by its last step), else
-    1 + PRIOR_SLOPE (k − 1)."""
-    if not curve or len(curve) < 2:
-        return 1.0 + PRIOR_SLOPE * (k - 1)
-    if k in curve:
-        return curve[k]
-    last, before = sorted(curve)[-1], sorted(curve)[-2]
-    step = max((curve[last] - curve[before]) / (last - before), 0.0)
-    return curve[last] + step * (k - last)
-
-
-@dataclass
-class VerifyTimes:
-    """Running estimate of V(k), the seconds of a round that verifies k tokens, as a scale
-    times a shape: V(k) = scale · shape(k), shape(1) = 1.
-
-    Every timed round updates the scale, so a machine that slows down or speeds up moves
-    every V(k) at once, including lengths no longer chosen. The shape is learnt from
-    adjacent rounds only: a round of k tokens right after a plain one, or a plain one right
-    after a round of k, moves shape(k) toward the ratio of the two times, taken
-    milliseconds apart (a running mean over the first pairs, then PAIR_WEIGHT a pair).
-    Learnt against the scale instead (toward seconds ÷ scale), the shape of a length that
-    most rounds use cannot move: the scale is then that length's own time ÷ its shape,
-    whatever the shape (a prior of 0.97 where rounds of 2 tokens take 1.2× a plain one
-    stays at 1.08 after 1,200 rounds with one in ten plain; the pairs reach 1.18). Until k is
-    paired, shape(k) is the nearest learnt shape scaled by the prior: the target's measured
-    verify-cost curve where the drafter was given it (``--gamma auto``), else
-    1 + PRIOR_SLOPE (k − 1)."""
-
-    scale: float | None = None  # seconds of V(1)
-    shape: dict[int, float] = field(default_factory=lambda: {1: 1.0})
-    prior: dict[int, float] | None = None  # a measured T(k)/T(1), if given
-    pairs: dict[int, int] = field(default_factory=dict)  # k -> adjacent pairs learnt from
-    last: tuple[int, float] | None = None  # the previous round's tokens and seconds
-
-    def shape_at(self, k: int) -> float:
-        if k in self.shape:
-            return self.shape[k]
-        near = min(self.shape, key=lambda m: (abs(m - k), m))
-        return self.shape[near] * prior_shape(k, self.prior) / prior_shape(near, self.prior)
-
-    def record(self, k: int, seconds: float) -> None:
-        self.scale = decayed_average(self.scale, seconds / self.shape_at(k), DECAY)
-        pair = adjacent_ratio(self.last, k, seconds)
-        if pair is not None:
-            longer, ratio = pair
-            count = self.pairs.get(longer, 0)
-            weight = max(PAIR_WEIGHT, 1.0 / (count + 2))  # the prior counts as one pair
-            self.shape[longer] = (1 - weight) * self.shape_at(longer) + weight * ratio
-            self.pairs[longer] = count + 1
-        self.last = (k, seconds)
-
-    def at(self, k: int) -> float:
-        """V(k) in seconds (in units of V(1) = 1 while nothing is timed)."""
-        return self.shape_at(k) * (1.0 if self.scale is None else self.scale)
-
-
-def adjacent_ratio(
-    last: tuple[int, float] | None, k: int, seconds: float
-) -> tuple[int, float] | None:
-    """(k', V(k') ÷ V(1)) from this round (``k`` tokens, ``seconds``) and the one before
-    (``last``) when one of the two was plain and the other verified k' > 1 tokens."""
-    if last is None:
-        return None
-    before, before_seconds = last
-    if k > 1 and before == 1:
-        return k, seconds / before_seconds
-    if k == 1 and before > 1:
-        return before, before_seconds / seconds
-    return None
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, cast, runtime_checkable
 
 from speculative.drafters.base import ChoosesDraftLength
+from speculative.round_costs import VerifyTimes
 from speculative.theory import (
     VerifyCost,
     decayed_average,
@@ -127,26 +128,6 @@ class HeuristicGamma:
 
 
 @dataclass
-class RoundTimes:
-    """Running mean seconds of timed rounds by the tokens they verified (γ + 1), with how
-    many rounds each mean has seen."""
-
-    decay: float = 0.8  # weight of the previous mean
-    seconds: dict[int, float] = field(default_factory=dict)  # k -> running mean seconds
-    counts: dict[int, int] = field(default_factory=dict)  # k -> rounds timed
-
-    def record(self, tokens: int, seconds: float) -> None:
-        if tokens < 1 or seconds <= 0:
-            return
-        self.seconds[tokens] = decayed_average(self.seconds.get(tokens), seconds, self.decay)
-        self.counts[tokens] = self.counts.get(tokens, 0) + 1
-
-    def timed(self, tokens: int, min_rounds: int) -> float | None:
-        """The running mean of rounds of ``tokens`` once ``min_rounds`` were timed."""
-        return self.seconds[tokens] if self.counts.get(tokens, 0) >= min_rounds else None
-
-
-@dataclass
 class AdaptiveGamma:
     """Pick γ maximizing the generalized speedup from running per-position acceptance.
 
@@ -167,11 +148,11 @@ class AdaptiveGamma:
     positions smoothed towards the pooled estimate of all rounds, and γ is chosen from the
     current situation's: long after long matches, short or none after short ones.
 
-    Round costs (:class:`LearnsRoundCosts`): T(k)/T(1) is the measured curve only until
-    rounds of k tokens and plain rounds have been timed ``min_rounds`` times each; then it
-    is their ratio (:meth:`verify_shapes`). One calibration can be off by tens of percent
-    on a shared machine (T(3)/T(1) 1.00 where rounds of 3 tokens took 1.23× a plain one,
-    their sampling and commit included), and a γ priced from it loses to plain decoding.
+    Round costs (:class:`LearnsRoundCosts`): the measured curve T(k)/T(1) is the prior
+    shape of :class:`~speculative.round_costs.VerifyTimes` (the estimator ``auto`` keeps
+    too), which learns each length's shape from its rounds next to plain ones
+    (:meth:`verify_shapes`). One calibration can be off by tens of percent on a shared
+    machine, and a γ priced from it alone loses to plain decoding.
     """
 
     c: float
@@ -188,11 +169,22 @@ class AdaptiveGamma:
     idle_rounds: int = 0
     overhead: float = 0.0  # measured drafting per round beyond γ·c, in target steps
     step_seconds: float | None = None  # measured T(1), from the verification passes
-    min_rounds: int = 3  # timed rounds of a length (and plain ones) before they price it
-    rounds: RoundTimes = field(default_factory=RoundTimes)
+    rounds: VerifyTimes = field(init=False)  # V(k), the curve its prior shape
 
     def __post_init__(self) -> None:
         self.pooled = PositionCounts.empty(self.max_gamma)
+        self.rounds = VerifyTimes(prior=self._prior_shape(), decay=self.cost_decay)
+
+    def _prior_shape(self) -> dict[int, float]:
+        """The measured curve as T(k)/T(1) for k = 1..max_gamma + 1, non-decreasing in k (a
+        pass over more tokens never costs less; a lower reading is noise)."""
+        known = None if callable(self.verify_cost) else sorted(int(k) for k in self.verify_cost)
+        unit = verify_cost_at(self.verify_cost, 1, known)
+        shape, top = {}, 0.0
+        for k in range(1, self.max_gamma + 2):
+            top = max(top, verify_cost_at(self.verify_cost, k, known) / unit)
+            shape[k] = top
+        return shape
 
     def situate(self, situation: Hashable) -> None:
         self.situation = situation
@@ -210,30 +202,13 @@ class AdaptiveGamma:
         """One round's measured pass and verification, over ``tokens`` = γ + 1 tokens."""
         self.rounds.record(tokens, seconds)
 
-    def _timed(self, k: int) -> float | None:
-        return self.rounds.timed(k, self.min_rounds)
-
     def verify_shapes(self, largest: int) -> list[float]:
-        """T(k)/T(1) as priced for k = 1..``largest`` (index k − 1): non-decreasing in k
-        (a pass over more tokens never costs less; a lower reading is noise), each point
-        the timed rounds' ratio where both lengths are timed, else the curve scaled by
-        the nearest timed length's ratio."""
-        known = None if callable(self.verify_cost) else sorted(int(k) for k in self.verify_cost)
-        curve, top = [], 0.0  # the measured curve, non-decreasing
+        """T(k)/T(1) as priced for k = 1..``largest`` (index k − 1): the learnt
+        :class:`~speculative.round_costs.VerifyTimes` shape, non-decreasing in k."""
+        shapes, top = [], 1.0
         for k in range(1, largest + 1):
-            top = max(top, verify_cost_at(self.verify_cost, k, known))
-            curve.append(top)
-        plain = self._timed(1)
-        timed = {k: seconds for k in range(2, largest + 1) if plain and (seconds := self._timed(k))}
-        shapes, shape = [], 1.0
-        for k in range(1, largest + 1):
-            point = curve[k - 1] / curve[0]
-            if k > 1 and plain and timed:
-                near = min(timed, key=lambda t: (abs(t - k), t))
-                ratio = timed[near] / plain
-                point = ratio * curve[k - 1] / curve[near - 1]  # the ratio itself at k = near
-            shape = max(shape, point)
-            shapes.append(shape)
+            top = max(top, self.rounds.shape_at(k))
+            shapes.append(top)
         return shapes
 
     def round_cost(self, gamma: int, shapes: Sequence[float] | None = None) -> float:
@@ -264,14 +239,14 @@ class AdaptiveGamma:
 
     def observe_costs(self, gamma: int, draft_seconds: float, verify_seconds: float) -> None:
         """One round's measured drafting and verification times (γ > 0 rounds). The
-        drafting is priced in plain rounds, the unit :meth:`verify_shapes` prices the
-        verification in once they are timed; until then in T(1) as this pass and the
-        curve imply."""
+        drafting is priced in plain rounds, V(1) as the timed rounds give it (the unit
+        :meth:`verify_shapes` prices the verification in); before any round is timed, in
+        T(1) as this pass and the curve imply."""
         if gamma < 1 or verify_seconds <= 0:
             return
         step = verify_seconds / verify_cost_at(self.verify_cost, gamma + 1)
         self.step_seconds = decayed_average(self.step_seconds, step, self.cost_decay)
-        unit = self._timed(1) or self.step_seconds
+        unit = self.rounds.scale if self.rounds.scale is not None else self.step_seconds
         excess = max(0.0, draft_seconds / unit - gamma * self.c)
         self.overhead = decayed_average(self.overhead, excess, self.cost_decay)
 
