@@ -401,7 +401,7 @@ def test_adaptive_gamma_prices_rounds_from_their_timings():
     assert shapes[1] == pytest.approx(4.60 / 3.95, rel=0.01)
     assert shapes[2] == pytest.approx(4.84 / 3.95, rel=0.01)
     assert shapes[3] == pytest.approx(shapes[2] * 1.103 / 1.024)  # T(4) from T(3), the curve
-    assert timed.rounds.at(1) == pytest.approx(3.95e-3, rel=0.01)
+    assert timed.verify.at(1) == pytest.approx(3.95e-3, rel=0.01)
     assert [timed.next_gamma() for _ in range(7)] == [0] * 7  # the 8th would probe
     # negative control: the same acceptance priced from the curve alone drafts every round
     assert all(blind.next_gamma() > 0 for _ in range(7))
@@ -414,7 +414,7 @@ def test_adaptive_gamma_learns_a_shape_from_adjacent_rounds_only():
     for _ in range(60):
         apart.observe_round(3, 4.84e-3)
     assert apart.verify_shapes(4) == _weak_policy().verify_shapes(4)
-    assert apart.rounds.at(1) == pytest.approx(4.84e-3 / 1.024, rel=0.02)  # T(3) as the curve
+    assert apart.verify.at(1) == pytest.approx(4.84e-3 / 1.024, rel=0.02)  # T(3) as the curve
     # the control: the same rounds interleaved do move the shape of 3 tokens
     for _ in range(10):
         control.observe_round(1, 3.95e-3)
@@ -453,11 +453,11 @@ def test_a_speculator_keeps_its_gamma_policy_across_generations():
         rounds += [g + 1 for g in out.stats.gammas]
     policy = auto.engine().gamma_policy
     assert isinstance(policy, AdaptiveGamma)
-    assert policy.rounds.counts == {k: rounds.count(k) for k in set(rounds)}
+    assert policy.verify.counts == {k: rounds.count(k) for k in set(rounds)}
     auto.verify_cost = {k: 1.0 + 0.1 * (k - 1) for k in range(1, 14)}  # a new calibration
     fresh = auto.engine().gamma_policy
     assert isinstance(fresh, AdaptiveGamma) and fresh.verify_cost == auto.verify_cost
-    assert fresh.rounds.counts == {}
+    assert fresh.verify.counts == {}
 
 
 def test_the_engine_times_every_round_for_the_policy():

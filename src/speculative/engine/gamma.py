@@ -169,11 +169,11 @@ class AdaptiveGamma:
     idle_rounds: int = 0
     overhead: float = 0.0  # measured drafting per round beyond γ·c, in target steps
     step_seconds: float | None = None  # measured T(1), from the verification passes
-    rounds: VerifyTimes = field(init=False)  # V(k), the curve its prior shape
+    verify: VerifyTimes = field(init=False)  # V(k), the curve its prior shape (as auto keeps)
 
     def __post_init__(self) -> None:
         self.pooled = PositionCounts.empty(self.max_gamma)
-        self.rounds = VerifyTimes(prior=self._prior_shape(), decay=self.cost_decay)
+        self.verify = VerifyTimes(prior=self._prior_shape(), decay=self.cost_decay)
 
     def _prior_shape(self) -> dict[int, float]:
         """The measured curve as T(k)/T(1) for k = 1..max_gamma + 1, non-decreasing in k (a
@@ -200,14 +200,14 @@ class AdaptiveGamma:
 
     def observe_round(self, tokens: int, seconds: float) -> None:
         """One round's measured pass and verification, over ``tokens`` = γ + 1 tokens."""
-        self.rounds.record(tokens, seconds)
+        self.verify.record(tokens, seconds)
 
     def verify_shapes(self, largest: int) -> list[float]:
         """T(k)/T(1) as priced for k = 1..``largest`` (index k − 1): the learnt
         :class:`~speculative.round_costs.VerifyTimes` shape, non-decreasing in k."""
         shapes, top = [], 1.0
         for k in range(1, largest + 1):
-            top = max(top, self.rounds.shape_at(k))
+            top = max(top, self.verify.shape_at(k))
             shapes.append(top)
         return shapes
 
@@ -246,7 +246,7 @@ class AdaptiveGamma:
             return
         step = verify_seconds / verify_cost_at(self.verify_cost, gamma + 1)
         self.step_seconds = decayed_average(self.step_seconds, step, self.cost_decay)
-        unit = self.rounds.scale if self.rounds.scale is not None else self.step_seconds
+        unit = self.verify.scale if self.verify.scale is not None else self.step_seconds
         excess = max(0.0, draft_seconds / unit - gamma * self.c)
         self.overhead = decayed_average(self.overhead, excess, self.cost_decay)
 
