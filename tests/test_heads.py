@@ -962,6 +962,8 @@ def test_gamma_auto_hands_auto_the_measured_curve_and_a_cap():
     drafter.verify.record(1, 0.01)
     assert drafter.verify.at(4) == pytest.approx(0.016)  # V(1) x the measured T(4)
     assert prior_shape(7, curve) == pytest.approx(2.0 + 2 * 0.4)  # the last step, extended
+    sparse = {1: 1.0, 4: 1.2, 8: 2.0}  # measured at a few lengths: linear between them
+    assert [prior_shape(k, sparse) for k in (2, 6, 9)] == pytest.approx([1.0 + 0.2 / 3, 1.6, 2.2])
     assert prior_shape(4) != pytest.approx(1.6)  # the control: without a curve, the default
     assert isinstance(make_gamma_policy("auto", 0.1, curve, PromptLookupDrafter()), AdaptiveGamma)
     assert isinstance(make_gamma_policy("auto", 0.1, None, drafter), AdaptiveGamma)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from speculative.theory import decayed_average
+from speculative.theory import decayed_average, verify_cost_at
 
 PRIOR_SLOPE = 0.1  # V(k) / V(1) - 1 per extra verified token, until V(k) is timed
 PAIR_WEIGHT = 0.05  # weight of an adjacent pair of rounds in V(k)'s shape, once learnt
@@ -23,13 +23,15 @@ PAIR_WEIGHT = 0.05  # weight of an adjacent pair of rounds in V(k)'s shape, once
 
 def prior_shape(k: int, curve: dict[int, float] | None = None) -> float:
     """V(k) / V(1) before any verification of k tokens is timed: the measured verify-cost
-    curve T(k)/T(1) where given (extended past its end by its last step), else
+    curve T(k)/T(1) where given (:func:`~speculative.theory.verify_cost_at` up to its last
+    point, linear between measured points; past it, extended by its last step), else
     1 + PRIOR_SLOPE (k − 1)."""
     if not curve or len(curve) < 2:
         return 1.0 + PRIOR_SLOPE * (k - 1)
-    if k in curve:
-        return curve[k]
-    last, before = sorted(curve)[-1], sorted(curve)[-2]
+    keys = sorted(curve)
+    before, last = keys[-2], keys[-1]
+    if k <= last:
+        return verify_cost_at(curve, k, keys)
     step = max((curve[last] - curve[before]) / (last - before), 0.0)
     return curve[last] + step * (k - last)
 
