@@ -28,6 +28,8 @@ def prior_shape(k: int, curve: dict[int, float] | None = None) -> float:
     1 + PRIOR_SLOPE (k − 1)."""
     if not curve or len(curve) < 2:
         return 1.0 + PRIOR_SLOPE * (k - 1)
+    if k in curve:  # a measured point (every k of a calibration): no sort on the hot path
+        return curve[k]
     keys = sorted(curve)
     before, last = keys[-2], keys[-1]
     if k <= last:
