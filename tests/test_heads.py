@@ -77,6 +77,7 @@ def train_small_head(
     options = TrainDraftOptions(
         out=out, method=method, target=str(model), data=[data], steps=60, draft_vocab=16,
         batch_tokens=1024, lr=3e-3, progress=False, feature_layers=layers,
+        matmul_precision="fp32",  # the same heads on every CPU (auto: bf16 where native)
     )  # fmt: skip
     if cache_of is not None:
         out.mkdir(parents=True)
@@ -1038,9 +1039,9 @@ def test_train_draft_cli_json_resume_and_errors(trained, tmp_path, capsys):
     assert "cannot read training data" in capsys.readouterr().err
     held = write_corpus(tmp_path / "eval.jsonl", trained["model"], records=3, seed=1)
     separate = [*args[:-3], "--out", str(tmp_path / "e"), "--eval-data", str(held), "--json"]
-    assert main([*separate, "--steps", "2"]) == 0
+    assert main([*separate, "--steps", "2", "--matmul-precision", "bf16"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["heldout_source"] == "eval data"
+    assert report["heldout_source"] == "eval data" and report["matmul_precision"] == "bf16"
     assert report["heldout_tokens"] == 3 * 44  # all of it (4 prompt + 40 answer tokens each)
     assert report["train_tokens"] == 60 * 44  # every --data record trains
 
@@ -1053,7 +1054,7 @@ def fine_tune(trained: dict[str, Path], out: Path, init: str | None, steps: int,
         write_corpus(data, trained["model"], records=30, seed=7)
     options = TrainDraftOptions(
         out=out, target=str(trained["model"]), data=[data], steps=steps, batch_tokens=512,
-        lr=lr, progress=False, init=init, **kw,
+        lr=lr, progress=False, init=init, **{"matmul_precision": "fp32", **kw},
     )  # fmt: skip
     report = train_draft(options)
     return report, load_head(out, target_on("native-torch", trained["model"]).lm)
@@ -1112,6 +1113,118 @@ def test_a_fine_tune_keeps_the_shape_of_its_head(trained, tmp_path):
         fine_tune(trained, tmp_path / "d", "shipped", 1)
     with pytest.raises(ValueError, match="no such folder"):
         fine_tune(trained, tmp_path / "e", str(tmp_path / "missing"), 1)
+
+
+def test_bf16_matmuls_train_the_head_as_fp32_does(trained, tmp_path):
+    """--matmul-precision bf16 (autocast) trains a fresh head as far as fp32 does in the
+    same steps, far beyond the untrained head (lr 0, the control); its loss on a batch is
+    fp32's to bf16 rounding but not fp32's own (the products really ran in bf16); the
+    saved head is float32 and the report names the precision."""
+    from speculative.training.features import chunk_paths, iterate_chunks
+    from speculative.training.trainer import batch_loss, collate
+
+    runs = {}
+    for name, precision, lr in (("fp32", "fp32", 3e-3), ("bf16", "bf16", 3e-3), ("ctl", "fp32", 0)):
+        report, head = fine_tune(
+            trained, tmp_path / name, None, 40, lr=lr, draft_vocab=16, matmul_precision=precision
+        )
+        assert report["matmul_precision"] == precision
+        assert all(p.dtype == torch.float32 for p in head.module.parameters())
+        runs[name] = (sum(report["heldout_top1"]) / 5, head)
+    assert runs["bf16"][0] == pytest.approx(runs["fp32"][0], abs=0.05)
+    assert min(runs["fp32"][0], runs["bf16"][0]) > runs["ctl"][0] + 0.1
+    weights = [dict(runs[name][1].module.named_parameters()) for name in ("fp32", "bf16")]
+    assert not all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    head = runs["fp32"][1]
+    batch = collate([next(iterate_chunks(chunk_paths(tmp_path / "fp32" / "features", "train")))])
+    rows = head.head_rows
+    exact, _ = batch_loss(head.module, batch, head.embedding, rows, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rounded, _ = batch_loss(head.module, batch, head.embedding, rows, 3)
+    assert rounded.dtype == torch.float32 and not torch.equal(rounded, exact)
+    assert float(rounded.detach()) == pytest.approx(float(exact.detach()), rel=0.02)
+
+
+def per_step_loss(module, batch, embedding, rows, steps, fraction):
+    """The distillation loss written plainly (the reference for ``batch_loss``): each
+    draft step computes the target's distribution at the rows it scores."""
+    from speculative.training.trainer import (
+        REGRESSION_WEIGHT,
+        STEP_DECAY,
+        _loss_rows,
+        _shift,
+        predictions,
+    )
+
+    total = torch.zeros(())
+    last = batch.features[..., : rows.shape[1]]
+    for s, (pred, offset) in enumerate(predictions(module, batch, embedding, steps)):
+        t = pred.shape[1]
+        target = _shift(last, offset, t).reshape(-1, rows.shape[1])
+        chosen = _loss_rows(torch.arange(t) + offset < batch.lengths.unsqueeze(1), fraction)
+        pred_rows, target_rows = pred.reshape(-1, rows.shape[1])[chosen], target[chosen]
+        p = torch.softmax(target_rows @ rows.T, -1)
+        loss = -(p * torch.log_softmax(pred_rows @ rows.T, -1)).sum(-1).mean()
+        loss = loss + REGRESSION_WEIGHT * torch.nn.functional.smooth_l1_loss(pred_rows, target_rows)
+        total = total + STEP_DECAY**s * loss
+    return total
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.4])
+def test_the_loss_computes_each_target_distribution_once_and_equals_the_plain_loss(
+    trained, fraction
+):
+    """batch_loss scores the target's distribution once per position that any draft step
+    needs (three steps overlap on most positions); it equals the loss written step by
+    step, on the same rows drawn from the same seed. Scoring each row against the
+    position before its own (an off-by-one in the position map) breaks the equality: the
+    control."""
+    import speculative.training.trainer as trainer_module
+    from speculative.training.features import chunk_paths, iterate_chunks
+
+    head = load_head(trained["eagle"], target_on("native-torch", trained["model"]).lm)
+    items = iterate_chunks(chunk_paths(trained["eagle"] / "features", "train"))
+    batch = trainer_module.collate([next(items), next(items)])
+    args = (head.module, batch, head.embedding, head.head_rows, 3, fraction)
+    torch.manual_seed(5)
+    want = float(per_step_loss(*args).detach())
+    losses = []
+    for off_by_one in (False, True):
+        pick = trainer_module._pick
+
+        def broken(*a, pick=pick, shift=int(off_by_one)):
+            rows, at = pick(*a)
+            return rows, at - shift
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(trainer_module, "_pick", broken)
+            torch.manual_seed(5)
+            losses.append(float(trainer_module.batch_loss(*args)[0].detach()))
+    assert losses[0] == pytest.approx(want, rel=1e-5)
+    assert abs(losses[1] - want) > 0.02 * want
+
+
+def test_matmul_precision_auto_asks_the_cpu_for_native_bf16():
+    """auto trains in bf16 only where the CPU has bf16 dot products (AVX512-BF16 or AMX)
+    and ONEDNN_MAX_CPU_ISA leaves oneDNN them; an explicit setting is kept anywhere."""
+    from speculative.hardware import CpuInfo
+    from speculative.training.precision import resolve_matmul_precision
+
+    def cpu(*isa: str, **settings: str) -> CpuInfo:
+        return CpuInfo("cpu", "AuthenticAMD", "25", 2, isa, settings=settings)
+
+    zen4 = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")
+    assert resolve_matmul_precision("auto", cpu(*zen4)) == "bf16"
+    assert resolve_matmul_precision("auto", cpu("avx2", "fma")) == "fp32"  # AVX2-only EPYC
+    assert resolve_matmul_precision("auto", cpu("avx2", "avx512f", "avx512bw")) == "fp32"
+    assert resolve_matmul_precision("auto", cpu(*zen4, ONEDNN_MAX_CPU_ISA="AVX2")) == "fp32"
+    limited = cpu(*zen4, ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
+    assert resolve_matmul_precision("auto", limited) == "bf16"
+    assert resolve_matmul_precision("auto", cpu("amx_bf16", "amx_tile")) == "bf16"
+    assert resolve_matmul_precision("bf16", cpu("avx2")) == "bf16"
+    assert resolve_matmul_precision("fp32", cpu(*zen4)) == "fp32"
+    with pytest.raises(ValueError, match="choose one of auto, fp32, bf16"):
+        resolve_matmul_precision("fp16", cpu(*zen4))
 
 
 def test_eagle_drafting_runs_the_head_as_it_was_trained():

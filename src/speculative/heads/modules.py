@@ -58,7 +58,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        # float32 always (a no-op when drafting; under training's bf16 autocast the
+        # norm stays exact and fused, and the next product rounds its input again)
+        return F.rms_norm(x.float(), x.shape[-1:], self.weight, self.eps)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -66,7 +68,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     d = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)  # [d/2]
     angles = positions.float().unsqueeze(-1) * inv  # [..., T, d/2]
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    cos = torch.cat([angles.cos()] * 2, -1).to(x.dtype)  # x's dtype: bf16 under autocast
+    sin = torch.cat([angles.sin()] * 2, -1).to(x.dtype)
     half = d // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

@@ -24,6 +24,7 @@ from speculative.heads.store import (
 from speculative.models.base import SupportsLayerFeatures, check_feature_layers, eagle3_layers
 from speculative.training import features as feats
 from speculative.training.data import MIN_TOKENS, encode_record, is_held_out, read_records
+from speculative.training.precision import resolve_matmul_precision
 from speculative.training.trainer import Trainer, TrainSettings, evaluate
 
 METHODS = ("eagle", "medusa")
@@ -57,6 +58,7 @@ class TrainDraftOptions:
     threads: int = 0
     progress: bool = True
     loss_fraction: float = 0.5
+    matmul_precision: str = "auto"  # "auto", "fp32" or "bf16" (training.precision)
     # a trained head to start from (a fine-tune): its folder, or "shipped" for the head
     # shipped for the target; its shape, draft vocabulary and feature layers are kept
     init: str | None = None
@@ -287,6 +289,7 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
         batch_tokens=options.batch_tokens,
         unroll=options.unroll,
         loss_fraction=options.loss_fraction,
+        matmul_precision=resolve_matmul_precision(options.matmul_precision),
         seed=options.seed,
     )
     checkpoint = options.out / "checkpoint.pt"
@@ -317,6 +320,7 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
         "steps": trainer.step,
         "extract_seconds": round(meta["extract_seconds"], 1),
         "train_seconds": round(trainer.seconds, 1),
+        "matmul_precision": settings.matmul_precision,
         "loss": round(metrics.loss, 4),
         "train_top1": round(metrics.top1, 4),
         "heldout_top1": [round(x, 4) for x in held.top1],

@@ -3,7 +3,9 @@
 Loss = distillation against the target's own distribution over the draft vocabulary
 (soft cross-entropy; the target's probabilities come from its stored features) plus,
 for EAGLE, a feature regression. EAGLE trains through ``unroll`` consecutive draft steps
-(each reading its own previous prediction), as drafting will run it.
+(each reading its own previous prediction), as drafting will run it. The head's forward may
+run under bf16 autocast (``TrainSettings.matmul_precision``, see :mod:`.precision`); the
+target's soft labels are always computed in float32.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tqdm import tqdm
 
 from speculative.heads.modules import EagleHead, HeadConfig, MedusaHeads
 from speculative.training.features import Sequence_, iterate_chunks
+from speculative.training.precision import matmul_dtype
 
 REGRESSION_WEIGHT = 0.2
 STEP_DECAY = 0.8  # weight of unrolled step s: STEP_DECAY ** s
@@ -39,6 +42,7 @@ class TrainSettings:
     checkpoint_every: int = 200
     eval_steps: int = 5
     loss_fraction: float = 0.5  # share of rows whose distributions enter the loss
+    matmul_precision: str = "fp32"  # "fp32" or "bf16" (resolved from "auto" by the caller)
 
 
 @dataclass
@@ -139,28 +143,44 @@ def batch_loss(
     steps: int,
     fraction: float = 1.0,
 ) -> tuple[torch.Tensor, float]:
-    """Distillation (+ regression for EAGLE) loss and step-0 top-1 agreement."""
+    """Distillation (+ regression for EAGLE) loss and step-0 top-1 agreement. Under
+    autocast the head's products run at its dtype; the target's distribution never does."""
     total = torch.zeros(())
     top1 = 0.0
     eagle = isinstance(module, EagleHead)
-    last = batch.features[..., : rows.shape[1]]  # the last layer's features [B, L, H]
-    for s, (pred, offset) in enumerate(predictions(module, batch, embedding, steps)):
-        t = pred.shape[1]
-        target = _shift(last, offset, t)  # [B, T, H]
-        valid = torch.arange(t) + offset < batch.lengths.unsqueeze(1)  # [B, T]
-        chosen = _loss_rows(valid, fraction)  # [M] flat row indices
-        pred_rows = pred.reshape(-1, pred.shape[-1])[chosen]  # [M, H]
-        target_rows = target.reshape(-1, target.shape[-1])[chosen]
-        with torch.no_grad():
-            p = torch.softmax(target_rows @ rows.T, dim=-1)  # [M, N]
-        logq = torch.log_softmax(pred_rows @ rows.T, dim=-1)
+    hidden = rows.shape[1]
+    last = batch.features[..., :hidden].reshape(-1, hidden)  # the last layer's [B * L, H]
+    outputs = predictions(module, batch, embedding, steps)
+    picks = [_pick(pred, offset, batch, fraction) for pred, offset in outputs]
+    # the target's distribution at every position some step scores, computed once
+    needed, where = torch.unique(torch.cat([at for _, at in picks]), return_inverse=True)
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        dists = torch.softmax(last[needed] @ rows.T, dim=-1)  # [U, N] float32
+    start = 0
+    for s, (pred_rows, at) in enumerate(picks):
+        p = dists[where[start : start + at.numel()]]  # [M, N]
+        start += at.numel()
+        logq = torch.log_softmax((pred_rows @ rows.T).float(), dim=-1)  # [M, N] float32
         loss = -(p * logq).sum(-1).mean()
         if eagle:
-            loss = loss + REGRESSION_WEIGHT * F.smooth_l1_loss(pred_rows, target_rows)
+            loss = loss + REGRESSION_WEIGHT * F.smooth_l1_loss(pred_rows, last[at])
         total = total + STEP_DECAY**s * loss
         if s == 0:
             top1 = float((logq.argmax(-1) == p.argmax(-1)).float().mean())
     return total, top1
+
+
+def _pick(
+    pred: torch.Tensor, offset: int, batch: Batch, fraction: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of one draft step that enter the loss: their predicted features [M, H]
+    and the flat positions in [B * L] of the features they predict (row t of a sequence
+    predicts position t + offset)."""
+    b, t, hidden = pred.shape
+    valid = torch.arange(t) + offset < batch.lengths.unsqueeze(1)  # [B, T]
+    chosen = _loss_rows(valid, fraction)  # [M] flat row indices of [B, T]
+    at = (chosen // t) * batch.tokens.shape[1] + chosen % t + offset  # [M]
+    return pred.reshape(b * t, hidden)[chosen], at
 
 
 def _loss_rows(valid: torch.Tensor, fraction: float) -> torch.Tensor:
@@ -284,29 +304,14 @@ class Trainer:
             total=total_steps, initial=self.step, desc="train", unit="step", disable=not progress
         )
         started = time.perf_counter() - self.seconds
-        steps = self.settings.unroll if self.config.method == "eagle" else self.config.medusa_heads
+        low = matmul_dtype(self.settings.matmul_precision)
         while self.step < total_steps:
             order = list(paths)
             rng.shuffle(order)
             for batch in make_batches(iterate_chunks(order), self.settings.batch_tokens, rng):
                 if self.step >= total_steps:
                     break
-                for group in self.optimizer.param_groups:
-                    group["lr"] = self.lr_at(self.step, total_steps)
-                loss, top1 = batch_loss(
-                    self.module,
-                    batch,
-                    self.embedding,
-                    self.rows,
-                    steps,
-                    self.settings.loss_fraction,
-                )
-                self.optimizer.zero_grad()
-                loss.backward()
-                nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)
-                self.optimizer.step()
-                self.step += 1
-                value = float(loss.detach())
+                value, top1 = self._step(batch, total_steps, low)
                 metrics.loss = 0.9 * metrics.loss + 0.1 * value if self.step > 1 else value
                 metrics.top1 = 0.9 * metrics.top1 + 0.1 * top1 if self.step > 1 else top1
                 bar.set_postfix(loss=f"{metrics.loss:.3f}", top1=f"{metrics.top1:.3f}")
@@ -318,6 +323,22 @@ class Trainer:
         if self.checkpoint:
             self.save(self.checkpoint)
         return metrics
+
+    def _step(self, batch: Batch, total_steps: int, low: torch.dtype | None) -> tuple[float, float]:
+        """One optimizer step on ``batch``: (loss, step-0 top-1)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step, total_steps)
+        steps = self.settings.unroll if self.config.method == "eagle" else self.config.medusa_heads
+        with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
+            loss, top1 = batch_loss(
+                self.module, batch, self.embedding, self.rows, steps, self.settings.loss_fraction
+            )
+        self.optimizer.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)
+        self.optimizer.step()
+        self.step += 1
+        return float(loss.detach()), top1
 
     def save(self, path: Path) -> None:
         torch.save(
