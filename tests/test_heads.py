@@ -1206,7 +1206,8 @@ def test_the_loss_computes_each_target_distribution_once_and_equals_the_plain_lo
 
 def test_matmul_precision_auto_asks_the_cpu_for_native_bf16():
     """auto trains in bf16 only where the CPU has bf16 dot products (AVX512-BF16 or AMX)
-    and ONEDNN_MAX_CPU_ISA leaves oneDNN them; an explicit setting is kept anywhere."""
+    and ONEDNN_MAX_CPU_ISA leaves oneDNN them; an explicit setting is kept anywhere; a
+    trainer takes only a resolved one."""
     from speculative.hardware import CpuInfo
     from speculative.training.precision import resolve_matmul_precision
 
@@ -1225,6 +1226,13 @@ def test_matmul_precision_auto_asks_the_cpu_for_native_bf16():
     assert resolve_matmul_precision("fp32", cpu(*zen4)) == "fp32"
     with pytest.raises(ValueError, match="choose one of auto, fp32, bf16"):
         resolve_matmul_precision("fp16", cpu(*zen4))
+    from speculative.heads.modules import EagleHead, HeadConfig
+    from speculative.training.trainer import Trainer, TrainSettings
+
+    config = HeadConfig("eagle", 64, 16, intermediate_size=128, num_heads=4, num_kv_heads=2)
+    with pytest.raises(ValueError, match="must be fp32 or bf16, not 'auto'"):  # unresolved
+        Trainer(config, EagleHead(config), torch.zeros(4, 64), torch.zeros(16, 64),
+                TrainSettings(matmul_precision="auto"))  # fmt: skip
 
 
 def test_eagle_drafting_runs_the_head_as_it_was_trained():

@@ -15,13 +15,11 @@ whatever the head).
 
 from __future__ import annotations
 
-import torch
-
 from speculative.hardware import CpuInfo, cpu_info
 
 CHOICES = ("auto", "fp32", "bf16")
+RESOLVED = ("fp32", "bf16")  # what a trainer runs ("auto" resolved)
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 
 
 def onednn_allows_bf16(max_isa: str | None) -> bool:
@@ -47,10 +45,3 @@ def resolve_matmul_precision(setting: str, cpu: CpuInfo | None = None) -> str:
     if setting != "auto":
         return setting
     return "bf16" if native_bf16(cpu or cpu_info()) else "fp32"
-
-
-def matmul_dtype(precision: str) -> torch.dtype | None:
-    """The dtype :func:`speculative.heads.modules.set_matmul_dtype` takes (None: fp32)."""
-    if precision not in DTYPES:
-        raise ValueError(f"matmul precision must be fp32 or bf16, not {precision!r}")
-    return DTYPES[precision]

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from speculative.heads.modules import EagleHead, HeadConfig, MedusaHeads
 from speculative.training.features import Sequence_, iterate_chunks
-from speculative.training.precision import matmul_dtype
+from speculative.training.precision import RESOLVED
 
 REGRESSION_WEIGHT = 0.2
 STEP_DECAY = 0.8  # weight of unrolled step s: STEP_DECAY ** s
@@ -282,6 +282,10 @@ class Trainer:
         settings: TrainSettings,
         checkpoint: Path | None = None,
     ) -> None:
+        if settings.matmul_precision not in RESOLVED:
+            raise ValueError(
+                f"matmul precision must be fp32 or bf16, not {settings.matmul_precision!r}"
+            )
         self.config, self.module, self.settings = config, module, settings
         self.embedding, self.rows = embedding, rows
         self.checkpoint = checkpoint
@@ -304,14 +308,13 @@ class Trainer:
             total=total_steps, initial=self.step, desc="train", unit="step", disable=not progress
         )
         started = time.perf_counter() - self.seconds
-        low = matmul_dtype(self.settings.matmul_precision)
         while self.step < total_steps:
             order = list(paths)
             rng.shuffle(order)
             for batch in make_batches(iterate_chunks(order), self.settings.batch_tokens, rng):
                 if self.step >= total_steps:
                     break
-                value, top1 = self._step(batch, total_steps, low)
+                value, top1 = self._step(batch, total_steps)
                 metrics.loss = 0.9 * metrics.loss + 0.1 * value if self.step > 1 else value
                 metrics.top1 = 0.9 * metrics.top1 + 0.1 * top1 if self.step > 1 else top1
                 bar.set_postfix(loss=f"{metrics.loss:.3f}", top1=f"{metrics.top1:.3f}")
@@ -324,12 +327,13 @@ class Trainer:
             self.save(self.checkpoint)
         return metrics
 
-    def _step(self, batch: Batch, total_steps: int, low: torch.dtype | None) -> tuple[float, float]:
+    def _step(self, batch: Batch, total_steps: int) -> tuple[float, float]:
         """One optimizer step on ``batch``: (loss, step-0 top-1)."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step, total_steps)
         steps = self.settings.unroll if self.config.method == "eagle" else self.config.medusa_heads
-        with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
+        bf16 = self.settings.matmul_precision == "bf16"
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss, top1 = batch_loss(
                 self.module, batch, self.embedding, self.rows, steps, self.settings.loss_fraction
             )
