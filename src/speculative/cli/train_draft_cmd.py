@@ -13,6 +13,7 @@ from speculative.cli.common import (
     positive_int,
     probability,
 )
+from speculative.training.precision import CHOICES as PRECISION_CHOICES
 
 DESCRIPTION = """\
 Train a drafting head on the target's own features and distributions.
@@ -106,7 +107,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--matmul-precision",
-        choices=("auto", "fp32", "bf16"),
+        choices=PRECISION_CHOICES,
         default="auto",
         help="precision of the head's matmuls while training (auto, the default: bf16 "
         "autocast where the CPU has native bf16 dot products, AVX512-BF16 or AMX, which "
