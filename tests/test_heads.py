@@ -1235,6 +1235,65 @@ def test_matmul_precision_auto_asks_the_cpu_for_native_bf16():
                 TrainSettings(matmul_precision="auto"))  # fmt: skip
 
 
+def test_the_unrolled_pass_computes_only_the_rows_the_loss_reads():
+    """The loss draws its rows first and the head computes, at each draft step, those
+    rows and the rows later steps read (3 steps, 40 % of rows: at most 1 - 0.6**k of a
+    step's rows), with the predictions of the full pass at them and the same loss and
+    gradients. The control: a step that computes its own rows and the next step's but
+    forgets those two steps on reads gives other predictions at that step."""
+    import speculative.heads.modules as modules
+    from speculative.heads.modules import EagleHead, HeadConfig
+    from speculative.training.features import Sequence_
+    from speculative.training.trainer import _pick, batch_loss, collate, predictions
+
+    torch.manual_seed(0)
+    config = HeadConfig("eagle", 64, 16, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                        feature_layers=(0,))  # fmt: skip
+    head = EagleHead(config)
+    embedding, rows = torch.randn(40, 64), torch.randn(16, 64)
+    batch = collate([Sequence_(torch.randint(0, 40, (n,)), torch.randn(n, 128),
+                               torch.randint(0, 40, (n,))) for n in (30, 17, 24)])  # fmt: skip
+    steps, per_sequence = 3, batch.tokens.shape[1] - 1
+    wanted = [_pick(s + 1, per_sequence, batch, 0.4)[0] for s in range(steps)]
+    computed: list[int] = []
+    hook = head.down.register_forward_hook(lambda m, i, o: computed.append(o.shape[0]))
+    with torch.no_grad():
+        full = predictions(head, batch, embedding, steps)
+        computed.clear()
+        part = predictions(head, batch, embedding, steps, wanted)
+    hook.remove()
+    later = [set(w.tolist()) for w in wanted]
+    assert computed == [len(later[0] | later[1] | later[2]), len(later[1] | later[2]),
+                        len(later[2])]  # fmt: skip
+    assert computed[0] < 0.8 * 3 * per_sequence and computed[2] < 0.45 * 3 * per_sequence
+    for (a, _), (b, _), w in zip(full, part, wanted, strict=True):
+        assert torch.allclose(b.reshape(-1, 64)[w], a.reshape(-1, 64)[w], atol=1e-5)
+
+    def loss_and_grads(dense: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(3)
+        with pytest.MonkeyPatch.context() as patch:
+            if dense:  # every row of every step, as before
+                dense_pass = head.unrolled
+                patch.setattr(head, "unrolled", lambda e, f, s, w=None: dense_pass(e, f, s))
+            loss, _ = batch_loss(head, batch, embedding, rows, steps, 0.4)
+        return loss, list(torch.autograd.grad(loss, list(head.parameters())))
+
+    (loss, grads), (dense_loss, dense_grads) = loss_and_grads(False), loss_and_grads(True)
+    assert float(loss.detach()) == pytest.approx(float(dense_loss.detach()), rel=1e-6)
+    for g, want in zip(grads, dense_grads, strict=True):
+        assert torch.allclose(g, want, rtol=1e-4, atol=1e-6)
+
+    def next_step_only(wanted_rows, steps, rows):  # forgets what the step after next reads
+        return [torch.unique(torch.cat(wanted_rows[i : i + 2])) for i in range(steps)]
+
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        patch.setattr(modules, "_needed_rows", next_step_only)
+        broken = predictions(head, batch, embedding, steps, wanted)
+    differs = [not torch.allclose(b.reshape(-1, 64)[w], a.reshape(-1, 64)[w], atol=1e-3)
+               for (a, _), (b, _), w in zip(full, broken, wanted, strict=True)]  # fmt: skip
+    assert differs == [False, False, True]
+
+
 def test_eagle_drafting_runs_the_head_as_it_was_trained():
     """Incremental steps over the head's cache (true pairs, then its own predictions)
     reproduce the unrolled training pass row by row, across a cache reallocation."""

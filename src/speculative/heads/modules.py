@@ -156,54 +156,76 @@ class EagleHead(nn.Module):
         v = self.v(normed).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
 
+    def _qkv_rows(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of any sequences: x [M, H], positions [M] -> q [M, heads, d], k and v
+        [M, kv, d] (q, k rotated)."""
+        cfg = self.config
+        m = x.shape[0]
+        normed = self.input_norm(x)
+        q = self.q(normed).view(m, cfg.num_heads, cfg.head_dim)
+        k = self.k(normed).view(m, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v(normed).view(m, cfg.num_kv_heads, cfg.head_dim)
+        at = positions.unsqueeze(1)  # [M, 1]: one position for all of a row's heads
+        return rope(q, at, cfg.rope_theta), rope(k, at, cfg.rope_theta), v
+
     def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual + output projection + MLP. x: [B, T, H]; attn: [B, heads, T, d]."""
-        b, _, t, _ = attn.shape
-        x = x + self.o(attn.transpose(1, 2).reshape(b, t, -1))
+        """Residual + output projection + MLP. x: [..., H]; attn: [..., heads * d]."""
+        x = x + self.o(attn)
         normed = self.post_norm(x)
         return x + self.down(F.silu(self.gate(normed)) * self.up(normed))
 
     def _group(self, kv: torch.Tensor) -> torch.Tensor:
-        """[B, kv, T, d] -> [B, heads, T, d] (grouped-query attention)."""
+        """[B, kv, T, d] -> [B, heads, T, d] (grouped-query attention; [M, kv, d] ->
+        [M, heads, d] likewise)."""
         return kv.repeat_interleave(self.config.num_heads // self.config.num_kv_heads, dim=1)
 
     # ---- training: a teacher-forced pass plus unrolled draft steps ------------------
     def unrolled(
-        self, embeds: torch.Tensor, features: torch.Tensor, steps: int
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        steps: int,
+        wanted: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Predicted features for ``steps`` consecutive draft steps from every position.
 
         embeds:   [B, T + steps - 1, H] embeddings of x_1 .. (x_{t+1} at index t)
         features: [B, T, H] target features f_0 .. f_{T-1}
+        wanted:   per step s, the flat indices into [B * T] of the rows whose step-s
+                  prediction the caller reads (None: every row). Step s computes those
+                  rows and the ones a later step reads (row t of step s + 1 reads row t
+                  of step s); no other row of it is computed, and it is zero in the result.
         returns:  per step s, [B, T, H]: row t predicts f_{t+s+1} as drafting would after
                   a context whose last true pair is t (step s reads the head's own
                   prediction of step s - 1 and attends to true pairs <= t plus its own
                   earlier draft pairs: exactly the cache it sees at inference).
         """
-        t = features.shape[1]
-        positions = torch.arange(t)
-        x = self.fuse(embeds[:, :t], features)
-        q, k, v = self._qkv(x, positions)
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
-        scale = self.config.head_dim**-0.5
+        b, t = features.shape[:2]
+        hidden, heads, d = self.config.hidden_size, self.config.num_heads, self.config.head_dim
+        needed = _needed_rows(wanted, steps, b * t)
+        x = self.fuse(embeds[:, :t], features)  # [B, T, H]: every true pair is context
+        q, k, v = self._qkv(x, torch.arange(t))
         true_k, true_v = self._group(k), self._group(v)  # [B, heads, T, d]
-        diag_k: list[torch.Tensor] = []
-        diag_v: list[torch.Tensor] = []
-        outputs = []
+        rows = needed[0]
+        x_rows = x.reshape(b * t, hidden)[rows]  # [M, H]
+        q_rows = q.transpose(1, 2).reshape(b * t, heads, d)[rows]  # [M, heads, d]
+        drafted: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # rows, k, v
+        outputs: list[torch.Tensor] = []
         for s in range(steps):
             if s > 0:
-                x = self.fuse(embeds[:, s : s + t], outputs[-1])
-                q, k, v = self._qkv(x, positions + s)
-                diag_k.append(self._group(k))
-                diag_v.append(self._group(v))
-            scores = (q @ true_k.transpose(-1, -2)) * scale  # [B, heads, T, T]
-            scores = scores.masked_fill(~causal, float("-inf"))
-            extra = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # [B, h, T, 1]
-            probs = torch.softmax(torch.cat([scores, *extra], dim=-1), dim=-1)
-            attn = probs[..., :t] @ true_v
-            for j, dv in enumerate(diag_v):
-                attn = attn + probs[..., t + j : t + j + 1] * dv
-            outputs.append(self._finish(x, attn))
+                rows = needed[s]  # a subset of the rows the step before computed
+                inputs = embeds[:, s : s + t].reshape(b * t, hidden)[rows]
+                x_rows = self.fuse(inputs, outputs[-1].reshape(b * t, hidden)[rows])
+                q_rows, k_rows, v_rows = self._qkv_rows(x_rows, rows % t + s)
+                drafted.append((rows, self._group(k_rows), self._group(v_rows)))
+            own = [(dk[torch.searchsorted(at, rows)], dv[torch.searchsorted(at, rows)])
+                   for at, dk, dv in drafted]  # fmt: skip
+            attn = _attend_rows(q_rows, rows, true_k, true_v, own)  # [M, heads * d]
+            out_rows = self._finish(x_rows, attn)  # [M, H]
+            dense = out_rows.new_zeros(b * t, hidden).index_copy(0, rows, out_rows)
+            outputs.append(dense.view(b, t, hidden))
         return outputs
 
     # ---- inference: an incremental pass over the head's own cache -------------------
@@ -256,8 +278,60 @@ class EagleHead(nn.Module):
             visible = torch.cat([torch.ones(k, start, dtype=torch.bool), new.bool()], dim=1)
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(kv, group * k, start + k)
-        attn = (probs @ values).view(1, cfg.num_heads, k, d)  # [1, heads, k, d]
-        return self._finish(x, attn)[0]
+        attn = (probs @ values).view(cfg.num_heads, k, d)  # [heads, k, d]
+        return self._finish(x[0], attn.transpose(0, 1).reshape(k, -1))
+
+
+def _needed_rows(wanted: list[torch.Tensor] | None, steps: int, rows: int) -> list[torch.Tensor]:
+    """Per unrolled step, the sorted flat rows it must compute: its own wanted rows and
+    every row a later step reads (all ``rows`` without ``wanted``)."""
+    if wanted is None:
+        return [torch.arange(rows)] * steps
+    needed: list[torch.Tensor] = []
+    later = torch.zeros(0, dtype=torch.long)
+    for s in reversed(range(steps)):
+        later = torch.unique(torch.cat([wanted[s].long(), later]))  # sorted
+        needed.insert(0, later)
+    return needed
+
+
+def _attend_rows(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    true_k: torch.Tensor,
+    true_v: torch.Tensor,
+    drafted: list[tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """Attention of chosen rows of a batch over their own sequence's true pairs (causal)
+    and their own drafted pairs of earlier steps.
+
+    q:       [M, heads, d] queries of flat rows ``rows`` (sorted) of [B * T]
+    true_k:  [B, heads, T, d] keys of the true pairs (true_v: values)
+    drafted: per earlier draft step, the same rows' own key and value [M, heads, d]
+    returns  [M, heads * d]
+
+    The rows of each sequence are gathered into a [B, heads, W, ...] block (W: the most
+    rows any sequence has), so each sequence's keys meet only its own rows' queries."""
+    b, _, t, d = true_k.shape
+    seq, pos = rows // t, rows % t
+    counts = torch.bincount(seq, minlength=b)  # [B]
+    slot = torch.arange(rows.numel()) - (torch.cumsum(counts, 0) - counts)[seq]
+    width = int(counts.max())
+
+    def block(x: torch.Tensor) -> torch.Tensor:  # [M, heads, e] -> [B, heads, W, e]
+        return x.new_zeros(b, width, *x.shape[1:]).index_put((seq, slot), x).transpose(1, 2)
+
+    scale = d**-0.5
+    last = torch.zeros(b, width, dtype=torch.long).index_put((seq, slot), pos)  # [B, W]
+    visible = torch.arange(t) <= last.unsqueeze(-1)  # [B, W, T]; empty slots see pair 0
+    scores = (block(q) @ true_k.transpose(-1, -2)) * scale  # [B, heads, W, T]
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    extra = [block((q * dk).sum(-1, keepdim=True) * scale) for dk, _ in drafted]  # [B, h, W, 1]
+    probs = torch.softmax(torch.cat([scores, *extra], dim=-1), dim=-1)
+    attn = probs[..., :t] @ true_v  # [B, heads, W, d]
+    for j, (_, dv) in enumerate(drafted):
+        attn = attn + probs[..., t + j : t + j + 1] * block(dv)
+    return attn.transpose(1, 2)[seq, slot].reshape(rows.numel(), -1)
 
 
 class MedusaHeads(nn.Module):

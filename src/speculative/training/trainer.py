@@ -120,15 +120,21 @@ def _shift(x: torch.Tensor, by: int, length: int) -> torch.Tensor:
 
 
 def predictions(
-    module: nn.Module, batch: Batch, embedding: torch.Tensor, steps: int
+    module: nn.Module,
+    batch: Batch,
+    embedding: torch.Tensor,
+    steps: int,
+    wanted: list[torch.Tensor] | None = None,
 ) -> list[tuple[torch.Tensor, int]]:
     """Per draft step: (predicted features [B, T, H], offset o): row t predicts the
-    feature of position t + o, i.e. the target's distribution of token t + o + 1."""
+    feature of position t + o, i.e. the target's distribution of token t + o + 1. With
+    ``wanted`` (per step, flat row indices into [B * T]) an EAGLE head computes only the
+    rows read (see :meth:`EagleHead.unrolled`); Medusa's are cheap and all computed."""
     length = batch.tokens.shape[1]
     if isinstance(module, EagleHead):
         rows = length - 1
         embeds = embedding[_shift(batch.tokens, 1, rows + steps - 1)]  # x_{t+1}
-        outputs = module.unrolled(embeds, batch.features[:, :rows], steps)
+        outputs = module.unrolled(embeds, batch.features[:, :rows], steps, wanted)
         return [(out, s + 1) for s, out in enumerate(outputs)]
     assert isinstance(module, MedusaHeads)
     outputs = module(batch.features[..., : module.config.hidden_size])  # the last layer's
@@ -144,20 +150,24 @@ def batch_loss(
     fraction: float = 1.0,
 ) -> tuple[torch.Tensor, float]:
     """Distillation (+ regression for EAGLE) loss and step-0 top-1 agreement. Under
-    autocast the head's products run at its dtype; the target's distribution never does."""
+    autocast the head's products run at its dtype; the target's distribution never does.
+    The rows that enter the loss are drawn first, so the head computes only those (and
+    what later draft steps read)."""
     total = torch.zeros(())
     top1 = 0.0
     eagle = isinstance(module, EagleHead)
     hidden = rows.shape[1]
     last = batch.features[..., :hidden].reshape(-1, hidden)  # the last layer's [B * L, H]
-    outputs = predictions(module, batch, embedding, steps)
-    picks = [_pick(pred, offset, batch, fraction) for pred, offset in outputs]
+    per_sequence = batch.tokens.shape[1] - 1 if eagle else batch.tokens.shape[1]
+    picks = [_pick(s + 1, per_sequence, batch, fraction) for s in range(steps)]
+    outputs = predictions(module, batch, embedding, steps, [chosen for chosen, _ in picks])
     # the target's distribution at every position some step scores, computed once
     needed, where = torch.unique(torch.cat([at for _, at in picks]), return_inverse=True)
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         dists = torch.softmax(last[needed] @ rows.T, dim=-1)  # [U, N] float32
     start = 0
-    for s, (pred_rows, at) in enumerate(picks):
+    for s, ((pred, _), (chosen, at)) in enumerate(zip(outputs, picks, strict=True)):
+        pred_rows = pred.reshape(-1, hidden)[chosen]  # [M, H]
         p = dists[where[start : start + at.numel()]]  # [M, N]
         start += at.numel()
         logq = torch.log_softmax((pred_rows @ rows.T).float(), dim=-1)  # [M, N] float32
@@ -171,16 +181,16 @@ def batch_loss(
 
 
 def _pick(
-    pred: torch.Tensor, offset: int, batch: Batch, fraction: float
+    offset: int, per_sequence: int, batch: Batch, fraction: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows of one draft step that enter the loss: their predicted features [M, H]
-    and the flat positions in [B * L] of the features they predict (row t of a sequence
-    predicts position t + offset)."""
-    b, t, hidden = pred.shape
+    """The rows of one draft step that enter the loss, of ``per_sequence`` prediction rows
+    per sequence: their flat indices in [B * T] and the flat positions in [B * L] of the
+    features they predict (row t of a sequence predicts position t + offset)."""
+    t = per_sequence
     valid = torch.arange(t) + offset < batch.lengths.unsqueeze(1)  # [B, T]
     chosen = _loss_rows(valid, fraction)  # [M] flat row indices of [B, T]
     at = (chosen // t) * batch.tokens.shape[1] + chosen % t + offset  # [M]
-    return pred.reshape(b * t, hidden)[chosen], at
+    return chosen, at
 
 
 def _loss_rows(valid: torch.Tensor, fraction: float) -> torch.Tensor:
