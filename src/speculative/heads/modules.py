@@ -220,8 +220,10 @@ class EagleHead(nn.Module):
                 x_rows = self.fuse(inputs, outputs[-1].reshape(b * t, hidden)[rows])
                 q_rows, k_rows, v_rows = self._qkv_rows(x_rows, rows % t + s)
                 drafted.append((rows, self._group(k_rows), self._group(v_rows)))
-            own = [(dk[torch.searchsorted(at, rows)], dv[torch.searchsorted(at, rows)])
-                   for at, dk, dv in drafted]  # fmt: skip
+            own = []  # this step's rows' own keys and values of each earlier draft step
+            for at, dk, dv in drafted:
+                where = torch.searchsorted(at, rows)  # rows within the rows that step computed
+                own.append((dk[where], dv[where]))
             attn = _attend_rows(q_rows, rows, true_k, true_v, own)  # [M, heads * d]
             out_rows = self._finish(x_rows, attn)  # [M, H]
             dense = out_rows.new_zeros(b * t, hidden).index_copy(0, rows, out_rows)
@@ -331,7 +333,7 @@ def _attend_rows(
     attn = probs[..., :t] @ true_v  # [B, heads, W, d]
     for j, (_, dv) in enumerate(drafted):
         attn = attn + probs[..., t + j : t + j + 1] * block(dv)
-    return attn.transpose(1, 2)[seq, slot].reshape(rows.numel(), -1)
+    return attn.transpose(1, 2)[seq, slot].reshape(q.shape[0], q.shape[1] * d)
 
 
 class MedusaHeads(nn.Module):
