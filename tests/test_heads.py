@@ -1294,51 +1294,6 @@ def test_the_unrolled_pass_computes_only_the_rows_the_loss_reads():
     assert differs == [False, False, True]
 
 
-def test_a_trainer_draws_its_loss_rows_from_its_own_seeded_generator(tmp_path):
-    """Trainers of one seed train the same head bit for bit whatever else draws from
-    torch's global generator between their steps (the loss's rows come from the trainer's
-    own generator), and a resumed run (its checkpoint carries the generator) ends where the
-    uninterrupted one does; another seed draws other rows and trains another head (the
-    control)."""
-    from speculative.heads.modules import EagleHead, HeadConfig
-    from speculative.training.features import Sequence_
-    from speculative.training.trainer import Trainer, TrainSettings, collate
-
-    config = HeadConfig("eagle", 64, 16, intermediate_size=128, num_heads=4, num_kv_heads=2)
-    torch.manual_seed(0)
-    start = EagleHead(config).state_dict()
-    embedding, rows = torch.randn(40, 64), torch.randn(16, 64)
-    batches = [collate([Sequence_(torch.randint(0, 40, (n,)), torch.randn(n, 64),
-                                  torch.randint(0, 40, (n,))) for n in (30, 17)])
-               for _ in range(3)]  # fmt: skip
-
-    def trainer(seed: int) -> Trainer:
-        module = EagleHead(config)
-        module.load_state_dict(start)
-        settings = TrainSettings(lr=1e-2, loss_fraction=0.4, seed=seed)
-        return Trainer(config, module, embedding, rows, settings, tmp_path / f"{seed}.pt")
-
-    def train(run: Trainer, batches: list, noise: int) -> dict[str, torch.Tensor]:
-        for batch in batches:
-            torch.manual_seed(noise)
-            torch.rand(noise)  # other draws from the global generator
-            run._step(batch, 3)
-        return run.module.state_dict()
-
-    first = train(trainer(0), batches, 1)
-    again = train(trainer(0), batches, 7)
-    assert all(torch.equal(first[k], again[k]) for k in first)
-    interrupted = trainer(0)
-    train(interrupted, batches[:1], 3)
-    interrupted.save(tmp_path / "0.pt")
-    resumed = trainer(0)
-    resumed.load(tmp_path / "0.pt")
-    resumed_end = train(resumed, batches[1:], 5)
-    assert all(torch.equal(first[k], resumed_end[k]) for k in first)
-    other = train(trainer(1), batches, 1)
-    assert not all(torch.equal(first[k], other[k]) for k in first)
-
-
 def test_eagle_drafting_runs_the_head_as_it_was_trained():
     """Incremental steps over the head's cache (true pairs, then its own predictions)
     reproduce the unrolled training pass row by row, across a cache reallocation."""
