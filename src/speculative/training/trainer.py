@@ -130,15 +130,21 @@ def predictions(
     feature of position t + o, i.e. the target's distribution of token t + o + 1. With
     ``wanted`` (per step, flat row indices into [B * T]) an EAGLE head computes only the
     rows read (see :meth:`EagleHead.unrolled`); Medusa's are cheap and all computed."""
-    length = batch.tokens.shape[1]
     if isinstance(module, EagleHead):
-        rows = length - 1
+        rows = prediction_rows(module, batch)
         embeds = embedding[_shift(batch.tokens, 1, rows + steps - 1)]  # x_{t+1}
         outputs = module.unrolled(embeds, batch.features[:, :rows], steps, wanted)
         return [(out, s + 1) for s, out in enumerate(outputs)]
     assert isinstance(module, MedusaHeads)
     outputs = module(batch.features[..., : module.config.hidden_size])  # the last layer's
     return [(out, k + 1) for k, out in enumerate(outputs[:steps])]
+
+
+def prediction_rows(module: nn.Module, batch: Batch) -> int:
+    """Rows per sequence of a step's predictions: an EAGLE head's row t reads the pair
+    (x_{t+1}, f_t), so a sequence of L tokens gives L - 1 rows; Medusa's gives L."""
+    length = batch.tokens.shape[1]
+    return length - 1 if isinstance(module, EagleHead) else length
 
 
 def batch_loss(
@@ -158,7 +164,7 @@ def batch_loss(
     eagle = isinstance(module, EagleHead)
     hidden = rows.shape[1]
     last = batch.features[..., :hidden].reshape(-1, hidden)  # the last layer's [B * L, H]
-    per_sequence = batch.tokens.shape[1] - 1 if eagle else batch.tokens.shape[1]
+    per_sequence = prediction_rows(module, batch)
     picks = [_pick(s + 1, per_sequence, batch, fraction) for s in range(steps)]
     outputs = predictions(module, batch, embedding, steps, [chosen for chosen, _ in picks])
     # the target's distribution at every position some step scores, computed once
