@@ -147,14 +147,12 @@ class EagleHead(nn.Module):
     def _qkv(
         self, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, H] -> q [B, heads, T, d], k and v [B, kv, T, d] (q, k rotated)."""
-        cfg = self.config
-        b, t, _ = x.shape
-        normed = self.input_norm(x)
-        q = self.q(normed).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k(normed).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v(normed).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+        """x: [B, T, H], positions [T] -> q [B, heads, T, d], k and v [B, kv, T, d] (q, k
+        rotated): :meth:`_qkv_rows` over the B * T rows."""
+        b, t, hidden = x.shape
+        rows = self._qkv_rows(x.reshape(b * t, hidden), positions.repeat(b))
+        q, k, v = (y.view(b, t, *y.shape[1:]).transpose(1, 2) for y in rows)
+        return q, k, v
 
     def _qkv_rows(
         self, x: torch.Tensor, positions: torch.Tensor
