@@ -7,7 +7,8 @@
 AVX2_ONLY = ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
 	SPECULATIVE_KERNEL_ISA=avx2
 # The tests whose results depend on the CPU's instruction set (kernels, k-invariance).
-ISA_TESTS = tests/test_native.py tests/test_kernels.py tests/test_profile.py tests/test_tree_models.py
+ISA_TESTS = tests/test_native.py tests/test_kernels.py tests/test_profile.py tests/test_tree_models.py \
+	tests/test_soft_ce.py
 
 setup:
 	@bash scripts/setup.sh

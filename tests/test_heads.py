@@ -22,6 +22,7 @@ from speculative.engine import BatchEngine, BatchRequest, SpeculativeEngine, Sto
 from speculative.heads.store import HeadMismatch, load_head
 from speculative.models.base import SupportsHiddenStates
 from speculative.models.markov import MarkovLM
+from speculative.models.native.ckernels import KernelsUnavailable, load_kernels
 from speculative.models.session import ModelSession, SlotPool
 from speculative.sampling import SamplingParams, verify
 from speculative.targets import load_target
@@ -1170,18 +1171,26 @@ def per_step_loss(module, batch, embedding, rows, steps, fraction):
     return total
 
 
+@pytest.mark.parametrize("loss", ["torch", "kernel"])
 @pytest.mark.parametrize("fraction", [1.0, 0.4])
 def test_the_loss_computes_each_target_distribution_once_and_equals_the_plain_loss(
-    trained, fraction
+    trained, fraction, loss
 ):
     """batch_loss scores the target's distribution once per position that any draft step
     needs (three steps overlap on most positions); it equals the loss written step by
-    step, on the same rows drawn from the same seed. Scoring each row against the
-    position before its own (an off-by-one in the position map) breaks the equality: the
-    control."""
+    step, on the same rows drawn from the same seed, with the torch soft cross-entropy and
+    with the C kernel's. Scoring each row against the position before its own (an
+    off-by-one in the position map) breaks the equality: the control."""
     import speculative.training.trainer as trainer_module
     from speculative.training.features import chunk_paths, iterate_chunks
+    from speculative.training.soft_ce import KernelSoftCrossEntropy, torch_soft_cross_entropy
 
+    soft_ce = torch_soft_cross_entropy
+    if loss == "kernel":
+        try:
+            soft_ce = KernelSoftCrossEntropy(load_kernels())
+        except KernelsUnavailable as error:
+            pytest.skip(f"C kernels unavailable: {error}")
     head = load_head(trained["eagle"], target_on("native-torch", trained["model"]).lm)
     items = iterate_chunks(chunk_paths(trained["eagle"] / "features", "train"))
     batch = trainer_module.collate([next(items), next(items)])
@@ -1199,7 +1208,7 @@ def test_the_loss_computes_each_target_distribution_once_and_equals_the_plain_lo
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(trainer_module, "_pick", broken)
             torch.manual_seed(5)
-            losses.append(float(trainer_module.batch_loss(*args)[0].detach()))
+            losses.append(float(trainer_module.batch_loss(*args, soft_ce)[0].detach()))
     assert losses[0] == pytest.approx(want, rel=1e-5)
     assert abs(losses[1] - want) > 0.02 * want
 

@@ -5,7 +5,8 @@ Loss = distillation against the target's own distribution over the draft vocabul
 for EAGLE, a feature regression. EAGLE trains through ``unroll`` consecutive draft steps
 (each reading its own previous prediction), as drafting will run it. The head's forward may
 run under bf16 autocast (``TrainSettings.matmul_precision``, see :mod:`.precision`); the
-target's soft labels are always computed in float32.
+target's soft labels are always computed in float32. The soft cross-entropy runs as the C
+kernels' fused loss where they build (:mod:`.soft_ce`), else in torch.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ from tqdm import tqdm
 from speculative.heads.modules import EagleHead, HeadConfig, MedusaHeads
 from speculative.training.features import Sequence_, iterate_chunks
 from speculative.training.precision import RESOLVED
+from speculative.training.soft_ce import (
+    SoftCrossEntropy,
+    soft_cross_entropy_for_this_machine,
+    torch_soft_cross_entropy,
+)
 
 REGRESSION_WEIGHT = 0.2
 STEP_DECAY = 0.8  # weight of unrolled step s: STEP_DECAY ** s
@@ -154,9 +160,10 @@ def batch_loss(
     rows: torch.Tensor,
     steps: int,
     fraction: float = 1.0,
+    soft_ce: SoftCrossEntropy = torch_soft_cross_entropy,
 ) -> tuple[torch.Tensor, float]:
     """Distillation (+ regression for EAGLE) loss and step-0 top-1 agreement. Under
-    autocast the head's products run at its dtype; the target's distribution never does.
+    autocast the head's products run at its dtype; the target's logits never do.
     The rows that enter the loss are drawn first, so the head computes only those (and
     what later draft steps read)."""
     total = torch.zeros(())
@@ -167,23 +174,32 @@ def batch_loss(
     per_sequence = prediction_rows(module, batch)
     picks = [_pick(s + 1, per_sequence, batch, fraction) for s in range(steps)]
     outputs = predictions(module, batch, embedding, steps, [chosen for chosen, _ in picks])
-    # the target's distribution at every position some step scores, computed once
+    # the target's logits at every position some step scores, computed once
     needed, where = torch.unique(torch.cat([at for _, at in picks]), return_inverse=True)
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        dists = torch.softmax(last[needed] @ rows.T, dim=-1)  # [U, N] float32
+        labels = last[needed] @ rows.T  # [U, N] float32
+    student = _autocast_copy(rows)  # [N, H] cast once, not at each step's product
     start = 0
     for s, ((pred, _), (chosen, at)) in enumerate(zip(outputs, picks, strict=True)):
         pred_rows = pred.reshape(-1, hidden)[chosen]  # [M, H]
-        p = dists[where[start : start + at.numel()]]  # [M, N]
+        index = where[start : start + at.numel()]  # [M] rows of labels
         start += at.numel()
-        logq = torch.log_softmax((pred_rows @ rows.T).float(), dim=-1)  # [M, N] float32
-        loss = -(p * logq).sum(-1).mean()
+        per_row, agree = soft_ce(pred_rows @ student.T, labels, index)  # [M], [M]
+        loss = per_row.mean()
         if eagle:
             loss = loss + REGRESSION_WEIGHT * F.smooth_l1_loss(pred_rows, last[at])
         total = total + STEP_DECAY**s * loss
         if s == 0:
-            top1 = float((logq.argmax(-1) == p.argmax(-1)).float().mean())
+            top1 = float(agree.float().mean())
     return total, top1
+
+
+def _autocast_copy(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in the CPU autocast dtype when autocast is on (what each product under it
+    would cast it to), else itself."""
+    if not torch.is_autocast_enabled("cpu"):
+        return weight
+    return weight.to(torch.get_autocast_dtype("cpu"))
 
 
 def _pick(
@@ -297,6 +313,7 @@ class Trainer:
         rows: torch.Tensor,  # [N, H] the target's output rows of the draft vocabulary
         settings: TrainSettings,
         checkpoint: Path | None = None,
+        soft_ce: SoftCrossEntropy | None = None,  # default: the C kernel where it builds
     ) -> None:
         if settings.matmul_precision not in RESOLVED:
             raise ValueError(
@@ -305,6 +322,7 @@ class Trainer:
         self.config, self.module, self.settings = config, module, settings
         self.embedding, self.rows = embedding, rows
         self.checkpoint = checkpoint
+        self.soft_ce = soft_ce or soft_cross_entropy_for_this_machine()
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=settings.lr, weight_decay=0.0)
         self.step = 0
         self.seconds = 0.0
@@ -351,7 +369,13 @@ class Trainer:
         bf16 = self.settings.matmul_precision == "bf16"
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss, top1 = batch_loss(
-                self.module, batch, self.embedding, self.rows, steps, self.settings.loss_fraction
+                self.module,
+                batch,
+                self.embedding,
+                self.rows,
+                steps,
+                self.settings.loss_fraction,
+                self.soft_ce,
             )
         self.optimizer.zero_grad()
         loss.backward()

@@ -86,7 +86,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 16
+ABI_VERSION = 17
 # "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
@@ -178,6 +178,12 @@ def _open_library(path: str) -> ctypes.CDLL:
     library.spec_peak_int8.restype = ctypes.c_double
     library.spec_read_bandwidth.argtypes = [pointer, i64, i32]
     library.spec_read_bandwidth.restype = ctypes.c_double
+    library.spec_soft_ce_forward.argtypes = [pointer, i32, pointer, pointer, i64, i64]
+    library.spec_soft_ce_forward.argtypes += [pointer] * 6 + [i32]
+    library.spec_soft_ce_forward.restype = None
+    library.spec_soft_ce_backward.argtypes = [pointer, i32, pointer, pointer, i64, i64]
+    library.spec_soft_ce_backward.argtypes += [pointer] * 5 + [i32]
+    library.spec_soft_ce_backward.restype = None
     return library
 
 

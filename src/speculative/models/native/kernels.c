@@ -23,6 +23,9 @@
  * output panels (see "linear layers"). Activations are fp32, except that a q4 layer reads
  * its input quantized to int8 per 32 values, as llama.cpp runs Q4_1 (see quantize_rows).
  *
+ * The library also holds the fused soft cross-entropy that training a drafting head uses
+ * (see "the distillation loss", at the end).
+ *
  * Compile with -ffp-contract=off: every fused multiply-add here is explicit, so inlined
  * copies of the same code cannot round differently.
  */
@@ -84,7 +87,7 @@ static inline void op_clock(const Model *m, int op, double *last) {
     *last = now;
 }
 
-int spec_abi_version(void) { return 16; }
+int spec_abi_version(void) { return 17; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 const char *spec_isa(void) { return "avx512"; }
@@ -2335,4 +2338,188 @@ int32_t spec_nucleus(const float *logits, int64_t n, int64_t largest, float temp
     }
     for (int64_t j = 0; j < members; j++) probs[j] = (float)(weight[j] / total);
     return (int32_t)members;
+}
+
+/* ---- the distillation loss (training a drafting head) ------------------------------
+ *
+ * Soft cross-entropy of the head's distribution q = softmax(z) against the target's
+ * p = softmax(l), row by row: loss = -sum_j p_j (z_j - lse(z)); its gradient in z is
+ * q_j * sum(p) - p_j (what log_softmax's backward gives for the upstream -p). A training
+ * step scores about 2,000 rows of 8,192 logits; through torch every stage of this is a
+ * pass that writes a fresh [rows, 8192] float32 tensor (the cast, log_softmax, the label
+ * softmax and the gather, the product, and their backwards), where here a row pair stays
+ * in cache from its first read to its last. z is bf16 (the head's products under
+ * autocast; the upper half of an fp32) or float32; l is float32 (the target's logits,
+ * row index[i] of `labels` for row i). Sums run in 8 float lanes; exp is exp8, whose
+ * inputs below its range (terms under e^-87 of the row's largest) count as zero. */
+
+#define SOFT_CE_UNDERFLOW -87.3365478515625f
+
+static inline __m256 logits8(const void *row, int bf16, int64_t j) {
+    if (!bf16) return _mm256_loadu_ps((const float *)row + j);
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + j)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+static inline float logit_at(const void *row, int bf16, int64_t j) {
+    if (!bf16) return ((const float *)row)[j];
+    const uint32_t bits = (uint32_t)((const uint16_t *)row)[j] << 16;
+    float x;
+    memcpy(&x, &bits, sizeof(x));
+    return x;
+}
+
+/* exp(x - m) for 8 lanes with x <= m; lanes below exp8's range are zero. */
+static inline __m256 exp_below(__m256 x, __m256 m) {
+    const __m256 d = _mm256_sub_ps(x, m);
+    const __m256 low = _mm256_cmp_ps(d, _mm256_set1_ps(SOFT_CE_UNDERFLOW), _CMP_LT_OQ);
+    const __m256 e = exp8_in_range(_mm256_max_ps(d, _mm256_set1_ps(SOFT_CE_UNDERFLOW)));
+    return _mm256_andnot_ps(low, e);
+}
+
+static inline float exp_below1(float x, float m) {
+    const float d = x - m;
+    return d < SOFT_CE_UNDERFLOW ? 0.0f : expf(d);
+}
+
+/* The row's largest value and its first index; NaN (and index -1) when a value is NaN. */
+static float soft_ce_max(const void *row, int bf16, int64_t n, int32_t *first) {
+    __m256 high = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x = logits8(row, bf16, j);
+        high = _mm256_max_ps(high, x);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    }
+    float lanes[8], m = -INFINITY;
+    _mm256_storeu_ps(lanes, high);
+    for (int lane = 0; lane < 8; lane++) m = lanes[lane] > m ? lanes[lane] : m;
+    int bad = _mm256_movemask_ps(nan) != 0;
+    for (; j < n; j++) {
+        const float x = logit_at(row, bf16, j);
+        bad |= x != x;
+        m = x > m ? x : m;
+    }
+    *first = -1;
+    if (bad) return NAN;
+    for (j = 0; j < n; j++)
+        if (logit_at(row, bf16, j) == m) {
+            *first = (int32_t)j;
+            break;
+        }
+    return m;
+}
+
+/* sum_j exp(x_j - m) */
+static float soft_ce_sum_exp(const void *row, int bf16, int64_t n, float m) {
+    const __m256 top = _mm256_set1_ps(m);
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        s0 = _mm256_add_ps(s0, exp_below(logits8(row, bf16, j), top));
+        s1 = _mm256_add_ps(s1, exp_below(logits8(row, bf16, j + 8), top));
+    }
+    for (; j + 8 <= n; j += 8) s0 = _mm256_add_ps(s0, exp_below(logits8(row, bf16, j), top));
+    float s = hsum8(_mm256_add_ps(s0, s1));
+    for (; j < n; j++) s += exp_below1(logit_at(row, bf16, j), m);
+    return s;
+}
+
+/* Forward, rows in parallel: loss[i], and per row what the backward reads (lse of z and
+ * of l, and sum(p)); the first argmax of z and of l (-1 for a row with a NaN; its loss is
+ * NaN). */
+void spec_soft_ce_forward(const void *z, int32_t z_bf16, const float *labels,
+                          const int64_t *index, int64_t rows, int64_t n, float *loss,
+                          float *lse_z, float *lse_l, float *mass, int32_t *argmax_z,
+                          int32_t *argmax_l, int32_t threads) {
+    const size_t z_bytes = z_bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < rows; i++) {
+        const void *zr = (const char *)z + (size_t)i * (size_t)n * z_bytes;
+        const float *lr = labels + (size_t)index[i] * (size_t)n;
+        const float mz = soft_ce_max(zr, z_bf16, n, &argmax_z[i]);
+        const float ml = soft_ce_max(lr, 0, n, &argmax_l[i]);
+        if (mz != mz || ml != ml) {
+            loss[i] = lse_z[i] = lse_l[i] = mass[i] = NAN;
+            continue;
+        }
+        const float az = mz + logf(soft_ce_sum_exp(zr, z_bf16, n, mz));
+        const float al = ml + logf(soft_ce_sum_exp(lr, 0, n, ml));
+        const __m256 lse_zv = _mm256_set1_ps(az), lse_lv = _mm256_set1_ps(al);
+        __m256 dot = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 p = exp_below(_mm256_loadu_ps(lr + j), lse_lv);
+            dot = _mm256_add_ps(dot, _mm256_mul_ps(p, _mm256_sub_ps(logits8(zr, z_bf16, j), lse_zv)));
+            sum = _mm256_add_ps(sum, p);
+        }
+        float d = hsum8(dot), s = hsum8(sum);
+        for (; j < n; j++) {
+            const float p = exp_below1(lr[j], al);
+            d += p * (logit_at(zr, z_bf16, j) - az);
+            s += p;
+        }
+        loss[i] = -d;
+        lse_z[i] = az;
+        lse_l[i] = al;
+        mass[i] = s;
+    }
+}
+
+/* fp32 -> bf16, round to nearest even (NaN stays a quiet NaN), as torch rounds. */
+static inline __m128i to_bf16_8(__m256 x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, quiet, nan);
+    /* 8 x 32-bit lanes holding 16-bit values -> 8 x 16-bit */
+    const __m256i packed = _mm256_packus_epi32(r, r);  /* per 128-bit half: lanes 0-3, 0-3 */
+    return _mm_unpacklo_epi64(_mm256_castsi256_si128(packed), _mm256_extracti128_si256(packed, 1));
+}
+
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof(bits));
+    if (x != x) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+/* Backward, rows in parallel: grad[i, j] = scale[i] * (exp(z_j - lse_z) * mass - p_j),
+ * written as bf16 (rounded to nearest even) when z is bf16, else float32. */
+void spec_soft_ce_backward(const void *z, int32_t z_bf16, const float *labels,
+                           const int64_t *index, int64_t rows, int64_t n, const float *lse_z,
+                           const float *lse_l, const float *mass, const float *scale,
+                           void *grad, int32_t threads) {
+    const size_t z_bytes = z_bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < rows; i++) {
+        const void *zr = (const char *)z + (size_t)i * (size_t)n * z_bytes;
+        const float *lr = labels + (size_t)index[i] * (size_t)n;
+        char *gr = (char *)grad + (size_t)i * (size_t)n * z_bytes;
+        const float az = lse_z[i], al = lse_l[i], s = mass[i], g = scale[i];
+        const __m256 lse_zv = _mm256_set1_ps(az), lse_lv = _mm256_set1_ps(al);
+        const __m256 sv = _mm256_set1_ps(s), gv = _mm256_set1_ps(g);
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 q = exp_below(logits8(zr, z_bf16, j), lse_zv);
+            const __m256 p = exp_below(_mm256_loadu_ps(lr + j), lse_lv);
+            const __m256 v = _mm256_mul_ps(gv, _mm256_sub_ps(_mm256_mul_ps(q, sv), p));
+            if (z_bf16)
+                _mm_storeu_si128((__m128i *)((uint16_t *)gr + j), to_bf16_8(v));
+            else
+                _mm256_storeu_ps((float *)gr + j, v);
+        }
+        for (; j < n; j++) {
+            const float q = exp_below1(logit_at(zr, z_bf16, j), az);
+            const float p = exp_below1(lr[j], al);
+            const float v = g * (q * s - p);
+            if (z_bf16)
+                ((uint16_t *)gr)[j] = to_bf16(v);
+            else
+                ((float *)gr)[j] = v;
+        }
+    }
 }
