@@ -1303,6 +1303,51 @@ def test_the_unrolled_pass_computes_only_the_rows_the_loss_reads():
     assert differs == [False, False, True]
 
 
+def test_a_trainer_draws_its_loss_rows_from_its_own_seeded_generator(tmp_path):
+    """Trainers of one seed train the same head bit for bit whatever else draws from
+    torch's global generator between their steps (the loss's rows come from the trainer's
+    own generator), and a resumed run (its checkpoint carries the generator) ends where the
+    uninterrupted one does; another seed draws other rows and trains another head (the
+    control)."""
+    from speculative.heads.modules import EagleHead, HeadConfig
+    from speculative.training.features import Sequence_
+    from speculative.training.trainer import Trainer, TrainSettings, collate
+
+    config = HeadConfig("eagle", 64, 16, intermediate_size=128, num_heads=4, num_kv_heads=2)
+    torch.manual_seed(0)
+    start = EagleHead(config).state_dict()
+    embedding, rows = torch.randn(40, 64), torch.randn(16, 64)
+    batches = [collate([Sequence_(torch.randint(0, 40, (n,)), torch.randn(n, 64),
+                                  torch.randint(0, 40, (n,))) for n in (30, 17)])
+               for _ in range(3)]  # fmt: skip
+
+    def trainer(seed: int) -> Trainer:
+        module = EagleHead(config)
+        module.load_state_dict(start)
+        settings = TrainSettings(lr=1e-2, loss_fraction=0.4, seed=seed)
+        return Trainer(config, module, embedding, rows, settings, tmp_path / f"{seed}.pt")
+
+    def train(run: Trainer, batches: list, noise: int) -> dict[str, torch.Tensor]:
+        for batch in batches:
+            torch.manual_seed(noise)
+            torch.rand(noise)  # other draws from the global generator
+            run._step(batch, 3)
+        return run.module.state_dict()
+
+    first = train(trainer(0), batches, 1)
+    again = train(trainer(0), batches, 7)
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    interrupted = trainer(0)
+    train(interrupted, batches[:1], 3)
+    interrupted.save(tmp_path / "0.pt")
+    resumed = trainer(0)
+    resumed.load(tmp_path / "0.pt")
+    resumed_end = train(resumed, batches[1:], 5)
+    assert all(torch.equal(first[k], resumed_end[k]) for k in first)
+    other = train(trainer(1), batches, 1)
+    assert not all(torch.equal(first[k], other[k]) for k in first)
+
+
 def test_eagle_drafting_runs_the_head_as_it_was_trained():
     """Incremental steps over the head's cache (true pairs, then its own predictions)
     reproduce the unrolled training pass row by row, across a cache reallocation."""
@@ -1329,11 +1374,31 @@ def test_eagle_drafting_runs_the_head_as_it_was_trained():
 # ---- heads on the target's C kernels ----------------------------------------------------
 
 
+def int4_round_trip(head):
+    """``head`` with every weight the int4 runners quantize (the layers' and the draft
+    vocabulary's rows) replaced by its 4-bit value, as kernels.c decodes it."""
+    import copy
+    import dataclasses
+
+    from speculative.models.native.quant import quantize_group4
+
+    def four_bits(weight: torch.Tensor) -> torch.Tensor:
+        return quantize_group4(weight.detach().float()).dequantize()
+
+    module = copy.deepcopy(head.module)
+    with torch.no_grad():
+        for layer in module.modules():
+            if isinstance(layer, torch.nn.Linear):
+                layer.weight.copy_(four_bits(layer.weight))
+    return dataclasses.replace(head, module=module, head_rows=four_bits(head.head_rows))
+
+
 @pytest.mark.parametrize("eagle_name", ["eagle", "eagle-last"])
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_kernel_runners_compute_the_heads(trained, precision, eagle_name):
     """The C runners compute what the PyTorch heads compute: at the head's own bf16 values
-    (fp32 target) to bf16 rounding of the rows, at int4 (int4 target) to quantization; the
+    (fp32 target) to bf16 rounding of the rows; at int4 (int4 target) what the head with
+    its weights rounded to 4 bits computes, to the int8 rounding of the layers' inputs. The
     EAGLE runner's cache carries over calls and takes a [k, k] mask among new pairs and a
     [k, length + k] one over cached pairs too (a tree node that must not see a sibling)."""
     from speculative.heads.runners import (
@@ -1345,9 +1410,10 @@ def test_kernel_runners_compute_the_heads(trained, precision, eagle_name):
 
     target = target_on("native-kernels", trained["model"])
     library = target.lm.kernel_library()
-    tolerance = 5e-3 if precision == "fp32" else 0.15  # bf16 rows: 3 digits; int4: 4 bits
+    tolerance = 5e-3 if precision == "fp32" else 0.05  # bf16 rows: 3 digits; int8 inputs
     eagle = load_head(trained[eagle_name], target.lm)
-    fast, slow = KernelEagleRunner.of(eagle, library, precision, 64), TorchEagleRunner(eagle)
+    reference = eagle if precision == "fp32" else int4_round_trip(eagle)
+    fast, slow = KernelEagleRunner.of(eagle, library, precision, 64), TorchEagleRunner(reference)
     torch.manual_seed(0)
     embeds = eagle.embedding[torch.randint(0, target.lm.vocab_size, (8,))]
     # true pairs read the target's features (with a fused head's layers: wider), drafted
@@ -1369,7 +1435,7 @@ def test_kernel_runners_compute_the_heads(trained, precision, eagle_name):
     medusa = load_head(trained["medusa"], target.lm)
     feature = features[0]
     got = KernelMedusaRunner(medusa, library, precision)(feature, 3)
-    want = TorchMedusaRunner(medusa)(feature, 3)
+    want = TorchMedusaRunner(medusa if precision == "fp32" else int4_round_trip(medusa))(feature, 3)
     assert got.shape == want.shape == (3, medusa.config.draft_vocab)
     assert (got - want).norm() <= tolerance * want.norm()
 
@@ -1482,7 +1548,10 @@ def test_drafting_agrees_with_the_target_as_the_training_metric_says(trained, me
     """On the target's own greedy text, the drafter's first draft token after every
     context is the token the training's held-out metric scores for that position (row
     n - 2 of the teacher-forced pass guesses token n), so its agreement with the target is
-    the metric's; a drafter reading features one position off (negative control) is not."""
+    the metric's; a drafter reading features one position off (negative control) drafts
+    other tokens at a fifth of the contexts or more, so the equality above would fail. (Its
+    agreement with the target is not compared: on 30 tokens of a tiny model's text the two
+    differ by a token or two either way, whichever rows training happened to draw.)"""
     from speculative.training.features import teacher_forced
 
     target = target_on(runtime, trained["model"])
@@ -1502,7 +1571,6 @@ def test_drafting_agrees_with_the_target_as_the_training_metric_says(trained, me
     assert agreement > 0.1  # chance: ~1/16
     off = torch.tensor(drafted_first_tokens(drafter, target.lm, tokens, len(prompt), True))
     assert float((off != metric[rows]).float().mean()) > 0.2  # the metric would not match
-    assert float((off == answer).float().mean()) < agreement
 
 
 def test_eval_prompts_name_no_training_topic():

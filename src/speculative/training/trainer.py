@@ -161,18 +161,19 @@ def batch_loss(
     steps: int,
     fraction: float = 1.0,
     soft_ce: SoftCrossEntropy = torch_soft_cross_entropy,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Distillation (+ regression for EAGLE) loss and step-0 top-1 agreement. Under
     autocast the head's products run at its dtype; the target's logits never do.
-    The rows that enter the loss are drawn first, so the head computes only those (and
-    what later draft steps read)."""
+    The rows that enter the loss are drawn first (from ``generator``), so the head
+    computes only those (and what later draft steps read)."""
     total = torch.zeros(())
     top1 = 0.0
     eagle = isinstance(module, EagleHead)
     hidden = rows.shape[1]
     last = batch.features[..., :hidden].reshape(-1, hidden)  # the last layer's [B * L, H]
     per_sequence = prediction_rows(module, batch)
-    picks = [_pick(s + 1, per_sequence, batch, fraction) for s in range(steps)]
+    picks = [_pick(s + 1, per_sequence, batch, fraction, generator) for s in range(steps)]
     outputs = predictions(module, batch, embedding, steps, [chosen for chosen, _ in picks])
     # the target's logits at every position some step scores, computed once
     needed, where = torch.unique(torch.cat([at for _, at in picks]), return_inverse=True)
@@ -203,26 +204,32 @@ def _autocast_copy(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _pick(
-    offset: int, per_sequence: int, batch: Batch, fraction: float
+    offset: int,
+    per_sequence: int,
+    batch: Batch,
+    fraction: float,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of one draft step that enter the loss, of ``per_sequence`` prediction rows
     per sequence: their flat indices in [B * T] and the flat positions in [B * L] of the
     features they predict (row t of a sequence predicts position t + offset)."""
     t = per_sequence
     valid = torch.arange(t) + offset < batch.lengths.unsqueeze(1)  # [B, T]
-    chosen = _loss_rows(valid, fraction)  # [M] flat row indices of [B, T]
+    chosen = _loss_rows(valid, fraction, generator)  # [M] flat row indices of [B, T]
     at = (chosen // t) * batch.tokens.shape[1] + chosen % t + offset  # [M]
     return chosen, at
 
 
-def _loss_rows(valid: torch.Tensor, fraction: float) -> torch.Tensor:
+def _loss_rows(
+    valid: torch.Tensor, fraction: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Flat indices of the valid rows, a random ``fraction`` of them (the output-head
     matmuls dominate training; every row still shapes the attention context)."""
     index = valid.reshape(-1).nonzero().squeeze(1)
     if fraction >= 1 or index.numel() < 2:
         return index
     keep = max(1, int(index.numel() * fraction))
-    return index[torch.randperm(index.numel())[:keep]]
+    return index[torch.randperm(index.numel(), generator=generator)[:keep]]
 
 
 @torch.no_grad()
@@ -324,6 +331,7 @@ class Trainer:
         self.checkpoint = checkpoint
         self.soft_ce = soft_ce or soft_cross_entropy_for_this_machine()
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=settings.lr, weight_decay=0.0)
+        self.generator = torch.Generator().manual_seed(settings.seed)  # the loss's rows
         self.step = 0
         self.seconds = 0.0
         self.history: list[dict[str, float]] = []
@@ -376,6 +384,7 @@ class Trainer:
                 steps,
                 self.settings.loss_fraction,
                 self.soft_ce,
+                self.generator,
             )
         self.optimizer.zero_grad()
         loss.backward()
@@ -389,6 +398,7 @@ class Trainer:
             {
                 "module": self.module.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
+                "generator": self.generator.get_state(),
                 "step": self.step,
                 "seconds": self.seconds,
                 "settings": asdict(self.settings),
@@ -400,5 +410,7 @@ class Trainer:
         state = torch.load(path, weights_only=True)
         self.module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if "generator" in state:  # checkpoints before it drew from torch's global generator
+            self.generator.set_state(state["generator"])
         self.step = int(state["step"])
         self.seconds = float(state["seconds"])
