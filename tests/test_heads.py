@@ -1043,6 +1043,9 @@ def test_train_draft_cli_json_resume_and_errors(trained, tmp_path, capsys):
     assert main([*separate, "--steps", "2", "--matmul-precision", "bf16"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["heldout_source"] == "eval data" and report["matmul_precision"] == "bf16"
+    from speculative.training.soft_ce import soft_cross_entropy_for_this_machine
+
+    assert report["soft_cross_entropy"] == soft_cross_entropy_for_this_machine().name
     assert report["heldout_tokens"] == 3 * 44  # all of it (4 prompt + 40 answer tokens each)
     assert report["train_tokens"] == 60 * 44  # every --data record trains
 

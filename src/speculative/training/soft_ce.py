@@ -5,7 +5,7 @@ For row i, with the head's logits z [N] and the target's logits l [N] over the d
 vocabulary, ``loss_i = -sum_j p_j log q_j`` where ``p = softmax(l)`` and
 ``q = softmax(z)``. Two implementations with one signature (:class:`SoftCrossEntropy`):
 
-- :func:`torch_soft_cross_entropy`, the plain one (and the reference);
+- :data:`torch_soft_cross_entropy`, the plain one (and the reference);
 - :class:`KernelSoftCrossEntropy`, the C kernels' fused forward and backward. Through
   torch each stage is a pass that writes a fresh [rows, N] float32 tensor; the kernel keeps
   a row of z and of l in cache from its first read to its last and writes only the
@@ -25,6 +25,8 @@ from speculative.models.native.ckernels import KernelsUnavailable, load_kernels
 
 
 class SoftCrossEntropy(Protocol):
+    name: str  # what a training report calls it
+
     def __call__(
         self,
         logits: torch.Tensor,  # [M, N] the head's (float32 or bf16), differentiable
@@ -36,19 +38,28 @@ class SoftCrossEntropy(Protocol):
         ...
 
 
-def torch_soft_cross_entropy(
-    logits: torch.Tensor, label_logits: torch.Tensor, index: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+class TorchSoftCrossEntropy:
     """The loss in plain torch (float32 softmaxes; autograd for the gradient)."""
-    targets = label_logits[index]  # [M, N]
-    p = torch.softmax(targets, dim=-1)
-    logq = torch.log_softmax(logits.float(), dim=-1)
-    agree = logits.detach().argmax(-1) == targets.argmax(-1)
-    return -(p * logq).sum(-1), agree
+
+    name = "torch"
+
+    def __call__(
+        self, logits: torch.Tensor, label_logits: torch.Tensor, index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        targets = label_logits[index]  # [M, N]
+        p = torch.softmax(targets, dim=-1)
+        logq = torch.log_softmax(logits.float(), dim=-1)
+        agree = logits.detach().argmax(-1) == targets.argmax(-1)
+        return -(p * logq).sum(-1), agree
+
+
+torch_soft_cross_entropy = TorchSoftCrossEntropy()
 
 
 class KernelSoftCrossEntropy:
     """The loss through the C kernels (``spec_soft_ce_forward`` / ``_backward``)."""
+
+    name = "C kernel"
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.library = library

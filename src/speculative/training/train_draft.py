@@ -321,6 +321,7 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
         "extract_seconds": round(meta["extract_seconds"], 1),
         "train_seconds": round(trainer.seconds, 1),
         "matmul_precision": settings.matmul_precision,
+        "soft_cross_entropy": trainer.soft_ce.name,
         "loss": round(metrics.loss, 4),
         "train_top1": round(metrics.top1, 4),
         "heldout_top1": [round(x, 4) for x in held.top1],
