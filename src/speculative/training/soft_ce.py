@@ -81,10 +81,6 @@ def soft_cross_entropy_for_this_machine() -> SoftCrossEntropy:
         return torch_soft_cross_entropy
 
 
-def _address(tensor: torch.Tensor) -> int:
-    return tensor.data_ptr()
-
-
 class _KernelLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, label_logits, index, library):  # type: ignore[override]
@@ -100,14 +96,15 @@ class _KernelLoss(torch.autograd.Function):
         stats = torch.empty(4, m)  # loss, lse(z), lse(l), sum(p)
         top = torch.empty(2, m, dtype=torch.int32)  # argmax of z, of l
         library.spec_soft_ce_forward(
-            _address(z), int(z.dtype == torch.bfloat16), _address(labels),
-            _address(rows_index), m, n, *(_address(s) for s in stats),
-            _address(top[0]), _address(top[1]), torch.get_num_threads(),
+            z.data_ptr(), int(z.dtype == torch.bfloat16), labels.data_ptr(),
+            rows_index.data_ptr(), m, n, *(s.data_ptr() for s in stats),
+            top[0].data_ptr(), top[1].data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         ctx.save_for_backward(z, labels, rows_index, stats[1:])
         ctx.library = library
-        ctx.mark_non_differentiable(top)
-        return stats[0].clone(), top[0], top[1]
+        top_q, top_p = top.unbind(0)
+        ctx.mark_non_differentiable(top_q, top_p)
+        return stats[0].clone(), top_q, top_p
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_top_q, _grad_top_p):  # type: ignore[override]
@@ -116,8 +113,8 @@ class _KernelLoss(torch.autograd.Function):
         scale = grad_loss.float().contiguous()  # [M]
         grad = torch.empty_like(z)
         ctx.library.spec_soft_ce_backward(
-            _address(z), int(z.dtype == torch.bfloat16), _address(labels),
-            _address(rows_index), m, n, *(_address(s) for s in stats),
-            _address(scale), _address(grad), torch.get_num_threads(),
+            z.data_ptr(), int(z.dtype == torch.bfloat16), labels.data_ptr(),
+            rows_index.data_ptr(), m, n, *(s.data_ptr() for s in stats),
+            scale.data_ptr(), grad.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return grad, None, None, None
