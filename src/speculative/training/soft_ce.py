@@ -57,7 +57,7 @@ torch_soft_cross_entropy = TorchSoftCrossEntropy()
 
 
 class KernelSoftCrossEntropy:
-    """The loss through the C kernels (``spec_soft_ce_forward`` / ``_backward``)."""
+    """The loss through the C kernels (``spec_soft_ce``, forward and backward)."""
 
     name = "C kernel"
 
@@ -95,12 +95,8 @@ class _KernelLoss(torch.autograd.Function):
             raise IndexError("a label row index is out of range")
         stats = torch.empty(4, m)  # loss, lse(z), lse(l), sum(p)
         top = torch.empty(2, m, dtype=torch.int32)  # argmax of z, of l
-        library.spec_soft_ce_forward(
-            z.data_ptr(), int(z.dtype == torch.bfloat16), labels.data_ptr(),
-            rows_index.data_ptr(), m, n, *(s.data_ptr() for s in stats),
-            top[0].data_ptr(), top[1].data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        ctx.save_for_backward(z, labels, rows_index, stats[1:])
+        _run(library, z, labels, rows_index, stats, top=top)
+        ctx.save_for_backward(z, labels, rows_index, stats)
         ctx.library = library
         top_q, top_p = top.unbind(0)
         ctx.mark_non_differentiable(top_q, top_p)
@@ -109,12 +105,27 @@ class _KernelLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_top_q, _grad_top_p):  # type: ignore[override]
         z, labels, rows_index, stats = ctx.saved_tensors
-        m, n = z.shape
-        scale = grad_loss.float().contiguous()  # [M]
         grad = torch.empty_like(z)
-        ctx.library.spec_soft_ce_backward(
-            z.data_ptr(), int(z.dtype == torch.bfloat16), labels.data_ptr(),
-            rows_index.data_ptr(), m, n, *(s.data_ptr() for s in stats),
-            scale.data_ptr(), grad.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+        _run(ctx.library, z, labels, rows_index, stats, scale=grad_loss.float(), grad=grad)
         return grad, None, None, None
+
+
+def _run(
+    library: ctypes.CDLL,
+    z: torch.Tensor,  # [M, N] float32 or bf16
+    labels: torch.Tensor,  # [U, N] float32
+    index: torch.Tensor,  # [M] int64
+    stats: torch.Tensor,  # [4, M] float32
+    top: torch.Tensor | None = None,  # [2, M] int32: the forward writes it
+    scale: torch.Tensor | None = None,  # [M] float32: the backward reads it
+    grad: torch.Tensor | None = None,  # like z: the backward writes it
+) -> None:
+    """spec_soft_ce: the forward without ``grad``, the backward with it."""
+    m, n = z.shape
+    scale = None if scale is None else scale.contiguous()  # held while the kernel reads it
+    library.spec_soft_ce(
+        z.data_ptr(), int(z.dtype == torch.bfloat16), labels.data_ptr(), index.data_ptr(),
+        m, n, stats.data_ptr(), None if top is None else top.data_ptr(),
+        None if scale is None else scale.data_ptr(),
+        None if grad is None else grad.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip

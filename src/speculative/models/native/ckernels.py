@@ -178,12 +178,9 @@ def _open_library(path: str) -> ctypes.CDLL:
     library.spec_peak_int8.restype = ctypes.c_double
     library.spec_read_bandwidth.argtypes = [pointer, i64, i32]
     library.spec_read_bandwidth.restype = ctypes.c_double
-    library.spec_soft_ce_forward.argtypes = [pointer, i32, pointer, pointer, i64, i64]
-    library.spec_soft_ce_forward.argtypes += [pointer] * 6 + [i32]
-    library.spec_soft_ce_forward.restype = None
-    library.spec_soft_ce_backward.argtypes = [pointer, i32, pointer, pointer, i64, i64]
-    library.spec_soft_ce_backward.argtypes += [pointer] * 5 + [i32]
-    library.spec_soft_ce_backward.restype = None
+    library.spec_soft_ce.argtypes = [pointer, i32, pointer, pointer, i64, i64]
+    library.spec_soft_ce.argtypes += [pointer] * 4 + [i32]
+    library.spec_soft_ce.restype = None
     return library
 
 

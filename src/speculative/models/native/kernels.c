@@ -2043,15 +2043,30 @@ static int nucleus_descending(const void *a, const void *b) {
     return u->id < v->id ? -1 : 1;
 }
 
-/* The largest of n logits (NaN when any is NaN). Dividing by a temperature > 0 is
- * monotone under rounding (a <= b gives a / t <= b / t), so the largest tempered logit is
- * the largest logit's quotient: no pass writes the tempered row, each divides as it
- * reads. */
-static float nucleus_largest(const float *logits, int64_t n) {
+/* Eight logits from j on, or one, of a row of float32 or of bf16 (the upper half of a
+ * float32). */
+static inline __attribute__((always_inline)) __m256 logits8(const void *row, int bf16, int64_t j) {
+    if (!bf16) return _mm256_loadu_ps((const float *)row + j);
+    const __m256i v =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + j)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+static inline __attribute__((always_inline)) float logit_at(const void *row, int bf16, int64_t j) {
+    if (!bf16) return ((const float *)row)[j];
+    const uint32_t bits = (uint32_t)((const uint16_t *)row)[j] << 16;
+    float x;
+    memcpy(&x, &bits, sizeof(x));
+    return x;
+}
+
+/* The largest of a row's n logits (NaN when any is NaN). */
+static inline __attribute__((always_inline)) float row_largest(const void *row, int bf16,
+                                                               int64_t n) {
     __m256 high = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        const __m256 x = _mm256_loadu_ps(logits + i);
+        const __m256 x = logits8(row, bf16, i);
         high = _mm256_max_ps(high, x);
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     }
@@ -2060,11 +2075,18 @@ static float nucleus_largest(const float *logits, int64_t n) {
     for (int lane = 0; lane < 8; lane++) hi = highs[lane] > hi ? highs[lane] : hi;
     int bad = _mm256_movemask_ps(nan) != 0;
     for (; i < n; i++) {
-        bad |= logits[i] != logits[i];
-        hi = logits[i] > hi ? logits[i] : hi;
+        const float x = logit_at(row, bf16, i);
+        bad |= x != x;
+        hi = x > hi ? x : hi;
     }
     return bad ? NAN : hi;
 }
+
+/* The largest of n logits (NaN when any is NaN). Dividing by a temperature > 0 is
+ * monotone under rounding (a <= b gives a / t <= b / t), so the largest tempered logit is
+ * the largest logit's quotient: no pass writes the tempered row, each divides as it
+ * reads. */
+static float nucleus_largest(const float *logits, int64_t n) { return row_largest(logits, 0, n); }
 
 /* A tempered logit's bucket: how many eighths of a nat it lies below the top m. A larger
  * logit never lands in a later bucket (each step is monotone), and equal ones share one. */
@@ -2355,20 +2377,6 @@ int32_t spec_nucleus(const float *logits, int64_t n, int64_t largest, float temp
 
 #define SOFT_CE_UNDERFLOW -87.3365478515625f
 
-static inline __m256 logits8(const void *row, int bf16, int64_t j) {
-    if (!bf16) return _mm256_loadu_ps((const float *)row + j);
-    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + j)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
-
-static inline float logit_at(const void *row, int bf16, int64_t j) {
-    if (!bf16) return ((const float *)row)[j];
-    const uint32_t bits = (uint32_t)((const uint16_t *)row)[j] << 16;
-    float x;
-    memcpy(&x, &bits, sizeof(x));
-    return x;
-}
-
 /* exp(x - m) for 8 lanes with x <= m; lanes below exp8's range are zero. */
 static inline __m256 exp_below(__m256 x, __m256 m) {
     const __m256 d = _mm256_sub_ps(x, m);
@@ -2384,25 +2392,10 @@ static inline float exp_below1(float x, float m) {
 
 /* The row's largest value and its first index; NaN (and index -1) when a value is NaN. */
 static float soft_ce_max(const void *row, int bf16, int64_t n, int32_t *first) {
-    __m256 high = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const __m256 x = logits8(row, bf16, j);
-        high = _mm256_max_ps(high, x);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    }
-    float lanes[8], m = -INFINITY;
-    _mm256_storeu_ps(lanes, high);
-    for (int lane = 0; lane < 8; lane++) m = lanes[lane] > m ? lanes[lane] : m;
-    int bad = _mm256_movemask_ps(nan) != 0;
-    for (; j < n; j++) {
-        const float x = logit_at(row, bf16, j);
-        bad |= x != x;
-        m = x > m ? x : m;
-    }
+    const float m = row_largest(row, bf16, n);
     *first = -1;
-    if (bad) return NAN;
-    for (j = 0; j < n; j++)
+    if (m != m) return NAN;
+    for (int64_t j = 0; j < n; j++)
         if (logit_at(row, bf16, j) == m) {
             *first = (int32_t)j;
             break;
@@ -2425,45 +2418,38 @@ static float soft_ce_sum_exp(const void *row, int bf16, int64_t n, float m) {
     return s;
 }
 
-/* Forward, rows in parallel: loss[i], and per row what the backward reads (lse of z and
- * of l, and sum(p)); the first argmax of z and of l (-1 for a row with a NaN; its loss is
- * NaN). */
-void spec_soft_ce_forward(const void *z, int32_t z_bf16, const float *labels,
-                          const int64_t *index, int64_t rows, int64_t n, float *loss,
-                          float *lse_z, float *lse_l, float *mass, int32_t *argmax_z,
-                          int32_t *argmax_l, int32_t threads) {
-    const size_t z_bytes = z_bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < rows; i++) {
-        const void *zr = (const char *)z + (size_t)i * (size_t)n * z_bytes;
-        const float *lr = labels + (size_t)index[i] * (size_t)n;
-        const float mz = soft_ce_max(zr, z_bf16, n, &argmax_z[i]);
-        const float ml = soft_ce_max(lr, 0, n, &argmax_l[i]);
-        if (mz != mz || ml != ml) {
-            loss[i] = lse_z[i] = lse_l[i] = mass[i] = NAN;
-            continue;
-        }
-        const float az = mz + logf(soft_ce_sum_exp(zr, z_bf16, n, mz));
-        const float al = ml + logf(soft_ce_sum_exp(lr, 0, n, ml));
-        const __m256 lse_zv = _mm256_set1_ps(az), lse_lv = _mm256_set1_ps(al);
-        __m256 dot = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
-            const __m256 p = exp_below(_mm256_loadu_ps(lr + j), lse_lv);
-            dot = _mm256_add_ps(dot, _mm256_mul_ps(p, _mm256_sub_ps(logits8(zr, z_bf16, j), lse_zv)));
-            sum = _mm256_add_ps(sum, p);
-        }
-        float d = hsum8(dot), s = hsum8(sum);
-        for (; j < n; j++) {
-            const float p = exp_below1(lr[j], al);
-            d += p * (logit_at(zr, z_bf16, j) - az);
-            s += p;
-        }
-        loss[i] = -d;
-        lse_z[i] = az;
-        lse_l[i] = al;
-        mass[i] = s;
+/* Loss row i: the loss, and what its gradient reads (lse of z and of l, and sum(p));
+ * the first argmax of z and of l (-1 for a row with a NaN; its loss is NaN). stats:
+ * [4, rows] (loss, lse z, lse l, sum p), argmax: [2, rows]. */
+static void soft_ce_forward_row(const void *zr, int z_bf16, const float *lr, int64_t n, int64_t i,
+                                int64_t rows, float *stats, int32_t *argmax) {
+    float *loss = stats, *lse_z = stats + rows, *lse_l = stats + 2 * rows, *mass = stats + 3 * rows;
+    const float mz = soft_ce_max(zr, z_bf16, n, &argmax[i]);
+    const float ml = soft_ce_max(lr, 0, n, &argmax[rows + i]);
+    if (mz != mz || ml != ml) {
+        loss[i] = lse_z[i] = lse_l[i] = mass[i] = NAN;
+        return;
     }
+    const float az = mz + logf(soft_ce_sum_exp(zr, z_bf16, n, mz));
+    const float al = ml + logf(soft_ce_sum_exp(lr, 0, n, ml));
+    const __m256 lse_zv = _mm256_set1_ps(az), lse_lv = _mm256_set1_ps(al);
+    __m256 dot = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 p = exp_below(_mm256_loadu_ps(lr + j), lse_lv);
+        dot = _mm256_add_ps(dot, _mm256_mul_ps(p, _mm256_sub_ps(logits8(zr, z_bf16, j), lse_zv)));
+        sum = _mm256_add_ps(sum, p);
+    }
+    float d = hsum8(dot), total = hsum8(sum);
+    for (; j < n; j++) {
+        const float p = exp_below1(lr[j], al);
+        d += p * (logit_at(zr, z_bf16, j) - az);
+        total += p;
+    }
+    loss[i] = -d;
+    lse_z[i] = az;
+    lse_l[i] = al;
+    mass[i] = total;
 }
 
 /* fp32 -> bf16, round to nearest even (NaN stays a quiet NaN), as torch rounds. */
@@ -2487,39 +2473,51 @@ static inline uint16_t to_bf16(float x) {
     return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-/* Backward, rows in parallel: grad[i, j] = scale[i] * (exp(z_j - lse_z) * mass - p_j),
- * written as bf16 (rounded to nearest even) when z is bf16, else float32. */
-void spec_soft_ce_backward(const void *z, int32_t z_bf16, const float *labels,
-                           const int64_t *index, int64_t rows, int64_t n, const float *lse_z,
-                           const float *lse_l, const float *mass, const float *scale,
-                           void *grad, int32_t threads) {
+/* The gradient of row i: scale[i] * (exp(z_j - lse_z) * sum(p) - p_j), written as bf16
+ * (rounded to nearest even) when z is bf16, else float32, into gr. */
+static void soft_ce_backward_row(const void *zr, int z_bf16, const float *lr, int64_t n, int64_t i,
+                                 int64_t rows, const float *stats, const float *scale, char *gr) {
+    const float az = stats[rows + i], al = stats[2 * rows + i], s = stats[3 * rows + i];
+    const float g = scale[i];
+    const __m256 lse_zv = _mm256_set1_ps(az), lse_lv = _mm256_set1_ps(al);
+    const __m256 sv = _mm256_set1_ps(s), gv = _mm256_set1_ps(g);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 q = exp_below(logits8(zr, z_bf16, j), lse_zv);
+        const __m256 p = exp_below(_mm256_loadu_ps(lr + j), lse_lv);
+        const __m256 v = _mm256_mul_ps(gv, _mm256_sub_ps(_mm256_mul_ps(q, sv), p));
+        if (z_bf16)
+            _mm_storeu_si128((__m128i *)((uint16_t *)gr + j), to_bf16_8(v));
+        else
+            _mm256_storeu_ps((float *)gr + j, v);
+    }
+    for (; j < n; j++) {
+        const float q = exp_below1(logit_at(zr, z_bf16, j), az);
+        const float p = exp_below1(lr[j], al);
+        const float v = g * (q * s - p);
+        if (z_bf16)
+            ((uint16_t *)gr)[j] = to_bf16(v);
+        else
+            ((float *)gr)[j] = v;
+    }
+}
+
+/* The loss's forward (grad NULL: writes stats [4, rows] and argmax [2, rows], see
+ * soft_ce_forward_row) or its backward (reads stats and scale [rows], the upstream
+ * gradient of each row's loss; writes grad [rows, n] in z's type), rows in parallel. Row
+ * i of z is scored against row index[i] of labels [*, n]. */
+void spec_soft_ce(const void *z, int32_t z_bf16, const float *labels, const int64_t *index,
+                  int64_t rows, int64_t n, float *stats, int32_t *argmax, const float *scale,
+                  void *grad, int32_t threads) {
     const size_t z_bytes = z_bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < rows; i++) {
         const void *zr = (const char *)z + (size_t)i * (size_t)n * z_bytes;
         const float *lr = labels + (size_t)index[i] * (size_t)n;
-        char *gr = (char *)grad + (size_t)i * (size_t)n * z_bytes;
-        const float az = lse_z[i], al = lse_l[i], s = mass[i], g = scale[i];
-        const __m256 lse_zv = _mm256_set1_ps(az), lse_lv = _mm256_set1_ps(al);
-        const __m256 sv = _mm256_set1_ps(s), gv = _mm256_set1_ps(g);
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
-            const __m256 q = exp_below(logits8(zr, z_bf16, j), lse_zv);
-            const __m256 p = exp_below(_mm256_loadu_ps(lr + j), lse_lv);
-            const __m256 v = _mm256_mul_ps(gv, _mm256_sub_ps(_mm256_mul_ps(q, sv), p));
-            if (z_bf16)
-                _mm_storeu_si128((__m128i *)((uint16_t *)gr + j), to_bf16_8(v));
-            else
-                _mm256_storeu_ps((float *)gr + j, v);
-        }
-        for (; j < n; j++) {
-            const float q = exp_below1(logit_at(zr, z_bf16, j), az);
-            const float p = exp_below1(lr[j], al);
-            const float v = g * (q * s - p);
-            if (z_bf16)
-                ((uint16_t *)gr)[j] = to_bf16(v);
-            else
-                ((float *)gr)[j] = v;
-        }
+        if (grad)
+            soft_ce_backward_row(zr, z_bf16, lr, n, i, rows, stats, scale,
+                                 (char *)grad + (size_t)i * (size_t)n * z_bytes);
+        else
+            soft_ce_forward_row(zr, z_bf16, lr, n, i, rows, stats, argmax);
     }
 }
