@@ -1306,6 +1306,69 @@ def test_the_unrolled_pass_computes_only_the_rows_the_loss_reads():
     assert differs == [False, False, True]
 
 
+def test_shared_loss_rows_are_one_draw_for_every_unrolled_step():
+    """--loss-rows shared: step 0 scores a random 40 % of its valid rows and each later
+    step the same rows, less those past their sequence's end at its offset; the head then
+    computes only those rows at every step, with the loss and gradients of the dense
+    pass. Independent draws (the control, and the default) compute more rows at step 0
+    for the rows later steps read. A trainer refuses any other choice."""
+    from speculative.heads.modules import EagleHead, HeadConfig
+    from speculative.training.features import Sequence_
+    from speculative.training.trainer import (
+        Trainer,
+        TrainSettings,
+        _draw_rows,
+        batch_loss,
+        collate,
+    )
+
+    torch.manual_seed(0)
+    config = HeadConfig("eagle", 64, 16, intermediate_size=128, num_heads=4, num_kv_heads=2)
+    head = EagleHead(config)
+    embedding, rows = torch.randn(40, 64), torch.randn(16, 64)
+    batch = collate([Sequence_(torch.randint(0, 40, (n,)), torch.randn(n, 64),
+                               torch.randint(0, 40, (n,))) for n in (30, 17, 24)])  # fmt: skip
+    t = batch.tokens.shape[1] - 1
+
+    def draw(shared: bool, fraction: float = 0.4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return _draw_rows(t, batch, fraction, 3, torch.Generator().manual_seed(4), shared)
+
+    picks = draw(True)
+    first = picks[0][0]
+    assert first.numel() == int(0.4 * sum(int(n) - 1 for n in batch.lengths))
+    for offset, (chosen, at) in enumerate(picks, start=1):
+        inside = first % t + offset < batch.lengths[first // t]
+        assert torch.equal(chosen, first[inside])
+        assert torch.equal(at, (chosen // t) * batch.tokens.shape[1] + chosen % t + offset)
+    # every row drawn: each step keeps exactly its own valid rows, as independent draws do
+    for (a, at_a), (b, at_b) in zip(draw(True, 1.0), draw(False, 1.0), strict=True):
+        assert torch.equal(a, b) and torch.equal(at_a, at_b)
+
+    def rows_computed_and_loss(shared: bool, dense: bool = False):
+        computed: list[int] = []
+        hook = head.down.register_forward_hook(lambda m, i, o: computed.append(o.shape[0]))
+        with pytest.MonkeyPatch.context() as patch:
+            if dense:
+                dense_pass = head.unrolled
+                patch.setattr(head, "unrolled", lambda e, f, s, w=None: dense_pass(e, f, s))
+            loss, _ = batch_loss(head, batch, embedding, rows, 3, 0.4,
+                                 generator=torch.Generator().manual_seed(4),
+                                 shared_rows=shared)  # fmt: skip
+        hook.remove()
+        return computed, loss, torch.autograd.grad(loss, list(head.parameters()))
+
+    computed, loss, grads = rows_computed_and_loss(True)
+    assert computed == [p[0].numel() for p in picks]
+    _, dense_loss, dense_grads = rows_computed_and_loss(True, dense=True)
+    assert float(loss.detach()) == pytest.approx(float(dense_loss.detach()), rel=1e-6)
+    for g, want in zip(grads, dense_grads, strict=True):
+        assert torch.allclose(g, want, rtol=1e-4, atol=1e-6)
+    independent, _, _ = rows_computed_and_loss(False)
+    assert independent[0] > 1.5 * computed[0]
+    with pytest.raises(ValueError, match="loss rows must be one of independent, shared"):
+        Trainer(config, head, embedding, rows, TrainSettings(loss_rows="alternate"))
+
+
 def test_a_trainer_draws_its_loss_rows_from_its_own_seeded_generator(tmp_path):
     """Trainers of one seed train the same head bit for bit whatever else draws from
     torch's global generator between their steps (the loss's rows come from the trainer's

@@ -58,6 +58,7 @@ class TrainDraftOptions:
     threads: int = 0
     progress: bool = True
     loss_fraction: float = 0.5
+    loss_rows: str = "independent"  # or "shared" (trainer.LOSS_ROWS)
     matmul_precision: str = "auto"  # "auto", "fp32" or "bf16" (training.precision)
     # a trained head to start from (a fine-tune): its folder, or "shipped" for the head
     # shipped for the target; its shape, draft vocabulary and feature layers are kept
@@ -289,6 +290,7 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
         batch_tokens=options.batch_tokens,
         unroll=options.unroll,
         loss_fraction=options.loss_fraction,
+        loss_rows=options.loss_rows,
         matmul_precision=resolve_matmul_precision(options.matmul_precision),
         seed=options.seed,
     )
@@ -322,6 +324,7 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
         "train_seconds": round(trainer.seconds, 1),
         "matmul_precision": settings.matmul_precision,
         "soft_cross_entropy": trainer.soft_ce.name,
+        "loss_rows": settings.loss_rows,
         "loss": round(metrics.loss, 4),
         "train_top1": round(metrics.top1, 4),
         "heldout_top1": [round(x, 4) for x in held.top1],

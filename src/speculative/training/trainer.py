@@ -34,6 +34,7 @@ from speculative.training.soft_ce import (
 
 REGRESSION_WEIGHT = 0.2
 STEP_DECAY = 0.8  # weight of unrolled step s: STEP_DECAY ** s
+LOSS_ROWS = ("independent", "shared")  # how the unrolled steps draw their loss rows
 
 
 @dataclass
@@ -48,6 +49,9 @@ class TrainSettings:
     checkpoint_every: int = 200
     eval_steps: int = 5
     loss_fraction: float = 0.5  # share of rows whose distributions enter the loss
+    # "independent": each unrolled step draws its own rows; "shared": one draw for all
+    # steps (step s scores the drawn rows still inside their sequence at its offset)
+    loss_rows: str = "independent"
     matmul_precision: str = "fp32"  # "fp32" or "bf16" (resolved from "auto" by the caller)
 
 
@@ -162,18 +166,20 @@ def batch_loss(
     fraction: float = 1.0,
     soft_ce: SoftCrossEntropy = torch_soft_cross_entropy,
     generator: torch.Generator | None = None,
+    shared_rows: bool = False,
 ) -> tuple[torch.Tensor, float]:
     """Distillation (+ regression for EAGLE) loss and step-0 top-1 agreement. Under
     autocast the head's products run at its dtype; the target's logits never do.
-    The rows that enter the loss are drawn first (from ``generator``), so the head
-    computes only those (and what later draft steps read)."""
+    The rows that enter the loss are drawn first (from ``generator``; once for every
+    draft step with ``shared_rows``), so the head computes only those (and what later
+    draft steps read)."""
     total = torch.zeros(())
     top1 = 0.0
     eagle = isinstance(module, EagleHead)
     hidden = rows.shape[1]
     last = batch.features[..., :hidden].reshape(-1, hidden)  # the last layer's [B * L, H]
     per_sequence = prediction_rows(module, batch)
-    picks = [_pick(s + 1, per_sequence, batch, fraction, generator) for s in range(steps)]
+    picks = _draw_rows(per_sequence, batch, fraction, steps, generator, shared_rows)
     outputs = predictions(module, batch, embedding, steps, [chosen for chosen, _ in picks])
     # the target's logits at every position some step scores, computed once
     needed, where = torch.unique(torch.cat([at for _, at in picks]), return_inverse=True)
@@ -203,6 +209,29 @@ def _autocast_copy(weight: torch.Tensor) -> torch.Tensor:
     return weight.to(torch.get_autocast_dtype("cpu"))
 
 
+def _draw_rows(
+    per_sequence: int,
+    batch: Batch,
+    fraction: float,
+    steps: int,
+    generator: torch.Generator | None,
+    shared: bool,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per draft step s, the rows that enter its loss (see :func:`_pick`). Shared: one
+    draw over step 0's valid rows, of which step s keeps those still inside their
+    sequence at its offset (so every later step's rows are step 0's, and the head
+    computes no row for later steps alone)."""
+    if not shared:
+        return [_pick(s + 1, per_sequence, batch, fraction, generator) for s in range(steps)]
+    drawn, _ = _pick(1, per_sequence, batch, fraction, generator)
+    t = per_sequence
+    picks = []
+    for offset in range(1, steps + 1):
+        chosen = drawn[drawn % t + offset < batch.lengths[drawn // t]]  # [M_s]
+        picks.append((chosen, _positions(chosen, t, batch, offset)))
+    return picks
+
+
 def _pick(
     offset: int,
     per_sequence: int,
@@ -216,8 +245,13 @@ def _pick(
     t = per_sequence
     valid = torch.arange(t) + offset < batch.lengths.unsqueeze(1)  # [B, T]
     chosen = _loss_rows(valid, fraction, generator)  # [M] flat row indices of [B, T]
-    at = (chosen // t) * batch.tokens.shape[1] + chosen % t + offset  # [M]
-    return chosen, at
+    return chosen, _positions(chosen, t, batch, offset)
+
+
+def _positions(chosen: torch.Tensor, per_sequence: int, batch: Batch, offset: int) -> torch.Tensor:
+    """[M] flat positions in [B * L] that rows ``chosen`` (flat in [B * T]) predict."""
+    t = per_sequence
+    return (chosen // t) * batch.tokens.shape[1] + chosen % t + offset
 
 
 def _loss_rows(
@@ -322,6 +356,8 @@ class Trainer:
         checkpoint: Path | None = None,
         soft_ce: SoftCrossEntropy | None = None,  # default: the C kernel where it builds
     ) -> None:
+        if settings.loss_rows not in LOSS_ROWS:
+            raise ValueError(f"loss rows must be one of {', '.join(LOSS_ROWS)}")
         if settings.matmul_precision not in RESOLVED:
             raise ValueError(
                 f"matmul precision must be fp32 or bf16, not {settings.matmul_precision!r}"
@@ -385,6 +421,7 @@ class Trainer:
                 self.settings.loss_fraction,
                 self.soft_ce,
                 self.generator,
+                self.settings.loss_rows == "shared",
             )
         self.optimizer.zero_grad()
         loss.backward()
