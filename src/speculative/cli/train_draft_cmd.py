@@ -113,7 +113,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="eagle: how the unrolled draft steps draw the rows their loss scores "
         "(independent, the default and the shipped head's recipe: each step its own; "
         "shared: one draw for every step, so later steps compute no rows of their own: "
-        "about 1.17x a training step at --loss-fraction 0.4 and --unroll 3, the same "
+        "1.13-1.17x a training step at --loss-fraction 0.4 and --unroll 3, the same "
         "held-out scores on one measured epoch; an unbiased loss either way)",
     )
     parser.add_argument(
