@@ -227,7 +227,7 @@ def _draw_rows(
     t = per_sequence
     picks = []
     for offset in range(1, steps + 1):
-        chosen = drawn[drawn % t + offset < batch.lengths[drawn // t]]  # [M_s]
+        chosen = drawn[_valid_rows(offset, t, batch).reshape(-1)[drawn]]  # [M_s]
         picks.append((chosen, _positions(chosen, t, batch, offset)))
     return picks
 
@@ -242,10 +242,14 @@ def _pick(
     """The rows of one draft step that enter the loss, of ``per_sequence`` prediction rows
     per sequence: their flat indices in [B * T] and the flat positions in [B * L] of the
     features they predict (row t of a sequence predicts position t + offset)."""
-    t = per_sequence
-    valid = torch.arange(t) + offset < batch.lengths.unsqueeze(1)  # [B, T]
+    valid = _valid_rows(offset, per_sequence, batch)  # [B, T]
     chosen = _loss_rows(valid, fraction, generator)  # [M] flat row indices of [B, T]
-    return chosen, _positions(chosen, t, batch, offset)
+    return chosen, _positions(chosen, per_sequence, batch, offset)
+
+
+def _valid_rows(offset: int, per_sequence: int, batch: Batch) -> torch.Tensor:
+    """[B, T] bool: row t predicts a position inside its sequence (t + offset < length)."""
+    return torch.arange(per_sequence) + offset < batch.lengths.unsqueeze(1)
 
 
 def _positions(chosen: torch.Tensor, per_sequence: int, batch: Batch, offset: int) -> torch.Tensor:
