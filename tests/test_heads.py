@@ -1125,7 +1125,7 @@ def test_bf16_matmuls_train_the_head_as_fp32_does(trained, tmp_path):
     fp32's to bf16 rounding but not fp32's own (the products really ran in bf16); the
     saved head is float32 and the report names the precision."""
     from speculative.training.features import chunk_paths, iterate_chunks
-    from speculative.training.trainer import batch_loss, collate
+    from speculative.training.trainer import LossPlan, batch_loss, collate
 
     runs = {}
     for name, precision, lr in (("fp32", "fp32", 3e-3), ("bf16", "bf16", 3e-3), ("ctl", "fp32", 0)):
@@ -1142,9 +1142,9 @@ def test_bf16_matmuls_train_the_head_as_fp32_does(trained, tmp_path):
     head = runs["fp32"][1]
     batch = collate([next(iterate_chunks(chunk_paths(tmp_path / "fp32" / "features", "train")))])
     rows = head.head_rows
-    exact, _ = batch_loss(head.module, batch, head.embedding, rows, 3)
+    exact, _ = batch_loss(head.module, batch, head.embedding, rows, LossPlan(3))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        rounded, _ = batch_loss(head.module, batch, head.embedding, rows, 3)
+        rounded, _ = batch_loss(head.module, batch, head.embedding, rows, LossPlan(3))
     assert rounded.dtype == torch.float32 and not torch.equal(rounded, exact)
     assert float(rounded.detach()) == pytest.approx(float(exact.detach()), rel=0.02)
 
@@ -1211,7 +1211,8 @@ def test_the_loss_computes_each_target_distribution_once_and_equals_the_plain_lo
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(trainer_module, "_pick", broken)
             torch.manual_seed(5)
-            losses.append(float(trainer_module.batch_loss(*args, soft_ce)[0].detach()))
+            plan = trainer_module.LossPlan(3, fraction, soft_ce=soft_ce)
+            losses.append(float(trainer_module.batch_loss(*args[:4], plan)[0].detach()))
     assert losses[0] == pytest.approx(want, rel=1e-5)
     assert abs(losses[1] - want) > 0.02 * want
 
@@ -1256,7 +1257,7 @@ def test_the_unrolled_pass_computes_only_the_rows_the_loss_reads():
     import speculative.heads.modules as modules
     from speculative.heads.modules import EagleHead, HeadConfig
     from speculative.training.features import Sequence_
-    from speculative.training.trainer import _pick, batch_loss, collate, predictions
+    from speculative.training.trainer import LossPlan, _pick, batch_loss, collate, predictions
 
     torch.manual_seed(0)
     config = HeadConfig("eagle", 64, 16, intermediate_size=128, num_heads=4, num_kv_heads=2,
@@ -1287,7 +1288,7 @@ def test_the_unrolled_pass_computes_only_the_rows_the_loss_reads():
             if dense:  # every row of every step, as before
                 dense_pass = head.unrolled
                 patch.setattr(head, "unrolled", lambda e, f, s, w=None: dense_pass(e, f, s))
-            loss, _ = batch_loss(head, batch, embedding, rows, steps, 0.4)
+            loss, _ = batch_loss(head, batch, embedding, rows, LossPlan(steps, 0.4))
         return loss, list(torch.autograd.grad(loss, list(head.parameters())))
 
     (loss, grads), (dense_loss, dense_grads) = loss_and_grads(False), loss_and_grads(True)
@@ -1315,6 +1316,7 @@ def test_shared_loss_rows_are_one_draw_for_every_unrolled_step():
     from speculative.heads.modules import EagleHead, HeadConfig
     from speculative.training.features import Sequence_
     from speculative.training.trainer import (
+        LossPlan,
         Trainer,
         TrainSettings,
         _draw_rows,
@@ -1331,7 +1333,8 @@ def test_shared_loss_rows_are_one_draw_for_every_unrolled_step():
     t = batch.tokens.shape[1] - 1
 
     def draw(shared: bool, fraction: float = 0.4) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return _draw_rows(t, batch, fraction, 3, torch.Generator().manual_seed(4), shared)
+        plan = LossPlan(3, fraction, shared_rows=shared)
+        return _draw_rows(t, batch, plan, torch.Generator().manual_seed(4))
 
     picks = draw(True)
     first = picks[0][0]
@@ -1351,9 +1354,8 @@ def test_shared_loss_rows_are_one_draw_for_every_unrolled_step():
             if dense:
                 dense_pass = head.unrolled
                 patch.setattr(head, "unrolled", lambda e, f, s, w=None: dense_pass(e, f, s))
-            loss, _ = batch_loss(head, batch, embedding, rows, 3, 0.4,
-                                 generator=torch.Generator().manual_seed(4),
-                                 shared_rows=shared)  # fmt: skip
+            plan, draws = LossPlan(3, 0.4, shared_rows=shared), torch.Generator().manual_seed(4)
+            loss, _ = batch_loss(head, batch, embedding, rows, plan, draws)
         hook.remove()
         return computed, loss, torch.autograd.grad(loss, list(head.parameters()))
 

@@ -323,7 +323,7 @@ def train_draft(options: TrainDraftOptions) -> dict[str, Any]:
         "extract_seconds": round(meta["extract_seconds"], 1),
         "train_seconds": round(trainer.seconds, 1),
         "matmul_precision": settings.matmul_precision,
-        "soft_cross_entropy": trainer.soft_ce.name,
+        "soft_cross_entropy": trainer.loss_plan.soft_ce.name,
         "loss_rows": settings.loss_rows,
         "loss": round(metrics.loss, 4),
         "train_top1": round(metrics.top1, 4),

@@ -157,30 +157,37 @@ def prediction_rows(module: nn.Module, batch: Batch) -> int:
     return length - 1 if isinstance(module, EagleHead) else length
 
 
+@dataclass(frozen=True)
+class LossPlan:
+    """What :func:`batch_loss` scores in a batch, fixed for a whole run."""
+
+    steps: int  # EAGLE: unrolled draft steps; Medusa: heads
+    fraction: float = 1.0  # share of each step's rows whose distributions enter the loss
+    shared_rows: bool = False  # one draw of rows for every step (``--loss-rows shared``)
+    soft_ce: SoftCrossEntropy = torch_soft_cross_entropy
+
+
 def batch_loss(
     module: nn.Module,
     batch: Batch,
-    embedding: torch.Tensor,
-    rows: torch.Tensor,
-    steps: int,
-    fraction: float = 1.0,
-    soft_ce: SoftCrossEntropy = torch_soft_cross_entropy,
-    generator: torch.Generator | None = None,
-    shared_rows: bool = False,
+    embedding: torch.Tensor,  # [vocab, H] the target's input embedding
+    rows: torch.Tensor,  # [N, H] the target's output rows of the draft vocabulary
+    plan: LossPlan,
+    generator: torch.Generator | None = None,  # the rows' draws; None: torch's global one
 ) -> tuple[torch.Tensor, float]:
     """Distillation (+ regression for EAGLE) loss and step-0 top-1 agreement. Under
     autocast the head's products run at its dtype; the target's logits never do.
     The rows that enter the loss are drawn first (from ``generator``; once for every
-    draft step with ``shared_rows``), so the head computes only those (and what later
-    draft steps read)."""
+    draft step with ``plan.shared_rows``), so the head computes only those (and what
+    later draft steps read)."""
     total = torch.zeros(())
     top1 = 0.0
     eagle = isinstance(module, EagleHead)
     hidden = rows.shape[1]
     last = batch.features[..., :hidden].reshape(-1, hidden)  # the last layer's [B * L, H]
     per_sequence = prediction_rows(module, batch)
-    picks = _draw_rows(per_sequence, batch, fraction, steps, generator, shared_rows)
-    outputs = predictions(module, batch, embedding, steps, [chosen for chosen, _ in picks])
+    picks = _draw_rows(per_sequence, batch, plan, generator)
+    outputs = predictions(module, batch, embedding, plan.steps, [chosen for chosen, _ in picks])
     # the target's logits at every position some step scores, computed once
     needed, where = torch.unique(torch.cat([at for _, at in picks]), return_inverse=True)
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
@@ -191,7 +198,7 @@ def batch_loss(
         pred_rows = pred.reshape(-1, hidden)[chosen]  # [M, H]
         index = where[start : start + at.numel()]  # [M] rows of labels
         start += at.numel()
-        per_row, agree = soft_ce(pred_rows @ student.T, labels, index)  # [M], [M]
+        per_row, agree = plan.soft_ce(pred_rows @ student.T, labels, index)  # [M], [M]
         loss = per_row.mean()
         if eagle:
             loss = loss + REGRESSION_WEIGHT * F.smooth_l1_loss(pred_rows, last[at])
@@ -210,23 +217,19 @@ def _autocast_copy(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _draw_rows(
-    per_sequence: int,
-    batch: Batch,
-    fraction: float,
-    steps: int,
-    generator: torch.Generator | None,
-    shared: bool,
+    per_sequence: int, batch: Batch, plan: LossPlan, generator: torch.Generator | None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per draft step s, the rows that enter its loss (see :func:`_pick`). Shared: one
     draw over step 0's valid rows, of which step s keeps those still inside their
     sequence at its offset (so every later step's rows are step 0's, and the head
     computes no row for later steps alone)."""
-    if not shared:
-        return [_pick(s + 1, per_sequence, batch, fraction, generator) for s in range(steps)]
+    fraction = plan.fraction
+    if not plan.shared_rows:
+        return [_pick(s + 1, per_sequence, batch, fraction, generator) for s in range(plan.steps)]
     drawn, _ = _pick(1, per_sequence, batch, fraction, generator)
     t = per_sequence
     picks = []
-    for offset in range(1, steps + 1):
+    for offset in range(1, plan.steps + 1):
         chosen = drawn[_valid_rows(offset, t, batch).reshape(-1)[drawn]]  # [M_s]
         picks.append((chosen, _positions(chosen, t, batch, offset)))
     return picks
@@ -369,7 +372,12 @@ class Trainer:
         self.config, self.module, self.settings = config, module, settings
         self.embedding, self.rows = embedding, rows
         self.checkpoint = checkpoint
-        self.soft_ce = soft_ce or soft_cross_entropy_for_this_machine()
+        self.loss_plan = LossPlan(
+            steps=settings.unroll if config.method == "eagle" else config.medusa_heads,
+            fraction=settings.loss_fraction,
+            shared_rows=settings.loss_rows == "shared",
+            soft_ce=soft_ce or soft_cross_entropy_for_this_machine(),
+        )
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=settings.lr, weight_decay=0.0)
         self.generator = torch.Generator().manual_seed(settings.seed)  # the loss's rows
         self.step = 0
@@ -413,19 +421,10 @@ class Trainer:
         """One optimizer step on ``batch``: (loss, step-0 top-1)."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step, total_steps)
-        steps = self.settings.unroll if self.config.method == "eagle" else self.config.medusa_heads
         bf16 = self.settings.matmul_precision == "bf16"
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss, top1 = batch_loss(
-                self.module,
-                batch,
-                self.embedding,
-                self.rows,
-                steps,
-                self.settings.loss_fraction,
-                self.soft_ce,
-                self.generator,
-                self.settings.loss_rows == "shared",
+                self.module, batch, self.embedding, self.rows, self.loss_plan, self.generator
             )
         self.optimizer.zero_grad()
         loss.backward()
