@@ -301,6 +301,11 @@ def test_roofline_names_the_binding_limit(
     monkeypatch.setenv(ISA_ENV, isa)
     model = load_native(tiny_folder, "int4", max_length=64, backend="kernels")
     work = decoder_work(model.decoder)
+    per_slot = 2 * 2 * 32  # keys and values of 2 layers, 2 kv heads x 16 dims each
+    assert work["kv_bytes_per_slot"] == per_slot * model.decoder.kv_dtype.itemsize
+    assert model.decoder.kv_dtype == torch.float16  # below fp32 the cache holds halves
+    wide = load_native(tiny_folder, "int4", max_length=64, backend="kernels", kv_cache="fp32")
+    assert decoder_work(wide.decoder)["kv_bytes_per_slot"] == per_slot * 4
     layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 2 * 160 + 160 * 64  # qkv, o, gate_up, down
     assert work["int8_macs"] == 2 * layer + 96 * 64  # the head runs int8 dots too
     assert work["fma_macs"] == 0
