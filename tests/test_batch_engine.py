@@ -357,6 +357,34 @@ def test_load_aware_policy_is_told_every_pass_the_engine_ran(folder: Path) -> No
     assert kept == load.times.shapes()
 
 
+def test_the_pass_log_holds_every_pass_as_the_model_ran_it(folder: Path) -> None:
+    """``pass_log`` (kept when set to a list) has one entry per pass, each row's (positions
+    its slot held before the pass, tokens fed) as the model saw them, prefill chunks of
+    joining rows and drafted rows included; without a list nothing is kept."""
+    from speculative.models.session import SlotPool
+
+    backend = _backend("kernels")
+    seen: list[tuple[tuple[int, int], ...]] = []
+
+    class ShapePool(SlotPool):
+        def forward_rows(self, rows):
+            seen.append(tuple((self.model.slot_length(r.slot), r.input_ids.numel()) for r in rows))
+            return super().forward_rows(rows)
+
+    specs = [s for s in _specs() if s.params.greedy]
+    target = load_native(folder, max_length=96, backend=backend, max_slots=2)
+    engine = BatchEngine(target, max_batch=2, prefill_chunk=5, pool=ShapePool(target))
+    engine.pass_log = []
+    engine.run(_request(spec, folder, backend) for spec in specs)
+    assert [shape.rows for shape in engine.pass_log] == seen
+    assert len(seen) == engine.target_passes
+    assert any(k > 1 and cached > 0 for rows in seen for cached, k in rows)  # drafts scored
+    assert all(shape.seconds > 0 for shape in engine.pass_log)
+    quiet = BatchEngine(target, max_batch=2)
+    quiet.run(_request(spec, folder, backend) for spec in specs[:1])
+    assert quiet.pass_log is None
+
+
 @pytest.mark.parametrize("draining", [True, False])
 def test_a_draining_batch_drafts_only_for_its_rows_furthest_from_their_end(
     folder: Path, draining: bool

@@ -57,6 +57,11 @@ def test_every_setup_at_every_batch_size_with_outputs_equal_to_plain(
             assert 0 < cell.forward_share <= 1
         if cell.setup == PLAIN:
             assert cell.mean_gamma == 0 and cell.vs_plain == 1.0
+        if cell.runtime == "native" and cell.setup != PEER:  # the C kernels: priced passes
+            assert cell.binds in ("memory", "compute")
+            assert 0 < cell.roofline_share < 1  # no pass beats its floor
+        else:
+            assert cell.binds is None and cell.roofline_share is None
     fixed = [c for c in run.cells if c.setup == "ngram γ=4"]
     assert all(0 < c.mean_gamma <= 4 for c in fixed)  # the repetitive prompts drafted
     assert sorted(run.verify_cost["native"])[0] == 1 and run.verify_cost["native"][1] == 1.0

@@ -291,6 +291,7 @@ def test_roofline_names_the_binding_limit(
         MachinePeaks,
         decoder_work,
         measure_peaks,
+        pass_floors,
         roofline,
     )
 
@@ -320,6 +321,15 @@ def test_roofline_names_the_binding_limit(
     assert by_compute["4"]["multiply_adds"] > 4 * work["int8_macs"]
     floor = by_compute["1"]["compute_floor_ms"]
     assert by_compute["1"]["over_floor"] == pytest.approx(1.0 / floor)
+    # a batched pass streams the weights once for all its rows, each row its own cache
+    one, two = (10, 1), (30, 2)
+    alone = [pass_floors(work, slow_memory, [row]) for row in (one, two)]
+    both = pass_floors(work, slow_memory, [one, two])
+    assert both.bytes == alone[0].bytes + alone[1].bytes - work["weight_bytes"]
+    assert both.multiply_adds == alone[0].multiply_adds + alone[1].multiply_adds
+    assert both.int8_multiply_adds == 3 * work["int8_macs"]
+    assert both.memory_ms < alone[0].memory_ms + alone[1].memory_ms
+    assert pass_floors(work, slow_compute, [one, two]).binds == "compute"
 
 
 def test_the_op_clock_times_every_op_and_leaves_the_logits_alone(

@@ -26,7 +26,10 @@ excluded (tokens and time); the peer's prefill is taken out as ``t(N tokens) −
 t(1 token)``. Reported per cell: aggregate tokens/s, per-request tokens/s (each row's
 tokens ÷ the time until it finished), the mean γ chosen per round, target passes, the
 share of decode time spent inside the target pass (the rest is drafting and Python
-overhead), and whether the outputs equal plain decoding's token for token.
+overhead), what bounds the passes and how much of the decode time their floors explain
+(on the C kernels: each pass's bytes at the measured read bandwidth and its multiply-adds
+at the measured peaks, :func:`~speculative.models.native.profile.pass_floors`; the larger
+is the pass's floor), and whether the outputs equal plain decoding's token for token.
 """
 
 from __future__ import annotations
@@ -44,15 +47,24 @@ from tqdm import tqdm
 
 from speculative.bench.prompts import BenchPrompt
 from speculative.bench.runner import kv_cache_of
+from speculative.capabilities import provides
 from speculative.drafters.registry import build_drafter
 from speculative.engine import BatchEngine, BatchRequest, LoadAwareGamma, StopCriteria
+from speculative.engine.batch import PassShape
 from speculative.engine.costs import PassCostCurves, pass_cost_curves, rows_verify_cost
 from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
-from speculative.models.base import PadsBatchRows, SupportsBatchRows
+from speculative.models.base import PadsBatchRows, SupportsBatchRows, SupportsKernels
+from speculative.models.native.profile import (
+    MachinePeaks,
+    PassFloors,
+    measure_peaks,
+    pass_floors,
+)
 from speculative.sampling import SamplingParams
 from speculative.targets import LoadedModel, encode_prompt, load_target
 
 Loader = Callable[..., LoadedModel]  # (target, runtime, precision, kv_cache=)
+FloorsOf = Callable[[Sequence[tuple[int, int]]], PassFloors]  # a pass's rows -> its floors
 GREEDY = SamplingParams(temperature=0.0)
 PLAIN, PEER = "plain", "transformers/generate"
 CURVE_POINTS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -78,6 +90,47 @@ class ConcurrencySettings:
     progress: bool = True
     curve_repeats: int = 3
     clock: str = "wall"  # "cpu": process CPU time (steadier on a shared machine, 1 thread)
+    roofline: bool = True  # measure the machine's peaks and each pass's floors (C kernels)
+
+
+@dataclass
+class Roofline:
+    """Sums over a run's decode passes: their memory and compute floors, the larger of
+    the two per pass, and the wall time of the decode they are read against."""
+
+    memory_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    floor_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+    @staticmethod
+    def of(passes: Sequence[PassShape], floors_of: FloorsOf, wall: float) -> Roofline:
+        totals = Roofline(wall_seconds=wall)
+        for shape in passes:
+            floors = floors_of(shape.rows)
+            totals.memory_seconds += floors.memory_ms / 1e3
+            totals.compute_seconds += floors.compute_ms / 1e3
+            totals.floor_seconds += floors.floor_ms / 1e3
+        return totals
+
+    def plus(self, other: Roofline) -> Roofline:
+        return Roofline(
+            self.memory_seconds + other.memory_seconds,
+            self.compute_seconds + other.compute_seconds,
+            self.floor_seconds + other.floor_seconds,
+            self.wall_seconds + other.wall_seconds,
+        )
+
+    @property
+    def binds(self) -> str:
+        """Which floor is the larger over the whole run."""
+        return "memory" if self.memory_seconds >= self.compute_seconds else "compute"
+
+    @property
+    def share(self) -> float | None:
+        """The floors' share of the decode's wall time: 1 would be every pass at its floor
+        and nothing outside the passes."""
+        return self.floor_seconds / self.wall_seconds if self.wall_seconds > 0 else None
 
 
 @dataclass
@@ -97,6 +150,8 @@ class Cell:
     identical: bool | None  # outputs equal plain decoding's (None: not compared)
     vs_plain: float | None = None
     vs_plain_b1: float | None = None
+    binds: str | None = None  # the passes' larger floor over the run: memory or compute
+    roofline_share: float | None = None  # the passes' floors ÷ the decode's wall time
 
 
 @dataclass
@@ -119,6 +174,7 @@ class _Record:
     passes: int | None = None
     forward_share: float | None = None  # wall time inside the target pass ÷ wall time
     rounds: int = 0  # row rounds behind mean_gamma
+    roofline: Roofline | None = None  # the decode passes' floors (C kernels only)
 
 
 def in_batches(
@@ -153,7 +209,18 @@ def merged(parts: list[_Record]) -> _Record:
         passes=sum(part.passes or 0 for part in parts) if parts[0].passes is not None else None,
         forward_share=forward / seconds if timed and seconds > 0 else None,
         rounds=rounds,
+        roofline=_summed_roofline(parts),
     )
+
+
+def _summed_roofline(parts: list[_Record]) -> Roofline | None:
+    """The parts' floors and wall times summed (None unless every part has them)."""
+    if not parts or any(part.roofline is None for part in parts):
+        return None
+    total = Roofline()
+    for part in parts:
+        total = total.plus(part.roofline)  # type: ignore[arg-type]
+    return total
 
 
 def _mean_gamma(parts: list[_Record], rounds: int) -> float | None:
@@ -176,9 +243,11 @@ def run_engine_batch(
     load: LoadAwareGamma | None,
     max_new_tokens: int,
     clock: Callable[[], float] = time.perf_counter,
+    floors_of: FloorsOf | None = None,
 ) -> _Record:
     """One closed batch to completion; the prefill pass is excluded from tokens and time.
-    ``clock`` times the batch (the share in the target pass is always wall time)."""
+    ``clock`` times the batch (the share in the target pass is always wall time);
+    ``floors_of`` prices its decode passes' floors (the record's roofline)."""
     engine = BatchEngine(target.lm, max_batch=len(prompts), load=load)
     engine.draining = True  # a closed batch: nothing joins, its end is its last row's
     stop = StopCriteria(max_new_tokens=max_new_tokens)  # no EOS: every row emits the budget
@@ -189,6 +258,7 @@ def run_engine_batch(
     before = sum(len(row.state.generated) for row in engine.rows.values())
     before += sum(len(result.token_ids) for result in engine.finished.values())
     forward_before, passes_before = engine.forward_seconds, engine.target_passes
+    engine.pass_log = [] if floors_of is not None else None
     started, wall, finished_at = clock(), time.perf_counter(), {}
     while engine.rows:
         for row_id, round_ in engine.step().items():
@@ -209,6 +279,9 @@ def run_engine_batch(
         passes=engine.target_passes - passes_before,
         forward_share=(engine.forward_seconds - forward_before) / wall if wall > 0 else None,
         rounds=len(gammas),
+        roofline=None
+        if floors_of is None or engine.pass_log is None
+        else Roofline.of(engine.pass_log, floors_of, wall),
     )
 
 
@@ -314,6 +387,7 @@ def run_concurrency(
         pass_costs[runtime] = pass_cost_curves(  # the load-aware policy's
             model, context, largest, CURVE_POINTS[-1], repeats, clock
         )
+    floors = {rt: floors_of(t) if settings.roofline else None for rt, t in setups.items()}
     peer = _peer_model(settings, setups, loader) if settings.peers else None
     pad = min(next(iter(setups.values())).eos_token_ids, default=0)
     labels = [PLAIN, f"{settings.drafter} γ={settings.gamma}", f"{settings.drafter} load-aware"]
@@ -339,7 +413,7 @@ def run_concurrency(
                     for label, gamma, load in rotated(configs, repeat + index):
                         parts[label].append(
                             run_engine_batch(target, chunk, settings.drafter, gamma, load,
-                                             settings.max_new_tokens, clock)
+                                             settings.max_new_tokens, clock, floors[runtime])
                         )  # fmt: skip
                 for label, _, _ in configs:
                     records.setdefault((runtime, label), []).append(merged(parts[label]))
@@ -364,7 +438,42 @@ def run_concurrency(
         f"); torch threads: {torch.get_num_threads()}; 'in forward': wall time inside the "
         "target pass ÷ wall time of the decode steps (the rest: drafting and Python)",
     ]
+    priced = {rt: f for rt, f in floors.items() if f is not None}
+    if priced:
+        notes.append(ROOFLINE_NOTE)
+        notes += [f"{rt}: {f.describe()}" for rt, f in priced.items()]
     return ConcurrencyRun(settings, cells, curves, prompt_tokens, notes, pass_costs)
+
+
+@dataclass(frozen=True)
+class KernelFloors:
+    """Prices a pass of a C-kernels model at its floors (:func:`pass_floors`)."""
+
+    work: dict[str, int]  # the decoder's per-token work (``SupportsKernels.kernel_work``)
+    peaks: MachinePeaks
+
+    def __call__(self, rows: Sequence[tuple[int, int]]) -> PassFloors:
+        return pass_floors(self.work, self.peaks, rows)
+
+    def describe(self) -> str:
+        p = self.peaks
+        return (
+            f"peaks measured by the kernels' microbenchmarks ({p.isa}, {p.threads} threads): "
+            f"read {p.read_gbps:.1f} GB/s, fp32 FMA {p.fma_macs_per_s / 1e9:.0f} GMAC/s, "
+            f"int8 dot {p.int8_macs_per_s / 1e9:.0f} GMAC/s"
+        )
+
+
+def floors_of(target: LoadedModel) -> KernelFloors | None:
+    """``target``'s pass pricer, the machine's peaks measured once here with the kernels'
+    own instructions; None for a model not running on the C kernels."""
+    lm = target.lm
+    if not provides(lm, SupportsKernels):
+        return None
+    library, work = lm.kernel_library(), lm.kernel_work()
+    if library is None or work is None:
+        return None
+    return KernelFloors(work, measure_peaks(library, torch.get_num_threads()))
 
 
 def _load_aware(costs: PassCostCurves) -> LoadAwareGamma:
@@ -398,6 +507,7 @@ def _cells(batch: int, records: dict[tuple[str, str], list[_Record]]) -> list[Ce
         if label != PEER and plain is not None:
             identical = all(r.tokens == plain[0].tokens for r in runs)
         forward = mid.forward_share
+        roofline = _summed_roofline(runs)
         cells.append(
             Cell(
                 runtime=runtime,
@@ -412,6 +522,8 @@ def _cells(batch: int, records: dict[tuple[str, str], list[_Record]]) -> list[Ce
                 forward_share=forward,
                 identical=identical,
                 vs_plain=_paired_ratio(runs, plain),
+                binds=None if roofline is None else roofline.binds,
+                roofline_share=None if roofline is None else roofline.share,
             )
         )
     return cells
@@ -455,8 +567,14 @@ def _add_ratios(cells: list[Cell]) -> None:
 
 HEADER = (
     "runtime", "setup", "B", "tok/s", "×plain", "×plain B=1", "per-request tok/s",
-    "mean γ", "passes", "in forward", "identical",
+    "mean γ", "passes", "in forward", "binds", "floors", "identical",
 )  # fmt: skip
+ROOFLINE_NOTE = (
+    "binds: the larger of the decode passes' floors over the run (memory: weights and KV "
+    "cache read once per pass at the measured bandwidth; compute: multiply-adds at the "
+    "measured fp32 and int8-dot peaks); floors: their sum, the larger per pass, ÷ the "
+    "decode's wall time (the rest is the passes above their floors, drafting and Python)"
+)
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
@@ -480,6 +598,8 @@ def _cell_text(c: Cell) -> list[str]:
         _fmt(c.mean_gamma),
         "-" if c.passes is None else str(c.passes),
         _fmt(c.forward_share, ".0%"),
+        c.binds or "-",
+        _fmt(c.roofline_share, ".0%"),
         {None: "-", True: "yes", False: "NO"}[c.identical],
     ]
 
@@ -495,6 +615,7 @@ def concurrency_terminal(run: ConcurrencyRun) -> str:
         for name, curve in _model_curves(costs):
             points = ", ".join(f"{n}: {v:.2f}" for n, v in curve.items())
             lines.append(f"{runtime}: {name}: {points}")
+    lines += [f"- {note}" for note in run.notes]
     return "\n".join(lines)
 
 

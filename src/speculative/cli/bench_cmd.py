@@ -63,7 +63,10 @@ generate() where it can load the target. Each closed batch runs under every setu
 the next batch starts, so a setup and plain decoding run seconds apart; ×plain is the
 median over the repeats of the ratio within a repeat. Reported: aggregate and per-request
 tokens/s, ratios to plain, the mean γ chosen, target passes, the share of time in the target pass,
-and identity with plain decoding; --out writes concurrency.json and concurrency.md.
+what bounds the passes on the C kernels (binds: memory or compute, from the machine's peaks
+measured at start; floors: the passes' floors ÷ the decode time, so 100% would be every pass
+at its roofline and no time outside them), and identity with plain decoding; --out writes
+concurrency.json and concurrency.md.
 e.g. speculative bench --concurrency 1 2 4 8 16 --runtime native --max-new-tokens 32
 """
 
@@ -219,6 +222,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="batched mode: wall time, or process CPU time (steadier when other jobs share "
         "the cores; use with --threads 1)",
     )
+    parser.add_argument(
+        "--no-roofline",
+        dest="roofline",
+        action="store_false",
+        help="batched mode: skip measuring the machine's peaks (under a second) and the "
+        "'binds' and 'floors' columns",
+    )
     add_json_flag(parser)
     parser.set_defaults(run=run)
 
@@ -278,6 +288,7 @@ def concurrency_settings(args: argparse.Namespace):
         chat=args.chat,
         progress=not args.no_progress,
         clock=args.clock,
+        roofline=args.roofline,
     )
 
 

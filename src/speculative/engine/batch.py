@@ -297,6 +297,14 @@ def new_state(
     return DecodeState(prompt, len(prompt), GenerationStats() if stats is None else stats)
 
 
+@dataclass(frozen=True)
+class PassShape:
+    """One target pass as it ran: per row, (positions its cache held, tokens it fed)."""
+
+    rows: tuple[tuple[int, int], ...]
+    seconds: float
+
+
 class BatchEngine:
     """Decodes many rows together, one target pass per round."""
 
@@ -340,6 +348,8 @@ class BatchEngine:
         self.draining = False
         self._hopeless = HopelessRounds()
         self._next_id = 0
+        # a list: every later pass's shape is appended to it (benchmarks; None: not kept)
+        self.pass_log: list[PassShape] | None = None
         # greedy checks read the argmax the target's forward took, where it takes one
         self._fused_argmax = target if provides(target, SupportsFusedArgmax) else None
         self._nucleus = target.nucleus if provides(target, SupportsNucleusSearch) else None
@@ -416,7 +426,8 @@ class BatchEngine:
         chunk_tokens = sum(chunk.input_ids.numel() for _, chunk in chunks)
         planned = self._propose([row for row in rows if row.decoding], chunk_tokens, len(chunks))
         inputs = [chunk for _, chunk in chunks] + [p.proposal.request for p in planned]
-        outputs, seconds = self._forward(inputs)
+        sessions = [row.session for row, _ in chunks] + [p.row.session for p in planned]
+        outputs, seconds = self._forward(inputs, sessions)
         for (row, _), logits in zip(chunks, outputs[: len(chunks)], strict=True):
             row.session.receive(logits)
             row.state.stats.prefill_seconds += seconds
@@ -459,11 +470,18 @@ class BatchEngine:
         size = left if self.prefill_chunk is None else min(left, self.prefill_chunk)
         return row.session.request(prefix[: len(prefix) - left + size])
 
-    def _forward(self, inputs: list[RowInput]) -> tuple[list[torch.Tensor], float]:
-        """The shared target pass: every row's logits [k_row, vocab], and its seconds."""
+    def _forward(
+        self, inputs: list[RowInput], sessions: list[RowSession]
+    ) -> tuple[list[torch.Tensor], float]:
+        """The shared target pass: every row's logits [k_row, vocab], and its seconds (its
+        shape appended to ``pass_log`` where one is kept)."""
+        cached = None if self.pass_log is None else [len(s.cached) for s in sessions]
         started = time.perf_counter()
         outputs = self.pool.forward_rows(inputs)
         seconds = time.perf_counter() - started
+        if cached is not None and self.pass_log is not None:
+            fed = (row.input_ids.numel() for row in inputs)
+            self.pass_log.append(PassShape(tuple(zip(cached, fed, strict=True)), seconds))
         self._measure_pass(seconds, inputs)
         self.forward_seconds += seconds
         self.target_passes += 1

@@ -6,6 +6,7 @@ Timing forwards (the verify-cost curve T(k)/T(1)) is model-agnostic and lives in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,46 @@ def decoder_work(decoder: Any) -> dict[str, int]:
     }
 
 
+@dataclass(frozen=True)
+class PassFloors:
+    """What one forward must read and compute, and the least time each takes at the
+    machine's measured peaks."""
+
+    bytes: int  # every weight once, and each sequence's KV cache over the slots it sees
+    multiply_adds: int  # all of them, attention's included
+    int8_multiply_adds: int  # those on the int8 dot path
+    memory_ms: float  # bytes at the measured read bandwidth
+    compute_ms: float  # fp32 multiply-adds at the FMA peak plus int8 ones at the dot peak
+
+    @property
+    def floor_ms(self) -> float:
+        return max(self.memory_ms, self.compute_ms)
+
+    @property
+    def binds(self) -> str:
+        return "memory" if self.memory_ms >= self.compute_ms else "compute"
+
+
+def pass_floors(
+    work: dict[str, int], peaks: MachinePeaks, rows: Sequence[tuple[int, int]]
+) -> PassFloors:
+    """The floors of one forward over ``rows``: (cached slots, new tokens) per sequence.
+    The weights stream once for all of them; token j of a sequence's block attends to its
+    cached + j + 1 slots (reading its own KV cache of cached + k slots)."""
+    tokens = sum(k for _, k in rows)
+    pairs = sum(k * cached + k * (k + 1) // 2 for cached, k in rows)  # (token, slot)
+    nbytes = work["weight_bytes"] + work["kv_bytes_per_slot"] * sum(c + k for c, k in rows)
+    fma = tokens * work["fma_macs"] + pairs * work["attention_macs_per_slot"]
+    int8 = tokens * work["int8_macs"]
+    return PassFloors(
+        bytes=nbytes,
+        multiply_adds=fma + int8,
+        int8_multiply_adds=int8,
+        memory_ms=nbytes / (peaks.read_gbps * 1e9) * 1e3,
+        compute_ms=(fma / peaks.fma_macs_per_s + int8 / peaks.int8_macs_per_s) * 1e3,
+    )
+
+
 def roofline(
     work: dict[str, int],
     peaks: MachinePeaks,
@@ -97,28 +138,20 @@ def roofline(
 ) -> dict[str, dict[str, object]]:
     """For each k: bytes read, multiply-adds, the memory floor (at ``gbps`` and at the
     measured bandwidth), the compute floor at the measured peaks, which of the two binds,
-    and the measured T(k) over the binding floor.
-
-    A forward of k tokens after ``context`` reads every weight once and the KV cache of
-    the slots it attends to (token j of the block sees context + j + 1 slots)."""
+    and the measured T(k) over the binding floor (:func:`pass_floors` of one sequence of
+    k tokens after ``context``)."""
     out: dict[str, dict[str, object]] = {}
     for k, ms in times_ms.items():
-        slots = k * context + k * (k + 1) // 2  # attention (token, slot) pairs
-        nbytes = work["weight_bytes"] + work["kv_bytes_per_slot"] * (context + k)
-        fma = k * work["fma_macs"] + slots * work["attention_macs_per_slot"]
-        int8 = k * work["int8_macs"]
-        memory_ms = nbytes / (peaks.read_gbps * 1e9) * 1e3
-        compute_ms = (fma / peaks.fma_macs_per_s + int8 / peaks.int8_macs_per_s) * 1e3
-        floor = max(memory_ms, compute_ms)
+        floors = pass_floors(work, peaks, [(context, k)])
         out[str(k)] = {
-            "bytes": nbytes,
-            "multiply_adds": fma + int8,
-            "int8_multiply_adds": int8,
-            "memory_floor_ms": nbytes / (gbps * 1e9) * 1e3,
-            "memory_floor_measured_ms": memory_ms,
-            "compute_floor_ms": compute_ms,
-            "binds": "memory" if memory_ms >= compute_ms else "compute",
+            "bytes": floors.bytes,
+            "multiply_adds": floors.multiply_adds,
+            "int8_multiply_adds": floors.int8_multiply_adds,
+            "memory_floor_ms": floors.bytes / (gbps * 1e9) * 1e3,
+            "memory_floor_measured_ms": floors.memory_ms,
+            "compute_floor_ms": floors.compute_ms,
+            "binds": floors.binds,
             "ms": ms,
-            "over_floor": ms / floor,
+            "over_floor": ms / floors.floor_ms,
         }
     return out
