@@ -298,7 +298,7 @@ class NativeLlama:
     def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
         """Every row's new tokens through one forward (one weight pass on the kernels);
         returns [k_row, vocab] float32 logits per row, bitwise those of the row alone."""
-        logits, _ = self._forward_rows(rows)
+        logits, _ = self._forward_rows(rows, features=False)
         return logits
 
     def forward_rows_with_hidden(
@@ -307,10 +307,13 @@ class NativeLlama:
         """As :meth:`forward_rows`, with the pass's features [Σ k_row, hidden] (the final
         residual stream after the final norm, as :meth:`forward_with_hidden`), rows in
         order."""
-        return self._forward_rows(rows)
+        return self._forward_rows(rows, features=True)
 
-    def _forward_rows(self, rows: Sequence[RowInput]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Per-row logits and the features [total, hidden] of the pass."""
+    def _forward_rows(
+        self, rows: Sequence[RowInput], features: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Per-row logits and the features [total, hidden] of the pass (with the feature
+        layers' states only when ``features``: a pass without them copies none out)."""
         if not rows:
             return [], torch.empty(0, self.config.hidden_size * (1 + len(self._feature_layers)))
         segments = [self._segment(row) for row in rows]
@@ -319,7 +322,7 @@ class NativeLlama:
         ids = rows[0].input_ids if len(rows) == 1 else torch.cat([row.input_ids for row in rows])
         # [total, hidden], a copy the decoder updates in place
         hidden = torch.index_select(self.embed, 0, ids)
-        layers = self._capture_layers(hidden.shape[0])
+        layers = self._capture_layers(hidden.shape[0]) if features else None
         try:
             logits = self.decoder.forward_segments(hidden, segments)  # [wanted, vocab]
         finally:
