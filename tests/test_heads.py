@@ -1152,11 +1152,11 @@ def test_bf16_matmuls_train_the_head_as_fp32_does(trained, tmp_path):
 def per_step_loss(module, batch, embedding, rows, steps, fraction):
     """The distillation loss written plainly (the reference for ``batch_loss``): each
     draft step computes the target's distribution at the rows it scores."""
+    from speculative.heads.modules import shifted
     from speculative.training.trainer import (
         REGRESSION_WEIGHT,
         STEP_DECAY,
         _loss_rows,
-        _shift,
         predictions,
     )
 
@@ -1164,7 +1164,7 @@ def per_step_loss(module, batch, embedding, rows, steps, fraction):
     last = batch.features[..., : rows.shape[1]]
     for s, (pred, offset) in enumerate(predictions(module, batch, embedding, steps)):
         t = pred.shape[1]
-        target = _shift(last, offset, t).reshape(-1, rows.shape[1])
+        target = shifted(last, offset, t).reshape(-1, rows.shape[1])
         chosen = _loss_rows(torch.arange(t) + offset < batch.lengths.unsqueeze(1), fraction)
         pred_rows, target_rows = pred.reshape(-1, rows.shape[1])[chosen], target[chosen]
         p = torch.softmax(target_rows @ rows.T, -1)
@@ -1369,6 +1369,8 @@ def test_shared_loss_rows_are_one_draw_for_every_unrolled_step():
     assert independent[0] > 1.5 * computed[0]
     with pytest.raises(ValueError, match="loss rows must be one of independent, shared"):
         Trainer(config, head, embedding, rows, TrainSettings(loss_rows="alternate"))
+    with pytest.raises(TypeError, match="Linear is not a head the trainer can train"):
+        Trainer(config, torch.nn.Linear(64, 64), embedding, rows, TrainSettings())
 
 
 def test_a_trainer_draws_its_loss_rows_from_its_own_seeded_generator(tmp_path):

@@ -10,6 +10,7 @@ target when the head is loaded.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +110,11 @@ class EagleHead(nn.Module):
     With feature layers (EAGLE-3) the target's features are first fused by a
     :class:`LayerFusion`; drafted pairs read the head's own predicted features as they are."""
 
+    # :class:`TrainableHead`: a row reads the pair (x_{t+1}, f_t), and what it predicts is
+    # the target's next feature itself (regressed onto it as well as scored by the rows)
+    reads_next_token = True
+    regresses_features = True
+
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
@@ -180,6 +186,21 @@ class EagleHead(nn.Module):
         return kv.repeat_interleave(self.config.num_heads // self.config.num_kv_heads, dim=1)
 
     # ---- training: a teacher-forced pass plus unrolled draft steps ------------------
+    def teacher_forced(
+        self,
+        tokens: torch.Tensor,  # [B, L] int64
+        features: torch.Tensor,  # [B, L, W] the target's features (W: H or fused layers)
+        embedding: torch.Tensor,  # [vocab, H] the target's input embedding
+        steps: int,
+        wanted: list[torch.Tensor] | None = None,
+    ) -> list[tuple[torch.Tensor, int]]:
+        """:class:`TrainableHead`: :meth:`unrolled` over every true pair of the batch; row
+        t of step s predicts the feature of position t + s + 1."""
+        rows = prediction_rows(self, tokens.shape[1])
+        embeds = embedding[shifted(tokens, 1, rows + steps - 1)]  # x_{t+1}: [B, T + s - 1, H]
+        outputs = self.unrolled(embeds, features[:, :rows], steps, wanted)
+        return [(out, s + 1) for s, out in enumerate(outputs)]
+
     def unrolled(
         self,
         embeds: torch.Tensor,
@@ -338,6 +359,11 @@ class MedusaHeads(nn.Module):
     """K residual blocks on the last feature; block k predicts the token k + 1 positions
     after the one the feature's own logits predict."""
 
+    # :class:`TrainableHead`: a row reads its feature alone (blind to the token after it),
+    # and its outputs are only scored through the output rows
+    reads_next_token = False
+    regresses_features = False
+
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
         h = config.hidden_size
@@ -350,6 +376,62 @@ class MedusaHeads(nn.Module):
     def forward(self, features: torch.Tensor) -> list[torch.Tensor]:
         """features: [..., H] -> K predicted features [..., H] (fed to the head rows)."""
         return [features + F.silu(block(features)) for block in self.blocks]
+
+    def teacher_forced(
+        self,
+        tokens: torch.Tensor,  # [B, L] int64 (unread: a block sees its feature alone)
+        features: torch.Tensor,  # [B, L, W] the target's features; the last layer's first
+        embedding: torch.Tensor,  # unread
+        steps: int,
+        wanted: list[torch.Tensor] | None = None,  # unread: every row is cheap
+    ) -> list[tuple[torch.Tensor, int]]:
+        """:class:`TrainableHead`: the first ``steps`` blocks over every position; block k
+        at row t predicts the feature of position t + k + 1."""
+        outputs = self(features[..., : self.config.hidden_size])  # the last layer's
+        return [(out, k + 1) for k, out in enumerate(outputs[:steps])]
+
+
+@runtime_checkable
+class TrainableHead(Protocol):
+    """What the trainer asks of a head module (one class per head strategy)."""
+
+    config: HeadConfig
+    reads_next_token: bool  # row t reads x_{t+1} with f_t (one row fewer per sequence)
+    regresses_features: bool  # its predictions are regressed onto the target's features
+
+    def teacher_forced(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        embedding: torch.Tensor,
+        steps: int,
+        wanted: list[torch.Tensor] | None = None,
+    ) -> list[tuple[torch.Tensor, int]]:
+        """Per draft step: (predicted features [B, T, H], offset o): row t predicts the
+        feature of position t + o (the target's distribution of token t + o + 1). With
+        ``wanted`` (per step, flat row indices into [B * T]) a head may compute only the
+        rows read."""
+        ...
+
+    def train(self, mode: bool = True) -> object: ...  # nn.Module's
+
+    def eval(self) -> object: ...
+
+
+def prediction_rows(head: TrainableHead, length: int) -> int:
+    """Rows per sequence of L tokens in a step's predictions: L - 1 where row t reads the
+    pair (x_{t+1}, f_t), else L."""
+    return length - 1 if head.reads_next_token else length
+
+
+def shifted(x: torch.Tensor, by: int, length: int) -> torch.Tensor:
+    """x[:, by : by + length] zero-padded on the right: [B, length, ...]."""
+    part = x[:, by : by + length]
+    missing = length - part.shape[1]
+    if missing > 0:
+        pad = torch.zeros(x.shape[0], missing, *x.shape[2:], dtype=x.dtype)
+        part = torch.cat([part, pad], dim=1)
+    return part
 
 
 def build_head(config: HeadConfig) -> nn.Module:

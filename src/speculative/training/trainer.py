@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from speculative.heads.modules import EagleHead, HeadConfig, MedusaHeads
+from speculative.heads.modules import HeadConfig, TrainableHead, prediction_rows, shifted
 from speculative.training.features import Sequence_, iterate_chunks
 from speculative.training.precision import RESOLVED
 from speculative.training.soft_ce import (
@@ -119,42 +119,16 @@ def collate(items: Sequence[Sequence_]) -> Batch:
     return Batch(tokens, features, greedy, lengths)
 
 
-def _shift(x: torch.Tensor, by: int, length: int) -> torch.Tensor:
-    """x[:, by : by + length] zero-padded on the right: [B, length, ...]."""
-    part = x[:, by : by + length]
-    missing = length - part.shape[1]
-    if missing > 0:
-        pad = torch.zeros(x.shape[0], missing, *x.shape[2:], dtype=x.dtype)
-        part = torch.cat([part, pad], dim=1)
-    return part
-
-
 def predictions(
-    module: nn.Module,
+    module: TrainableHead,
     batch: Batch,
     embedding: torch.Tensor,
     steps: int,
     wanted: list[torch.Tensor] | None = None,
 ) -> list[tuple[torch.Tensor, int]]:
-    """Per draft step: (predicted features [B, T, H], offset o): row t predicts the
-    feature of position t + o, i.e. the target's distribution of token t + o + 1. With
-    ``wanted`` (per step, flat row indices into [B * T]) an EAGLE head computes only the
-    rows read (see :meth:`EagleHead.unrolled`); Medusa's are cheap and all computed."""
-    if isinstance(module, EagleHead):
-        rows = prediction_rows(module, batch)
-        embeds = embedding[_shift(batch.tokens, 1, rows + steps - 1)]  # x_{t+1}
-        outputs = module.unrolled(embeds, batch.features[:, :rows], steps, wanted)
-        return [(out, s + 1) for s, out in enumerate(outputs)]
-    assert isinstance(module, MedusaHeads)
-    outputs = module(batch.features[..., : module.config.hidden_size])  # the last layer's
-    return [(out, k + 1) for k, out in enumerate(outputs[:steps])]
-
-
-def prediction_rows(module: nn.Module, batch: Batch) -> int:
-    """Rows per sequence of a step's predictions: an EAGLE head's row t reads the pair
-    (x_{t+1}, f_t), so a sequence of L tokens gives L - 1 rows; Medusa's gives L."""
-    length = batch.tokens.shape[1]
-    return length - 1 if isinstance(module, EagleHead) else length
+    """Per draft step: (predicted features [B, T, H], offset o) of ``module`` over
+    ``batch`` (:meth:`TrainableHead.teacher_forced`)."""
+    return module.teacher_forced(batch.tokens, batch.features, embedding, steps, wanted)
 
 
 @dataclass(frozen=True)
@@ -168,24 +142,24 @@ class LossPlan:
 
 
 def batch_loss(
-    module: nn.Module,
+    module: TrainableHead,
     batch: Batch,
     embedding: torch.Tensor,  # [vocab, H] the target's input embedding
     rows: torch.Tensor,  # [N, H] the target's output rows of the draft vocabulary
     plan: LossPlan,
     generator: torch.Generator | None = None,  # the rows' draws; None: torch's global one
 ) -> tuple[torch.Tensor, float]:
-    """Distillation (+ regression for EAGLE) loss and step-0 top-1 agreement. Under
+    """Distillation (+ feature regression where the head regresses its predictions onto
+    the target's features: EAGLE's) loss and step-0 top-1 agreement. Under
     autocast the head's products run at its dtype; the target's logits never do.
     The rows that enter the loss are drawn first (from ``generator``; once for every
     draft step with ``plan.shared_rows``), so the head computes only those (and what
     later draft steps read)."""
     total = torch.zeros(())
     top1 = 0.0
-    eagle = isinstance(module, EagleHead)
     hidden = rows.shape[1]
     last = batch.features[..., :hidden].reshape(-1, hidden)  # the last layer's [B * L, H]
-    per_sequence = prediction_rows(module, batch)
+    per_sequence = prediction_rows(module, batch.tokens.shape[1])
     picks = _draw_rows(per_sequence, batch, plan, generator)
     outputs = predictions(module, batch, embedding, plan.steps, [chosen for chosen, _ in picks])
     # the target's logits at every position some step scores, computed once
@@ -200,7 +174,7 @@ def batch_loss(
         start += at.numel()
         per_row, agree = plan.soft_ce(pred_rows @ student.T, labels, index)  # [M], [M]
         loss = per_row.mean()
-        if eagle:
+        if module.regresses_features:
             loss = loss + REGRESSION_WEIGHT * F.smooth_l1_loss(pred_rows, last[at])
         total = total + STEP_DECAY**s * loss
         if s == 0:
@@ -275,7 +249,7 @@ def _loss_rows(
 
 @torch.no_grad()
 def evaluate(
-    module: nn.Module,
+    module: TrainableHead,
     paths: Sequence[Path],
     embedding: torch.Tensor,
     rows: torch.Tensor,
@@ -301,12 +275,12 @@ def evaluate(
         for pred, offset in predictions(module, batch, embedding, steps):
             t = pred.shape[1]
             ids = draft_to_target[(pred[0] @ rows.T).argmax(-1)]  # [T]
-            want = _shift(batch.greedy, offset, t)[0]  # target's token after t + offset
+            want = shifted(batch.greedy, offset, t)[0]  # target's token after t + offset
             valid = (torch.arange(t) + offset < n) & (torch.arange(t) >= start)
             drafted.append((ids == want) & valid)
             valids.append(valid)
         chain = torch.ones(drafted[0].shape[0], dtype=torch.bool)
-        follows = _follows_greedy(item, drafted[0].shape[0], steps, isinstance(module, EagleHead))
+        follows = _follows_greedy(item, drafted[0].shape[0], steps, module.reads_next_token)
         length = torch.zeros(drafted[0].shape[0])
         for s, ok in enumerate(drafted):
             hits[s] += ok.float().sum()
@@ -334,17 +308,18 @@ def _answer_start(tokens: torch.Tensor, marker: int | None) -> int:
     return int(where[-1]) + 2 if where.numel() else 0
 
 
-def _follows_greedy(item: Sequence_, rows: int, steps: int, eagle: bool) -> list[torch.Tensor]:
+def _follows_greedy(item: Sequence_, rows: int, steps: int, reads_next: bool) -> list[torch.Tensor]:
     """follows[s][t]: the text tokens a draft at step s of row t is conditioned on are
-    the target's greedy choices (EAGLE reads x_{t+2} .. x_{t+s+1} beyond its true pair;
-    Medusa, blind to x_{t+1}, needs x_{t+1} .. x_{t+s+1})."""
+    the target's greedy choices (a head that reads x_{t+1} with its true pair, EAGLE's,
+    reads x_{t+2} .. x_{t+s+1} beyond it; one blind to x_{t+1}, Medusa's, needs x_{t+1} ..
+    x_{t+s+1})."""
     greedy_text = torch.zeros(item.tokens.numel() + 1, dtype=torch.bool)
     greedy_text[1 : item.tokens.numel()] = item.tokens[1:] == item.greedy[:-1]  # x_j greedy
     out, ok = [], torch.ones(rows, dtype=torch.bool)
     index = torch.arange(rows)
     for s in range(steps):
         needed = index + s + 1  # the newest conditioning token
-        if s > 0 or not eagle:
+        if s > 0 or not reads_next:
             ok = ok & greedy_text[needed.clamp(max=item.tokens.numel())]
         out.append(ok.clone())
     return out
@@ -363,6 +338,8 @@ class Trainer:
         checkpoint: Path | None = None,
         soft_ce: SoftCrossEntropy | None = None,  # default: the C kernel where it builds
     ) -> None:
+        if not isinstance(module, TrainableHead):
+            raise TypeError(f"{type(module).__name__} is not a head the trainer can train")
         if settings.loss_rows not in LOSS_ROWS:
             raise ValueError(f"loss rows must be one of {', '.join(LOSS_ROWS)}")
         if settings.matmul_precision not in RESOLVED:
