@@ -197,7 +197,7 @@ class EagleHead(nn.Module):
         """:class:`TrainableHead`: :meth:`unrolled` over every true pair of the batch; row
         t of step s predicts the feature of position t + s + 1."""
         rows = prediction_rows(self, tokens.shape[1])
-        embeds = embedding[shifted(tokens, 1, rows + steps - 1)]  # x_{t+1}: [B, T + s - 1, H]
+        embeds = embedding[shifted(tokens, 1, rows + steps - 1)]  # x_{t+1}: [B, T + steps - 1, H]
         outputs = self.unrolled(embeds, features[:, :rows], steps, wanted)
         return [(out, s + 1) for s, out in enumerate(outputs)]
 
