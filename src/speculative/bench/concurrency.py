@@ -215,11 +215,12 @@ def merged(parts: list[_Record]) -> _Record:
 
 def _summed_roofline(parts: list[_Record]) -> Roofline | None:
     """The parts' floors and wall times summed (None unless every part has them)."""
-    if not parts or any(part.roofline is None for part in parts):
+    rooflines = [part.roofline for part in parts if part.roofline is not None]
+    if not parts or len(rooflines) < len(parts):
         return None
     total = Roofline()
-    for part in parts:
-        total = total.plus(part.roofline)  # type: ignore[arg-type]
+    for roofline in rooflines:
+        total = total.plus(roofline)
     return total
 
 
@@ -387,7 +388,7 @@ def run_concurrency(
         pass_costs[runtime] = pass_cost_curves(  # the load-aware policy's
             model, context, largest, CURVE_POINTS[-1], repeats, clock
         )
-    floors = {rt: floors_of(t) if settings.roofline else None for rt, t in setups.items()}
+    floors = {rt: kernel_floors(t) if settings.roofline else None for rt, t in setups.items()}
     peer = _peer_model(settings, setups, loader) if settings.peers else None
     pad = min(next(iter(setups.values())).eos_token_ids, default=0)
     labels = [PLAIN, f"{settings.drafter} γ={settings.gamma}", f"{settings.drafter} load-aware"]
@@ -464,7 +465,7 @@ class KernelFloors:
         )
 
 
-def floors_of(target: LoadedModel) -> KernelFloors | None:
+def kernel_floors(target: LoadedModel) -> KernelFloors | None:
     """``target``'s pass pricer, the machine's peaks measured once here with the kernels'
     own instructions; None for a model not running on the C kernels."""
     lm = target.lm

@@ -426,8 +426,7 @@ class BatchEngine:
         chunk_tokens = sum(chunk.input_ids.numel() for _, chunk in chunks)
         planned = self._propose([row for row in rows if row.decoding], chunk_tokens, len(chunks))
         inputs = [chunk for _, chunk in chunks] + [p.proposal.request for p in planned]
-        sessions = [row.session for row, _ in chunks] + [p.row.session for p in planned]
-        outputs, seconds = self._forward(inputs, sessions)
+        outputs, seconds = self._forward(inputs, chunks, planned)
         for (row, _), logits in zip(chunks, outputs[: len(chunks)], strict=True):
             row.session.receive(logits)
             row.state.stats.prefill_seconds += seconds
@@ -471,17 +470,25 @@ class BatchEngine:
         return row.session.request(prefix[: len(prefix) - left + size])
 
     def _forward(
-        self, inputs: list[RowInput], sessions: list[RowSession]
+        self,
+        inputs: list[RowInput],
+        chunks: list[tuple[BatchRow, RowInput]],
+        planned: list[_Planned],
     ) -> tuple[list[torch.Tensor], float]:
-        """The shared target pass: every row's logits [k_row, vocab], and its seconds (its
-        shape appended to ``pass_log`` where one is kept)."""
-        cached = None if self.pass_log is None else [len(s.cached) for s in sessions]
+        """The shared target pass over ``inputs`` (the chunks' rows, then the planned
+        rows'): every row's logits [k_row, vocab], and its seconds (its shape appended to
+        ``pass_log`` where one is kept)."""
+        log = self.pass_log
+        cached = None
+        if log is not None:  # before the pass: receiving its logits extends the caches
+            rows = [row for row, _ in chunks] + [p.row for p in planned]
+            cached = [len(row.session.cached) for row in rows]
         started = time.perf_counter()
         outputs = self.pool.forward_rows(inputs)
         seconds = time.perf_counter() - started
-        if cached is not None and self.pass_log is not None:
+        if log is not None and cached is not None:
             fed = (row.input_ids.numel() for row in inputs)
-            self.pass_log.append(PassShape(tuple(zip(cached, fed, strict=True)), seconds))
+            log.append(PassShape(tuple(zip(cached, fed, strict=True)), seconds))
         self._measure_pass(seconds, inputs)
         self.forward_seconds += seconds
         self.target_passes += 1
