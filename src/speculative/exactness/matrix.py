@@ -151,7 +151,9 @@ def run_matrix(
     ``jobs`` > 1 runs the cells in that many worker processes (spawned, one thread each;
     ``targets`` must then be picklable, e.g. a ``functools.partial`` of a module-level
     loader). Every continuation's generator is seeded from the cell's configuration alone,
-    so the cells' results do not depend on ``jobs`` (only their seconds do)."""
+    so the cells' results do not depend on ``jobs`` (only their seconds do); ``auto``'s
+    cells excepted, whose choices read the clock, so that their draws vary from run to
+    run."""
     planned = plan_matrix(drafters, base, modes, samplings)
     if jobs <= 1:
         loaded: dict[str, Any] = {}
