@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,12 +35,10 @@ from speculative.models.native.config import NativeConfig
 from speculative.models.native.decoder_base import DecoderBase, PackedLayer, Segment
 from speculative.models.native.hugepages import huge_page_bytes, place_on_huge_pages
 from speculative.models.native.layers import LayerWeights, lm_head_precision
-from speculative.models.native.linear import tensor_bytes
+from speculative.models.native.linear import as_group_quant4, dense_values, tensor_bytes
 from speculative.models.native.loading import Weight
 from speculative.models.native.quant import (
     GROUP_SIZE,
-    GroupQuant4,
-    quantize_group4,
     quantize_int8_per_channel,
 )
 from speculative.sampling.probs import EXACT_RENORMALIZE_LIMIT, RowProbs
@@ -521,35 +519,13 @@ class KernelLinear:
     bias: torch.Tensor | None = None  # [out] float32
 
     @classmethod
-    def pack(
-        cls, weight: torch.Tensor | GroupQuant4, bias: torch.Tensor | None, precision: str
-    ) -> KernelLinear:
-        """Pack weight [out, in] (dense or GroupQuant4) and bias [out] for ``precision``."""
-        if precision not in FORMATS:
+    def pack(cls, weight: Weight, bias: torch.Tensor | None, precision: str) -> KernelLinear:
+        """Pack weight [out, in] (dense or GroupQuant4) and bias [out] for ``precision``
+        (a format of :data:`FORMATS`)."""
+        packer = _PACKERS.get(precision)
+        if packer is None:
             raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(FORMATS)}")
-        bias = None if bias is None else bias.float().contiguous()
-        if precision == "int4":
-            quant = weight if isinstance(weight, GroupQuant4) else quantize_group4(weight.float())
-            out_features, in_features = quant.q.shape
-            # fp16 scales: GGUF Q4_1 stores them so, making this lossless for GGUF files
-            blocks = pack_q4_blocks(quant.q, quant.scale, quant.minimum)
-            return cls("int4", blocks, in_features, out_features, bias=bias)
-        dense = (weight.dequantize() if isinstance(weight, GroupQuant4) else weight).float()
-        out_features, in_features = dense.shape
-        if precision == "fp32":
-            return cls("fp32", pack_panels(dense), in_features, out_features, bias=bias)
-        if precision == "bf16":
-            bits = pack_panels(dense.to(torch.bfloat16).view(torch.int16))
-            return cls("bf16", bits, in_features, out_features, bias=bias)
-        qweight, scale = quantize_int8_per_channel(dense)
-        return cls(
-            precision,
-            pack_q8_blocks(qweight) if precision == "int8dot" else pack_panels(qweight),
-            in_features,
-            out_features,
-            scale=scale.float().contiguous(),
-            bias=bias,
-        )
+        return packer(weight, None if bias is None else bias.float().contiguous())
 
     def struct(self) -> _Linear:
         return _Linear(
@@ -653,6 +629,49 @@ def kernel_shape_problem(hidden: int, intermediate: int, q_size: int, head_dim: 
     if head_dim % 16:
         return f"head_dim {head_dim} is not a multiple of 16"
     return None
+
+
+_Packer = Callable[[Weight, torch.Tensor | None], KernelLinear]  # weight, bias -> packed
+
+
+def _pack_int4(weight: Weight, bias: torch.Tensor | None) -> KernelLinear:
+    """Q4_1 blocks with fp16 scales, as GGUF stores them (lossless for GGUF files)."""
+    quant = as_group_quant4(weight)
+    out_features, in_features = quant.q.shape
+    blocks = pack_q4_blocks(quant.q, quant.scale, quant.minimum)
+    return KernelLinear("int4", blocks, in_features, out_features, bias=bias)
+
+
+def _pack_fp32(weight: Weight, bias: torch.Tensor | None) -> KernelLinear:
+    dense = dense_values(weight)
+    return KernelLinear("fp32", pack_panels(dense), dense.shape[1], dense.shape[0], bias=bias)
+
+
+def _pack_bf16(weight: Weight, bias: torch.Tensor | None) -> KernelLinear:
+    dense = dense_values(weight)
+    bits = pack_panels(dense.to(torch.bfloat16).view(torch.int16))
+    return KernelLinear("bf16", bits, dense.shape[1], dense.shape[0], bias=bias)
+
+
+def _int8_packer(format: str, pack: Callable[[torch.Tensor], torch.Tensor]) -> _Packer:
+    """Per-channel int8 weights packed by ``pack`` (panels, or blocks for integer dots)."""
+
+    def packer(weight: Weight, bias: torch.Tensor | None) -> KernelLinear:
+        qweight, scale = quantize_int8_per_channel(dense_values(weight))
+        out_features, in_features = qweight.shape
+        scale = scale.float().contiguous()
+        return KernelLinear(format, pack(qweight), in_features, out_features, scale, bias)
+
+    return packer
+
+
+_PACKERS: dict[str, _Packer] = {
+    "fp32": _pack_fp32,
+    "bf16": _pack_bf16,
+    "int8": _int8_packer("int8", pack_panels),
+    "int4": _pack_int4,
+    "int8dot": _int8_packer("int8dot", pack_q8_blocks),
+}
 
 
 class KernelDecoder(DecoderBase):

@@ -18,16 +18,21 @@ its *dequantized* twin: MKL's fp32 gemm over the exact float32 values of the sam
 (bf16 and Q4_1 values are exact in float32). ``SPECULATIVE_TORCH_LINEAR`` (``auto`` |
 ``library`` | ``dequantized``) pins the choice: ``library`` fails with a one-line reason
 naming the missing CPU feature; ``dequantized`` tests the portable twin on any CPU.
+
+:data:`LINEAR_PRECISIONS` holds, per precision, its library kernel and its exact values:
+a new precision is its layer class plus one line there.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from speculative.models.native.loading import Weight  # [out, in], dense or Q4_1 as stored
 from speculative.models.native.quant import (
     GROUP_SIZE,
     GroupQuant4,
@@ -35,7 +40,6 @@ from speculative.models.native.quant import (
     quantize_int8_per_channel,
 )
 
-PRECISIONS = ("fp32", "bf16", "int8", "int4")
 LINEAR_ENV = "SPECULATIVE_TORCH_LINEAR"
 LINEAR_MODES = ("auto", "library", "dequantized")
 
@@ -173,7 +177,7 @@ class Int4Linear(_LowPrecisionLinear):
 
     kernel = "aten-int4"
 
-    def __init__(self, weight: torch.Tensor | GroupQuant4, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: Weight, bias: torch.Tensor | None) -> None:
         quant = as_group_quant4(weight)
         out_features, in_features = quant.q.shape
         if out_features % 16 or in_features % GROUP_SIZE:
@@ -200,50 +204,69 @@ class Int4Linear(_LowPrecisionLinear):
         return tensor_bytes(self.packed, self.scale_zero, self.bias)
 
 
-def as_group_quant4(weight: torch.Tensor | GroupQuant4) -> GroupQuant4:
+def as_group_quant4(weight: Weight) -> GroupQuant4:
     """Q4_1 weights as stored, or a dense [out, in] weight quantized to them."""
     return weight if isinstance(weight, GroupQuant4) else quantize_group4(weight.float())
 
 
-def dequantized_values(weight: torch.Tensor | GroupQuant4, precision: str) -> torch.Tensor:
-    """The exact float32 values [out, in] a layer of ``precision`` multiplies by.
+def dense_values(weight: Weight) -> torch.Tensor:
+    """The [out, in] float32 values of a dense or Q4_1 weight (Q4_1 is exact in float32)."""
+    return (weight.dequantize() if isinstance(weight, GroupQuant4) else weight).float()
 
-    bf16 and Q4_1 (fp16 d, m: ``d * q + m``) values are exact in float32; int8 values are
-    ``q * scale`` with the float32 per-channel scale the C kernels use.
-    """
-    if precision == "int4":
-        return as_group_quant4(weight).dequantize()
-    dense = (weight.dequantize() if isinstance(weight, GroupQuant4) else weight).float()
-    if precision == "bf16":
-        return dense.to(torch.bfloat16).float()
-    if precision == "int8":
-        qweight, scale = quantize_int8_per_channel(dense)
-        return qweight.float() * scale[:, None]
-    return dense
+
+def _bf16_values(weight: Weight) -> torch.Tensor:
+    return dense_values(weight).to(torch.bfloat16).float()
+
+
+def _int8_values(weight: Weight) -> torch.Tensor:
+    """``q * scale`` with the float32 per-channel scale the C kernels use."""
+    qweight, scale = quantize_int8_per_channel(dense_values(weight))
+    return qweight.float() * scale[:, None]
+
+
+def _int4_values(weight: Weight) -> torch.Tensor:
+    """Q4_1's ``d * q + m`` (fp16 d and m): exact in float32."""
+    return as_group_quant4(weight).dequantize()
+
+
+@dataclass(frozen=True)
+class LinearPrecision:
+    """How layers of one precision run on PyTorch. ``library`` packs the precision's
+    library kernel (:class:`LinearKernelUnavailable` where it cannot run here);
+    ``values`` gives the exact float32 values [out, in] that kernel multiplies by, which
+    its *dequantized* twin runs with MKL's fp32 gemm."""
+
+    library: Callable[[Weight, torch.Tensor | None], PackedLinear]
+    values: Callable[[Weight], torch.Tensor]
+    twin: str  # the dequantized twin's kernel name
+
+
+LINEAR_PRECISIONS: dict[str, LinearPrecision] = {
+    "fp32": LinearPrecision(lambda w, b: Fp32Linear(dense_values(w), b), dense_values, "mkl-fp32"),
+    "bf16": LinearPrecision(
+        lambda w, b: Bf16Linear(dense_values(w), b), _bf16_values, "mkl-fp32(dequantized bf16)"
+    ),
+    "int8": LinearPrecision(
+        lambda w, b: Int8Linear(dense_values(w), b), _int8_values, "mkl-fp32(dequantized int8)"
+    ),
+    "int4": LinearPrecision(Int4Linear, _int4_values, "mkl-fp32(dequantized int4)"),
+}
+PRECISIONS = tuple(LINEAR_PRECISIONS)
+
+
+def dequantized_values(weight: Weight, precision: str) -> torch.Tensor:
+    """The exact float32 values [out, in] a layer of ``precision`` multiplies by."""
+    return LINEAR_PRECISIONS[precision].values(weight)
 
 
 def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-def _library(
-    weight: torch.Tensor | GroupQuant4, bias: torch.Tensor | None, precision: str
-) -> PackedLinear:
-    if precision == "int4":
-        return Int4Linear(weight, bias)
-    dense = weight.dequantize() if isinstance(weight, GroupQuant4) else weight
-    if precision == "fp32":
-        return Fp32Linear(dense, bias)
-    if precision == "bf16":
-        return Bf16Linear(dense, bias)
-    return Int8Linear(dense, bias)
-
-
-def _dequantized(
-    weight: torch.Tensor | GroupQuant4, bias: torch.Tensor | None, precision: str
-) -> PackedLinear:
-    kernel = "mkl-fp32" if precision == "fp32" else f"mkl-fp32(dequantized {precision})"
-    return Fp32Linear(dequantized_values(weight, precision), bias, kernel)
+def _dequantized(weight: Weight, bias: torch.Tensor | None, precision: str) -> PackedLinear:
+    """The precision's portable twin: MKL's fp32 gemm over its exact values."""
+    spec = LINEAR_PRECISIONS[precision]
+    return Fp32Linear(spec.values(weight), bias, spec.twin)
 
 
 def linear_mode_from_env() -> str:
@@ -272,20 +295,18 @@ class LinearFactory:
         if self.mode not in LINEAR_MODES:
             raise ValueError(f"unknown linear mode {self.mode!r}; expected one of {LINEAR_MODES}")
 
-    def __call__(
-        self, weight: torch.Tensor | GroupQuant4, bias: torch.Tensor | None
-    ) -> PackedLinear:
+    def __call__(self, weight: Weight, bias: torch.Tensor | None) -> PackedLinear:
         """A packed layer. weight: [out, in] (dense or Q4_1); bias: [out] or None."""
         layer = self._build(weight, bias)
         out_features, in_features = (weight.q if isinstance(weight, GroupQuant4) else weight).shape
         self.chosen.setdefault(f"{out_features}x{in_features}", layer.kernel)
         return layer
 
-    def _build(self, weight: torch.Tensor | GroupQuant4, bias: torch.Tensor | None) -> PackedLinear:
+    def _build(self, weight: Weight, bias: torch.Tensor | None) -> PackedLinear:
         if self.mode == "dequantized":
             return _dequantized(weight, bias, self.precision)
         try:
-            return _library(weight, bias, self.precision)
+            return LINEAR_PRECISIONS[self.precision].library(weight, bias)
         except LinearKernelUnavailable:
             if self.mode == "library":
                 raise
