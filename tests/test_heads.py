@@ -1508,6 +1508,13 @@ def test_kernel_runners_compute_the_heads(trained, precision, eagle_name):
     want = TorchMedusaRunner(medusa if precision == "fp32" else int4_round_trip(medusa))(feature, 3)
     assert got.shape == want.shape == (3, medusa.config.draft_vocab)
     assert (got - want).norm() <= tolerance * want.norm()
+    # each runner refuses the other kind of head, in one line naming both
+    refusals = [(lambda h: KernelMedusaRunner(h, library, precision), eagle),
+                (TorchMedusaRunner, eagle), (TorchEagleRunner, medusa),
+                (lambda h: KernelEagleRunner.of(h, library, precision, 64), medusa)]  # fmt: skip
+    for make, wrong in refusals:
+        with pytest.raises(ValueError, match=f"the head is a .*\\({wrong.config.method}\\)"):
+            make(wrong)
 
 
 def test_kernel_tree_masks_hide_cached_pairs_bitwise(trained):

@@ -84,10 +84,8 @@ class TorchEagleRunner:
     """The head's PyTorch module over a :class:`KVCache`."""
 
     def __init__(self, head: TrainedHead, capacity: int = 512) -> None:
-        if not isinstance(head.module, EagleHead):
-            raise ValueError("the EAGLE runner runs EAGLE heads only")
         self.head = head
-        self.module: EagleHead = head.module
+        self.module = head.module_as(EagleHead)
         self.capacity = capacity
         self.cache: KVCache = self.module.new_cache(capacity)
         self.together = None  # the PyTorch head steps one row at a time
@@ -126,9 +124,7 @@ class KernelEagleHead:
     def __init__(
         self, head: TrainedHead, library: object, target_precision: str, max_length: int
     ) -> None:
-        module = head.module
-        if not isinstance(module, EagleHead):
-            raise ValueError("the kernel runner runs EAGLE heads only")
+        module = head.module_as(EagleHead)
         cfg = module.config
         problem = kernel_shape_problem(
             cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.head_dim
@@ -483,10 +479,8 @@ class TorchMedusaRunner:
     """The Medusa heads' PyTorch module and the head rows in float32."""
 
     def __init__(self, head: TrainedHead) -> None:
-        if not isinstance(head.module, MedusaHeads):
-            raise ValueError("the Medusa runner runs Medusa heads only")
         self.head = head
-        self.module: MedusaHeads = head.module
+        self.module = head.module_as(MedusaHeads)
         self.together = None  # one row at a time
 
     @torch.no_grad()
@@ -501,9 +495,7 @@ class KernelMedusaRunner:
     precision (:func:`head_formats`)."""
 
     def __init__(self, head: TrainedHead, library: object, target_precision: str) -> None:
-        module = head.module
-        if not isinstance(module, MedusaHeads):
-            raise ValueError("the Medusa runner runs Medusa heads only")
+        module = head.module_as(MedusaHeads)
         layer_format, row_format = head_formats(target_precision)
         weight = torch.cat([block.weight for block in module.blocks]).detach().float()
         bias = torch.cat([block.bias for block in module.blocks]).detach().float()

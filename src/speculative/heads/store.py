@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -65,6 +65,9 @@ def fingerprint_problem(expected: dict[str, Any], actual: dict[str, Any]) -> str
     return None
 
 
+M = TypeVar("M", bound=nn.Module)
+
+
 @dataclass
 class TrainedHead:
     """A head module plus its draft vocabulary, bound to a target's output rows."""
@@ -79,6 +82,16 @@ class TrainedHead:
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., draft_vocab]."""
         return features @ self.head_rows.T
+
+    def module_as(self, kind: type[M]) -> M:
+        """The module as the ``kind`` a runner of it needs, or a ValueError naming both
+        (a runner of one kind of head given the other)."""
+        if not isinstance(self.module, kind):
+            raise ValueError(
+                f"this runner runs {kind.__name__} modules; the head is a "
+                f"{type(self.module).__name__} ({self.config.method})"
+            )
+        return self.module
 
 
 def bind(
