@@ -14,8 +14,9 @@ from typing import Any, Protocol
 
 import torch
 
-from speculative.drafters import Drafter, PromptLookupDrafter
-from speculative.drafters.base import RunsDraftModel
+from speculative.capabilities import provides
+from speculative.drafters import Drafter
+from speculative.drafters.base import LooksUpContext, RunsDraftModel
 from speculative.engine import (
     FixedGamma,
     GammaPolicy,
@@ -196,10 +197,10 @@ def peer_for(
     eos = target.eos_token_ids
     if drafter is None:
         return GeneratePeer("transformers/generate", PLAIN, "-", model, eos, runtime=runtime)
-    if isinstance(drafter, PromptLookupDrafter):
+    if provides(drafter, LooksUpContext):
         kwargs = {
             "prompt_lookup_num_tokens": lookup_tokens,
-            "max_matching_ngram_size": drafter.max_ngram,
+            "max_matching_ngram_size": drafter.longest_ngram(),
         }
         name = f"transformers/prompt-lookup:{lookup_tokens}"
         return GeneratePeer(name, family, str(lookup_tokens), model, eos, kwargs, runtime)

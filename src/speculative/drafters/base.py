@@ -104,6 +104,15 @@ class RunsDraftModel(Protocol):
     def draft_model(self) -> CausalLM: ...
 
 
+@runtime_checkable
+class LooksUpContext(Protocol):
+    """A drafter that copies what followed the longest earlier match of the context's end
+    (prompt lookup), comparing at most :meth:`longest_ngram` tokens: transformers'
+    prompt-lookup decoding is its peer."""
+
+    def longest_ngram(self) -> int: ...
+
+
 def draft_model_of(drafter: object) -> CausalLM | None:
     """The causal LM a drafter runs, or None for a model-free drafter (or none)."""
     return drafter.draft_model if isinstance(drafter, RunsDraftModel) else None

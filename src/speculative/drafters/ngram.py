@@ -212,6 +212,10 @@ class PromptLookupDrafter:
     def forward_calls(self) -> int:
         return 0
 
+    def longest_ngram(self) -> int:
+        """:class:`LooksUpContext`: the most tokens a match compares."""
+        return self.max_ngram
+
     def reset(self) -> None:
         self.index = ContextIndex()
 
