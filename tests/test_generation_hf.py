@@ -252,10 +252,10 @@ REAL_DRAFTERS = {
 def cheaper_than(precision: str, name: str) -> bool:
     """Whether a drafter may serve a target at ``precision`` (self-<p> must read fewer
     weight bytes than the target, as the registry requires)."""
-    from speculative.drafters.registry import BYTES_PER_WEIGHT
+    from speculative.models.precision import PRECISION_TRAITS, cheaper_precisions
 
     own = name.removeprefix("self-")
-    return own not in BYTES_PER_WEIGHT or BYTES_PER_WEIGHT[own] < BYTES_PER_WEIGHT[precision]
+    return own not in PRECISION_TRAITS or own in cheaper_precisions(precision)
 
 
 @pytest.mark.slow

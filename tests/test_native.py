@@ -552,6 +552,25 @@ def test_kv_cache_types_and_their_errors(tiny: tuple[LlamaForCausalLM, Path]) ->
         load_native(folder, max_length=16, kv_cache="int8")
 
 
+def test_precision_traits_match_what_the_runtimes_pack() -> None:
+    """The traits table names the precisions the packers know, and its bytes per weight
+    are what a packed layer holds (a self-drafter's "cheaper" rests on them)."""
+    from speculative.models.native.ckernels import FORMATS, KernelLinear
+    from speculative.models.native.linear import LINEAR_PRECISIONS
+    from speculative.models.precision import PRECISION_TRAITS, cheaper_precisions
+
+    assert list(LINEAR_PRECISIONS) == list(PRECISION_TRAITS)
+    weight = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0))  # [out, in]
+    for name, found in PRECISION_TRAITS.items():
+        formats = (found.kernel_lm_head, found.head_layer, found.head_rows)
+        assert set(formats) <= set(FORMATS), name
+        assert found.lm_head in PRECISION_TRAITS and found.kv_cache in ("fp32", "fp16")
+        per_weight = KernelLinear.pack(weight, None, name).weight_bytes() / weight.numel()
+        assert found.bytes_per_weight <= per_weight < found.bytes_per_weight + 0.02, name
+    assert cheaper_precisions("fp32") == ["bf16", "int8", "int4"]
+    assert cheaper_precisions("int8") == ["int4"] and cheaper_precisions("int4") == []
+
+
 def test_missing_compiler_falls_back_to_torch(
     tiny: tuple[LlamaForCausalLM, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

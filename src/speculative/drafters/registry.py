@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from speculative.capabilities import provides
 from speculative.drafters.base import Drafter
 from speculative.models.base import SupportsBatchRows
+from speculative.models.precision import PRECISION_TRAITS, cheaper_precisions
 
 if TYPE_CHECKING:
     from speculative.models.base import CausalLM
@@ -64,10 +65,6 @@ def _ngram(argument: str, target: LoadedModel) -> Drafter:
     return PromptLookupDrafter()
 
 
-# Weight bytes a precision reads per parameter: a self-drafter must read fewer.
-BYTES_PER_WEIGHT = {"int4": 0.5625, "int8": 1.0, "bf16": 2.0, "fp32": 4.0}
-
-
 def _self_precision(argument: str, target: LoadedModel) -> Drafter:
     from speculative.drafters.model import DraftModelDrafter
 
@@ -75,12 +72,9 @@ def _self_precision(argument: str, target: LoadedModel) -> Drafter:
         raise ValueError("self-<precision> needs a precision, e.g. self-int4")
     if target.make_variant is None:
         raise ValueError(f"the runtime of '{target.name}' cannot build a self-{argument} drafter")
-    cheaper = [
-        p
-        for p in BYTES_PER_WEIGHT
-        if BYTES_PER_WEIGHT[p] < BYTES_PER_WEIGHT.get(target.precision, 4.0)
-    ]
-    if argument in BYTES_PER_WEIGHT and argument not in cheaper:
+    # a self-drafter must read fewer weight bytes per step than the target
+    cheaper = cheaper_precisions(target.precision)
+    if argument in PRECISION_TRAITS and argument not in cheaper:
         options = "".join(f", self-{p}" for p in cheaper)
         raise ValueError(
             f"self-{argument} cannot speed up this {target.precision} target: a draft step "

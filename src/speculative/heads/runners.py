@@ -37,20 +37,15 @@ from speculative.models.native.ckernels import (
 )
 from speculative.models.native.decoder_base import PackedLayer
 from speculative.models.native.loading import rope_interleave_index
-
-# target precision -> (the head layer's weight format, the output rows' format)
-HEAD_FORMATS = {
-    "int4": ("int4", "int4"),  # measured: the same drafts as int8 for 0.6 of the bytes
-    "int8": ("int8", "int8"),
-    "bf16": ("bf16", "bf16"),
-    "fp32": ("bf16", "bf16"),  # the shipped heads' own values (stored as bf16)
-}
+from speculative.models.precision import traits
 
 
 def head_formats(target_precision: str) -> tuple[str, str]:
     """(layer format, output-rows format) for a head drafting for a target at
-    ``target_precision``: never more bytes per weight than the target reads."""
-    return HEAD_FORMATS.get(target_precision, ("bf16", "bf16"))
+    ``target_precision``: never more bytes per weight than the target reads
+    (:class:`~speculative.models.precision.PrecisionTraits`)."""
+    found = traits(target_precision)
+    return found.head_layer, found.head_rows
 
 
 class EagleRunner(Protocol):

@@ -34,13 +34,14 @@ from speculative.models.base import KERNEL_OPS
 from speculative.models.native.config import NativeConfig
 from speculative.models.native.decoder_base import DecoderBase, PackedLayer, Segment
 from speculative.models.native.hugepages import huge_page_bytes, place_on_huge_pages
-from speculative.models.native.layers import LayerWeights, lm_head_precision
+from speculative.models.native.layers import LayerWeights
 from speculative.models.native.linear import as_group_quant4, dense_values, tensor_bytes
 from speculative.models.native.loading import Weight
 from speculative.models.native.quant import (
     GROUP_SIZE,
     quantize_int8_per_channel,
 )
+from speculative.models.precision import traits
 from speculative.sampling.probs import EXACT_RENORMALIZE_LIMIT, RowProbs
 
 SOURCE = Path(__file__).with_name("kernels.c")
@@ -704,9 +705,7 @@ class KernelDecoder(DecoderBase):
             for w in layers
         ]
         self.final_norm = final_norm.float().contiguous()
-        head_format = lm_head_precision(precision)
-        if precision == "int4" and head_format == "int8":
-            head_format = "int8dot"  # the int4 model runs its int8 head with integer dots
+        head_format = traits(precision).kernel_lm_head
         self.lm_head = KernelLinear.pack(head, None, head_format)
         # every weight streamed per step in one arena on 2 MiB pages (values unchanged)
         linears = [

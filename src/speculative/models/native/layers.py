@@ -28,11 +28,6 @@ class LayerWeights:
     down: Weight  # [hidden, intermediate]
 
 
-def lm_head_precision(precision: str) -> str:
-    """The output projection keeps 8 bits under int4 (as llama.cpp's Q4 files do)."""
-    return "int8" if precision == "int4" else precision
-
-
 def _concat_rows(parts: list[Weight]) -> Weight:
     if all(isinstance(p, GroupQuant4) for p in parts):
         return GroupQuant4.concat(parts)  # type: ignore[arg-type]

@@ -38,6 +38,7 @@ from speculative.models.native.decoder_base import DecoderBase, Segment
 from speculative.models.native.layers import layer_weights
 from speculative.models.native.linear import PRECISIONS
 from speculative.models.native.loading import Checkpoint, Weight
+from speculative.models.precision import traits
 from speculative.sampling.probs import RowProbs
 
 BACKENDS = ("auto", "kernels", "torch")
@@ -54,7 +55,7 @@ def resolved_kv_cache(precision: str, kv_cache: str = "auto") -> str:
     if kv_cache not in KV_CACHES:
         raise ValueError(f"unknown KV cache type {kv_cache!r}; expected one of {KV_CACHES}")
     if kv_cache == "auto":
-        return "fp32" if precision == "fp32" else "fp16"
+        return traits(precision).kv_cache
     return kv_cache
 
 

@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 from speculative.models.native.config import NativeConfig
 from speculative.models.native.decoder_base import DecoderBase, PackedLayer, Segment
-from speculative.models.native.layers import LayerWeights, lm_head_precision
+from speculative.models.native.layers import LayerWeights
 from speculative.models.native.linear import LinearFactory, PackedLinear, linear_mode_from_env
 from speculative.models.native.loading import Weight
+from speculative.models.precision import traits
 
 KEY_CHUNK = 128  # cache slots per attention chunk; attention reads whole chunks
 ROW_TILES = (8, 6, 4, 2, 1)  # tile sizes tried, largest first (k <= T: one pass)
@@ -96,7 +97,7 @@ class TorchDecoder(DecoderBase):
         make_linear = LinearFactory(precision, mode)
         self.layers = [PackedLayer.pack(w, make_linear) for w in layers]
         self.final_norm = final_norm
-        self.lm_head = LinearFactory(lm_head_precision(precision), mode)(head, None)
+        self.lm_head = LinearFactory(traits(precision).lm_head, mode)(head, None)
         self.kernels = {**make_linear.chosen, "lm_head": self.lm_head.kernel}  # shape -> kernel
         probes = [(self.lm_head, config.hidden_size)]  # (linear, in_features)
         if self.layers:
