@@ -30,7 +30,15 @@ def tiny_chat_folder(folder: Path) -> Path:
 
 def start_server(folder: Path, **config: Any) -> BackgroundServer:
     loaded = load_target(str(folder), config.get("runtime", "native"))
-    settings = {"target": str(folder), "drafts": ("ngram", "none"), "max_batch": 4, **config}
+    # a fixed γ (serve's default is load-aware): the tiny model's rows draft every round,
+    # and no pass-cost curves are measured per server
+    settings = {
+        "target": str(folder),
+        "drafts": ("ngram", "none"),
+        "max_batch": 4,
+        "gamma": 4,
+        **config,
+    }
     state = build_state(ServerConfig(**settings), loaded)
     return serve_in_background(create_app(state))
 

@@ -191,7 +191,7 @@ def test_two_replicas_answer_like_the_single_server(local_ray, tmp_path_factory)
 
     folder = tiny_chat_folder(tmp_path_factory.mktemp("ray_serve"))
     config = ServerConfig(
-        target=str(folder), drafts=("ngram", "none"), max_batch=4, api_key=API_KEY
+        target=str(folder), drafts=("ngram", "none"), max_batch=4, api_key=API_KEY, gamma=4
     )
 
     def answers(url: str) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -491,10 +492,18 @@ def test_serve_command_refuses_bad_setups(capsys: pytest.CaptureFixture) -> None
     for args, reason in (
         (["--gamma", "heuristic"], "single-stream schedule"),
         (["--max-batch", "0"], "must be >= 1"),
+        (["--port", "99999"], "a port is 0..65535"),
     ):  # refused before loading anything, with the reason
         with pytest.raises(SystemExit) as exit_info:
             main(["serve", *args])
         assert exit_info.value.code == 2 and reason in capsys.readouterr().err
+    with socket.socket() as taken:  # a port in use fails before the model loads
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--target", "/no/such/model", "--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot listen on 127.0.0.1:{port}" in err and "loading" not in err
     assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
 
 

@@ -123,7 +123,7 @@ def test_playground_on_the_default_model(browser, tmp_path: Path) -> None:
         resolve_model("default")
     except Exception as exc:  # the model package is not installed
         pytest.skip(f"the default model is not available: {exc}")
-    state = load_state(ServerConfig(drafts=("ngram", "none"), max_batch=4))
+    state = load_state(ServerConfig(drafts=("ngram", "none"), max_batch=4, gamma=4))
     target = Path(os.environ["SPECULATIVE_PLAYGROUND_SCREENSHOT"])
     prompt = (
         "Rewrite this list with a dash before each item, keeping the order:\n"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 import sys
 
 from speculative.cli.common import CliError, Formatter, positive_int
@@ -49,15 +51,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--draft",
         default="ngram",
         help="drafters to load, comma-separated (the first is the default): none, ngram, "
+        "eagle, medusa, auto (n-gram or the EAGLE head per round), default, "
         "self-int4 / self-int8 / self-bf16, a draft model path",
     )
     parser.add_argument(
         "--gamma",
         type=gamma_setting,
-        default=4,
-        help="drafted tokens per round (a request's default), or 'auto': each round, every "
-        "row's γ (up to 8, or the request's) is chosen for the load from the verify-cost "
-        "curve measured at start, down to 0 when a draft no longer pays for its share",
+        default="auto",
+        help="'auto' (default): each round, every row's γ (up to 8, or the request's) is "
+        "chosen for the load from the verify-cost curve measured at start, down to 0 when "
+        "a draft no longer pays for its share; or a fixed γ per round (a request's default; "
+        "a fixed γ keeps drafting under load, where it loses to plain decoding)",
     )
     parser.add_argument(
         "--precision", default="auto", help="target precision (auto, fp32, bf16, int8, int4)"
@@ -71,7 +75,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "transformers, rows padded to the longest (any causal LM it loads)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    parser.add_argument(
+        "--port", type=port_number, default=8000, help="port to bind (0: any free port)"
+    )
     parser.add_argument(
         "--api-key",
         default=None,
@@ -105,6 +111,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--log-level", default="info", help="uvicorn log level")
     add_replica_arguments(parser)
     parser.set_defaults(run=run)
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {value}")
+    return value
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, taken before the model loads: a port in use or an
+    address this machine does not have fails at once, with the reason, not after a
+    minute of loading; port 0 gets a free port whose number can then be printed."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise CliError(f"cannot resolve --host {host!r}: {exc.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        hint = " (another server is on it; pick another --port, or 0 for any)"
+        why = f"{exc.strerror}{hint if exc.errno == errno.EADDRINUSE else ''}"
+        raise CliError(f"cannot listen on {host}:{port}: {why}") from None
+    return sock
 
 
 def gamma_setting(text: str) -> int | str:
@@ -166,23 +202,28 @@ def run(args: argparse.Namespace) -> int:
         )
     if uses_ray(args):
         return serve_replicas(args, config)
+    sock = listening_socket(args.host, args.port)
     print(
         f"speculative: loading {config.target} with drafters {', '.join(config.drafts)}",
         file=sys.stderr,
     )
-    state = load_state(config)
-    app = create_app(state)
-    print(
-        f"speculative: serving '{state.model_id}' on http://{args.host}:{args.port} "
-        "(playground at /, metrics at /metrics)",
-        file=sys.stderr,
-    )
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_keep_alive=args.timeout_keep_alive,
-        access_log=False,
-    )
+    with sock:
+        state = load_state(config)
+        app = create_app(state)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(
+            f"speculative: serving '{state.model_id}' on http://{shown}:{port} "
+            "(playground at /, metrics at /metrics)",
+            file=sys.stderr,
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                log_level=args.log_level,
+                timeout_keep_alive=args.timeout_keep_alive,
+                access_log=False,
+            )
+        )
+        server.run(sockets=[sock])
     return 0

@@ -30,7 +30,7 @@ class ServerConfig:
 
     target: str = "default"
     drafts: tuple[str, ...] = ("ngram",)  # the first is the default drafter
-    gamma: int | str = 4  # or "auto": per-row γ chosen for the load (LoadAwareGamma)
+    gamma: int | str = "auto"  # per-row γ chosen for the load (LoadAwareGamma), or fixed
     runtime: str = "native"
     precision: str = "auto"
     kv_cache: str = "auto"  # the native runtime's KV cache (see load_target)
