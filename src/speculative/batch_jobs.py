@@ -32,7 +32,7 @@ class BatchJob:
     precision: str = "auto"
     kv_cache: str = "auto"  # the native runtime's KV cache (see load_target)
     draft: str | None = "ngram"
-    gamma: int | str = 4
+    gamma: int | str = "auto"  # every row's γ chosen for the load each round, or fixed
     chat: bool | None = None
     temperature: float = 0.0
     top_k: int = 0
@@ -66,8 +66,9 @@ class RowDecoder:
         self.engine = BatchEngine(self.loaded.lm, max_batch=job.batch_size, load=self._load())
 
     def _load(self) -> Any:
-        """--gamma auto: per-row γ for the load, from the measured pass-cost curves."""
-        if self.gamma != "auto":
+        """--gamma auto: per-row γ for the load, from the measured pass-cost curves (none
+        measured for a job without a drafter)."""
+        if self.gamma != "auto" or self.job.draft in (None, "none"):
             return None
         from speculative.engine.costs import pass_cost_curves, probe_context
         from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA, LoadAwareGamma

@@ -5,8 +5,9 @@ Decodes a file of prompts with the batched engine: one JSON object a line with
 ``max_new_tokens`` and ``stop`` (the command-line values are the defaults). Writes one
 line per prompt to ``--out`` in input order (``index``, ``text``, ``token_ids``,
 ``finish_reason``, ``stats``); lines already there are skipped, so a crashed run resumes.
-``--gamma auto`` chooses every row's γ for the load (:class:`LoadAwareGamma`, from the
-pass-cost curves, one row's tokens and rows of one token, measured at start).
+``--gamma auto`` (the default here) chooses every row's γ for the load
+(:class:`LoadAwareGamma`, from the pass-cost curves, one row's tokens and rows of one
+token, measured at start).
 ``--ray [ADDRESS] --workers N`` spreads the rows over N Ray actors
 (:mod:`speculative.scaleout.ray_batch`), each running the same
 :class:`~speculative.batch_jobs.RowDecoder` as the local job.
@@ -66,6 +67,7 @@ def done_indices(out: Path) -> set[int]:
 
 
 def job_from_args(args: argparse.Namespace) -> BatchJob:
+    from speculative.cli.generate_cmd import gamma_text
     from speculative.engine.gamma import parse_gamma
 
     return BatchJob(
@@ -74,7 +76,7 @@ def job_from_args(args: argparse.Namespace) -> BatchJob:
         precision=args.precision,
         kv_cache=args.kv_cache,
         draft=args.draft,
-        gamma=parse_gamma(args.gamma),
+        gamma=parse_gamma(gamma_text(args)),
         chat=args.chat,
         temperature=args.temperature,
         top_k=args.top_k,

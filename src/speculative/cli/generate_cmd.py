@@ -115,11 +115,13 @@ def tree_budget(text: str) -> int | str:
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gamma",
-        default="4",
+        default=None,
         help="drafted tokens per round, 'auto' (γ from measured costs: the adaptive policy; "
         "a drafter that picks its own length, like --draft auto, gets the measured "
-        "verify-cost curve and a cap of 8 instead) or 'heuristic' (transformers' +2/−1 "
-        "schedule)",
+        "verify-cost curve and a cap of 8 instead; with --prompts, every row's γ chosen "
+        "for the load each round, 0 where a draft no longer pays) or 'heuristic' "
+        "(transformers' +2/−1 schedule). Default: 4 for one prompt, auto with --prompts "
+        "(a fixed γ keeps drafting as the batch fills, where it loses to plain decoding)",
     )
     parser.add_argument(
         "--temperature",
@@ -222,11 +224,19 @@ def read_prompt(args: argparse.Namespace) -> str:
         raise CliError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror}") from None
 
 
+def gamma_text(args: argparse.Namespace) -> str:
+    """--gamma as given, else the mode's default: 4 for one prompt, "auto" (load-aware)
+    for a file of prompts decoded in batches."""
+    if args.gamma is not None:
+        return args.gamma
+    return "auto" if args.prompts is not None else "4"
+
+
 def load_speculator(args: argparse.Namespace):
     from speculative.engine.gamma import parse_gamma
     from speculative.pipeline import Speculator
 
-    gamma = parse_gamma(args.gamma)
+    gamma = parse_gamma(gamma_text(args))
     return Speculator.load(
         args.target,
         args.draft,
@@ -276,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     from speculative.engine.gamma import parse_gamma
     from speculative.sampling import SamplingParams
 
-    parse_gamma(args.gamma)  # validate before loading anything
+    parse_gamma(gamma_text(args))  # validate before loading anything
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     speculator = load_speculator(args)
     stream = speculator.stream(prompt, **generation_kwargs(args))
