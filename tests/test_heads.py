@@ -497,6 +497,55 @@ def test_auto_rows_choosing_the_head_draft_in_one_shared_step(trained, monkeypat
     assert rows[0] >= 2  # rows that chose the head in the same round drafted together
 
 
+def test_auto_rows_the_load_keeps_from_drafting_shed_the_features(trained, monkeypatch):
+    """``auto`` rows beside others whose load-aware γ stays 0 (a curve where a token costs
+    a step) shed the head after SHED_AFTER rounds: the passes stop copying the target's
+    features out, the rows go on as plain greedy decoding's tokens, and a reset brings
+    the head back. Control: under a policy that lets every row draft (the tiny head
+    costs about a tiny target step, so no curve makes the real policy draft here), no
+    row sheds and every pass copies the features."""
+    from speculative.engine import LoadAwareGamma
+    from speculative.engine.batch import SHED_AFTER
+
+    target = target_on("native-kernels", trained["model"])
+    n = SHED_AFTER + 12
+    plain = [generate(target, None, GREEDY, n=n, prompt=p).token_ids for p in ROW_PROMPTS]
+    with_features = []
+    counted = type(target.lm).forward_rows_with_hidden
+
+    def counting(self, rows):
+        with_features.append(len(rows))
+        return counted(self, rows)
+
+    monkeypatch.setattr(type(target.lm), "forward_rows_with_hidden", counting)
+
+    class Generous(LoadAwareGamma):
+        def choose(self, rows, *args, **kwargs):
+            return [row.max_gamma for row in rows]
+
+    def run(load):
+        with_features.clear()
+        engine = BatchEngine(target.lm, max_batch=3, load=load)
+        drafters = [build_drafter(f"auto:{trained['eagle']}", target) for _ in ROW_PROMPTS]
+        requests = [
+            BatchRequest(prompt, GREEDY, StopCriteria(max_new_tokens=n), torch.Generator(), d)
+            for prompt, d in zip(ROW_PROMPTS, drafters, strict=True)
+        ]
+        results = engine.run(requests)
+        assert [r.token_ids for r in results] == plain
+        return drafters, engine.target_passes, len(with_features)
+
+    drafters, passes, featured = run(LoadAwareGamma(lambda k: float(k)))  # no draft pays
+    assert all(d.head_shed and d.choices["head"] == 0 for d in drafters)
+    # the prefill pass and the SHED_AFTER - 1 rounds before the one that sheds
+    assert featured == SHED_AFTER < passes
+    drafters[0].reset()
+    assert not drafters[0].head_shed
+    drafters, passes, featured = run(Generous(lambda k: float(k)))
+    assert not any(d.head_shed for d in drafters)
+    assert featured == passes and sum(d.choices["head"] for d in drafters) > 0
+
+
 def test_slot_features_equal_the_single_sequence_features(trained):
     """A slot session's features after a batched pass, a rollback and a catch-up are
     bitwise those of a single-sequence session on the same tokens. A row whose drafter

@@ -15,7 +15,10 @@ weak guess drafts fewer tokens or none. V(k) is kept as a scale that every round
 times a shape per k (:class:`~speculative.round_costs.VerifyTimes`, the estimator the
 adaptive γ policy keeps too). After EXPLORE rounds without it, the head
 drafts one token in the next round that would otherwise be a plain step, so that its
-estimate stays current; it never displaces an n-gram draft that pays.
+estimate stays current; it never displaces an n-gram draft that pays. A batch whose load
+keeps the row from drafting for many rounds has it shed the head
+(:meth:`AutoDrafter.shed_features`): n-gram lookup alone, and no target features copied
+out for it, until the next sequence.
 """
 
 from __future__ import annotations
@@ -161,6 +164,7 @@ class AutoDrafter:
         self.choices = {"ngram": 0, "head": 0, "none": 0}
         self._since_head = 0
         self.index = ContextIndex()  # the sequence drafted for, for the n-gram lookup
+        self.head_shed = False  # shed_features: n-gram lookup alone until reset
 
     @property
     def forward_calls(self) -> int:
@@ -171,6 +175,12 @@ class AutoDrafter:
         self._pending = None
         self._since_head = 0
         self.index = ContextIndex()
+        self.head_shed = False
+
+    def shed_features(self) -> None:
+        """:class:`ShedsTargetFeatures`: the head, which reads the target's features, is
+        off for this sequence: n-gram lookup or plain steps only (until :meth:`reset`)."""
+        self.head_shed = True
 
     def prime(self, target: RowSession) -> None:
         if isinstance(self.head, SupportsPriming):
@@ -187,9 +197,11 @@ class AutoDrafter:
 
     def draft_backlog(self, context: Sequence[int]) -> int:
         """:class:`ReportsDraftCost`: the head's, which any round may draft from (it
-        explores every EXPLORE rounds)."""
+        explores every EXPLORE rounds); none once it is shed."""
         head = self.head
-        return head.draft_backlog(context) if provides(head, ReportsDraftCost) else 0
+        if self.head_shed or not provides(head, ReportsDraftCost):
+            return 0
+        return head.draft_backlog(context)
 
     def use_verify_cost(self, verify_cost: dict[int, float]) -> None:
         """Take the target's measured T(k)/T(1) as the prior shape of V(k)."""
@@ -203,6 +215,8 @@ class AutoDrafter:
             ngram = best_length(self.ngram[situation], follow, self.verify)
             if ngram.rate > best.rate:
                 best = Choice("ngram", ngram.drafts, ngram.rate)
+        if self.head_shed:
+            return best
         head = best_length(self.model, gamma, self.verify)
         if head.rate > best.rate:
             best = Choice("head", head.drafts, head.rate)

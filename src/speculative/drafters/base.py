@@ -131,6 +131,17 @@ class ReadsTargetFeatures(Protocol):
 
 
 @runtime_checkable
+class ShedsTargetFeatures(Protocol):
+    """A :class:`ReadsTargetFeatures` drafter that can go on drafting without them (``auto``:
+    from n-gram lookup alone). Copying the features out costs every pass a few per cent; a
+    batch whose load keeps the row from drafting for many rounds has it shed them."""
+
+    def shed_features(self) -> None:
+        """Draft without the target's features from now on, until :meth:`reset`."""
+        ...
+
+
+@runtime_checkable
 class SupportsPriming(Protocol):
     """A drafter that can start from the target's prompt prefill (see ModelSession.adopt),
     whether its row is the model's single sequence or one cache slot of a batch."""

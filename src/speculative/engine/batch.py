@@ -38,6 +38,7 @@ from speculative.drafters.base import (
     ReadsTargetFeatures,
     ReportsDraftCost,
     RowAsk,
+    ShedsTargetFeatures,
     SupportsDraftSituation,
     SupportsPriming,
 )
@@ -98,6 +99,11 @@ COST_DECAY = 0.8  # running means of measured seconds: weight of the previous va
 # after it (charged to one round, a row lagging a few rounds at B = 1 would never draft
 # again: each round it skips lengthens the catch-up)
 CATCH_UP_ROUNDS = 4
+# consecutive rounds a row beside others was given γ 0 by the load policy after which its
+# drafter, where it can draft without the target's features (ShedsTargetFeatures), sheds
+# them: every pass that copies them out costs 2-3 % more (Zen 4, SmolLM2-135M at B = 4-8),
+# paid for drafts the load no longer lets the row make
+SHED_AFTER = 16
 
 
 POSITIONS = LOAD_AWARE_MAX_GAMMA  # draft positions whose acceptance the load policy learns
@@ -237,6 +243,8 @@ class BatchRow:
     learns_costs: SupportsCostFeedback | None = None  # the γ policy, where it learns timings
     learns_rounds: LearnsRoundCosts | None = None  # ... and what a round of k tokens costs
     chooses_length: bool = False  # the drafter picks its own length (ChoosesDraftLength)
+    reads_features: bool = False  # the drafter reads the target's features (still)
+    load_plain_rounds: int = 0  # consecutive rounds beside others the load gave it γ 0
     draft_cost: float = 0.0  # c until measured: the request's, else streamed_draft_cost
 
     def result(self) -> GenerationResult:
@@ -393,6 +401,7 @@ class BatchEngine:
             learns_costs=policy if provides(policy, SupportsCostFeedback) else None,
             learns_rounds=policy if provides(policy, LearnsRoundCosts) else None,
             chooses_length=chooses_length,
+            reads_features=reads,
             draft_cost=(
                 streamed_draft_cost(drafter, self._target_bytes)
                 if request.draft_cost is None
@@ -502,8 +511,11 @@ class BatchEngine:
         wanted = [0] * len(rows) if unasked else [self._own_gamma(row) for row in rows]
         if load is not None and self.draining and len(self.rows) > 1 and any(wanted):
             wanted = self._furthest_behind(rows, wanted)
+        offered = wanted  # what each row would draft but for the load
         if load is not None and any(wanted):
             wanted = self._load_gammas(load, rows, wanted, extra_tokens, extra_rows)
+        if load is not None:
+            self._shed_idle_features(rows, offered, wanted, unasked)
         together = self._proposals_together(rows, wanted)
         planned = []
         for row, gamma in zip(rows, wanted, strict=True):
@@ -517,6 +529,34 @@ class BatchEngine:
                 self._measure_propose(row, seconds, calls)
             planned.append(_Planned(row, proposal, seconds, gamma, unasked))
         return planned
+
+    @staticmethod
+    def _shed_idle_features(
+        rows: list[BatchRow], offered: list[int], wanted: list[int], unasked: bool
+    ) -> None:
+        """Count, per row beside others, the consecutive rounds the load policy held it
+        at γ 0 (skipped as hopeless, or offered a draft and given none; a round it was
+        not offered one, e.g. a row ahead in a closing batch, counts neither way); after
+        SHED_AFTER of them, a drafter that can draft without the target's features
+        (:class:`ShedsTargetFeatures`) sheds them and the row's session stops keeping
+        them, so passes without such rows copy none out. (Drafts are proposals only:
+        what a row emits does not depend on which drafter proposed them.)"""
+        for row, before, gamma in zip(rows, offered, wanted, strict=True):
+            held = len(rows) > 1 and gamma == 0 and (unasked or before > 0)
+            if held:
+                row.load_plain_rounds += 1
+            elif gamma > 0 or len(rows) == 1:
+                row.load_plain_rounds = 0
+            drafter = row.request.drafter
+            if (
+                row.reads_features
+                and row.load_plain_rounds >= SHED_AFTER
+                and row.request.tree is None
+                and provides(drafter, ShedsTargetFeatures)
+            ):
+                cast(ShedsTargetFeatures, drafter).shed_features()
+                row.session.drop_features()
+                row.reads_features = False
 
     @staticmethod
     def _chooses_alone(rows: list[BatchRow], extra_rows: int) -> bool:

@@ -252,6 +252,10 @@ class ModelSession:
             self.reset()  # the cached positions have no features: recompute them
         self._hidden_model = hidden
 
+    def drop_features(self) -> None:
+        """:meth:`keep_features` off (the row's drafter shed them)."""
+        self.keep_features(False)
+
     def reset(self) -> None:
         self.model.reset()
         self.cached = []
@@ -458,6 +462,11 @@ class SlotSession:
     @property
     def keeps_features(self) -> bool:
         return self._features is not None
+
+    def drop_features(self) -> None:
+        """Keep no more features (the row's drafter shed them): passes with this row
+        alone copy none out."""
+        self._features = None
 
     @property
     def cache_slot(self) -> int | None:
@@ -674,6 +683,10 @@ class RowSession(FeatureSource, Protocol):
     def receive(self, logits: torch.Tensor) -> torch.Tensor: ...
 
     def keep_path(self, nodes: Sequence[int]) -> None: ...
+
+    def drop_features(self) -> None:
+        """Stop keeping the target's features for this row (its drafter shed them)."""
+        ...
 
     def release(self) -> None: ...
 
