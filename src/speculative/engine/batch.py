@@ -514,7 +514,7 @@ class BatchEngine:
         offered = wanted  # what each row would draft but for the load
         if load is not None and any(wanted):
             wanted = self._load_gammas(load, rows, wanted, extra_tokens, extra_rows)
-        if load is not None:
+        if self.load is not None:  # a lone row choosing alone (load None here) too
             self._shed_idle_features(rows, offered, wanted, unasked)
         together = self._proposals_together(rows, wanted)
         planned = []
