@@ -9,6 +9,7 @@ bitwise for greedy, the same seeded sample for sampling.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
@@ -192,6 +193,37 @@ class _ChoosesItsLength(PromptLookupDrafter):
     def propose(self, context, gamma, params, generator):
         self.asked.append(gamma)
         return super().propose(context, gamma, params, generator)
+
+
+class _SlowLookup(PromptLookupDrafter):
+    """An n-gram drafter whose every propose call takes at least ``pause`` seconds."""
+
+    def __init__(self, pause: float) -> None:
+        super().__init__()
+        self.pause, self.calls = pause, 0
+
+    def propose(self, context, gamma, params, generator):
+        self.calls += 1
+        time.sleep(self.pause)
+        return super().propose(context, gamma, params, generator)
+
+
+def test_draft_seconds_count_the_drafters_time_and_only_its_rows(folder: Path) -> None:
+    """A row's ``draft_seconds`` holds its drafter's propose calls (every call's pause at
+    least, within the row's own time); a plain row beside it is charged none."""
+    target = load_native(folder, max_length=96, backend="torch")
+    prompt = _ids(30, 51)[0].tolist()[:6] * 4
+    greedy, pause = SamplingParams(temperature=0), 0.003
+    slow = _SlowLookup(pause)
+    stop = StopCriteria(max_new_tokens=12)
+    requests = [
+        BatchRequest(prompt, greedy, stop, torch.Generator(), slow, 3),
+        BatchRequest(prompt[:9], greedy, stop, torch.Generator(), None, 0),
+    ]
+    drafted, plain = (r.stats for r in BatchEngine(target, max_batch=2).run(requests))
+    assert slow.calls > 0 and drafted.drafted_tokens > 0
+    assert slow.calls * pause <= drafted.draft_seconds < drafted.seconds
+    assert plain.draft_seconds == 0.0 and plain.drafted_tokens == 0
 
 
 def test_load_aware_lets_a_drafter_alone_in_the_pass_choose_its_length(folder: Path) -> None:

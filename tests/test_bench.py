@@ -212,6 +212,8 @@ def test_bench_covers_every_config_and_category_with_identical_outputs(tiny_benc
     # the bf16 copy agrees with the target often: rounds emit more than one token
     assert 0 < bf16.acceptance_rate <= 1 and 1 < bf16.mean_accepted_length <= 3
     assert bf16.per_position_acceptance and bf16.draft_cost > 0
+    # the run's own c: its drafting time per drafted token over plain's time per token
+    assert bf16.run_draft_cost > 0 and plain.run_draft_cost is None
     # predictions come from this run's measured α (by position for the generalized one),
     # c, verify-cost curve and the γ its rounds drafted
     curve = run.costs["hf"].target.verify_cost

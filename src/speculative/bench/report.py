@@ -28,6 +28,7 @@ class StatsTotals:
     accepted: int = 0
     new_tokens: int = 0
     target_calls: int = 0
+    draft_seconds: float = 0.0
     positions: PositionAcceptance = field(default_factory=PositionAcceptance)
     rounds: Counter[int] = field(default_factory=Counter)  # γ drafted -> rounds
 
@@ -39,6 +40,7 @@ class StatsTotals:
         self.accepted += stats.accepted_tokens
         self.new_tokens += stats.new_tokens
         self.target_calls += stats.target_calls
+        self.draft_seconds += stats.draft_seconds
         self.positions.merge(stats.positions)
         self.rounds.update(stats.gammas)
 
@@ -53,6 +55,11 @@ class StatsTotals:
     @property
     def mean_gamma(self) -> float | None:
         return self.drafted / self.target_calls if self.target_calls else None
+
+    @property
+    def seconds_per_draft(self) -> float | None:
+        """Drafting wall time per drafted token (None when nothing was drafted)."""
+        return self.draft_seconds / self.drafted if self.drafted else None
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -82,7 +89,10 @@ class ResultRow:
     mean_accepted_length: float | None = None
     mean_gamma: float | None = None
     per_position_acceptance: list[float] = field(default_factory=list)
-    draft_cost: float | None = None
+    draft_cost: float | None = None  # c as calibrated: one draft after a target step
+    # c in this run: its drafting time per drafted token ÷ plain decoding's time per token
+    run_draft_cost: float | None = None
+    seconds_per_draft: float | None = None
     predicted_speedup: float | None = None
     predicted_speedup_generalized: float | None = None
     realized_over_predicted: float | None = None
@@ -183,6 +193,7 @@ def _add_engine_stats(
     row.mean_accepted_length = totals.mean_accepted_length
     row.mean_gamma = totals.mean_gamma
     row.per_position_acceptance = totals.per_position_acceptance
+    row.seconds_per_draft = totals.seconds_per_draft
     if method.family != PLAIN:
         row.draft_cost = costs.draft_cost.get(method.family)
     if method.family != PLAIN and not method.gamma.startswith("tree-"):  # chain formulas
@@ -211,6 +222,9 @@ def _add_speedups(rows: Sequence[ResultRow]) -> None:
             row.speedup_vs_transformers = _ratio(
                 row.tokens_per_second, peers[row.method].tokens_per_second
             )
+        if row.seconds_per_draft is not None and reference is not None:
+            plain_step = _ratio(1.0, reference.decode_tokens_per_second)
+            row.run_draft_cost = _ratio(row.seconds_per_draft, plain_step)
         row.realized_over_predicted = _ratio(row.speedup_vs_plain, row.predicted_speedup)
         row.realized_over_predicted_generalized = _ratio(
             row.speedup_vs_plain, row.predicted_speedup_generalized
@@ -326,7 +340,7 @@ def fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
 
 OVERALL_COLUMNS = (
     "config", "tok/s", "×plain", "decode tok/s", "decode ×plain", "×hf-same", "α", "τ",
-    "mean γ", "c",
+    "mean γ", "c", "c run",
     "pred", "pred T(k)", "real/pred", "real/pred T(k)", "identical",
 )  # fmt: skip
 
@@ -343,6 +357,7 @@ def overall_cells(row: ResultRow) -> list[str]:
         fmt(row.mean_accepted_length),
         fmt(row.mean_gamma, ".1f"),
         fmt(row.draft_cost, ".3f"),
+        fmt(row.run_draft_cost, ".3f"),
         fmt(row.predicted_speedup, ".2f", "x"),
         fmt(row.predicted_speedup_generalized, ".2f", "x"),
         fmt(row.realized_over_predicted),
@@ -468,7 +483,11 @@ def markdown_report(run: BenchRun, rows: Sequence[ResultRow], plots: Sequence[st
         f"{run.settings.repeats} run(s) after a warm-up; configurations interleaved prompt by "
         "prompt. `×plain`: tokens/s ÷ our plain decoding; `×hf-same`: ÷ transformers' "
         "`generate()` with the same method (plain, `assistant_model`, "
-        "`prompt_lookup_num_tokens`). `pred` is the seed formula from measured α and c at "
+        "`prompt_lookup_num_tokens`). `c` is the drafter's cost calibrated before the "
+        "run (one draft of one token right after a target step, ÷ that step), `c run` its "
+        "drafting time in the run per drafted token ÷ plain decoding's time per token (a "
+        "propose call's fixed part spread over its drafts). `pred` is the seed formula "
+        "from measured α and c at "
         "the mean γ, `pred T(k)` the generalized one with the measured verify-cost curve "
         "and each draft position's measured acceptance, over the γ each round drafted "
         "(realized ÷ it checks the cost model).",

@@ -527,6 +527,7 @@ class BatchEngine:
                 seconds = time.perf_counter() - started
             if gamma > 0 or row.request.tree is not None:  # the drafter was asked
                 self._measure_propose(row, seconds, calls)
+                row.state.stats.draft_seconds += seconds
             planned.append(_Planned(row, proposal, seconds, gamma, unasked))
         return planned
 

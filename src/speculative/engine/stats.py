@@ -51,6 +51,7 @@ class GenerationStats:
 
     target_calls: verification passes of the target (one per round; prefill excluded).
     positions: per-position acceptance (:class:`PositionAcceptance`).
+    draft_seconds: wall time in the drafter's propose calls (its catch-up included).
     """
 
     target_calls: int = 0
@@ -60,6 +61,7 @@ class GenerationStats:
     new_tokens: int = 0
     seconds: float = 0.0
     prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
     positions: PositionAcceptance = field(default_factory=PositionAcceptance)
     gammas: list[int] = field(default_factory=list)
 
@@ -103,6 +105,7 @@ class GenerationStats:
             "new_tokens": self.new_tokens,
             "seconds": self.seconds,
             "prefill_seconds": self.prefill_seconds,
+            "draft_seconds": self.draft_seconds,
             "tokens_per_second": self.tokens_per_second,
             "mean_gamma": sum(self.gammas) / len(self.gammas) if self.gammas else 0.0,
         }
