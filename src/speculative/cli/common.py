@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
+
+Number = TypeVar("Number", int, float)
 
 EXIT_USAGE = 2
 
@@ -61,33 +64,39 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def positive_int(text: str) -> int:
+def _parsed(text: str, parse: Callable[[str], Number], kind: str) -> Number:
+    """``parse(text)``, or argparse's error naming what was expected."""
     try:
-        value = int(text)
+        return parse(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _parsed(text, int, "an integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _parsed(text, float, "a number")
     if value != value or value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
 def probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _parsed(text, float, "a number")
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = _parsed(text, int, "a port number")
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {value}")
     return value
 
 

@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 
-from speculative.cli.common import CliError, Formatter, positive_int
+from speculative.cli.common import CliError, Formatter, port_number, positive_int
 from speculative.cli.generate_cmd import add_kv_cache_argument
 from speculative.cli.serve_ray import add_replica_arguments, serve_replicas, uses_ray
 
@@ -111,16 +111,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--log-level", default="info", help="uvicorn log level")
     add_replica_arguments(parser)
     parser.set_defaults(run=run)
-
-
-def port_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {value}")
-    return value
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
