@@ -195,6 +195,38 @@ class _ChoosesItsLength(PromptLookupDrafter):
         return super().propose(context, gamma, params, generator)
 
 
+def test_an_engine_sizes_the_cache_for_its_batch_at_once(folder: Path, monkeypatch) -> None:
+    """The engine holds room for max_batch rows from the start (one allocation): rows
+    joining one by one reallocate nothing, and their tokens are what they were. Control:
+    acquiring slots one by one without the engine regrows the cache."""
+    single = load_native(folder, max_length=96, backend="torch")
+    greedy, stop = SamplingParams(temperature=0), StopCriteria(max_new_tokens=6)
+    prompts = [_ids(30 + i, 51)[0].tolist()[: 5 + i] for i in range(4)]
+    alone = [
+        SpeculativeEngine(single, None).generate(p, greedy, stop, torch.Generator()).token_ids
+        for p in prompts
+    ]
+    target = load_native(folder, max_length=96, backend="torch", max_slots=4)
+    sizes: list[int] = []
+    allocate = type(target.decoder).allocate
+
+    def counted(self, batch):
+        sizes.append(batch)
+        return allocate(self, batch)
+
+    monkeypatch.setattr(type(target.decoder), "allocate", counted)
+    engine = BatchEngine(target, max_batch=4)
+    assert sizes == [4]
+    requests = [BatchRequest(p, greedy, stop, torch.Generator(), None, 0) for p in prompts]
+    assert [r.token_ids for r in engine.run(requests)] == alone
+    assert sizes == [4]  # nothing reallocated while the rows joined
+    fresh = load_native(folder, max_length=96, backend="torch", max_slots=4)
+    sizes.clear()
+    for _ in range(4):
+        fresh.acquire_slot()
+    assert len(sizes) > 1  # one by one, the cache grew more than once
+
+
 class _SlowLookup(PromptLookupDrafter):
     """An n-gram drafter whose every propose call takes at least ``pause`` seconds."""
 

@@ -75,6 +75,7 @@ from speculative.engine.tree import TreeRound, propose_trees_together
 from speculative.models.base import (
     CausalLM,
     PadsBatchRows,
+    ReservesSlots,
     RowInput,
     SupportsBatchRows,
     SupportsFusedArgmax,
@@ -337,6 +338,8 @@ class BatchEngine:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if pool is None:
             pool = _default_pool(target, max_batch)
+            if provides(target, ReservesSlots):  # one allocation, not one per doubling
+                cast(ReservesSlots, target).reserve_slots(max_batch)
         if pool.capacity is not None and max_batch > pool.capacity:
             raise ValueError(f"max_batch {max_batch} exceeds the {pool.capacity} rows this holds")
         self.target = target

@@ -180,6 +180,18 @@ class SupportsBatchRows(Protocol):
 
 
 @runtime_checkable
+class ReservesSlots(Protocol):
+    """A :class:`SupportsBatchRows` model that can size its cache for ``count`` rows in
+    one allocation: rows acquired one by one would regrow it (and copy what it holds)
+    while the first batch decodes."""
+
+    def reserve_slots(self, count: int) -> None:
+        """Hold room for ``count`` slots now (as many of them as the model can hold:
+        :meth:`~SupportsBatchRows.acquire_slot` refuses the rest)."""
+        ...
+
+
+@runtime_checkable
 class PadsBatchRows(Protocol):
     """A :class:`SupportsBatchRows` model whose pass pads every row to the longest one (the
     transformers runtime): its cost grows with rows × the longest row's tokens, not with

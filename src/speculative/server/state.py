@@ -13,11 +13,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
+from speculative.capabilities import provides
 from speculative.drafters.base import Drafter
 from speculative.engine.costs import PassCostCurves
 from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
-from speculative.models.base import SupportsBatchRows
+from speculative.models.base import ReservesSlots, SupportsBatchRows
 from speculative.server.compute import ComputeThread
 from speculative.targets import LoadedModel
 
@@ -137,6 +139,8 @@ def reserve_slots(lm: SupportsBatchRows, count: int) -> None:
     where each new slot would reallocate the cache), and fail early if it cannot."""
     slots = []
     try:
+        if provides(lm, ReservesSlots):  # in one allocation
+            cast(ReservesSlots, lm).reserve_slots(count)
         for _ in range(count):
             slots.append(lm.acquire_slot())
     except ValueError as exc:

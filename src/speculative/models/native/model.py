@@ -356,6 +356,13 @@ class NativeLlama:
         if slot not in self._slot_lengths:
             raise ValueError(f"cache slot {slot} is not acquired")
 
+    def reserve_slots(self, count: int) -> None:
+        """:class:`ReservesSlots`: the cache holds ``count`` slots (at most ``max_slots``)
+        from now on, in one allocation (its pages are touched only when rows write them)."""
+        count = min(count, self._max_slots)
+        if count > self.decoder._batch:
+            self.decoder.allocate(count)
+
     def _grow(self, slots: int) -> None:
         """Make the cache hold at least ``slots`` sequences (existing slots kept). It grows
         to twice its size (at most ``max_slots``) rather than one slot at a time: each
