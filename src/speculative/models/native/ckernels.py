@@ -86,8 +86,6 @@ ISA_NEEDS = {
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
 ABI_VERSION = 17
-# "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
-FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8dot": 4}
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
 Q4_PANEL = 8  # outputs per packed panel, int4
 
@@ -523,14 +521,14 @@ class KernelLinear:
     def pack(cls, weight: Weight, bias: torch.Tensor | None, precision: str) -> KernelLinear:
         """Pack weight [out, in] (dense or GroupQuant4) and bias [out] for ``precision``
         (a format of :data:`FORMATS`)."""
-        packer = _PACKERS.get(precision)
-        if packer is None:
+        found = FORMATS.get(precision)
+        if found is None:
             raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(FORMATS)}")
-        return packer(weight, None if bias is None else bias.float().contiguous())
+        return found.pack(weight, None if bias is None else bias.float().contiguous())
 
     def struct(self) -> _Linear:
         return _Linear(
-            FORMATS[self.format],
+            FORMATS[self.format].code,
             self.in_features,
             self.out_features,
             0,
@@ -666,12 +664,23 @@ def _int8_packer(format: str, pack: Callable[[torch.Tensor], torch.Tensor]) -> _
     return packer
 
 
-_PACKERS: dict[str, _Packer] = {
-    "fp32": _pack_fp32,
-    "bf16": _pack_bf16,
-    "int8": _int8_packer("int8", pack_panels),
-    "int4": _pack_int4,
-    "int8dot": _int8_packer("int8dot", pack_q8_blocks),
+@dataclass(frozen=True)
+class KernelFormat:
+    """A packed weight format of kernels.c: its value in the C ABI, its packer, and
+    whether its products run as integer dots (int8 activations) or float FMAs."""
+
+    code: int
+    pack: _Packer
+    integer_dots: bool = False
+
+
+# "int8dot": int8 weights run against int8 activations (integer dots), the int4 model's head
+FORMATS: dict[str, KernelFormat] = {
+    "fp32": KernelFormat(0, _pack_fp32),
+    "bf16": KernelFormat(1, _pack_bf16),
+    "int8": KernelFormat(2, _int8_packer("int8", pack_panels)),
+    "int4": KernelFormat(3, _pack_int4, integer_dots=True),
+    "int8dot": KernelFormat(4, _int8_packer("int8dot", pack_q8_blocks), integer_dots=True),
 }
 
 

@@ -67,22 +67,21 @@ def measure_peaks(library: Any, threads: int, repeats: int = 7) -> MachinePeaks:
     return MachinePeaks(library_isa(library), threads, fma, int8, read / 1e9)
 
 
-INTEGER_DOTS = ("int4", "int8dot")  # kernel formats that run integer dots
-
-
 def decoder_work(decoder: Any) -> dict[str, int]:
     """Per-token work of a kernels decoder: multiply-adds on the fp32 FMA path and on the
     int8 dot path (int4 layers and the int4 model's int8 head), weight bytes, and KV-cache
     bytes per visible slot (keys and values of every layer, at the cache's element size:
     float16 by default below fp32 targets)."""
+    from speculative.models.native.ckernels import FORMATS
+
     linears = [decoder.lm_head]
     for layer in decoder.layers:
         linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
     cfg = decoder.config
     element = decoder.kv_dtype.itemsize  # bytes per cached key or value element
     return {
-        "fma_macs": sum(x.multiply_adds() for x in linears if x.format not in INTEGER_DOTS),
-        "int8_macs": sum(x.multiply_adds() for x in linears if x.format in INTEGER_DOTS),
+        "fma_macs": sum(x.multiply_adds() for x in linears if not FORMATS[x.format].integer_dots),
+        "int8_macs": sum(x.multiply_adds() for x in linears if FORMATS[x.format].integer_dots),
         "attention_macs_per_slot": 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
         "weight_bytes": int(decoder.weight_bytes()),
         "kv_bytes_per_slot": 2 * element * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim,
