@@ -36,7 +36,7 @@ from speculative.models.native.ckernels import (
     kernel_shape_problem,
 )
 from speculative.models.native.decoder_base import PackedLayer
-from speculative.models.native.loading import rope_interleave_index
+from speculative.models.native.loading import Weight, rope_interleave_index
 from speculative.models.precision import traits
 
 
@@ -108,6 +108,12 @@ class TorchEagleRunner:
         return out, self.head.draft_logits(out)
 
 
+def _head_linear(weight: Weight, bias: torch.Tensor | None, fmt: str) -> KernelLinear:
+    """A head's matrix packed for the kernels: run step after step, its weights stay in
+    cache (``KernelLinear.cached``)."""
+    return KernelLinear.pack(weight, bias, fmt, cached=True)
+
+
 class KernelEagleHead:
     """An EAGLE head packed for kernels.c once and shared by every row that drafts with
     it: its weights, its one-layer model, and one KV cache slot per runner
@@ -134,7 +140,7 @@ class KernelEagleHead:
         self.layer_fc = (
             None
             if fusion is None
-            else KernelLinear.pack(fusion.fc.weight.detach().float(), None, layer_format)
+            else _head_linear(fusion.fc.weight.detach().float(), None, layer_format)
         )
         self._layer_fc = None if self.layer_fc is None else self.layer_fc.struct()
         self.layer_norms = (  # [n, H]
@@ -144,21 +150,21 @@ class KernelEagleHead:
         )
         self.embed_norm = module.embed_norm.weight.detach().float().contiguous()
         self.feature_norm = module.feature_norm.weight.detach().float().contiguous()
-        self.fc = KernelLinear.pack(module.fc.weight.detach().float(), None, layer_format)
+        self.fc = _head_linear(module.fc.weight.detach().float(), None, layer_format)
         self._fc = self.fc.struct()  # the C view of fc's tensors (which self.fc keeps)
         self.layer = PackedLayer(
             input_norm=module.input_norm.weight.detach().float().contiguous(),
             post_attention_norm=module.post_norm.weight.detach().float().contiguous(),
-            qkv=KernelLinear.pack(_fused_qkv(module), None, layer_format),
-            o=KernelLinear.pack(module.o.weight.detach().float(), None, layer_format),
-            gate_up=KernelLinear.pack(
+            qkv=_head_linear(_fused_qkv(module), None, layer_format),
+            o=_head_linear(module.o.weight.detach().float(), None, layer_format),
+            gate_up=_head_linear(
                 torch.cat([module.gate.weight, module.up.weight]).detach().float(),
                 None,
                 layer_format,
             ),
-            down=KernelLinear.pack(module.down.weight.detach().float(), None, layer_format),
+            down=_head_linear(module.down.weight.detach().float(), None, layer_format),
         )
-        self.rows = KernelLinear.pack(head.head_rows, None, row_format)
+        self.rows = _head_linear(head.head_rows, None, row_format)
         self.formats = (layer_format, row_format)
         d = cfg.head_dim
         inv = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
@@ -494,8 +500,8 @@ class KernelMedusaRunner:
         layer_format, row_format = head_formats(target_precision)
         weight = torch.cat([block.weight for block in module.blocks]).detach().float()
         bias = torch.cat([block.bias for block in module.blocks]).detach().float()
-        self.blocks = KernelLinear.pack(weight, bias, layer_format)  # [K * H, H]
-        self.rows = KernelLinear.pack(head.head_rows, None, row_format)
+        self.blocks = _head_linear(weight, bias, layer_format)  # [K * H, H]
+        self.rows = _head_linear(head.head_rows, None, row_format)
         self.library = library
         self.count = len(module.blocks)
         self.formats = (layer_format, row_format)

@@ -85,9 +85,10 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 17
+ABI_VERSION = 18
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
 Q4_PANEL = 8  # outputs per packed panel, int4
+LINEAR_CACHED = 1  # kernels.c's Linear.flags bit (KernelLinear.cached)
 
 
 class KernelsUnavailable(ValueError):
@@ -227,7 +228,7 @@ class _Linear(ctypes.Structure):
         ("format", ctypes.c_int32),
         ("in_features", ctypes.c_int32),
         ("out_features", ctypes.c_int32),
-        ("pad_", ctypes.c_int32),
+        ("flags", ctypes.c_int32),  # LINEAR_CACHED
         ("weight", ctypes.c_void_p),
         ("scale", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
@@ -516,22 +517,29 @@ class KernelLinear:
     out_features: int
     scale: torch.Tensor | None = None  # int8, int8dot: [out] float32
     bias: torch.Tensor | None = None  # [out] float32
+    # run many times in a row with its weights in cache (a drafting head's matrices): the
+    # kernels then tile even one row for compute, not for a stream from memory
+    cached: bool = False
 
     @classmethod
-    def pack(cls, weight: Weight, bias: torch.Tensor | None, precision: str) -> KernelLinear:
+    def pack(
+        cls, weight: Weight, bias: torch.Tensor | None, precision: str, cached: bool = False
+    ) -> KernelLinear:
         """Pack weight [out, in] (dense or GroupQuant4) and bias [out] for ``precision``
-        (a format of :data:`FORMATS`)."""
+        (a format of :data:`FORMATS`); ``cached``: see the field."""
         found = FORMATS.get(precision)
         if found is None:
             raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(FORMATS)}")
-        return found.pack(weight, None if bias is None else bias.float().contiguous())
+        packed = found.pack(weight, None if bias is None else bias.float().contiguous())
+        packed.cached = cached
+        return packed
 
     def struct(self) -> _Linear:
         return _Linear(
             FORMATS[self.format].code,
             self.in_features,
             self.out_features,
-            0,
+            LINEAR_CACHED if self.cached else 0,
             _address(self.weight),
             _address(self.scale),
             _address(self.bias),

@@ -43,8 +43,12 @@
 #define FMT_Q8D 4  /* q8 weights with int8 activations: integer dots (the int4 model's head) */
 #define GROUP 32
 
+/* Linear.flags */
+#define LINEAR_CACHED 1  /* a small matrix run many times in a row (a drafting head's): its
+                          * weights are mostly in cache (see linear_q4) */
+
 typedef struct {
-    int32_t format, in_features, out_features, pad_;
+    int32_t format, in_features, out_features, flags;
     const void *weight;   /* packed panels, see "linear layers" */
     const float *scale;   /* q8: f32 [out] row scales; otherwise NULL */
     const float *bias;    /* [out] or NULL */
@@ -87,7 +91,7 @@ static inline void op_clock(const Model *m, int op, double *last) {
     *last = now;
 }
 
-int spec_abi_version(void) { return 17; }
+int spec_abi_version(void) { return 18; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 const char *spec_isa(void) { return "avx512"; }
@@ -544,9 +548,8 @@ static inline __attribute__((always_inline)) __m256i q4_dot8(const __m256i u[8],
 /* One panel (8 outputs) of a q4 layer for token rows r0 .. r0 + rows - 1 (rows <= ROW_PANEL):
  * acc[r * 16 + o] = the pair's sum over all groups. */
 static inline void q4_panel8(const uint8_t *blocks, int groups, int in, const QuantRows *qx,
-                             int r0, int rows, float *acc) {
+                             int r0, int rows, float *acc, int nta) {
     const __m256i low = _mm256_set1_epi8(0x0F);
-    const int nta = rows <= STREAM_NTA_ROWS;
     for (int r = 0; r < rows; r++) _mm256_store_ps(acc + r * 16, _mm256_setzero_ps());
     for (int g = 0; g < groups; g++) {
         const uint8_t *block = blocks + (size_t)g * Q4_BLOCK_BYTES;
@@ -657,10 +660,23 @@ static inline void q4_panel16(const uint8_t *blocks, size_t panel_bytes, int gro
 /* Rows from which the AVX-512 build takes two panels at once (q4_panel16, the same bits as
  * q4_panel8). One row is streamed faster one panel at a time: a decode step of the default
  * model took 0.86-0.93x the time that way on Zen 5 (scripts/kernels_side_by_side.py, logits
- * bitwise equal), and 3-token passes the same time. */
+ * bitwise equal), and 3-token passes the same time. On Zen 4 (family 25 model 17) one row
+ * took the same time either way (0.99x).
+ * A LINEAR_CACHED matrix (a drafting head's) takes two panels from one row: its weights
+ * come from cache, where the tile's instructions bind rather than the stream. Measured on
+ * Zen 4, the default model's EAGLE head at one row, the two choices alternated in one
+ * process: each matrix run again at once 0.82-0.92x the time, after a 64 MB read between
+ * runs 0.96-1.00x. */
 #ifndef Q4_PANEL16_ROWS
 #define Q4_PANEL16_ROWS 2
 #endif
+
+/* Whether a pass of `rows` token rows over L prefetches its weights non-temporally (see
+ * STREAM_NTA_ROWS): never for a LINEAR_CACHED matrix, whose weights should stay in cache
+ * for its next step. */
+static inline int stream_nta(const Linear *L, int rows) {
+    return rows <= STREAM_NTA_ROWS && !(L->flags & LINEAR_CACHED);
+}
 
 /* The keys and values of one layer that this thread's sequences will attend to, walked a
  * few cache lines at a time from inside the int4 weight loops of the layer before (its
@@ -743,12 +759,12 @@ static void linear_q4(const Linear *L, const float *x, int rows, float *y, int l
             const uint8_t *blocks = (const uint8_t *)L->weight + (size_t)p * panel_bytes;
             int done = 1;
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-            if (cn >= Q4_PANEL16_ROWS && p + 1 < p1) {
+            if ((cn >= Q4_PANEL16_ROWS || (L->flags & LINEAR_CACHED)) && p + 1 < p1) {
                 q4_panel16(blocks, panel_bytes, groups, in, qx, c0, cn, acc);
                 done = 2;
             } else
 #endif
-                q4_panel8(blocks, groups, in, qx, c0, cn, acc);
+                q4_panel8(blocks, groups, in, qx, c0, cn, acc, stream_nta(L, cn));
             kv_ahead_step(ahead);
             const int o0 = p * Q4_PANEL, on = min_int(done * Q4_PANEL, out - o0);
             for (int r = 0; r < cn; r++) {
@@ -773,8 +789,7 @@ static void linear_q4(const Linear *L, const float *x, int rows, float *y, int l
 #define Q8D_BLOCK_BYTES 256
 
 static inline void q8d_panel8(const int8_t *blocks, int groups, int in, const QuantRows *qx,
-                              int r0, int rows, float *acc) {
-    const int nta = rows <= STREAM_NTA_ROWS;
+                              int r0, int rows, float *acc, int nta) {
     for (int r = 0; r < rows; r++) _mm256_store_ps(acc + r * 8, _mm256_setzero_ps());
     for (int g = 0; g < groups; g++) {
         const int8_t *block = blocks + (size_t)g * Q8D_BLOCK_BYTES;
@@ -857,7 +872,7 @@ static void linear_q8d(const Linear *L, const float *x, int rows, float *y, int 
                 done = 2, width = 16;
             } else
 #endif
-                q8d_panel8(blocks, groups, in, qx, c0, cn, acc);
+                q8d_panel8(blocks, groups, in, qx, c0, cn, acc, stream_nta(L, cn));
             const int o0 = p * 8, on = min_int(done * 8, out - o0);
             for (int r = 0; r < cn; r++) {
                 float *dst = y + (size_t)(c0 + r) * ldy + o0;
