@@ -237,6 +237,22 @@ def test_seeded_sampling_is_reproducible(folder: Path, client: openai.OpenAI, mo
     assert texts[5] != texts[6]  # control: the seed matters
 
 
+def test_top_k_restricts_sampling(folder: Path, client: openai.OpenAI, model: str) -> None:
+    """top_k = 1 keeps only the argmax, so any seed samples the greedy text; without it
+    the same seeds sample other text (the control)."""
+    greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0)
+    for seed in (1, 2):
+        sampled = {
+            top_k: client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=20, temperature=1.5, seed=seed,
+                extra_body={"top_k": top_k},
+            ).choices[0].text
+            for top_k in (1, 0)
+        }  # fmt: skip
+        assert sampled[1] == greedy.choices[0].text
+        assert sampled[0] != greedy.choices[0].text
+
+
 def test_stop_strings_cut_exactly_across_chunks(
     folder: Path, client: openai.OpenAI, model: str
 ) -> None:
@@ -378,7 +394,45 @@ BAD_INPUTS = [
         400,
         "messages.0.role",
     ),
+    # options this server does not implement are refused by name, not ignored
+    ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "logprobs": 0}, 400, "logprobs"),
+    (
+        "/v1/completions",
+        {"model": "MODEL", "prompt": PROMPT, "presence_penalty": 0.5},
+        400,
+        "presence_penalty",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+        400,
+        "logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "MODEL",
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_object"},
+        },
+        400,
+        "response_format",
+    ),
+    ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "top_k": -2}, 400, "top_k"),
 ]
+
+# what clients send by default for those options: served as if left out
+OPTIONS_OFF = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0.0,
+    "logit_bias": {},
+    "logprobs": False,
+    "top_logprobs": 0,
+    "tools": [],
+    "tool_choice": "none",
+    "response_format": {"type": "text"},
+    "best_of": 1,
+}
 
 
 def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(
@@ -395,6 +449,12 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(
         # the server still serves after each
         ok = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0)
         assert ok.usage.completion_tokens == 2
+    chat = [{"role": "user", "content": "hi"}]
+    served = client.chat.completions.create(
+        model=model, messages=chat, max_tokens=3, temperature=0, extra_body=OPTIONS_OFF
+    )
+    alone = client.chat.completions.create(model=model, messages=chat, max_tokens=3, temperature=0)
+    assert served.choices[0].message.content == alone.choices[0].message.content
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="n must be 1"):

@@ -223,7 +223,9 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
         ) from None
     max_tokens = _max_tokens(body, len(prompt_ids), state)
     draft, gamma = _speculation(body, state)
-    params = SamplingParams(temperature=body.temperature, top_p=body.top_p)
+    params = SamplingParams(
+        temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k)
+    )
     criteria = state.loaded.stop_criteria(max_tokens, body.stop_strings(), body.ignore_eos)
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     generator = torch.Generator().manual_seed(seed)

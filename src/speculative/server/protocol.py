@@ -10,10 +10,38 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_GAMMA = 16
+
+# OpenAI (and vLLM) request options this server does not implement, with the values that
+# mean "off": a request that leaves them off (or out, or null) is served, one that asks
+# for them is refused by name instead of answered as if it had not asked.
+UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False,),  # a number (completions), even 0, asks for the chosen tokens'
+    "top_logprobs": (0,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+}
+
+
+def _asks_for(value: Any, off: tuple[Any, ...]) -> bool:
+    """Whether an unsupported option's ``value`` asks for it (see UNSUPPORTED_OPTIONS)."""
+    if value is None:
+        return False
+    return not any(type(value) is type(o) or {type(value), type(o)} <= {int, float}
+                   for o in off if value == o)  # fmt: skip
 
 
 class ApiError(Exception):
@@ -67,6 +95,7 @@ class _Common(BaseModel):
     max_tokens: int | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # vLLM's extension; 0 or -1: off
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -102,6 +131,35 @@ class _Common(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         return stops
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        """A 400 naming an option this server does not implement, where one is asked for
+        (raised as the ApiError itself, so that its ``param`` is the option)."""
+        if not isinstance(data, dict):
+            return data
+        for name, off in UNSUPPORTED_OPTIONS.items():
+            if _asks_for(data.get(name), off):
+                raise ApiError(
+                    400,
+                    f"{name} is not supported by this server (asked for {data[name]!r}); "
+                    "leave it out to decode without it",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+        return data
+        for name, off in UNSUPPORTED_OPTIONS.items():
+            value = data.get(name)
+            if value is None or value == off or value in ({}, [], ""):
+                continue
+            if name == "logprobs" and value == 0 and not isinstance(value, bool):
+                continue  # completions' "no log probabilities"
+            raise ValueError(
+                f"{name} is not supported by this server (asked for {value!r}); "
+                "leave it out to decode without it"
+            )
+        return data
 
     def stop_strings(self) -> tuple[str, ...]:
         return tuple(self.stop or ())  # the validator made it a list
