@@ -10,6 +10,7 @@ bitwise for greedy, the same seeded sample for sampling.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
@@ -20,6 +21,7 @@ import torch
 from speculative.drafters.base import Drafter
 from speculative.drafters.model import DraftModelDrafter
 from speculative.drafters.ngram import PromptLookupDrafter
+from speculative.drafters.tree import DraftTree
 from speculative.engine import SpeculativeEngine, StopCriteria
 from speculative.engine.batch import BatchEngine, BatchRequest
 from speculative.engine.gamma import FixedGamma, LoadAwareGamma, PassTimes, RowLoad
@@ -1316,3 +1318,96 @@ def test_the_load_policy_prices_a_lagging_drafters_catch_up(tmp_path: Path) -> N
         drafted[follow], tokens[follow] = result.stats.drafted_tokens, result.token_ids
     assert drafted[True] > 0 and drafted[False] == 0
     assert tokens[True] == tokens[False]
+
+
+def test_logprobs_are_the_target_distribution_of_each_emitted_token(folder: Path) -> None:
+    """Rows that ask for log-probabilities get, for every emitted token (accepted,
+    recovered, bonus, a tree path's, plain), its log-softmax under the target's logits at
+    its position, recomputed here by one forward over prompt + output, and the likeliest
+    alternatives there; the tokens are those of the same rows without them."""
+    from speculative.engine.tree import make_tree_round
+
+    backend = _backend("kernels")
+    specs = _specs()
+    target = load_native(folder, max_length=96, backend=backend, max_slots=3)
+
+    def requests(logprobs: int | None) -> list[BatchRequest]:
+        out = [replace(_request(spec, folder, backend), logprobs=logprobs) for spec in specs]
+        tree_drafter = PromptLookupDrafter(max_ngram=3)  # a tree row: the path's rows
+        tree = make_tree_round("static", tree_drafter, 4)
+        loop = specs[0].prompt
+        greedy = SamplingParams(temperature=0)
+        row = BatchRequest(loop, greedy, StopCriteria(16), torch.Generator(), tree_drafter, 3)
+        out.append(replace(row, tree=tree, logprobs=logprobs))
+        return out
+
+    results = BatchEngine(target, max_batch=3).run(requests(3))
+    plain = BatchEngine(target, max_batch=3).run(requests(None))
+    reference = load_native(folder, max_length=96, backend=backend)
+    kinds = set()
+    for request, result, without in zip(requests(3), results, plain, strict=True):
+        assert result.token_ids == without.token_ids and without.logprobs is None
+        entries = result.logprobs
+        assert entries is not None and [e.token for e in entries] == result.token_ids
+        prompt = list(request.prompt_ids)
+        sequence = torch.tensor([prompt + result.token_ids])
+        reference.reset()
+        expected = torch.log_softmax(reference.forward(sequence)[0].float(), dim=-1)  # [n, V]
+        for i, entry in enumerate(entries):
+            row = expected[len(prompt) - 1 + i]  # the position that predicted token i
+            assert abs(entry.logprob - row[entry.token].item()) < 1e-4, (i, request)
+            values, ids = row.topk(3)
+            assert [t for t, _ in entry.top] == ids.tolist()
+            assert torch.allclose(torch.tensor([v for _, v in entry.top]), values, atol=1e-4)
+            if request.params.greedy:
+                assert entry.top[0][0] == entry.token
+        for round_ in result.rounds:
+            kinds.add("accepted" if round_.num_accepted else "plain")
+            kinds.add("tree" if request.tree is not None and round_.drafted else "chain")
+    assert kinds == {"accepted", "plain", "tree", "chain"}
+
+
+class _SecondBranch(PromptLookupDrafter):
+    """Token trees whose root's first child is wrong and whose second starts the target's
+    own greedy ``continuation``: every accepted path leaves the tree's first nodes."""
+
+    def __init__(self, prompt_length: int, continuation: list[int]) -> None:
+        super().__init__(max_ngram=3)
+        self.prompt_length, self.continuation = prompt_length, continuation
+
+    def propose_tree(
+        self,
+        context: Sequence[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> DraftTree:
+        done = len(context) - self.prompt_length
+        right = self.continuation[done : done + 2]
+        if len(right) < 2:
+            return DraftTree(torch.zeros(0), torch.zeros(0))
+        wrong = (right[0] + 1) % VOCAB
+        return DraftTree(torch.tensor([wrong, *right]), torch.tensor([-1, -1, 1]))
+
+
+def test_logprobs_of_a_tree_path_come_from_its_nodes_rows(folder: Path) -> None:
+    """A tree round's emitted tokens take their log-probabilities from the root's row and
+    the accepted nodes' rows, wherever those nodes sit in the tree."""
+    from speculative.engine.tree import make_tree_round
+
+    backend = _backend("kernels")
+    target = load_native(folder, max_length=96, backend=backend, max_slots=2)
+    prompt = _ids(30, 51)[0].tolist()[:9]
+    greedy, stop = SamplingParams(temperature=0), StopCriteria(max_new_tokens=12)
+    plain = BatchEngine(target, max_batch=1).run(
+        [BatchRequest(prompt, greedy, stop, torch.Generator(), logprobs=0)]
+    )[0]
+    drafter = _SecondBranch(len(prompt), plain.token_ids)
+    tree = make_tree_round("static", drafter, 4)
+    row = BatchRequest(prompt, greedy, stop, torch.Generator(), drafter, 3, tree=tree, logprobs=0)
+    result = BatchEngine(target, max_batch=1).run([row])[0]
+    assert result.token_ids == plain.token_ids
+    assert max(r.num_accepted for r in result.rounds) == 2  # paths [1, 2]: off the first nodes
+    assert result.logprobs is not None and plain.logprobs is not None
+    for tree_entry, plain_entry in zip(result.logprobs, plain.logprobs, strict=True):
+        assert abs(tree_entry.logprob - plain_entry.logprob) < 1e-5

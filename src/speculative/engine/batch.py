@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch
@@ -65,6 +65,7 @@ from speculative.engine.round import (
     accepted,
     commit_tokens,
     draft_length,
+    emitted_logprobs,
     propose_draft,
     propose_drafts_together,
     verify_draft,
@@ -90,7 +91,8 @@ from speculative.models.session import (
     SlotPool,
     common_prefix_length,
 )
-from speculative.sampling import SamplingParams, VerifyUniforms
+from speculative.sampling import SamplingParams, VerifyResult, VerifyUniforms
+from speculative.sampling.tree import TreeVerifyResult
 from speculative.theory import decayed_average
 
 ALPHA_PRIOR = 0.6  # running acceptance estimate: Beta prior mean ...
@@ -220,6 +222,9 @@ class BatchRequest:
     # None: estimated (:func:`streamed_draft_cost`)
     draft_cost: float | None = None
     tree: TreeRound | None = None  # draft token trees with this strategy instead of chains
+    # each emitted token's log-probability (Round.logprobs) and this many alternatives';
+    # None: none
+    logprobs: int | None = None
 
 
 @dataclass
@@ -835,6 +840,10 @@ class BatchEngine:
             row.state, request.drafter, self.max_length, proposal.drafted, emitted,
             num_accepted, request.stop,
         )  # fmt: skip
+        if request.logprobs is not None:
+            rows = _emitted_rows(logits, result)  # [emitted, vocab]
+            logprobs = emitted_logprobs(rows, round_.tokens, request.logprobs)
+            round_ = replace(round_, logprobs=logprobs)
         row.rounds.append(round_)
         row.state.stats.seconds = time.perf_counter() - row.started
         if round_.finished:
@@ -842,6 +851,15 @@ class BatchEngine:
             row.session.release()
             self.finished[row.row_id] = row.result()
         return round_
+
+
+def _emitted_rows(logits: torch.Tensor, result: VerifyResult | TreeVerifyResult) -> torch.Tensor:
+    """The target's logits row of each token a round emitted, [emitted, vocab], from the
+    row's [1, fed, vocab]: a chain's emitted token i was scored at row i; a tree's at the
+    root's row, then at each accepted node's (node j's row is j + 1)."""
+    if isinstance(result, TreeVerifyResult):
+        return logits[0, [0, *(node + 1 for node in result.path)]]
+    return logits[0]
 
 
 def _row_load(alphas: tuple[float, ...], known: tuple[int, int, float, float]) -> RowLoad:

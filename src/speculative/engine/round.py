@@ -13,7 +13,7 @@ runs them for every row of a pass, and the single-sequence
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,15 +40,28 @@ Verifier = Callable[..., VerifyResult]  # the signature of sampling.verify
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """An emitted token's log-probability under the target's raw distribution (its
+    logits' log-softmax: before temperature, top-k and top-p, as vLLM reports them by
+    default) and the ``top`` likeliest tokens there with theirs, likeliest first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Round:
     """What one round emitted: ``tokens``, of which the first ``num_accepted`` were drafted
-    tokens the target accepted; the rest (at most one) was recovered or bonus."""
+    tokens the target accepted; the rest (at most one) was recovered or bonus.
+    ``logprobs``: one per token, where the row asked for them."""
 
     tokens: list[int]
     num_accepted: int
     drafted: int
     finished: bool
     reason: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass
@@ -57,6 +70,37 @@ class GenerationResult:
     stats: GenerationStats
     finish_reason: str | None = None
     rounds: list[Round] = field(default_factory=list)
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        """One per token of ``token_ids`` where the generation asked for them, else None."""
+        if not self.rounds or any(r.logprobs is None for r in self.rounds):
+            return None
+        return [entry for r in self.rounds for entry in r.logprobs or ()]
+
+
+def emitted_logprobs(
+    logits: torch.Tensor,  # [n, vocab] the target's logits at each emitted token's position
+    tokens: Sequence[int],  # [n] the emitted tokens
+    top: int,
+) -> tuple[TokenLogprobs, ...]:
+    """Each token's log-probability under its row and the ``top`` likeliest tokens'."""
+    n = len(tokens)
+    if n == 0:
+        return ()
+    logprobs = torch.log_softmax(logits[:n].float(), dim=-1)  # [n, vocab]
+    chosen = logprobs[torch.arange(n), torch.tensor(list(tokens))].tolist()
+    alternatives: list[tuple[tuple[int, float], ...]] = [()] * n
+    if top > 0:
+        values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)  # [n, top]
+        alternatives = [
+            tuple(zip(row_ids, row_values, strict=True))
+            for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
+        ]
+    return tuple(
+        TokenLogprobs(token, logprob, alts)
+        for token, logprob, alts in zip(tokens, chosen, alternatives, strict=True)
+    )
 
 
 @dataclass
