@@ -253,6 +253,65 @@ def test_top_k_restricts_sampling(folder: Path, client: openai.OpenAI, model: st
         assert sampled[0] != greedy.choices[0].text
 
 
+def _chat_logprobs(client: openai.OpenAI, model: str, draft: str, stream: bool, **kw) -> list:
+    """The chat response's per-token log-probability entries (a stream's, concatenated)."""
+    answer = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=24,
+        temperature=0, logprobs=True, top_logprobs=3, stream=stream,
+        extra_body={"speculative": {"draft": draft}}, **kw,
+    )  # fmt: skip
+    if not stream:
+        return [entry.model_dump() for entry in answer.choices[0].logprobs.content]
+    entries = []
+    for chunk in answer:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            entries += [entry.model_dump() for entry in chunk.choices[0].logprobs.content]
+    return entries
+
+
+def test_logprobs_are_the_targets_whatever_the_drafter(client: openai.OpenAI, model: str) -> None:
+    """Every greedy token comes with its log-probability, its likeliest alternatives first
+    (the token itself, greedy); speculation does not change them (the target's logits are
+    those of plain decoding, bit for bit) and a stream carries the same entries."""
+    plain = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=24,
+        temperature=0, extra_body={"speculative": {"draft": "none"}},
+    )  # fmt: skip
+    assert plain.choices[0].logprobs is None  # not asked for
+    entries = _chat_logprobs(client, model, "none", stream=False)
+    assert len(entries) == plain.usage.completion_tokens
+    assert "".join(e["token"] for e in entries) == plain.choices[0].message.content
+    for entry in entries:
+        top = entry["top_logprobs"]
+        assert len(top) == 3 and top[0]["token"] == entry["token"]
+        assert top[0]["logprob"] == entry["logprob"] <= 0.0
+        assert top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
+        assert bytes(entry["bytes"]).decode() == entry["token"]
+    assert _chat_logprobs(client, model, "ngram", stream=False) == entries
+    assert _chat_logprobs(client, model, "ngram", stream=True) == entries
+    # a stop string: the tokens that start before it, streamed or not
+    stop = plain.choices[0].message.content[10:14]
+    cut = _chat_logprobs(client, model, "ngram", stream=False, stop=[stop])
+    assert 0 < len(cut) < len(entries) and cut == entries[: len(cut)]
+    assert _chat_logprobs(client, model, "ngram", stream=True, stop=[stop]) == cut
+
+
+def test_completion_logprobs_give_tokens_and_offsets(client: openai.OpenAI, model: str) -> None:
+    answer = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=16, temperature=0.8, seed=3, logprobs=2,
+        extra_body={"speculative": {"draft": "ngram"}},
+    )  # fmt: skip
+    choice = answer.choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == answer.usage.completion_tokens == len(logprobs.token_logprobs)
+    assert "".join(logprobs.tokens) == choice.text
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert all(choice.text[o:].startswith(t) for o, t in zip(offsets, logprobs.tokens, strict=True))
+    for token_logprob, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert len(top) <= 2 and token_logprob <= max(top.values()) <= 0.0
+
+
 def test_stop_strings_cut_exactly_across_chunks(
     folder: Path, client: openai.OpenAI, model: str
 ) -> None:
@@ -395,7 +454,7 @@ BAD_INPUTS = [
         "messages.0.role",
     ),
     # options this server does not implement are refused by name, not ignored
-    ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "logprobs": 0}, 400, "logprobs"),
+    ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "logprobs": 6}, 400, "logprobs"),
     (
         "/v1/completions",
         {"model": "MODEL", "prompt": PROMPT, "presence_penalty": 0.5},
@@ -404,9 +463,9 @@ BAD_INPUTS = [
     ),
     (
         "/v1/chat/completions",
-        {"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+        {"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
         400,
-        "logprobs",
+        "top_logprobs",
     ),
     (
         "/v1/chat/completions",
@@ -427,7 +486,6 @@ OPTIONS_OFF = {
     "frequency_penalty": 0.0,
     "logit_bias": {},
     "logprobs": False,
-    "top_logprobs": 0,
     "tools": [],
     "tool_choice": "none",
     "response_format": {"type": "text"},

@@ -33,6 +33,7 @@ from speculative.engine.batch import BatchEngine, BatchRequest
 from speculative.engine.gamma import LoadAwareGamma
 from speculative.engine.loop import GenerationResult, Round
 from speculative.sampling import SamplingParams
+from speculative.server.logprobs import LogprobsFormatter
 from speculative.server.metrics import CONTENT_TYPE, ServerMetrics
 from speculative.server.protocol import (
     ApiError,
@@ -230,7 +231,9 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     generator = torch.Generator().manual_seed(seed)
     pool = state.pools.get(draft)
-    batch_request = BatchRequest(prompt_ids, params, criteria, generator, None, gamma)
+    batch_request = BatchRequest(
+        prompt_ids, params, criteria, generator, None, gamma, logprobs=body.wanted_logprobs()
+    )
     # the scheduler takes the row's drafter when it admits the row, on its own thread
     # (building one may start OpenMP work: see speculative.server.compute)
     acquire = pool.acquire if pool is not None else None
@@ -362,15 +365,21 @@ class _Envelope:
             **extra,
         }
 
-    def delta(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def delta(
+        self,
+        text: str | None,
+        finish: str | None,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
 async def _complete(
@@ -408,15 +417,23 @@ async def _complete(
     text.push(result.token_ids, ["target"] * len(result.token_ids))
     envelope = _Envelope(prepared, state)
     reason = _finish_reason(result)
+    logprobs = LogprobsFormatter(state.loaded.decode, envelope.chat)
+    logprobs.add(result.logprobs)
+    token_logprobs = logprobs.take(text.final_tokens(), text)
     if envelope.chat:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text.final_text()},
-            "logprobs": None,
+            "logprobs": token_logprobs,
             "finish_reason": reason,
         }
     else:
-        choice = {"index": 0, "text": text.final_text(), "logprobs": None, "finish_reason": reason}
+        choice = {
+            "index": 0,
+            "text": text.final_text(),
+            "logprobs": token_logprobs,
+            "finish_reason": reason,
+        }
     metrics.count_request(prepared.endpoint, "200")
     body = envelope.wrap(
         [choice],
@@ -463,6 +480,7 @@ async def _stream(
     include_usage = options is not None and options.include_usage
     ttft = None
     running = _RunningStats()
+    logprobs = LogprobsFormatter(state.loaded.decode, envelope.chat)
     if envelope.chat:
         yield _sse(envelope.wrap([envelope.delta("", None, role=True)], stream=True))
     while True:
@@ -474,14 +492,18 @@ async def _stream(
             return
         if isinstance(event, RoundEvent):
             running.add(event.round)
+            logprobs.add(event.round.logprobs)
             pieces = text.push(event.round.tokens, token_kinds(event.round))
+            settled = text.settled_tokens()
         else:
             pieces = text.finish()
+            settled = text.final_tokens()
         if pieces:
             if ttft is None:
                 ttft = time.perf_counter() - job.submitted
+            piece_text = "".join(p for p, _ in pieces)
             chunk = envelope.wrap(
-                [envelope.delta("".join(p for p, _ in pieces), None)],
+                [envelope.delta(piece_text, None, logprobs=logprobs.take(settled, text))],
                 stream=True,
                 speculative={"pieces": [list(p) for p in pieces], **running.to_dict()},
             )
@@ -490,8 +512,14 @@ async def _stream(
             break
     result = event.result
     stats = _speculative_stats(prepared, result, ttft)
-    final = envelope.wrap(
-        [envelope.delta(None if envelope.chat else "", _finish_reason(result))],
+    final = envelope.wrap(  # with the log-probabilities of tokens that sent no text
+        [
+            envelope.delta(
+                None if envelope.chat else "",
+                _finish_reason(result),
+                logprobs=logprobs.take(settled, text),
+            )
+        ],
         stream=True,
         speculative=stats,
     )

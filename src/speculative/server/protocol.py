@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_GAMMA = 16
+MAX_COMPLETION_LOGPROBS = 5  # alternatives per token, as OpenAI's API: completions ...
+MAX_TOP_LOGPROBS = 20  # ... and chat
 
 # OpenAI (and vLLM) request options this server does not implement, with the values that
 # mean "off": a request that leaves them off (or out, or null) is served, one that asks
@@ -24,8 +26,6 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "repetition_penalty": (1,),
     "min_p": (0,),
     "logit_bias": ({},),
-    "logprobs": (False,),  # a number (completions), even 0, asks for the chosen tokens'
-    "top_logprobs": (0,),
     "best_of": (1,),
     "suffix": ("",),
     "tools": ([],),
@@ -167,12 +167,22 @@ class _Common(BaseModel):
     def wanted_tokens(self) -> int | None:
         return self.max_tokens
 
+    def wanted_logprobs(self) -> int | None:
+        """How many alternatives each token's log-probability comes with; None: no
+        log-probabilities."""
+        return None
+
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``: one prompt string (raw, no chat template)."""
 
     prompt: str | list[str]
     echo: bool = False
+    # each token's log-probability and this many alternatives' (0: the token's alone)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -215,6 +225,17 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False  # each token's log-probability ...
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # ... and more
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return self
+
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod

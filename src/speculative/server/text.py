@@ -100,6 +100,25 @@ class TextAssembler:
         stop = first_stop(self.text, self.stops)
         return self.text if stop is None else self.text[:stop]
 
+    def offset(self, i: int) -> int:
+        """Where token i's text starts in the text (its ``text_offset``)."""
+        return self.ends[i - 1] if i > 0 else 0
+
+    def settled_tokens(self) -> int:
+        """Leading tokens whose text is all released (their log-probabilities can go)."""
+        n = 0
+        while n < len(self.ends) and self.ends[n] <= self.sent:
+            n += 1
+        return min(n, self.final_tokens())  # never a token after a stop string
+
+    def final_tokens(self) -> int:
+        """Tokens of the final text: all of them, or those that start before a stop
+        string (the stop string and what follows it are never sent)."""
+        stop = first_stop(self.text, self.stops)
+        if stop is None:
+            return len(self.tokens)
+        return sum(1 for i in range(len(self.tokens)) if self.offset(i) < stop)
+
     def _release(self, limit: int) -> list[tuple[str, str]]:
         pieces: list[tuple[str, str]] = []
         start = 0

@@ -1,0 +1,83 @@
+"""Log-probabilities in OpenAI's response shapes.
+
+The engine gives, for each emitted token, its log-probability under the target's raw
+distribution and the likeliest alternatives (:class:`~speculative.engine.round.
+TokenLogprobs`); speculation does not change them (a row's logits are those of plain
+decoding). Here they become chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}``
+or completions' ``{tokens, token_logprobs, top_logprobs, text_offset}``, for the tokens of
+the text actually sent (see :class:`~speculative.server.text.TextAssembler`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from speculative.engine.round import TokenLogprobs
+from speculative.server.text import TextAssembler
+
+WINDOW = 4  # tokens before a token that its text is decoded after (see _text)
+
+
+class LogprobsFormatter:
+    """Formats a response's token log-probabilities, a chunk's worth at a time.
+
+    A token's text is what it adds to the decoded text: the chosen token's is its slice of
+    the response's text (so the tokens add up to it); an alternative's is what decoding it
+    after the WINDOW tokens before adds to decoding them alone (a token's leading space,
+    say, exists only after another token)."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], chat: bool) -> None:
+        self.decode = decode
+        self.chat = chat
+        self.entries: list[TokenLogprobs] = []  # every token's so far
+        self.sent = 0  # entries already formatted
+
+    def add(self, entries: Sequence[TokenLogprobs] | None) -> None:
+        self.entries.extend(entries or ())
+
+    def take(self, upto: int, text: TextAssembler) -> dict[str, Any] | None:
+        """The entries of tokens [sent, upto) in the response's shape (None when empty)."""
+        upto = min(upto, len(self.entries))
+        if upto <= self.sent:
+            return None
+        chosen = range(self.sent, upto)
+        self.sent = upto
+        if self.chat:
+            return {"content": [self._chat_entry(i, text) for i in chosen]}
+        return {
+            "tokens": [self._chosen_text(i, text) for i in chosen],
+            "token_logprobs": [self.entries[i].logprob for i in chosen],
+            "top_logprobs": [
+                {self._text(i, t, text): lp for t, lp in self.entries[i].top} for i in chosen
+            ],
+            "text_offset": [text.offset(i) for i in chosen],
+        }
+
+    def _chosen_text(self, i: int, text: TextAssembler) -> str:
+        return text.text[text.offset(i) : text.ends[i]]
+
+    def _text(self, i: int, token: int, text: TextAssembler) -> str:
+        """What ``token`` adds to the text in token i's place."""
+        if token == self.entries[i].token:
+            return self._chosen_text(i, text)
+        window = text.tokens[max(0, i - WINDOW) : i]
+        before = self.decode(window)
+        after = self.decode([*window, token])
+        return after[len(before) :] if after.startswith(before) else self.decode([token])
+
+    def _chat_entry(self, i: int, text: TextAssembler) -> dict[str, Any]:
+        entry = self.entries[i]
+        alternatives = []
+        for token, logprob in entry.top:
+            alternative = self._text(i, token, text)
+            alternatives.append(
+                {"token": alternative, "logprob": logprob, "bytes": list(alternative.encode())}
+            )
+        chosen = self._chosen_text(i, text)
+        return {
+            "token": chosen,
+            "logprob": entry.logprob,
+            "bytes": list(chosen.encode()),
+            "top_logprobs": alternatives,
+        }
