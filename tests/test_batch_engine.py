@@ -1411,3 +1411,37 @@ def test_logprobs_of_a_tree_path_come_from_its_nodes_rows(folder: Path) -> None:
     assert result.logprobs is not None and plain.logprobs is not None
     for tree_entry, plain_entry in zip(result.logprobs, plain.logprobs, strict=True):
         assert abs(tree_entry.logprob - plain_entry.logprob) < 1e-5
+
+
+def test_cli_logprobs_in_batch_lines_and_single_json(tmp_path: Path, capsys) -> None:
+    """``--logprobs N``: each JSONL line (and a single prompt's --json) lists every token's
+    log-probability with N alternatives, the values the Python API gives for that prompt
+    alone; without --json it is refused before loading."""
+    import json
+
+    from speculative.pipeline import Speculator
+    from test_cli import run_cli
+    from tiny import save_tiny
+
+    folder = save_tiny(tmp_path / "tiny", seed=2, layers=2)
+    records = [{"prompt": "the cat sat on the mat and the cat"}, {"prompt": "a dog ran"}]
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    base = ["generate", "--target", str(folder), "--runtime", "native", "--no-chat"]
+    base += ["--max-new-tokens", "8", "--draft", "ngram", "--gamma", "3", "--logprobs", "2"]
+    code, _, err = run_cli(capsys, *base, "--prompts", str(prompts), "--out", str(out))
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    single = Speculator.load(str(folder), "ngram", 3, "native")
+    for record, line in zip(records, lines, strict=True):
+        alone = single.generate(record["prompt"], chat=False, max_new_tokens=8, logprobs=2)
+        assert alone.logprobs is not None
+        assert [e["token"] for e in line["logprobs"]] == line["token_ids"] == alone.token_ids
+        for entry, expected in zip(line["logprobs"], alone.logprobs, strict=True):
+            assert abs(entry["logprob"] - expected.logprob) < 1e-5 and len(entry["top"]) == 2
+    code, stdout, err = run_cli(capsys, *base, "--prompt", records[0]["prompt"], "--json")
+    assert code == 0, err
+    output = json.loads(stdout.strip().splitlines()[-1])
+    assert [e["token"] for e in output["logprobs"]] == output["token_ids"]
+    code, _, err = run_cli(capsys, *base, "--prompt", records[0]["prompt"])
+    assert code != 0 and "--logprobs shows in the --json output" in err

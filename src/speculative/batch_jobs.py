@@ -41,6 +41,7 @@ class BatchJob:
     seed: int = 0
     stop: tuple[str, ...] = ()
     batch_size: int = 8
+    logprobs: int | None = None  # each token's log-probability and this many alternatives'
 
 
 class RowDecoder:
@@ -100,19 +101,24 @@ class RowDecoder:
         generator = torch.Generator().manual_seed(int(record.get("seed", job.seed)))
         drafter = build_drafter(job.draft, loaded)
         row_gamma = LOAD_AWARE_MAX_GAMMA if self.gamma == "auto" else make_gamma_policy(self.gamma)
-        return BatchRequest(ids, params, criteria, generator, drafter, row_gamma)
+        return BatchRequest(
+            ids, params, criteria, generator, drafter, row_gamma, logprobs=job.logprobs
+        )
 
     def result_line(self, index: int, record: Record, result: GenerationResult) -> ResultLine:
         """The output line of a finished row (text cut at its stop string)."""
         stop = tuple(record.get("stop", self.job.stop))
         text = self.loaded.stop_criteria(1, stop).final_text(self.loaded.decode(result.token_ids))
-        return {
+        line: ResultLine = {
             "index": index,
             "text": text,
             "token_ids": result.token_ids,
             "finish_reason": result.finish_reason,
             "stats": result.stats.to_dict(),
         }
+        if result.logprobs is not None:
+            line["logprobs"] = [entry.to_dict() for entry in result.logprobs]
+        return line
 
     def run(self, items: Iterable[tuple[int, Record]]) -> Iterator[ResultLine]:
         """Decode ``(index, record)`` pairs, at most ``batch_size`` at once (rows join as

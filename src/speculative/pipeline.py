@@ -43,6 +43,7 @@ from speculative.engine import (
     budget_from_verify_cost,
 )
 from speculative.engine.gamma import GammaPolicy, make_gamma_policy, parse_gamma
+from speculative.engine.round import TokenLogprobs, rounds_logprobs
 from speculative.engine.tree import make_tree_round
 from speculative.sampling import SamplingParams
 from speculative.targets import LoadedModel, encode_prompt, load_target
@@ -62,14 +63,23 @@ class GenerationOutput:
     prompt_tokens: int
     rounds: list[Round] = field(default_factory=list)
 
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        """Each token's log-probability under the target (and the alternatives asked
+        for), where the generation asked for them (``logprobs=``); else None."""
+        return rounds_logprobs(self.rounds)
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [entry.to_dict() for entry in self.logprobs]
+        return out
 
 
 class Speculator:
@@ -188,13 +198,18 @@ class Speculator:
         top_p: float = 1.0,
         seed: int = 0,
         stop: Sequence[str] = (),
+        logprobs: int | None = None,
     ) -> GenerationStream:
-        """Start a generation; iterate the result for each round's emitted tokens."""
+        """Start a generation; iterate the result for each round's emitted tokens.
+        ``logprobs``: each token's log-probability under the target's raw distribution
+        and this many alternatives' (``GenerationOutput.logprobs``); None: none."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_ids = encode_prompt(self.target.tokenizer, prompt, messages, chat)
         criteria = self.target.stop_criteria(max_new_tokens, stop)
         generator = torch.Generator().manual_seed(seed)
-        stream = GenerationStream(self, self.engine(), prompt_ids, params, criteria, generator)
+        stream = GenerationStream(
+            self, self.engine(), prompt_ids, params, criteria, generator, logprobs
+        )
         self.target.cache_owner = stream
         return stream
 
@@ -217,6 +232,7 @@ class GenerationStream:
         params: SamplingParams,
         criteria: StopCriteria,
         generator: torch.Generator,
+        logprobs: int | None = None,
     ) -> None:
         self.speculator = speculator
         self.engine = engine
@@ -224,7 +240,7 @@ class GenerationStream:
         self.criteria = criteria
         self.rounds: list[Round] = []
         self.stats = GenerationStats()
-        self._rounds = engine.stream(prompt_ids, params, criteria, generator, self.stats)
+        self._rounds = engine.stream(prompt_ids, params, criteria, generator, self.stats, logprobs)
 
     def __iter__(self) -> Iterator[Round]:
         """Each round; RuntimeError if a later stream on the same target started since (it

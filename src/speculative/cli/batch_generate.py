@@ -85,6 +85,7 @@ def job_from_args(args: argparse.Namespace) -> BatchJob:
         seed=args.seed,
         stop=tuple(args.stop),
         batch_size=args.batch_size,
+        logprobs=args.logprobs,
     )
 
 

@@ -12,6 +12,7 @@ from speculative.cli.common import (
     add_json_flag,
     emit_json,
     non_negative_float,
+    non_negative_int,
     positive_int,
 )
 from speculative.cli.streaming import DIM, RESET, TextStreamer, legend, use_colour
@@ -133,6 +134,15 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1: off)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="token budget")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    parser.add_argument(
+        "--logprobs",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="with --json (or --prompts' JSONL): each generated token's log-probability "
+        "under the target's raw distribution (before temperature, top-k, top-p) and its N "
+        "likeliest alternatives; speculation does not change them",
+    )
 
 
 def drafters_description() -> str:
@@ -258,6 +268,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         "top_p": args.top_p,
         "seed": args.seed,
         "stop": args.stop,
+        "logprobs": args.logprobs,
     }
 
 
@@ -280,6 +291,8 @@ def run(args: argparse.Namespace) -> int:
         from speculative.cli.batch_generate import run_batch
 
         return run_batch(args)
+    if args.logprobs is not None and not args.json:
+        raise CliError("--logprobs shows in the --json output: add --json")
     prompt = read_prompt(args)
     if not prompt.strip():
         raise CliError("the prompt is empty")

@@ -81,19 +81,23 @@ class SpeculativeEngine:
         stop: StopCriteria,
         generator: torch.Generator,
         stats: GenerationStats | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[Round]:
         """Yield each round's emitted tokens until a stop criterion fires.
 
         ``stats`` (a fresh one when None) is updated in place as the rounds go, so a caller
-        that keeps a reference can read it during and after the stream.
+        that keeps a reference can read it during and after the stream. ``logprobs``: each
+        round also carries its tokens' log-probabilities with this many alternatives
+        (:attr:`Round.logprobs`; None: none).
         """
         batch = BatchEngine(
             self.target.model, max_batch=1, prefill_chunk=self.prefill_chunk,
             pool=SinglePool(self.target), verifier=self.verifier,
         )  # fmt: skip
         request = BatchRequest(
-            prompt_ids, params, stop, generator, self.drafter, self.gamma_policy, tree=self.tree
-        )
+            prompt_ids, params, stop, generator, self.drafter, self.gamma_policy, tree=self.tree,
+            logprobs=logprobs,
+        )  # fmt: skip
         row = batch.add(request, stats)
         while row in batch.rows:
             round_ = batch.step().get(row)  # None while the prompt is being prefilled

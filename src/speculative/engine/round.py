@@ -49,6 +49,10 @@ class TokenLogprobs:
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
 
+    def to_dict(self) -> dict[str, object]:
+        """JSON: ``token``, ``logprob`` and ``top`` as ``[[token, logprob], ...]``."""
+        return {"token": self.token, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+
 
 @dataclass(frozen=True)
 class Round:
@@ -74,9 +78,15 @@ class GenerationResult:
     @property
     def logprobs(self) -> list[TokenLogprobs] | None:
         """One per token of ``token_ids`` where the generation asked for them, else None."""
-        if not self.rounds or any(r.logprobs is None for r in self.rounds):
-            return None
-        return [entry for r in self.rounds for entry in r.logprobs or ()]
+        return rounds_logprobs(self.rounds)
+
+
+def rounds_logprobs(rounds: Sequence[Round]) -> list[TokenLogprobs] | None:
+    """The rounds' tokens' log-probabilities in order, or None where they were not asked
+    for (or no round ran)."""
+    if not rounds or any(r.logprobs is None for r in rounds):
+        return None
+    return [entry for r in rounds for entry in r.logprobs or ()]
 
 
 def emitted_logprobs(
