@@ -18,7 +18,7 @@ from typing import cast
 import pytest
 import torch
 
-from speculative.drafters.base import Drafter
+from speculative.drafters.base import Draft, Drafter
 from speculative.drafters.model import DraftModelDrafter
 from speculative.drafters.ngram import PromptLookupDrafter
 from speculative.drafters.tree import DraftTree
@@ -1445,3 +1445,49 @@ def test_cli_logprobs_in_batch_lines_and_single_json(tmp_path: Path, capsys) -> 
     assert [e["token"] for e in output["logprobs"]] == output["token_ids"]
     code, _, err = run_cli(capsys, *base, "--prompt", records[0]["prompt"])
     assert code != 0 and "--logprobs shows in the --json output" in err
+
+
+def test_penalized_rows_equal_plain_penalized_decoding(folder: Path) -> None:
+    """Greedy rows with penalties, drafted by chains or trees, batched, emit plain
+    penalized decoding's tokens; the penalties change them (the control)."""
+    from speculative.engine.tree import make_tree_round
+    from speculative.sampling.penalties import Penalties
+
+    backend = _backend("kernels")
+    target = load_native(folder, max_length=96, backend=backend, max_slots=3)
+    loop = _specs()[0].prompt
+    greedy, stop = SamplingParams(temperature=0), StopCriteria(max_new_tokens=24)
+    penalties = Penalties(presence=0.3, frequency=0.2, repetition=1.2)
+    alone = load_native(folder, max_length=96, backend=backend)
+    engine = SpeculativeEngine(alone, None)
+    plain = engine.generate(loop, greedy, stop, torch.Generator(), penalties)
+    unpenalized = engine.generate(loop, greedy, stop, torch.Generator())
+    assert plain.token_ids != unpenalized.token_ids
+    # drafters right on the penalized continuation, so that rows past the first verify
+    chain, tree = _Oracle(len(loop), plain.token_ids), _SecondBranch(len(loop), plain.token_ids)
+    chain_row = BatchRequest(loop, greedy, stop, torch.Generator(), chain, 4, penalties=penalties)
+    tree_row = replace(chain_row, drafter=tree, tree=make_tree_round("static", tree, 4))
+    rows = [chain_row, tree_row, replace(chain_row, drafter=None)]
+    results = BatchEngine(target, max_batch=3).run(rows)
+    for result in results:
+        assert result.token_ids == plain.token_ids
+    assert max(r.num_accepted for r in results[0].rounds) == 4
+    assert max(r.num_accepted for r in results[1].rounds) == 2
+
+
+class _Oracle(PromptLookupDrafter):
+    """Chains of the target's own ``continuation``: every draft is accepted."""
+
+    def __init__(self, prompt_length: int, continuation: list[int]) -> None:
+        super().__init__(max_ngram=3)
+        self.prompt_length, self.continuation = prompt_length, continuation
+
+    def propose(
+        self,
+        context: Sequence[int],
+        gamma: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Draft:
+        done = len(context) - self.prompt_length
+        return Draft(tokens=self.continuation[done : done + gamma])

@@ -17,6 +17,7 @@ from speculative.engine import (
 )
 from speculative.models import MarkovLM, seed_matrices
 from speculative.sampling import SamplingParams
+from speculative.sampling.penalties import Penalties, apply_penalties
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -207,3 +208,73 @@ def test_ngram_drafts_a_whole_short_loop_every_round():
     # 7 tokens a round (6 drafts and the bonus); drafts that stopped at the context's end
     # (3 a round) took 9
     assert result.stats.target_calls == 5
+
+
+PENALTIES = Penalties(presence=0.7, frequency=0.4, repetition=1.3)
+
+
+def penalized_law(prompt: list[int], length: int, penalties: Penalties) -> np.ndarray:
+    """The exact probability of every output sequence of ``length`` tokens after
+    ``prompt`` from the target P with ``penalties`` (temperature 1), by enumeration."""
+    logp = torch.log(torch.as_tensor(P)).double()
+    law = np.zeros(5**length)
+    for index in range(5**length):
+        tokens = [int(d) for d in np.base_repr(index, 5).zfill(length)]
+        p, history = 1.0, list(prompt)
+        for t, token in enumerate(tokens):
+            row = logp[history[-1]].clone()
+            output = tokens[:t]
+            for seen in set(history):  # repetition: prompt and output tokens
+                row[seen] = row[seen] / penalties.repetition if row[seen] > 0 else (
+                    row[seen] * penalties.repetition)  # fmt: skip
+            for seen in set(output):
+                row[seen] -= penalties.frequency * output.count(seen) + penalties.presence
+            p *= torch.softmax(row, dim=0)[token].item()
+            history.append(token)
+        law[index] = p
+    return law
+
+
+def penalized_counts(engine, n, length, seed) -> np.ndarray:
+    g = torch.Generator().manual_seed(seed)
+    counts = np.zeros(5**length)
+    stop = StopCriteria(max_new_tokens=length)
+    for _ in range(n):
+        tokens = engine.generate([0, 3, 0], SamplingParams(), stop, g, PENALTIES).token_ids
+        counts[int("".join(map(str, tokens)), 5)] += 1
+    return counts
+
+
+def goodness_of_fit(counts: np.ndarray, law: np.ndarray) -> float:
+    keep = law > 0
+    expected = law[keep] / law[keep].sum() * counts.sum()
+    return float(stats.chisquare(counts[keep], expected).pvalue)
+
+
+@pytest.mark.parametrize("drafter", [None, "model", "ngram"])
+def test_penalized_sampling_follows_the_penalized_target_exactly(drafter):
+    """Sequences sampled with penalties (plain or speculative) follow the exact law of
+    the penalized target, computed by enumeration: each verified row is penalized by its
+    own history, drafts included."""
+    n, length = 3000, 3
+    law = penalized_law([0, 3, 0], length, PENALTIES)
+    assert np.abs(law - penalized_law([0, 3, 0], length, Penalties())).max() > 0.02
+    counts = penalized_counts(make_engine(drafter, 4), n, length, seed=3)
+    assert goodness_of_fit(counts, law) > 1e-3
+
+
+def test_penalized_sampling_negative_control(monkeypatch):
+    """Verification that penalizes every row by the committed sequence alone (forgetting
+    the drafts before it) samples another law, and the test above sees it."""
+    import speculative.engine.batch as batch
+
+    def forgets_drafts(logits, state, proposal, penalties):
+        n, prompt = logits.shape[1], state.sequence[: state.prompt_length]
+        rows = apply_penalties(logits[0], prompt, state.generated, [[]] * n, penalties)
+        return rows.unsqueeze(0)
+
+    monkeypatch.setattr(batch, "_penalized", forgets_drafts)
+    n, length = 3000, 3
+    law = penalized_law([0, 3, 0], length, PENALTIES)
+    counts = penalized_counts(make_engine("model", 4), n, length, seed=3)
+    assert goodness_of_fit(counts, law) < 1e-3

@@ -431,3 +431,25 @@ def test_verify_logits_rejects_mismatched_shapes():
     one = RowProbs(np.ones(1, dtype=np.float32), np.array([3]))
     with pytest.raises(ValueError, match="sparse q rows"):
         verify_logits([1, 2], [one], logits, SamplingParams(1.0), torch.Generator())
+
+
+def test_penalties_follow_the_documented_formulas() -> None:
+    """Repetition divides a seen token's positive logit by r and multiplies a negative one
+    (prompt and output tokens); frequency and presence subtract f * count + p (output
+    tokens only); each row adds its own extra tokens to the output."""
+    from speculative.sampling.penalties import Penalties, apply_penalties
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]] * 2)
+    penalties = Penalties(presence=0.5, frequency=0.25, repetition=2.0)
+    out = apply_penalties(logits, prompt=[1], output=[2, 2], extras=[[], [3]], penalties=penalties)
+    expected = torch.tensor(
+        [
+            [2.0, -2.0, 0.25 - 0.5 - 0.5, 3.0, -2.0],  # token 1: prompt; token 2: twice
+            [2.0, -2.0, 0.25 - 0.5 - 0.5, 1.5 - 0.25 - 0.5, -2.0],  # + token 3 once
+        ]
+    )
+    assert torch.allclose(out, expected)
+    assert torch.equal(logits[0], torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0]))  # a copy
+    assert not Penalties().active and Penalties(repetition=1.1).active
+    with pytest.raises(ValueError, match="repetition penalty must be > 0"):
+        Penalties(repetition=0)

@@ -92,6 +92,7 @@ from speculative.models.session import (
     common_prefix_length,
 )
 from speculative.sampling import SamplingParams, VerifyResult, VerifyUniforms
+from speculative.sampling.penalties import Penalties, apply_penalties
 from speculative.sampling.tree import TreeVerifyResult
 from speculative.theory import decayed_average
 
@@ -225,6 +226,8 @@ class BatchRequest:
     # each emitted token's log-probability (Round.logprobs) and this many alternatives';
     # None: none
     logprobs: int | None = None
+    # repetition / frequency / presence penalties of the target's logits (None: none)
+    penalties: Penalties | None = None
 
 
 @dataclass
@@ -815,6 +818,10 @@ class BatchEngine:
         accepted tokens, and retire the row when it finished."""
         row, proposal = planned.row, planned.proposal
         request = row.request
+        raw = logits  # what log-probabilities report
+        penalized = request.penalties is not None and request.penalties.active
+        if penalized:
+            logits = _penalized(logits, row.state, proposal, request.penalties)
         if proposal.tree is not None:
             assert request.tree is not None
             result = request.tree.verify(
@@ -823,12 +830,12 @@ class BatchEngine:
             row.session.keep_path(result.path)
         else:
             assert proposal.draft is not None
-            best = None
-            if request.params.greedy and self._fused_argmax is not None:
+            best = None  # the model's argmax and nucleus search read its own (raw) logits
+            if request.params.greedy and self._fused_argmax is not None and not penalized:
                 best = self._fused_argmax.argmax_rows(logits)  # drafted + 1 ids or None
             result = verify_draft(
                 proposal.draft, logits, request.params, request.generator, self.verifier, best,
-                self._nucleus, proposal.uniforms,
+                None if penalized else self._nucleus, proposal.uniforms,
             )  # fmt: skip
         emitted, num_accepted = accepted(result)
         if request.drafter is not None and proposal.tree is None and not planned.unasked:
@@ -841,7 +848,7 @@ class BatchEngine:
             num_accepted, request.stop,
         )  # fmt: skip
         if request.logprobs is not None:
-            rows = _emitted_rows(logits, result)  # [emitted, vocab]
+            rows = _emitted_rows(raw, result)  # [emitted, vocab]
             logprobs = emitted_logprobs(rows, round_.tokens, request.logprobs)
             round_ = replace(round_, logprobs=logprobs)
         row.rounds.append(round_)
@@ -851,6 +858,25 @@ class BatchEngine:
             row.session.release()
             self.finished[row.row_id] = row.result()
         return round_
+
+
+def _penalized(
+    logits: torch.Tensor, state: DecodeState, proposal: Proposal, penalties: Penalties
+) -> torch.Tensor:
+    """The row's logits [1, fed, vocab] penalized, each row by its own history: the
+    committed sequence, then a chain's drafts before it or a tree node's path."""
+    if proposal.tree is not None:
+        tokens, parents = proposal.tree.tokens.tolist(), proposal.tree.parents.tolist()
+        paths: list[list[int]] = []
+        for node, parent in enumerate(parents):
+            paths.append([*(paths[parent] if parent >= 0 else []), tokens[node]])
+        extras = [[], *paths]
+    else:
+        drafted = proposal.draft.tokens if proposal.draft is not None else []
+        extras = [drafted[:i] for i in range(len(drafted) + 1)]
+    prompt = state.sequence[: state.prompt_length]
+    rows = apply_penalties(logits[0, : len(extras)], prompt, state.generated, extras, penalties)
+    return rows.unsqueeze(0)
 
 
 def _emitted_rows(logits: torch.Tensor, result: VerifyResult | TreeVerifyResult) -> torch.Tensor:

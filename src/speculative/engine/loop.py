@@ -38,6 +38,7 @@ from speculative.engine.tree import TreeRound
 from speculative.models.base import CausalLM
 from speculative.models.session import ModelSession, SinglePool
 from speculative.sampling import SamplingParams
+from speculative.sampling.penalties import Penalties
 
 __all__ = [
     "DecodeState",
@@ -82,13 +83,14 @@ class SpeculativeEngine:
         generator: torch.Generator,
         stats: GenerationStats | None = None,
         logprobs: int | None = None,
+        penalties: Penalties | None = None,
     ) -> Iterator[Round]:
         """Yield each round's emitted tokens until a stop criterion fires.
 
         ``stats`` (a fresh one when None) is updated in place as the rounds go, so a caller
         that keeps a reference can read it during and after the stream. ``logprobs``: each
         round also carries its tokens' log-probabilities with this many alternatives
-        (:attr:`Round.logprobs`; None: none).
+        (:attr:`Round.logprobs`; None: none). ``penalties``: of the target's logits.
         """
         batch = BatchEngine(
             self.target.model, max_batch=1, prefill_chunk=self.prefill_chunk,
@@ -96,7 +98,7 @@ class SpeculativeEngine:
         )  # fmt: skip
         request = BatchRequest(
             prompt_ids, params, stop, generator, self.drafter, self.gamma_policy, tree=self.tree,
-            logprobs=logprobs,
+            logprobs=logprobs, penalties=penalties,
         )  # fmt: skip
         row = batch.add(request, stats)
         while row in batch.rows:
@@ -110,10 +112,11 @@ class SpeculativeEngine:
         params: SamplingParams,
         stop: StopCriteria,
         generator: torch.Generator,
+        penalties: Penalties | None = None,
     ) -> GenerationResult:
         """Run to completion; returns the generated ids (prompt excluded) and stats."""
         stats = GenerationStats()
-        rounds = list(self.stream(prompt_ids, params, stop, generator, stats))
+        rounds = list(self.stream(prompt_ids, params, stop, generator, stats, penalties=penalties))
         tokens = [t for r in rounds for t in r.tokens]
         return GenerationResult(
             token_ids=tokens,
