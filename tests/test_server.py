@@ -312,6 +312,26 @@ def test_completion_logprobs_give_tokens_and_offsets(client: openai.OpenAI, mode
         assert len(top) <= 2 and token_logprob <= max(top.values()) <= 0.0
 
 
+def test_penalties_are_served_exactly(folder: Path, client: openai.OpenAI, model: str) -> None:
+    """Penalized greedy text is `speculative generate`'s with the same penalties, with any
+    drafter; the penalties change it (the control)."""
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3}
+    expected = generate(
+        folder, "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "24", "--draft", "none",
+        "--presence-penalty", "0.5", "--frequency-penalty", "0.3", "--repetition-penalty", "1.3",
+    )["text"]  # fmt: skip
+    texts = {
+        (draft, penalized): client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=24, temperature=0,
+            extra_body={"speculative": {"draft": draft}, **(penalties if penalized else {})},
+        ).choices[0].text
+        for draft in ("ngram", "none")
+        for penalized in (True, False)
+    }  # fmt: skip
+    assert texts[("ngram", True)] == texts[("none", True)] == expected
+    assert texts[("none", False)] != expected
+
+
 def test_stop_strings_cut_exactly_across_chunks(
     folder: Path, client: openai.OpenAI, model: str
 ) -> None:
@@ -457,9 +477,21 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "logprobs": 6}, 400, "logprobs"),
     (
         "/v1/completions",
-        {"model": "MODEL", "prompt": PROMPT, "presence_penalty": 0.5},
+        {"model": "MODEL", "prompt": PROMPT, "presence_penalty": 2.5},
         400,
         "presence_penalty",
+    ),
+    (
+        "/v1/completions",
+        {"model": "MODEL", "prompt": PROMPT, "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+    ),
+    (
+        "/v1/completions",
+        {"model": "MODEL", "prompt": PROMPT, "logit_bias": {"5": 10}},
+        400,
+        "logit_bias",
     ),
     (
         "/v1/chat/completions",
@@ -484,6 +516,7 @@ BAD_INPUTS = [
 OPTIONS_OFF = {
     "presence_penalty": 0,
     "frequency_penalty": 0.0,
+    "repetition_penalty": 1,
     "logit_bias": {},
     "logprobs": False,
     "tools": [],

@@ -42,6 +42,9 @@ class BatchJob:
     stop: tuple[str, ...] = ()
     batch_size: int = 8
     logprobs: int | None = None  # each token's log-probability and this many alternatives'
+    presence_penalty: float = 0.0  # the target's logits penalized (sampling.penalties)
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 class RowDecoder:
@@ -101,9 +104,13 @@ class RowDecoder:
         generator = torch.Generator().manual_seed(int(record.get("seed", job.seed)))
         drafter = build_drafter(job.draft, loaded)
         row_gamma = LOAD_AWARE_MAX_GAMMA if self.gamma == "auto" else make_gamma_policy(self.gamma)
+        from speculative.sampling.penalties import Penalties
+
+        penalties = Penalties(job.presence_penalty, job.frequency_penalty, job.repetition_penalty)
         return BatchRequest(
-            ids, params, criteria, generator, drafter, row_gamma, logprobs=job.logprobs
-        )
+            ids, params, criteria, generator, drafter, row_gamma, logprobs=job.logprobs,
+            penalties=penalties if penalties.active else None,
+        )  # fmt: skip
 
     def result_line(self, index: int, record: Record, result: GenerationResult) -> ResultLine:
         """The output line of a finished row (text cut at its stop string)."""

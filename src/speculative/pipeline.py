@@ -46,6 +46,7 @@ from speculative.engine.gamma import GammaPolicy, make_gamma_policy, parse_gamma
 from speculative.engine.round import TokenLogprobs, rounds_logprobs
 from speculative.engine.tree import make_tree_round
 from speculative.sampling import SamplingParams
+from speculative.sampling.penalties import Penalties
 from speculative.targets import LoadedModel, encode_prompt, load_target
 
 DEFAULT_PROMPT = (
@@ -199,17 +200,24 @@ class Speculator:
         seed: int = 0,
         stop: Sequence[str] = (),
         logprobs: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
     ) -> GenerationStream:
         """Start a generation; iterate the result for each round's emitted tokens.
         ``logprobs``: each token's log-probability under the target's raw distribution
-        and this many alternatives' (``GenerationOutput.logprobs``); None: none."""
+        and this many alternatives' (``GenerationOutput.logprobs``); None: none.
+        The penalties adjust the target's logits by what the sequence holds
+        (:mod:`speculative.sampling.penalties`; exact under speculation)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty)
         prompt_ids = encode_prompt(self.target.tokenizer, prompt, messages, chat)
         criteria = self.target.stop_criteria(max_new_tokens, stop)
         generator = torch.Generator().manual_seed(seed)
         stream = GenerationStream(
-            self, self.engine(), prompt_ids, params, criteria, generator, logprobs
-        )
+            self, self.engine(), prompt_ids, params, criteria, generator, logprobs,
+            penalties if penalties.active else None,
+        )  # fmt: skip
         self.target.cache_owner = stream
         return stream
 
@@ -233,6 +241,7 @@ class GenerationStream:
         criteria: StopCriteria,
         generator: torch.Generator,
         logprobs: int | None = None,
+        penalties: Penalties | None = None,
     ) -> None:
         self.speculator = speculator
         self.engine = engine
@@ -240,7 +249,9 @@ class GenerationStream:
         self.criteria = criteria
         self.rounds: list[Round] = []
         self.stats = GenerationStats()
-        self._rounds = engine.stream(prompt_ids, params, criteria, generator, self.stats, logprobs)
+        self._rounds = engine.stream(
+            prompt_ids, params, criteria, generator, self.stats, logprobs, penalties
+        )
 
     def __iter__(self) -> Iterator[Round]:
         """Each round; RuntimeError if a later stream on the same target started since (it

@@ -86,6 +86,13 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = _parsed(text, float, "a number")
+    if value != value or value <= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     value = _parsed(text, float, "a number")
     if value != value or value < 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from speculative.cli.common import (
     CliError,
@@ -13,10 +14,14 @@ from speculative.cli.common import (
     emit_json,
     non_negative_float,
     non_negative_int,
+    positive_float,
     positive_int,
 )
 from speculative.cli.streaming import DIM, RESET, TextStreamer, legend, use_colour
 from speculative.drafters.tree import TREE_MODES
+
+if TYPE_CHECKING:
+    from speculative.sampling.penalties import Penalties
 
 DESCRIPTION = """\
 Generate text with lossless speculative decoding.
@@ -134,6 +139,25 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1: off)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="token budget")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    parser.add_argument(
+        "--repetition-penalty",
+        type=positive_float,
+        default=1.0,
+        help="divide (multiply, if negative) the logits of tokens already in the prompt or "
+        "output by this (1: off; exact under speculation, as every penalty)",
+    )
+    parser.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this times a token's count in the output from its logit (0: off)",
+    )
+    parser.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this from the logits of tokens already in the output (0: off)",
+    )
     parser.add_argument(
         "--logprobs",
         type=non_negative_int,
@@ -269,7 +293,17 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "stop": args.stop,
         "logprobs": args.logprobs,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "repetition_penalty": args.repetition_penalty,
     }
+
+
+def penalties_of(args: argparse.Namespace) -> Penalties:
+    """The --*-penalty options (ValueError naming a bad one)."""
+    from speculative.sampling.penalties import Penalties
+
+    return Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty)
 
 
 def stats_line(stats: dict, colour: bool, draft: str | None = None) -> str:
@@ -301,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
 
     parse_gamma(gamma_text(args))  # validate before loading anything
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    penalties_of(args)  # validate before loading
     speculator = load_speculator(args)
     stream = speculator.stream(prompt, **generation_kwargs(args))
     colour = use_colour(sys.stdout, args.colour)

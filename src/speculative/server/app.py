@@ -232,8 +232,9 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
     generator = torch.Generator().manual_seed(seed)
     pool = state.pools.get(draft)
     batch_request = BatchRequest(
-        prompt_ids, params, criteria, generator, None, gamma, logprobs=body.wanted_logprobs()
-    )
+        prompt_ids, params, criteria, generator, None, gamma,
+        logprobs=body.wanted_logprobs(), penalties=body.penalties(),
+    )  # fmt: skip
     # the scheduler takes the row's drafter when it admits the row, on its own thread
     # (building one may start OpenMP work: see speculative.server.compute)
     acquire = pool.acquire if pool is not None else None

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from speculative.sampling.penalties import Penalties
+
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_GAMMA = 16
 MAX_COMPLETION_LOGPROBS = 5  # alternatives per token, as OpenAI's API: completions ...
@@ -21,9 +23,6 @@ MAX_TOP_LOGPROBS = 20  # ... and chat
 # mean "off": a request that leaves them off (or out, or null) is served, one that asks
 # for them is refused by name instead of answered as if it had not asked.
 UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
     "min_p": (0,),
     "logit_bias": ({},),
     "best_of": (1,),
@@ -96,6 +95,9 @@ class _Common(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # vLLM's extension; 0 or -1: off
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # as OpenAI's API
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -171,6 +173,13 @@ class _Common(BaseModel):
         """How many alternatives each token's log-probability comes with; None: no
         log-probabilities."""
         return None
+
+    def penalties(self) -> Penalties | None:
+        """The request's penalties of the target's logits (None: none)."""
+        penalties = Penalties(
+            self.presence_penalty, self.frequency_penalty, self.repetition_penalty
+        )
+        return penalties if penalties.active else None
 
 
 class CompletionRequest(_Common):
