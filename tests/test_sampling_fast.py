@@ -453,3 +453,11 @@ def test_penalties_follow_the_documented_formulas() -> None:
     assert not Penalties().active and Penalties(repetition=1.1).active
     with pytest.raises(ValueError, match="repetition penalty must be > 0"):
         Penalties(repetition=0)
+    # a logit bias, before the penalties: token 3 becomes 3 + 1 = 4, then 4 / 2
+    biased = Penalties(repetition=2.0, bias=((3, 1.0), (0, -5.0)))
+    out = apply_penalties(logits[:1], prompt=[3], output=[], extras=[[]], penalties=biased)
+    assert torch.allclose(out, torch.tensor([[-3.0, -1.0, 0.5, 2.0, -2.0]]))
+    with pytest.raises(ValueError, match="biased twice"):
+        Penalties(bias=((3, 1.0), (3, 2.0)))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        apply_penalties(logits, [], [], [[], []], Penalties(bias=((9, 1.0),)))

@@ -332,6 +332,28 @@ def test_penalties_are_served_exactly(folder: Path, client: openai.OpenAI, model
     assert texts[("none", False)] != expected
 
 
+def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI, model: str) -> None:
+    """+100 on a token makes greedy decoding emit only it; -100 on plain decoding's first
+    token makes it emit another first; the same with a drafter."""
+    from tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+
+    def texts(draft: str, bias: dict[str, float]) -> list[str]:
+        answer = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0,
+            extra_body={"speculative": {"draft": draft}, "logit_bias": bias},
+        )  # fmt: skip
+        return [text.strip() for text in answer.choices[0].logprobs.tokens]
+
+    forced = tokenizer.decode([7]).strip()
+    assert texts("ngram", {"7": 100}) == texts("none", {"7": 100}) == [forced] * 6
+    plain = texts("none", {})
+    first = tokenizer.convert_tokens_to_ids(plain[0])
+    banned = texts("ngram", {str(first): -100})
+    assert banned[0] != plain[0] and banned == texts("none", {str(first): -100})
+
+
 def test_stop_strings_cut_exactly_across_chunks(
     folder: Path, client: openai.OpenAI, model: str
 ) -> None:
@@ -489,7 +511,19 @@ BAD_INPUTS = [
     ),
     (
         "/v1/completions",
-        {"model": "MODEL", "prompt": PROMPT, "logit_bias": {"5": 10}},
+        {"model": "MODEL", "prompt": PROMPT, "logit_bias": {"the": 10}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "/v1/completions",
+        {"model": "MODEL", "prompt": PROMPT, "logit_bias": {"999999": 10}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "/v1/completions",
+        {"model": "MODEL", "prompt": PROMPT, "logit_bias": {"5": 101}},
         400,
         "logit_bias",
     ),

@@ -9,7 +9,9 @@ penalized target, so the output is distributed exactly as plain decoding with th
 penalties. As vLLM applies them:
   - ``repetition`` r (prompt and output tokens): a seen token's logit l becomes l / r
     where l > 0, else l * r (r = 1: off);
-  - ``frequency`` f and ``presence`` p (output tokens only): l - f * count - p * [count > 0].
+  - ``frequency`` f and ``presence`` p (output tokens only): l - f * count - p * [count > 0];
+and, before them, ``bias`` (OpenAI's ``logit_bias``): a fixed offset per token id, the
+same at every position.
 """
 
 from __future__ import annotations
@@ -27,8 +29,16 @@ class Penalties:
     presence: float = 0.0
     frequency: float = 0.0
     repetition: float = 1.0
+    bias: tuple[tuple[int, float], ...] = ()  # (token id, offset) pairs
 
     def __post_init__(self) -> None:
+        if len({token for token, _ in self.bias}) != len(self.bias):
+            raise ValueError("a token is biased twice")
+        for token, offset in self.bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"a biased token must be an id >= 0, got {token!r}")
+            if not isinstance(offset, int | float) or not math.isfinite(offset):
+                raise ValueError(f"the bias of token {token} must be finite, got {offset!r}")
         for name in ("presence", "frequency"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value):
@@ -42,7 +52,7 @@ class Penalties:
 
     @property
     def active(self) -> bool:
-        return self.presence != 0 or self.frequency != 0 or self.repetition != 1
+        return self.presence != 0 or self.frequency != 0 or self.repetition != 1 or bool(self.bias)
 
 
 def apply_penalties(
@@ -54,6 +64,12 @@ def apply_penalties(
 ) -> torch.Tensor:  # [n, vocab] float32, a new tensor
     """Row i penalized as the next token after prompt + output + extras[i]."""
     out = logits.float().clone()
+    if penalties.bias:
+        vocab = out.shape[-1]
+        if any(token >= vocab for token, _ in penalties.bias):
+            raise ValueError(f"logit bias names a token outside the vocabulary of {vocab}")
+        tokens = torch.tensor([token for token, _ in penalties.bias], dtype=torch.long)
+        out[:, tokens] += torch.tensor([offset for _, offset in penalties.bias])
     counts = Counter(output)
     prompt_tokens = set(prompt)
     for i, extra in enumerate(extras):

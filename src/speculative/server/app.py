@@ -223,6 +223,14 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
             400, str(exc), param="messages" if endpoint == "chat" else "prompt"
         ) from None
     max_tokens = _max_tokens(body, len(prompt_ids), state)
+    vocab = state.loaded.lm.vocab_size
+    beyond = [t for t in body.logit_bias or {} if int(t) >= vocab]
+    if beyond:
+        raise ApiError(
+            400,
+            f"logit_bias names token {beyond[0]}; this model's vocabulary has {vocab}",
+            param="logit_bias",
+        )
     draft, gamma = _speculation(body, state)
     params = SamplingParams(
         temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k)

@@ -24,7 +24,6 @@ MAX_TOP_LOGPROBS = 20  # ... and chat
 # for them is refused by name instead of answered as if it had not asked.
 UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "min_p": (0,),
-    "logit_bias": ({},),
     "best_of": (1,),
     "suffix": ("",),
     "tools": ([],),
@@ -98,6 +97,18 @@ class _Common(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # as OpenAI's API
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> offset, as OpenAI's
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_offsets(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, offset in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys are token ids, got {token!r}")
+            if not -100 <= offset <= 100:
+                raise ValueError(f"offsets lie in [-100, 100], got {offset} for token {token}")
+        return value
+
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -176,8 +187,9 @@ class _Common(BaseModel):
 
     def penalties(self) -> Penalties | None:
         """The request's penalties of the target's logits (None: none)."""
+        bias = tuple((int(token), offset) for token, offset in (self.logit_bias or {}).items())
         penalties = Penalties(
-            self.presence_penalty, self.frequency_penalty, self.repetition_penalty
+            self.presence_penalty, self.frequency_penalty, self.repetition_penalty, bias
         )
         return penalties if penalties.active else None
 
