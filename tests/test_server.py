@@ -354,6 +354,34 @@ def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI, model: str) ->
     assert banned[0] != plain[0] and banned == texts("none", {str(first): -100})
 
 
+def test_n_choices_are_rows_decoded_together(client: openai.OpenAI, model: str) -> None:
+    """n choices: choice i is the sample a request with seed + i gets alone, whole or
+    streamed (chunks carry their choice's index); greedy choices are all the greedy text;
+    usage counts every choice's tokens."""
+    kw = {"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0.9}
+    singles = [client.completions.create(**kw, seed=7 + i) for i in range(3)]
+    alone = [single.choices[0].text for single in singles]
+    assert len(set(alone)) > 1  # control: the seeds give different samples
+    whole = client.completions.create(**kw, seed=7, n=3)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.text for c in whole.choices] == alone
+    assert whole.usage.completion_tokens == sum(x.usage.completion_tokens for x in singles)
+    parts: dict[int, str] = {0: "", 1: "", 2: ""}
+    finished = set()
+    for chunk in client.completions.create(**kw, seed=7, n=3, stream=True):
+        for choice in chunk.choices:
+            parts[choice.index] += choice.text
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    assert [parts[i] for i in range(3)] == alone and finished == {0, 1, 2}
+    greedy = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
+        temperature=0, n=2, extra_body={"speculative": {"draft": "ngram"}},
+    )  # fmt: skip
+    texts = [c.message.content for c in greedy.choices]
+    assert texts[0] == texts[1] and greedy.model_extra["speculative"]["completion_tokens"] == 16
+
+
 def test_stop_strings_cut_exactly_across_chunks(
     folder: Path, client: openai.OpenAI, model: str
 ) -> None:
@@ -472,7 +500,7 @@ BAD_INPUTS = [
     ),
     ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "n": 17}, 400, "n"),
     ("/v1/completions", {"model": "MODEL", "prompt": "the " * 100}, 400, "prompt"),
     ("/v1/completions", {"model": "MODEL", "prompt": "x" * 20000}, 413, None),
     ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "stop": ["a"] * 5}, 400, "stop"),
@@ -582,8 +610,8 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(
     assert served.choices[0].message.content == alone.choices[0].message.content
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.completions.create(model=model, prompt=PROMPT, max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="n: Input should be less than or equal to 16"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=2, n=17)
 
 
 def test_metrics_cover_the_issue_list(server, client: openai.OpenAI, model: str) -> None:

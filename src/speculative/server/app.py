@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from speculative.engine.batch import BatchEngine, BatchRequest
 from speculative.engine.gamma import LoadAwareGamma
 from speculative.engine.loop import GenerationResult, Round
+from speculative.engine.stats import PositionAcceptance
 from speculative.sampling import SamplingParams
 from speculative.server.logprobs import LogprobsFormatter
 from speculative.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -41,11 +42,19 @@ from speculative.server.protocol import (
     CompletionRequest,
     validation_error,
 )
-from speculative.server.scheduler import DoneEvent, ErrorEvent, Job, RoundEvent, Scheduler
+from speculative.server.scheduler import (
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    Job,
+    RoundEvent,
+    Scheduler,
+)
 from speculative.server.state import NONE, ServerState
 from speculative.server.text import TextAssembler, token_kinds
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+SEED_RANGE = 2**63  # seeds drawn for requests without one lie below it
 DISCONNECT_POLL_SECONDS = 0.25
 
 
@@ -56,11 +65,20 @@ class Prepared:
     endpoint: str  # "completions" or "chat"
     body: CompletionRequest | ChatCompletionRequest
     prompt_ids: list[int]
-    batch_request: BatchRequest
+    batch_request: BatchRequest  # the first choice's; choice i samples with seed + i
     draft: str
     gamma: int
     acquire: Callable[[], Any] | None  # the row's drafter instance, taken at admission
     release: Callable[[Any], None] | None
+    seed: int = 0
+
+    def choice_requests(self) -> list[BatchRequest]:
+        """One engine request per choice (``n``), each with its own generator: choice i is
+        the sample a request with seed + i gets alone."""
+        return [
+            replace(self.batch_request, generator=torch.Generator().manual_seed(seed))
+            for seed in ((self.seed + i) % SEED_RANGE for i in range(self.body.n))
+        ]
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -177,21 +195,27 @@ async def _serve(
         metrics.count_request(endpoint, str(exc.status))
         raise
     loop = asyncio.get_running_loop()
-    job = Job(prepared.batch_request, loop, on_release=prepared.release, acquire=prepared.acquire)
+    jobs = [
+        Job(choice, loop, on_release=prepared.release, acquire=prepared.acquire)
+        for choice in prepared.choice_requests()
+    ]
     try:
         scheduler.start()
-        scheduler.submit(job)
+        for job in jobs:
+            scheduler.submit(job)
     except ValueError as exc:  # no drafter was taken yet: the scheduler takes it on admission
+        for job in jobs:
+            scheduler.cancel(job)
         metrics.count_request(endpoint, "503")
         raise ApiError(503, str(exc), "server_error", code="overloaded") from None
     if prepared.body.stream:
         return _CancellingStream(
-            _stream(prepared, job, state, metrics),
-            on_close=lambda: _cancel_unfinished(job, prepared.endpoint, scheduler, metrics),
+            _stream(prepared, jobs, state, metrics),
+            on_close=lambda: _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await _complete(request, prepared, job, state, scheduler, metrics)
+    return await _complete(request, prepared, jobs, state, scheduler, metrics)
 
 
 async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepared:
@@ -236,7 +260,7 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
         temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k)
     )
     criteria = state.loaded.stop_criteria(max_tokens, body.stop_strings(), body.ignore_eos)
-    seed = body.seed if body.seed is not None else secrets.randbits(63)
+    seed = body.seed if body.seed is not None else secrets.randbits(63)  # < SEED_RANGE
     generator = torch.Generator().manual_seed(seed)
     pool = state.pools.get(draft)
     batch_request = BatchRequest(
@@ -247,7 +271,7 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
     # (building one may start OpenMP work: see speculative.server.compute)
     acquire = pool.acquire if pool is not None else None
     release = pool.release if pool is not None else None
-    return Prepared(endpoint, body, prompt_ids, batch_request, draft, gamma, acquire, release)
+    return Prepared(endpoint, body, prompt_ids, batch_request, draft, gamma, acquire, release, seed)
 
 
 def _max_tokens(
@@ -299,29 +323,39 @@ def _speculation(
 
 
 # ---- responses ------------------------------------------------------------------------
-def _speculative_stats(prepared: Prepared, result: GenerationResult, ttft: float | None) -> dict:
-    kinds = [k for r in result.rounds for k in token_kinds(r)]
-    stats = result.stats.to_dict()
+def _speculative_stats(
+    prepared: Prepared, results: list[GenerationResult], ttft: float | None
+) -> dict:
+    """The request's speculation statistics, over all its choices."""
+    kinds = [k for result in results for r in result.rounds for k in token_kinds(r)]
+    positions = PositionAcceptance()
+    for result in results:
+        positions.merge(result.stats.positions)
+    drafted = sum(r.stats.drafted_tokens for r in results)
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    passes = sum(r.stats.target_calls for r in results)
+    tokens = sum(r.stats.new_tokens for r in results)
+    seconds = max(r.stats.seconds for r in results)
     return {
         "draft": prepared.draft,
         "gamma": prepared.gamma if prepared.draft != NONE else 0,
-        "drafted": stats["drafted_tokens"],
-        "accepted": stats["accepted_tokens"],
+        "drafted": drafted,
+        "accepted": accepted,
         "recovered": kinds.count("recovered"),
         "bonus": kinds.count("bonus"),
-        "alpha": stats["acceptance_rate"],
-        "tau": stats["mean_accepted_length"],
-        "per_position_acceptance": stats["per_position_acceptance"],
-        "target_passes": stats["target_calls"],
-        "completion_tokens": stats["new_tokens"],
-        "seconds": stats["seconds"],
-        "tokens_per_second": stats["tokens_per_second"],
+        "alpha": accepted / drafted if drafted else 0.0,
+        "tau": tokens / passes if passes else 0.0,
+        "per_position_acceptance": positions.rates(),
+        "target_passes": passes,
+        "completion_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
         "time_to_first_token": ttft,
     }
 
 
-def _usage(prepared: Prepared, result: GenerationResult) -> dict[str, int]:
-    completion = len(result.token_ids)
+def _usage(prepared: Prepared, results: list[GenerationResult]) -> dict[str, int]:
+    completion = sum(len(result.token_ids) for result in results)
     prompt = len(prepared.prompt_ids)
     return {
         "prompt_tokens": prompt,
@@ -380,77 +414,100 @@ class _Envelope:
         finish: str | None,
         role: bool = False,
         logprobs: dict[str, Any] | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            return {
+                "index": index,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
 async def _complete(
     request: Request,
     prepared: Prepared,
-    job: Job,
+    jobs: list[Job],
     state: ServerState,
     scheduler: Scheduler,
     metrics: ServerMetrics,
 ) -> Response:
-    """A whole (non-streamed) response; a client that goes away cancels its row."""
+    """A whole (non-streamed) response; a client that goes away cancels its rows."""
     ttft = None
+    results: list[GenerationResult] = []
     next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
-    while True:
-        try:
-            event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
-        except TimeoutError:
-            event = None
-        if time.monotonic() >= next_check:  # rounds may arrive faster than any timeout
-            next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
-            if await request.is_disconnected():
-                _cancel_unfinished(job, prepared.endpoint, scheduler, metrics)
-                return Response(status_code=499)
-        if event is None or isinstance(event, RoundEvent):
-            if event is not None and ttft is None and event.round.tokens:
-                ttft = time.perf_counter() - job.submitted
-            continue
-        if isinstance(event, ErrorEvent):
-            metrics.count_request(prepared.endpoint, "500")
-            raise ApiError(500, event.message, "server_error")
-        break
-    assert isinstance(event, DoneEvent)
-    result = event.result
+    for job in jobs:  # the choices decode together; their events wait in their queues
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
+            except TimeoutError:
+                event = None
+            if time.monotonic() >= next_check:  # rounds may arrive faster than any timeout
+                next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
+                if await request.is_disconnected():
+                    _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics)
+                    return Response(status_code=499)
+            if event is None or isinstance(event, RoundEvent):
+                if event is not None and event.round.tokens:
+                    first = time.perf_counter() - job.submitted
+                    ttft = first if ttft is None else min(ttft, first)
+                continue
+            if isinstance(event, ErrorEvent):
+                _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics, count=False)
+                metrics.count_request(prepared.endpoint, "500")
+                raise ApiError(500, event.message, "server_error")
+            break
+        assert isinstance(event, DoneEvent)
+        results.append(event.result)
+    envelope = _Envelope(prepared, state)
+    choices = [
+        _whole_choice(i, prepared, result, envelope, state) for i, result in enumerate(results)
+    ]
+    metrics.count_request(prepared.endpoint, "200")
+    body = envelope.wrap(
+        choices,
+        stream=False,
+        usage=_usage(prepared, results),
+        speculative=_speculative_stats(prepared, results, ttft),
+    )
+    return JSONResponse(body)
+
+
+def _whole_choice(
+    index: int,
+    prepared: Prepared,
+    result: GenerationResult,
+    envelope: _Envelope,
+    state: ServerState,
+) -> dict[str, Any]:
+    """One choice of a whole response: its text (cut at a stop string), finish reason and
+    (where asked) its tokens' log-probabilities."""
     text = TextAssembler(state.loaded.decode, prepared.body.stop_strings())
     text.push(result.token_ids, ["target"] * len(result.token_ids))
-    envelope = _Envelope(prepared, state)
-    reason = _finish_reason(result)
     logprobs = LogprobsFormatter(state.loaded.decode, envelope.chat)
     logprobs.add(result.logprobs)
     token_logprobs = logprobs.take(text.final_tokens(), text)
+    reason = _finish_reason(result)
     if envelope.chat:
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "message": {"role": "assistant", "content": text.final_text()},
             "logprobs": token_logprobs,
             "finish_reason": reason,
         }
-    else:
-        choice = {
-            "index": 0,
-            "text": text.final_text(),
-            "logprobs": token_logprobs,
-            "finish_reason": reason,
-        }
-    metrics.count_request(prepared.endpoint, "200")
-    body = envelope.wrap(
-        [choice],
-        stream=False,
-        usage=_usage(prepared, result),
-        speculative=_speculative_stats(prepared, result, ttft),
-    )
-    return JSONResponse(body)
+    return {
+        "index": index,
+        "text": text.final_text(),
+        "logprobs": token_logprobs,
+        "finish_reason": reason,
+    }
 
 
 @dataclass
@@ -478,73 +535,105 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+@dataclass
+class _StreamedChoice:
+    """One choice of a streamed response: its text, log-probabilities and running α, τ."""
+
+    text: TextAssembler
+    logprobs: LogprobsFormatter
+    running: _RunningStats = field(default_factory=_RunningStats)
+
+
+async def _merged_events(jobs: list[Job]) -> AsyncIterator[tuple[int, Event]]:
+    """(choice, event) of every job as they come, until each has finished or failed."""
+    pending = {asyncio.ensure_future(job.events.get()): i for i, job in enumerate(jobs)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t]):
+                index = pending.pop(task)
+                event = task.result()
+                if isinstance(event, RoundEvent):
+                    pending[asyncio.ensure_future(jobs[index].events.get())] = index
+                yield index, event
+    finally:
+        for task in pending:
+            task.cancel()
+
+
 async def _stream(
-    prepared: Prepared, job: Job, state: ServerState, metrics: ServerMetrics
+    prepared: Prepared, jobs: list[Job], state: ServerState, metrics: ServerMetrics
 ) -> AsyncIterator[bytes]:
-    """SSE chunks: the text as it becomes final, then the finish chunk (with the request's
-    ``speculative`` stats), the usage chunk when asked, and ``[DONE]``."""
+    """SSE chunks: each choice's text as it becomes final (``index``: its choice), each
+    choice's finish chunk, then one with the request's ``speculative`` stats, the usage
+    chunk when asked, and ``[DONE]``."""
     envelope = _Envelope(prepared, state)
-    text = TextAssembler(state.loaded.decode, prepared.body.stop_strings())
+    decode, stops = state.loaded.decode, prepared.body.stop_strings()
+    choices = [
+        _StreamedChoice(TextAssembler(decode, stops), LogprobsFormatter(decode, envelope.chat))
+        for _ in jobs
+    ]
     options = prepared.body.stream_options
     include_usage = options is not None and options.include_usage
     ttft = None
-    running = _RunningStats()
-    logprobs = LogprobsFormatter(state.loaded.decode, envelope.chat)
+    results: dict[int, GenerationResult] = {}
     if envelope.chat:
-        yield _sse(envelope.wrap([envelope.delta("", None, role=True)], stream=True))
-    while True:
-        event = await job.events.get()
+        for i in range(len(jobs)):
+            yield _sse(envelope.wrap([envelope.delta("", None, role=True, index=i)], stream=True))
+    async for i, event in _merged_events(jobs):
         if isinstance(event, ErrorEvent):
             metrics.count_request(prepared.endpoint, "500")
             yield _sse(ApiError(500, event.message, "server_error").body())
             yield _sse("[DONE]")
             return
+        choice = choices[i]
         if isinstance(event, RoundEvent):
-            running.add(event.round)
-            logprobs.add(event.round.logprobs)
-            pieces = text.push(event.round.tokens, token_kinds(event.round))
-            settled = text.settled_tokens()
+            choice.running.add(event.round)
+            choice.logprobs.add(event.round.logprobs)
+            pieces = choice.text.push(event.round.tokens, token_kinds(event.round))
+            settled = choice.text.settled_tokens()
         else:
-            pieces = text.finish()
-            settled = text.final_tokens()
+            pieces = choice.text.finish()
+            settled = choice.text.final_tokens()
         if pieces:
             if ttft is None:
-                ttft = time.perf_counter() - job.submitted
-            piece_text = "".join(p for p, _ in pieces)
-            chunk = envelope.wrap(
-                [envelope.delta(piece_text, None, logprobs=logprobs.take(settled, text))],
-                stream=True,
-                speculative={"pieces": [list(p) for p in pieces], **running.to_dict()},
-            )
-            yield _sse(chunk)
+                ttft = time.perf_counter() - jobs[i].submitted
+            delta = envelope.delta(
+                "".join(p for p, _ in pieces), None,
+                logprobs=choice.logprobs.take(settled, choice.text), index=i,
+            )  # fmt: skip
+            pieces_out = {"pieces": [list(p) for p in pieces], **choice.running.to_dict()}
+            yield _sse(envelope.wrap([delta], stream=True, speculative=pieces_out))
         if isinstance(event, DoneEvent):
-            break
-    result = event.result
-    stats = _speculative_stats(prepared, result, ttft)
-    final = envelope.wrap(  # with the log-probabilities of tokens that sent no text
-        [
-            envelope.delta(
-                None if envelope.chat else "",
-                _finish_reason(result),
-                logprobs=logprobs.take(settled, text),
-            )
-        ],
-        stream=True,
-        speculative=stats,
-    )
-    yield _sse(final)
+            results[i] = event.result
+            finish = envelope.delta(  # with the log-probabilities of tokens that sent no text
+                None if envelope.chat else "", _finish_reason(event.result),
+                logprobs=choice.logprobs.take(settled, choice.text), index=i,
+            )  # fmt: skip
+            last = len(results) == len(jobs)
+            ordered = [results[k] for k in sorted(results)]
+            extra = {"speculative": _speculative_stats(prepared, ordered, ttft)} if last else {}
+            yield _sse(envelope.wrap([finish], stream=True, **extra))
+    ordered = [results[k] for k in sorted(results)]
     if include_usage:
-        yield _sse(envelope.wrap([], stream=True, usage=_usage(prepared, result)))
+        yield _sse(envelope.wrap([], stream=True, usage=_usage(prepared, ordered)))
     metrics.count_request(prepared.endpoint, "200")
     yield _sse("[DONE]")
 
 
 def _cancel_unfinished(
-    job: Job, endpoint: str, scheduler: Scheduler, metrics: ServerMetrics
+    jobs: list[Job],
+    endpoint: str,
+    scheduler: Scheduler,
+    metrics: ServerMetrics,
+    count: bool = True,
 ) -> None:
-    if not job.done and not job.cancelled:
+    """Cancel every job of a request that has not ended; ``count``: as one cancelled
+    request in the metrics if any had not."""
+    if count and any(not job.done and not job.cancelled for job in jobs):
         metrics.count_request(endpoint, "cancelled")
-    scheduler.cancel(job)
+    for job in jobs:
+        scheduler.cancel(job)
 
 
 class _CancellingStream(StreamingResponse):

@@ -18,6 +18,7 @@ MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_GAMMA = 16
 MAX_COMPLETION_LOGPROBS = 5  # alternatives per token, as OpenAI's API: completions ...
 MAX_TOP_LOGPROBS = 20  # ... and chat
+MAX_CHOICES = 16  # n: choices per request (each a row of the batch)
 
 # OpenAI (and vLLM) request options this server does not implement, with the values that
 # mean "off": a request that leaves them off (or out, or null) is served, one that asks
@@ -109,7 +110,7 @@ class _Common(BaseModel):
                 raise ValueError(f"offsets lie in [-100, 100], got {offset} for token {token}")
         return value
 
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices: rows decoded together
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -122,15 +123,6 @@ class _Common(BaseModel):
     def _positive_max_tokens(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
             raise ValueError(f"max_tokens must be at least 1, got {value}")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _single_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(
-                f"n must be 1: this server returns one choice per request, got {value}"
-            )
         return value
 
     @field_validator("stop")
