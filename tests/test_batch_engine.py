@@ -915,7 +915,7 @@ def test_cli_batch_generate_matches_single_runs_and_resumes(tmp_path: Path, caps
         {"prompt": "a dog ran", "temperature": 0.9, "seed": 4, "max_new_tokens": 9},
         {"messages": [{"role": "user", "content": "red blue red blue"}], "stop": ["end"]},
         {"prompt": "it was big", "temperature": 1.0, "top_p": 0.8, "seed": 1},
-        {"prompt": "then the rug"},
+        {"prompt": "then the rug", "repetition_penalty": 1.5, "presence_penalty": 0.5},
     ]
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
@@ -938,6 +938,8 @@ def test_cli_batch_generate_matches_single_runs_and_resumes(tmp_path: Path, caps
             top_p=record.get("top_p", 1.0),
             seed=record.get("seed", 0),
             stop=record.get("stop", ()),
+            repetition_penalty=record.get("repetition_penalty", 1.0),
+            presence_penalty=record.get("presence_penalty", 0.0),
         )
         assert line["token_ids"] == expected.token_ids
         assert line["text"] == expected.text and line["finish_reason"] == expected.finish_reason

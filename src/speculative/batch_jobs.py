@@ -97,7 +97,7 @@ class RowDecoder:
         stop = tuple(record.get("stop", job.stop))
         params = SamplingParams(
             temperature=float(record.get("temperature", job.temperature)),
-            top_k=job.top_k,
+            top_k=int(record.get("top_k", job.top_k)),
             top_p=float(record.get("top_p", job.top_p)),
         )
         criteria = loaded.stop_criteria(int(record.get("max_new_tokens", job.max_new_tokens)), stop)
@@ -106,7 +106,11 @@ class RowDecoder:
         row_gamma = LOAD_AWARE_MAX_GAMMA if self.gamma == "auto" else make_gamma_policy(self.gamma)
         from speculative.sampling.penalties import Penalties
 
-        penalties = Penalties(job.presence_penalty, job.frequency_penalty, job.repetition_penalty)
+        penalties = Penalties(
+            float(record.get("presence_penalty", job.presence_penalty)),
+            float(record.get("frequency_penalty", job.frequency_penalty)),
+            float(record.get("repetition_penalty", job.repetition_penalty)),
+        )
         return BatchRequest(
             ids, params, criteria, generator, drafter, row_gamma, logprobs=job.logprobs,
             penalties=penalties if penalties.active else None,

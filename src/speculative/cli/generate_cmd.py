@@ -191,8 +191,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument(
         "--prompts",
         type=Path,
-        help="JSONL file of prompts (prompt or messages; optional temperature, top_p, seed, "
-        "max_new_tokens, stop), decoded in batches (native runtime); needs --out",
+        help="JSONL file of prompts (prompt or messages; optional temperature, top_k, top_p, "
+        "seed, max_new_tokens, stop, presence_penalty, frequency_penalty, repetition_penalty), "
+        "decoded in batches (native runtime); needs --out",
     )
     parser.add_argument(
         "--batch-size", type=positive_int, default=8, help="--prompts: rows decoded together"
