@@ -17,10 +17,10 @@ same at every position.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -62,7 +62,8 @@ def apply_penalties(
     extras: Sequence[Sequence[int]],  # [n] tokens after ``output`` in row i's history
     penalties: Penalties,
 ) -> torch.Tensor:  # [n, vocab] float32, a new tensor
-    """Row i penalized as the next token after prompt + output + extras[i]."""
+    """Row i penalized as the next token after prompt + output + extras[i]. Only the
+    columns of tokens the histories hold are touched (gathered, changed, put back)."""
     out = logits.float().clone()
     if penalties.bias:
         vocab = out.shape[-1]
@@ -70,28 +71,29 @@ def apply_penalties(
             raise ValueError(f"logit bias names a token outside the vocabulary of {vocab}")
         tokens = torch.tensor([token for token, _ in penalties.bias], dtype=torch.long)
         out[:, tokens] += torch.tensor([offset for _, offset in penalties.bias])
-    counts = Counter(output)
-    prompt_tokens = set(prompt)
-    for i, extra in enumerate(extras):
-        row_counts = counts + Counter(extra) if extra else counts
-        _penalize_row(out[i], prompt_tokens, row_counts, penalties)
-    return out
-
-
-def _penalize_row(
-    row: torch.Tensor,  # [vocab], changed in place
-    prompt_tokens: set[int],
-    counts: Counter[int],
-    penalties: Penalties,
-) -> None:
+    if penalties.repetition == 1 and penalties.frequency == 0 and penalties.presence == 0:
+        return out
+    prompt_ids = np.asarray(prompt, dtype=np.int64)  # [P]
+    output_ids = np.asarray(output, dtype=np.int64)  # [O]
+    extra_ids = [np.asarray(extra, dtype=np.int64) for extra in extras]
+    ids = np.unique(np.concatenate([prompt_ids, output_ids, *extra_ids]))  # [m] sorted
+    if ids.size == 0:
+        return out
+    m = ids.size
+    base = np.bincount(np.searchsorted(ids, output_ids), minlength=m)  # [m]
+    counts = np.stack(  # [n, m] output counts of each row's history
+        [base + np.bincount(np.searchsorted(ids, extra), minlength=m) for extra in extra_ids]
+    ).astype(np.float32)
+    index = torch.from_numpy(ids)
+    columns = out[:, index].numpy()  # [n, m] float32, a copy
     if penalties.repetition != 1:
-        seen = torch.tensor(sorted(prompt_tokens | set(counts)), dtype=torch.long)
-        if seen.numel():
-            values = row[seen]
-            row[seen] = torch.where(
-                values > 0, values / penalties.repetition, values * penalties.repetition
-            )
-    if (penalties.frequency or penalties.presence) and counts:
-        tokens = torch.tensor(list(counts), dtype=torch.long)
-        number = torch.tensor([counts[t] for t in counts], dtype=torch.float32)
-        row[tokens] -= penalties.frequency * number + penalties.presence
+        in_prompt = np.zeros(m, dtype=bool)  # [m]
+        in_prompt[np.searchsorted(ids, prompt_ids)] = True  # (every prompt id is in ids)
+        seen = in_prompt | (counts > 0)  # [n, m]
+        r = np.float32(penalties.repetition)
+        columns = np.where(seen, np.where(columns > 0, columns / r, columns * r), columns)
+    if penalties.frequency or penalties.presence:
+        f, p = np.float32(penalties.frequency), np.float32(penalties.presence)
+        columns = columns - (f * counts + p * (counts > 0).astype(np.float32))
+    out[:, index] = torch.from_numpy(np.ascontiguousarray(columns, dtype=np.float32))
+    return out
