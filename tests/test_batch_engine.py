@@ -1477,12 +1477,8 @@ def test_penalized_rows_equal_plain_penalized_decoding(folder: Path) -> None:
     assert max(r.num_accepted for r in results[1].rounds) == 2
 
 
-class _Oracle(PromptLookupDrafter):
+class _Oracle(_SecondBranch):
     """Chains of the target's own ``continuation``: every draft is accepted."""
-
-    def __init__(self, prompt_length: int, continuation: list[int]) -> None:
-        super().__init__(max_ngram=3)
-        self.prompt_length, self.continuation = prompt_length, continuation
 
     def propose(
         self,
