@@ -193,3 +193,30 @@ def test_vs_plain_pairs_each_repeat_with_plain_decoding_of_the_same_repeat() -> 
     assert cells["x"].vs_plain == pytest.approx(48 / 50)
     assert cells["x"].tokens_per_second == pytest.approx(60)  # the median repeat's rate
     assert cells[PLAIN].vs_plain == 1.0
+
+
+def test_batch_sizes_are_interleaved_across_repeats(
+    tiny_target, prompts_text, single_thread, monkeypatch
+) -> None:
+    """Each repeat runs every batch size, the order reversed every other repeat, so B = 1
+    and B = 4 (the ×B=1 ratio) run minutes apart at most, never a whole sweep apart."""
+    import speculative.bench.concurrency as concurrency
+
+    order: list[int] = []
+    original = concurrency.run_engine_batch
+
+    def recorded(target, prompts, *args, **kwargs):
+        order.append(len(prompts))
+        return original(target, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(concurrency, "run_engine_batch", recorded)
+    settings = ConcurrencySettings(
+        target=str(tiny_target), runtimes=("native",), concurrency=(1, 4), repeats=2,
+        max_new_tokens=2, chat=False, progress=False, curve_repeats=1, peers=False,
+        roofline=False,
+    )  # fmt: skip
+    run = run_concurrency(settings, parse_prompts(prompts_text))
+    sizes = [size for i, size in enumerate(order) if i == 0 or order[i - 1] != size]
+    # repeat 1: four closed batches of 1, then one of 4; repeat 2: B = 4 first
+    assert sizes == [1, 4, 1] and order.count(4) == 2 * 3
+    assert {c.batch for c in run.cells} == {1, 4}

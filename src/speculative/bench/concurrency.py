@@ -396,11 +396,17 @@ def run_concurrency(
     bar = tqdm(
         total=total, desc="bench --concurrency", disable=not settings.progress, file=sys.stderr
     )
-    cells: list[Cell] = []
-    for batch in settings.concurrency:
-        records: dict[tuple[str, str], list[_Record]] = {}
-        for repeat in range(settings.repeats):  # setups interleaved: drift hits all alike
-            for runtime, target in setups.items():
+    by_batch: dict[int, dict[tuple[str, str], list[_Record]]] = {
+        batch: {} for batch in settings.concurrency
+    }
+    for repeat in range(settings.repeats):
+        # every batch size once per repeat, the order reversed every other repeat: B = 1
+        # and B = 8 run a minute apart, not a whole sweep apart, and a machine whose speed
+        # drifts (or jumps, as a shared one does) weighs on every B alike
+        sizes = settings.concurrency if repeat % 2 == 0 else settings.concurrency[::-1]
+        for batch in sizes:
+            records = by_batch[batch]
+            for runtime, target in setups.items():  # setups interleaved: drift hits all alike
                 configs = [
                     (PLAIN, 0, None),
                     (labels[1], settings.gamma, None),
@@ -427,7 +433,9 @@ def run_concurrency(
                 )  # fmt: skip
                 records.setdefault(("hf", PEER), []).append(record)
                 bar.update()
-        cells.extend(_cells(batch, records))
+    cells: list[Cell] = []
+    for batch in settings.concurrency:
+        cells.extend(_cells(batch, by_batch[batch]))
     bar.close()
     _add_ratios(cells)
     prompt_tokens = [len(p) for p in next(iter(ids.values()))]
