@@ -56,6 +56,7 @@ def two_sample_p_value(a: np.ndarray, b: np.ndarray) -> float:
         ("model", AdaptiveGamma(c=0.1, max_gamma=6), SamplingParams()),
         ("model", HeuristicGamma(), SamplingParams(top_k=3)),
         ("model", 2, SamplingParams(temperature=0.7, top_p=0.8)),
+        ("model", 3, SamplingParams(min_p=0.3)),
         ("ngram", 3, SamplingParams()),
     ],
 )

@@ -45,6 +45,8 @@ PARAMS = [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.7, top_k=20),
     SamplingParams(temperature=1.3, top_k=50, top_p=0.9),
+    SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02),
 ]
 
 
@@ -212,6 +214,8 @@ def test_row_probs_takes_a_found_row_and_falls_back_without_one():
         want = dense(row_probs(row, params), 3000)
         assert torch.equal(dense(row_probs(row, params, lambda *args: None), 3000), want)
     assert asked == [(0.8, 0.9)] * 4
+    row_probs(logits[0], SamplingParams(temperature=0.8, top_p=0.9, min_p=0.1), search)
+    assert asked == [(0.8, 0.9)] * 4  # the search cuts no min-p
     row_probs(logits[0], SamplingParams(temperature=0.8, top_k=50, top_p=0.9), search)
     row_probs(logits[0], SamplingParams(temperature=0, top_p=0.9), search)
     assert len(asked) == 4
@@ -461,3 +465,27 @@ def test_penalties_follow_the_documented_formulas() -> None:
         Penalties(bias=((3, 1.0), (3, 2.0)))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         apply_penalties(logits, [], [], [[], []], Penalties(bias=((9, 1.0),)))
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_likeliest():
+    """min_p's cut against float64 probability ratios (tokens within 1e-4 of the boundary
+    left aside), renormalized; the same distribution from the sparse top-k path."""
+    generator = torch.Generator().manual_seed(12)
+    logits = logits_like_a_model(6, 3000, generator)
+    for min_p in (0.01, 0.1, 0.5):
+        params = SamplingParams(temperature=0.9, min_p=min_p)
+        probs = logits_to_probs(logits, params)  # [6, vocab]
+        exact = torch.softmax(logits.double() / 0.9, dim=-1)
+        ratio = exact / exact.max(dim=-1, keepdim=True).values
+        clear = (ratio - min_p).abs() > 1e-4
+        assert torch.equal((probs > 0)[clear], (ratio >= min_p)[clear])
+        kept = torch.where(ratio >= min_p, exact, torch.zeros_like(exact))
+        assert torch.allclose(probs.double(), kept / kept.sum(-1, keepdim=True), atol=1e-6)
+        assert (probs > 0).sum() < (logits_to_probs(logits, SamplingParams(0.9)) > 0).sum()
+        wide = SamplingParams(temperature=0.9, top_k=2999, min_p=min_p)  # the sparse path
+        sparse = logits_to_probs(logits, wide)  # the same tokens, renormalized over them
+        cut = (probs > 0).sum(-1) < 2999  # rows where the top-k does not cut first
+        assert cut.any() and torch.equal(sparse[cut] > 0, probs[cut] > 0)
+        assert torch.allclose(sparse[cut], probs[cut], atol=1e-6)
+    with pytest.raises(ValueError, match="min_p must be in"):
+        SamplingParams(min_p=1.0)

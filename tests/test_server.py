@@ -237,20 +237,31 @@ def test_seeded_sampling_is_reproducible(folder: Path, client: openai.OpenAI, mo
     assert texts[5] != texts[6]  # control: the seed matters
 
 
-def test_top_k_restricts_sampling(folder: Path, client: openai.OpenAI, model: str) -> None:
-    """top_k = 1 keeps only the argmax, so any seed samples the greedy text; without it
-    the same seeds sample other text (the control)."""
+def test_top_k_and_min_p_restrict_sampling(folder: Path, client: openai.OpenAI, model: str) -> None:
+    """top_k = 1 keeps only the argmax, so any seed samples the greedy text; a min_p
+    sample is `speculative generate --min-p`'s for that seed and drafter; without the cuts
+    the same seeds sample other text (the controls)."""
     greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0)
-    for seed in (1, 2):
-        sampled = {
-            top_k: client.completions.create(
-                model=model, prompt=PROMPT, max_tokens=20, temperature=1.5, seed=seed,
-                extra_body={"top_k": top_k},
-            ).choices[0].text
-            for top_k in (1, 0)
-        }  # fmt: skip
-        assert sampled[1] == greedy.choices[0].text
-        assert sampled[0] != greedy.choices[0].text
+
+    def sample(seed: int, draft: str, **cut: float) -> str:
+        return client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=20, temperature=1.5, seed=seed,
+            extra_body={**cut, "speculative": {"draft": draft}},
+        ).choices[0].text  # fmt: skip
+
+    uncut_differs = []
+    for seed in (1, 2, 3):
+        assert sample(seed, "ngram", top_k=1) == greedy.choices[0].text
+        for draft in ("ngram", "none"):  # a seeded sample is the same drafter's
+            expected = generate(
+                folder, "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "20",
+                "--draft", draft, "--gamma", "4", "--temperature", "1.5", "--min-p", "0.3",
+                "--seed", str(seed),
+            )["text"]  # fmt: skip
+            assert sample(seed, draft, min_p=0.3) == expected
+        uncut = sample(seed, "none")
+        uncut_differs += [uncut != greedy.choices[0].text, uncut != expected]
+    assert all(uncut_differs[::2]) and any(uncut_differs[1::2])
 
 
 def _chat_logprobs(client: openai.OpenAI, model: str, draft: str, stream: bool, **kw) -> list:

@@ -37,6 +37,7 @@ class BatchJob:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     max_new_tokens: int = 128
     seed: int = 0
     stop: tuple[str, ...] = ()
@@ -99,6 +100,7 @@ class RowDecoder:
             temperature=float(record.get("temperature", job.temperature)),
             top_k=int(record.get("top_k", job.top_k)),
             top_p=float(record.get("top_p", job.top_p)),
+            min_p=float(record.get("min_p", job.min_p)),
         )
         criteria = loaded.stop_criteria(int(record.get("max_new_tokens", job.max_new_tokens)), stop)
         generator = torch.Generator().manual_seed(int(record.get("seed", job.seed)))

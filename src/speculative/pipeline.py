@@ -197,6 +197,7 @@ class Speculator:
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
+        min_p: float = 0.0,
         seed: int = 0,
         stop: Sequence[str] = (),
         logprobs: int | None = None,
@@ -209,7 +210,7 @@ class Speculator:
         and this many alternatives' (``GenerationOutput.logprobs``); None: none.
         The penalties adjust the target's logits by what the sequence holds
         (:mod:`speculative.sampling.penalties`; exact under speculation)."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty)
         prompt_ids = encode_prompt(self.target.tokenizer, prompt, messages, chat)
         criteria = self.target.stop_criteria(max_new_tokens, stop)

@@ -81,6 +81,7 @@ def job_from_args(args: argparse.Namespace) -> BatchJob:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         stop=tuple(args.stop),

@@ -137,6 +137,12 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1: off)")
+    parser.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="keep tokens at least this times as likely as the likeliest, in [0, 1) (0: off)",
+    )
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="token budget")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     parser.add_argument(
@@ -192,6 +198,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--prompts",
         type=Path,
         help="JSONL file of prompts (prompt or messages; optional temperature, top_k, top_p, "
+        "min_p, "
         "seed, max_new_tokens, stop, presence_penalty, frequency_penalty, repetition_penalty), "
         "decoded in batches (native runtime); needs --out",
     )
@@ -291,6 +298,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,
+        "min_p": args.min_p,
         "seed": args.seed,
         "stop": args.stop,
         "logprobs": args.logprobs,
@@ -335,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
     from speculative.sampling import SamplingParams
 
     parse_gamma(gamma_text(args))  # validate before loading anything
-    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
     penalties_of(args)  # validate before loading
     speculator = load_speculator(args)
     stream = speculator.stream(prompt, **generation_kwargs(args))

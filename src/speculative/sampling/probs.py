@@ -54,7 +54,8 @@ def tempered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     steps before the softmax (and the nucleus), shared by the dense and the sparse rows so
     that both see the same bits."""
     logits = logits / params.temperature
-    return mask_top_k(logits, params.top_k) if params.top_k else logits
+    logits = mask_top_k(logits, params.top_k) if params.top_k else logits
+    return mask_min_p(logits, params.min_p) if params.min_p else logits
 
 
 def _top_k_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -87,7 +88,10 @@ def _top_k_row(row: np.ndarray, params: SamplingParams) -> RowProbs:
     takes the masked softmax itself (whose NaNs the checks downstream report)."""
     kept = top_k_ids(row, params.top_k)  # [n] increasing token ids
     if kept is None:
-        return _processed_row(mask_top_k(torch.from_numpy(row), params.top_k), params)
+        masked = mask_top_k(torch.from_numpy(row), params.top_k)
+        return _processed_row(mask_min_p(masked, params.min_p) if params.min_p else masked, params)
+    if params.min_p:  # the top-k keeps the largest: the same threshold as the whole row's
+        kept = kept[row[kept] >= min_p_threshold(row[kept].max(), params.min_p)]
     if params.top_p < 1:
         masses = _as_numpy(cut_probs(torch.from_numpy(row[kept])))  # [n] float64
         kept = kept[_row_nucleus(masses, params.top_p).kept]
@@ -129,6 +133,21 @@ def mask_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
         return logits
     kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # [..., 1]
     return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def min_p_threshold(top: float | np.floating, min_p: float) -> np.float32:
+    """The smallest tempered logit min_p keeps in a row whose largest is ``top``: top +
+    ln(min_p), in float32 (both the dense and the sparse rows compare against these bits)."""
+    return np.float32(top) + np.float32(math.log(min_p))
+
+
+def mask_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """logits: [..., vocab] tempered; tokens below the largest + ln(min_p) (less than min_p
+    times as likely as the likeliest) get -inf. A row with a NaN keeps its NaNs for the
+    checks downstream."""
+    top = logits.max(dim=-1, keepdim=True).values  # [..., 1]
+    threshold = top + torch.tensor(math.log(min_p), dtype=torch.float32)  # float32 + float32
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def mask_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -463,7 +482,8 @@ def row_probs(
         return RowProbs(np.ones(1, dtype=np.float32), best)
     if _sparse_top_k(params, logits.shape[-1]):
         return _top_k_row(_as_numpy(logits / params.temperature), params)
-    if params.top_p < 1 and search is not None and not _cuts_top_k(params, logits.shape[-1]):
+    searchable = not _cuts_top_k(params, logits.shape[-1]) and not params.min_p
+    if params.top_p < 1 and search is not None and searchable:
         found = search(logits, params.temperature, params.top_p)
         if found is not None:
             return found

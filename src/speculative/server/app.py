@@ -257,8 +257,9 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
         )
     draft, gamma = _speculation(body, state)
     params = SamplingParams(
-        temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k)
-    )
+        temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
+        min_p=body.min_p,
+    )  # fmt: skip
     criteria = state.loaded.stop_criteria(max_tokens, body.stop_strings(), body.ignore_eos)
     seed = body.seed if body.seed is not None else secrets.randbits(63)  # < SEED_RANGE
     generator = torch.Generator().manual_seed(seed)

@@ -24,7 +24,6 @@ MAX_CHOICES = 16  # n: choices per request (each a row of the batch)
 # mean "off": a request that leaves them off (or out, or null) is served, one that asks
 # for them is refused by name instead of answered as if it had not asked.
 UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
-    "min_p": (0,),
     "best_of": (1,),
     "suffix": ("",),
     "tools": ([],),
@@ -95,6 +94,7 @@ class _Common(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # vLLM's extension; 0 or -1: off
+    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)  # vLLM's extension; 0: off
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # as OpenAI's API
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension
