@@ -17,7 +17,7 @@ from speculative.engine import (
 )
 from speculative.models import MarkovLM, seed_matrices
 from speculative.sampling import SamplingParams
-from speculative.sampling.penalties import Penalties, apply_penalties
+from speculative.sampling.penalties import Penalties
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -269,10 +269,8 @@ def test_penalized_sampling_negative_control(monkeypatch):
     the drafts before it) samples another law, and the test above sees it."""
     import speculative.engine.batch as batch
 
-    def forgets_drafts(logits, state, proposal, penalties):
-        n, prompt = logits.shape[1], state.sequence[: state.prompt_length]
-        rows = apply_penalties(logits[0], prompt, state.generated, [[]] * n, penalties)
-        return rows.unsqueeze(0)
+    def forgets_drafts(logits, history, proposal, penalties):
+        return history.apply(logits[0], [[]] * logits.shape[1], penalties).unsqueeze(0)
 
     monkeypatch.setattr(batch, "_penalized", forgets_drafts)
     n, length = 3000, 3

@@ -489,3 +489,27 @@ def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_likeliest(
         assert torch.allclose(sparse[cut], probs[cut], atol=1e-6)
     with pytest.raises(ValueError, match="min_p must be in"):
         SamplingParams(min_p=1.0)
+
+
+def test_a_growing_penalty_history_penalizes_as_one_built_at_once():
+    """A history extended round by round (new tokens, prompt tokens, repeats, with
+    applications between that cache its columns) gives the bits of one built from the
+    whole output; a history that missed a round does not."""
+    from speculative.sampling.penalties import Penalties, PenaltyHistory, apply_penalties
+
+    generator = torch.Generator().manual_seed(13)
+    logits = logits_like_a_model(3, 500, generator)
+    penalties = Penalties(presence=0.4, frequency=0.3, repetition=1.3)
+    prompt = [5, 9, 9, 40]
+    rounds = [[7], [9, 7, 100], [5], [300, 300, 7], [41]]
+    extras = [[], [7], [7, 2]]
+    history, output = PenaltyHistory(prompt), []
+    for tokens in rounds:
+        history.extend(tokens)
+        output += tokens
+        want = apply_penalties(logits, prompt, output, extras, penalties)
+        assert torch.equal(history.apply(logits, extras, penalties), want)
+    missed = PenaltyHistory(prompt)
+    for tokens in rounds[:-2] + rounds[-1:]:
+        missed.extend(tokens)
+    assert not torch.equal(missed.apply(logits, extras, penalties), want)

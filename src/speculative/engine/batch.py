@@ -92,7 +92,7 @@ from speculative.models.session import (
     common_prefix_length,
 )
 from speculative.sampling import SamplingParams, VerifyResult, VerifyUniforms
-from speculative.sampling.penalties import Penalties, apply_penalties
+from speculative.sampling.penalties import Penalties, PenaltyHistory
 from speculative.sampling.tree import TreeVerifyResult
 from speculative.theory import decayed_average
 
@@ -255,6 +255,8 @@ class BatchRow:
     reads_features: bool = False  # the drafter reads the target's features (still)
     load_plain_rounds: int = 0  # consecutive rounds beside others the load gave it γ 0
     draft_cost: float = 0.0  # c until measured: the request's, else streamed_draft_cost
+    # what the row's penalties read (its prompt, its output's counts), where it has them
+    penalty_history: PenaltyHistory | None = None
 
     def result(self) -> GenerationResult:
         return GenerationResult(
@@ -417,6 +419,11 @@ class BatchEngine:
                 streamed_draft_cost(drafter, self._target_bytes)
                 if request.draft_cost is None
                 else request.draft_cost
+            ),
+            penalty_history=(
+                PenaltyHistory(request.prompt_ids)
+                if request.penalties is not None and request.penalties.active
+                else None
             ),
         )
         self.rows[row.row_id] = row
@@ -819,9 +826,10 @@ class BatchEngine:
         row, proposal = planned.row, planned.proposal
         request = row.request
         raw = logits  # what log-probabilities report
-        penalized = request.penalties is not None and request.penalties.active
-        if penalized:
-            logits = _penalized(logits, row.state, proposal, request.penalties)
+        history, penalties = row.penalty_history, request.penalties
+        penalized = history is not None and penalties is not None
+        if history is not None and penalties is not None:
+            logits = _penalized(logits, history, proposal, penalties)
         if proposal.tree is not None:
             assert request.tree is not None
             result = request.tree.verify(
@@ -847,6 +855,8 @@ class BatchEngine:
             row.state, request.drafter, self.max_length, proposal.drafted, emitted,
             num_accepted, request.stop,
         )  # fmt: skip
+        if history is not None:
+            history.extend(round_.tokens)
         if request.logprobs is not None:
             rows = _emitted_rows(raw, result)  # [emitted, vocab]
             logprobs = emitted_logprobs(rows, round_.tokens, request.logprobs)
@@ -861,7 +871,7 @@ class BatchEngine:
 
 
 def _penalized(
-    logits: torch.Tensor, state: DecodeState, proposal: Proposal, penalties: Penalties
+    logits: torch.Tensor, history: PenaltyHistory, proposal: Proposal, penalties: Penalties
 ) -> torch.Tensor:
     """The row's logits [1, fed, vocab] penalized, each row by its own history: the
     committed sequence, then a chain's drafts before it or a tree node's path."""
@@ -874,9 +884,7 @@ def _penalized(
     else:
         drafted = proposal.draft.tokens if proposal.draft is not None else []
         extras = [drafted[:i] for i in range(len(drafted) + 1)]
-    prompt = state.sequence[: state.prompt_length]
-    rows = apply_penalties(logits[0, : len(extras)], prompt, state.generated, extras, penalties)
-    return rows.unsqueeze(0)
+    return history.apply(logits[0, : len(extras)], extras, penalties).unsqueeze(0)
 
 
 def _emitted_rows(logits: torch.Tensor, result: VerifyResult | TreeVerifyResult) -> torch.Tensor:

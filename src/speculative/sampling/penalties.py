@@ -55,6 +55,83 @@ class Penalties:
         return self.presence != 0 or self.frequency != 0 or self.repetition != 1 or bool(self.bias)
 
 
+class PenaltyHistory:
+    """What a sequence's penalties read: its prompt's distinct tokens and its output's
+    token counts, kept as the output grows, so that a round costs what its new tokens
+    and the distinct tokens cost, not the output's length."""
+
+    def __init__(self, prompt: Sequence[int]) -> None:
+        self.prompt_ids = np.unique(np.asarray(prompt, dtype=np.int64))  # [P] sorted
+        self.counts: dict[int, int] = {}  # output token -> occurrences
+        self._ids: np.ndarray | None = None  # [m] sorted: prompt tokens and counted ones
+        self._base: np.ndarray | None = None  # [m] their output counts
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """The output grew by ``tokens``."""
+        for token in tokens:
+            known = token in self.counts
+            self.counts[token] = self.counts.get(token, 0) + 1
+            if self._ids is None or self._base is None:
+                continue
+            at = int(np.searchsorted(self._ids, token))
+            if known or (at < self._ids.size and self._ids[at] == token):
+                self._base[at] += 1  # a column already there (an output or prompt token)
+            else:
+                self._ids = self._base = None  # a new column: rebuilt when next asked
+
+    def _columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids [m], their output counts [m])."""
+        if self._ids is None or self._base is None:
+            counted = np.fromiter(self.counts, dtype=np.int64, count=len(self.counts))
+            self._ids = np.union1d(self.prompt_ids, counted)
+            self._base = np.zeros(self._ids.size, dtype=np.int64)
+            values = np.fromiter(self.counts.values(), dtype=np.int64, count=len(self.counts))
+            self._base[np.searchsorted(self._ids, counted)] = values
+        return self._ids, self._base
+
+    def apply(
+        self,
+        logits: torch.Tensor,  # [n, vocab] the rows to penalize
+        extras: Sequence[Sequence[int]],  # [n] tokens after the output in row i's history
+        penalties: Penalties,
+    ) -> torch.Tensor:  # [n, vocab] float32, a new tensor
+        """Row i penalized as the next token after prompt + output + extras[i]. Only the
+        columns of tokens the histories hold are touched (gathered, changed, put back)."""
+        out = logits.float().clone()
+        if penalties.bias:
+            vocab = out.shape[-1]
+            if any(token >= vocab for token, _ in penalties.bias):
+                raise ValueError(f"logit bias names a token outside the vocabulary of {vocab}")
+            tokens = torch.tensor([token for token, _ in penalties.bias], dtype=torch.long)
+            out[:, tokens] += torch.tensor([offset for _, offset in penalties.bias])
+        if penalties.repetition == 1 and penalties.frequency == 0 and penalties.presence == 0:
+            return out
+        known, base = self._columns()
+        extra_ids = [np.asarray(extra, dtype=np.int64) for extra in extras]
+        ids = np.union1d(known, np.concatenate(extra_ids)) if extra_ids else known  # [m]
+        if ids.size == 0:
+            return out
+        m = ids.size
+        aligned = np.zeros(m, dtype=np.int64)  # [m] the output's counts
+        aligned[np.searchsorted(ids, known)] = base
+        counts = np.stack(  # [n, m] output counts of each row's history
+            [aligned + np.bincount(np.searchsorted(ids, extra), minlength=m) for extra in extra_ids]
+        ).astype(np.float32)
+        index = torch.from_numpy(ids)
+        columns = out[:, index].numpy()  # [n, m] float32, a copy
+        if penalties.repetition != 1:
+            in_prompt = np.zeros(m, dtype=bool)  # [m]
+            in_prompt[np.searchsorted(ids, self.prompt_ids)] = True  # (all are in ids)
+            seen = in_prompt | (counts > 0)  # [n, m]
+            r = np.float32(penalties.repetition)
+            columns = np.where(seen, np.where(columns > 0, columns / r, columns * r), columns)
+        if penalties.frequency or penalties.presence:
+            f, p = np.float32(penalties.frequency), np.float32(penalties.presence)
+            columns = columns - (f * counts + p * (counts > 0).astype(np.float32))
+        out[:, index] = torch.from_numpy(np.ascontiguousarray(columns, dtype=np.float32))
+        return out
+
+
 def apply_penalties(
     logits: torch.Tensor,  # [n, vocab] the rows to penalize
     prompt: Sequence[int],
@@ -62,38 +139,8 @@ def apply_penalties(
     extras: Sequence[Sequence[int]],  # [n] tokens after ``output`` in row i's history
     penalties: Penalties,
 ) -> torch.Tensor:  # [n, vocab] float32, a new tensor
-    """Row i penalized as the next token after prompt + output + extras[i]. Only the
-    columns of tokens the histories hold are touched (gathered, changed, put back)."""
-    out = logits.float().clone()
-    if penalties.bias:
-        vocab = out.shape[-1]
-        if any(token >= vocab for token, _ in penalties.bias):
-            raise ValueError(f"logit bias names a token outside the vocabulary of {vocab}")
-        tokens = torch.tensor([token for token, _ in penalties.bias], dtype=torch.long)
-        out[:, tokens] += torch.tensor([offset for _, offset in penalties.bias])
-    if penalties.repetition == 1 and penalties.frequency == 0 and penalties.presence == 0:
-        return out
-    prompt_ids = np.asarray(prompt, dtype=np.int64)  # [P]
-    output_ids = np.asarray(output, dtype=np.int64)  # [O]
-    extra_ids = [np.asarray(extra, dtype=np.int64) for extra in extras]
-    ids = np.unique(np.concatenate([prompt_ids, output_ids, *extra_ids]))  # [m] sorted
-    if ids.size == 0:
-        return out
-    m = ids.size
-    base = np.bincount(np.searchsorted(ids, output_ids), minlength=m)  # [m]
-    counts = np.stack(  # [n, m] output counts of each row's history
-        [base + np.bincount(np.searchsorted(ids, extra), minlength=m) for extra in extra_ids]
-    ).astype(np.float32)
-    index = torch.from_numpy(ids)
-    columns = out[:, index].numpy()  # [n, m] float32, a copy
-    if penalties.repetition != 1:
-        in_prompt = np.zeros(m, dtype=bool)  # [m]
-        in_prompt[np.searchsorted(ids, prompt_ids)] = True  # (every prompt id is in ids)
-        seen = in_prompt | (counts > 0)  # [n, m]
-        r = np.float32(penalties.repetition)
-        columns = np.where(seen, np.where(columns > 0, columns / r, columns * r), columns)
-    if penalties.frequency or penalties.presence:
-        f, p = np.float32(penalties.frequency), np.float32(penalties.presence)
-        columns = columns - (f * counts + p * (counts > 0).astype(np.float32))
-    out[:, index] = torch.from_numpy(np.ascontiguousarray(columns, dtype=np.float32))
-    return out
+    """Row i penalized as the next token after prompt + output + extras[i]
+    (:meth:`PenaltyHistory.apply` over a history built here)."""
+    history = PenaltyHistory(prompt)
+    history.extend(output)
+    return history.apply(logits, extras, penalties)
