@@ -269,8 +269,8 @@ def test_penalized_sampling_negative_control(monkeypatch):
     the drafts before it) samples another law, and the test above sees it."""
     import speculative.engine.batch as batch
 
-    def forgets_drafts(logits, history, proposal, penalties):
-        return history.apply(logits[0], [[]] * logits.shape[1], penalties).unsqueeze(0)
+    def forgets_drafts(logits, history, proposal):
+        return history.apply(logits[0], [[]] * logits.shape[1]).unsqueeze(0)
 
     monkeypatch.setattr(batch, "_penalized", forgets_drafts)
     n, length = 3000, 3

@@ -503,13 +503,13 @@ def test_a_growing_penalty_history_penalizes_as_one_built_at_once():
     prompt = [5, 9, 9, 40]
     rounds = [[7], [9, 7, 100], [5], [300, 300, 7], [41]]
     extras = [[], [7], [7, 2]]
-    history, output = PenaltyHistory(prompt), []
+    history, output = PenaltyHistory(prompt, penalties), []
     for tokens in rounds:
         history.extend(tokens)
         output += tokens
         want = apply_penalties(logits, prompt, output, extras, penalties)
-        assert torch.equal(history.apply(logits, extras, penalties), want)
-    missed = PenaltyHistory(prompt)
+        assert torch.equal(history.apply(logits, extras), want)
+    missed = PenaltyHistory(prompt, penalties)
     for tokens in rounds[:-2] + rounds[-1:]:
         missed.extend(tokens)
-    assert not torch.equal(missed.apply(logits, extras, penalties), want)
+    assert not torch.equal(missed.apply(logits, extras), want)

@@ -115,7 +115,7 @@ class RowDecoder:
         )
         return BatchRequest(
             ids, params, criteria, generator, drafter, row_gamma, logprobs=job.logprobs,
-            penalties=penalties if penalties.active else None,
+            penalties=penalties,
         )  # fmt: skip
 
     def result_line(self, index: int, record: Record, result: GenerationResult) -> ResultLine:

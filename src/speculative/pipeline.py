@@ -216,8 +216,7 @@ class Speculator:
         criteria = self.target.stop_criteria(max_new_tokens, stop)
         generator = torch.Generator().manual_seed(seed)
         stream = GenerationStream(
-            self, self.engine(), prompt_ids, params, criteria, generator, logprobs,
-            penalties if penalties.active else None,
+            self, self.engine(), prompt_ids, params, criteria, generator, logprobs, penalties
         )  # fmt: skip
         self.target.cache_owner = stream
         return stream

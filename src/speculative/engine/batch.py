@@ -421,7 +421,7 @@ class BatchEngine:
                 else request.draft_cost
             ),
             penalty_history=(
-                PenaltyHistory(request.prompt_ids)
+                PenaltyHistory(request.prompt_ids, request.penalties)
                 if request.penalties is not None and request.penalties.active
                 else None
             ),
@@ -826,10 +826,10 @@ class BatchEngine:
         row, proposal = planned.row, planned.proposal
         request = row.request
         raw = logits  # what log-probabilities report
-        history, penalties = row.penalty_history, request.penalties
-        penalized = history is not None and penalties is not None
-        if history is not None and penalties is not None:
-            logits = _penalized(logits, history, proposal, penalties)
+        history = row.penalty_history
+        penalized = history is not None
+        if history is not None:
+            logits = _penalized(logits, history, proposal)
         if proposal.tree is not None:
             assert request.tree is not None
             result = request.tree.verify(
@@ -870,21 +870,18 @@ class BatchEngine:
         return round_
 
 
-def _penalized(
-    logits: torch.Tensor, history: PenaltyHistory, proposal: Proposal, penalties: Penalties
-) -> torch.Tensor:
+def _penalized(logits: torch.Tensor, history: PenaltyHistory, proposal: Proposal) -> torch.Tensor:
     """The row's logits [1, fed, vocab] penalized, each row by its own history: the
     committed sequence, then a chain's drafts before it or a tree node's path."""
-    if proposal.tree is not None:
-        tokens, parents = proposal.tree.tokens.tolist(), proposal.tree.parents.tolist()
-        paths: list[list[int]] = []
-        for node, parent in enumerate(parents):
-            paths.append([*(paths[parent] if parent >= 0 else []), tokens[node]])
+    tree = proposal.tree
+    if tree is not None:
+        tokens = tree.tokens.tolist()
+        paths = ([tokens[i] for i in tree.path_to(node)] for node in range(tree.size))
         extras = [[], *paths]
     else:
         drafted = proposal.draft.tokens if proposal.draft is not None else []
         extras = [drafted[:i] for i in range(len(drafted) + 1)]
-    return history.apply(logits[0, : len(extras)], extras, penalties).unsqueeze(0)
+    return history.apply(logits[0, : len(extras)], extras).unsqueeze(0)
 
 
 def _emitted_rows(logits: torch.Tensor, result: VerifyResult | TreeVerifyResult) -> torch.Tensor:

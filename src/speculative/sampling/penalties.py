@@ -56,11 +56,12 @@ class Penalties:
 
 
 class PenaltyHistory:
-    """What a sequence's penalties read: its prompt's distinct tokens and its output's
-    token counts, kept as the output grows, so that a round costs what its new tokens
-    and the distinct tokens cost, not the output's length."""
+    """A sequence's ``penalties`` and what they read: its prompt's distinct tokens and its
+    output's token counts, kept as the output grows, so that a round costs what its new
+    tokens and the distinct tokens cost, not the output's length."""
 
-    def __init__(self, prompt: Sequence[int]) -> None:
+    def __init__(self, prompt: Sequence[int], penalties: Penalties) -> None:
+        self.penalties = penalties
         self.prompt_ids = np.unique(np.asarray(prompt, dtype=np.int64))  # [P] sorted
         self.counts: dict[int, int] = {}  # output token -> occurrences
         self._ids: np.ndarray | None = None  # [m] sorted: prompt tokens and counted ones
@@ -93,10 +94,10 @@ class PenaltyHistory:
         self,
         logits: torch.Tensor,  # [n, vocab] the rows to penalize
         extras: Sequence[Sequence[int]],  # [n] tokens after the output in row i's history
-        penalties: Penalties,
     ) -> torch.Tensor:  # [n, vocab] float32, a new tensor
         """Row i penalized as the next token after prompt + output + extras[i]. Only the
         columns of tokens the histories hold are touched (gathered, changed, put back)."""
+        penalties = self.penalties
         out = logits.float().clone()
         if penalties.bias:
             vocab = out.shape[-1]
@@ -141,6 +142,6 @@ def apply_penalties(
 ) -> torch.Tensor:  # [n, vocab] float32, a new tensor
     """Row i penalized as the next token after prompt + output + extras[i]
     (:meth:`PenaltyHistory.apply` over a history built here)."""
-    history = PenaltyHistory(prompt)
+    history = PenaltyHistory(prompt, penalties)
     history.extend(output)
-    return history.apply(logits, extras, penalties)
+    return history.apply(logits, extras)

@@ -177,13 +177,12 @@ class _Common(BaseModel):
         log-probabilities."""
         return None
 
-    def penalties(self) -> Penalties | None:
-        """The request's penalties of the target's logits (None: none)."""
+    def penalties(self) -> Penalties:
+        """The request's penalties of the target's logits (the engine applies active ones)."""
         bias = tuple((int(token), offset) for token, offset in (self.logit_bias or {}).items())
-        penalties = Penalties(
+        return Penalties(
             self.presence_penalty, self.frequency_penalty, self.repetition_penalty, bias
         )
-        return penalties if penalties.active else None
 
 
 class CompletionRequest(_Common):
