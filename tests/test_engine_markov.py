@@ -183,6 +183,32 @@ def test_stats_are_consistent():
     assert len(s.per_position_acceptance) == 4
 
 
+def test_stats_of_generations_side_by_side():
+    """GenerationStats.together: two generations' counts as one (rates from the sums, the
+    positions merged, the longer one's seconds)."""
+    from speculative.engine.stats import GenerationStats
+
+    runs = [
+        make_engine("model", gamma)
+        .generate(
+            [0], SamplingParams(), StopCriteria(max_new_tokens=n), torch.Generator().manual_seed(n)
+        )
+        .stats
+        for gamma, n in ((4, 60), (2, 90))
+    ]
+    both = GenerationStats.together(runs)
+    assert both.new_tokens == 150 and both.target_calls == sum(r.target_calls for r in runs)
+    drafted = sum(r.drafted_tokens for r in runs)
+    assert both.acceptance_rate == sum(r.accepted_tokens for r in runs) / drafted
+    assert both.mean_accepted_length == 150 / both.target_calls
+    reached = [a + b for a, b in zip(*(r.positions.reached[:2] for r in runs), strict=True)]
+    assert both.positions.reached[:2] == reached and len(both.positions.reached) == 4
+    assert (
+        both.seconds == max(r.seconds for r in runs)
+        and both.gammas == runs[0].gammas + runs[1].gammas
+    )
+
+
 def test_engine_bad_input():
     engine = make_engine("model")
     with pytest.raises(ValueError, match="empty"):

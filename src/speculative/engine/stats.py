@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,24 @@ class GenerationStats:
     draft_seconds: float = 0.0
     positions: PositionAcceptance = field(default_factory=PositionAcceptance)
     gammas: list[int] = field(default_factory=list)
+
+    @classmethod
+    def together(cls, parts: Sequence[GenerationStats]) -> GenerationStats:
+        """Generations that ran side by side (rows of one batch) as one: counts summed,
+        positions merged, the seconds those of the longest."""
+        out = cls()
+        for part in parts:
+            out.target_calls += part.target_calls
+            out.draft_calls += part.draft_calls
+            out.drafted_tokens += part.drafted_tokens
+            out.accepted_tokens += part.accepted_tokens
+            out.new_tokens += part.new_tokens
+            out.draft_seconds += part.draft_seconds
+            out.positions.merge(part.positions)
+            out.gammas += part.gammas
+        out.seconds = max((part.seconds for part in parts), default=0.0)
+        out.prefill_seconds = max((part.prefill_seconds for part in parts), default=0.0)
+        return out
 
     def record_round(self, drafted: int, num_accepted: int, emitted: int) -> None:
         """One verification round: ``drafted`` proposed, ``num_accepted`` kept, ``emitted``

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from speculative.engine.batch import BatchEngine, BatchRequest
 from speculative.engine.gamma import LoadAwareGamma
 from speculative.engine.loop import GenerationResult, Round
-from speculative.engine.stats import PositionAcceptance
+from speculative.engine.stats import GenerationStats
 from speculative.sampling import SamplingParams
 from speculative.server.logprobs import LogprobsFormatter
 from speculative.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -329,28 +329,21 @@ def _speculative_stats(
 ) -> dict:
     """The request's speculation statistics, over all its choices."""
     kinds = [k for result in results for r in result.rounds for k in token_kinds(r)]
-    positions = PositionAcceptance()
-    for result in results:
-        positions.merge(result.stats.positions)
-    drafted = sum(r.stats.drafted_tokens for r in results)
-    accepted = sum(r.stats.accepted_tokens for r in results)
-    passes = sum(r.stats.target_calls for r in results)
-    tokens = sum(r.stats.new_tokens for r in results)
-    seconds = max(r.stats.seconds for r in results)
+    stats = GenerationStats.together([result.stats for result in results]).to_dict()
     return {
         "draft": prepared.draft,
         "gamma": prepared.gamma if prepared.draft != NONE else 0,
-        "drafted": drafted,
-        "accepted": accepted,
+        "drafted": stats["drafted_tokens"],
+        "accepted": stats["accepted_tokens"],
         "recovered": kinds.count("recovered"),
         "bonus": kinds.count("bonus"),
-        "alpha": accepted / drafted if drafted else 0.0,
-        "tau": tokens / passes if passes else 0.0,
-        "per_position_acceptance": positions.rates(),
-        "target_passes": passes,
-        "completion_tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+        "alpha": stats["acceptance_rate"],
+        "tau": stats["mean_accepted_length"],
+        "per_position_acceptance": stats["per_position_acceptance"],
+        "target_passes": stats["target_calls"],
+        "completion_tokens": stats["new_tokens"],
+        "seconds": stats["seconds"],
+        "tokens_per_second": stats["tokens_per_second"],
         "time_to_first_token": ttft,
     }
 
