@@ -487,7 +487,7 @@ def _whole_choice(
     text.push(result.token_ids, ["target"] * len(result.token_ids))
     logprobs = LogprobsFormatter(state.loaded.decode, envelope.chat)
     logprobs.add(result.logprobs)
-    token_logprobs = logprobs.take(text.final_tokens(), text)
+    token_logprobs = logprobs.take(text, final=True)
     reason = _finish_reason(result)
     if envelope.chat:
         return {
@@ -585,16 +585,15 @@ async def _stream(
             choice.running.add(event.round)
             choice.logprobs.add(event.round.logprobs)
             pieces = choice.text.push(event.round.tokens, token_kinds(event.round))
-            settled = choice.text.settled_tokens()
         else:
             pieces = choice.text.finish()
-            settled = choice.text.final_tokens()
+        final = isinstance(event, DoneEvent)
         if pieces:
             if ttft is None:
                 ttft = time.perf_counter() - jobs[i].submitted
             delta = envelope.delta(
                 "".join(p for p, _ in pieces), None,
-                logprobs=choice.logprobs.take(settled, choice.text), index=i,
+                logprobs=choice.logprobs.take(choice.text, final), index=i,
             )  # fmt: skip
             pieces_out = {"pieces": [list(p) for p in pieces], **choice.running.to_dict()}
             yield _sse(envelope.wrap([delta], stream=True, speculative=pieces_out))
@@ -602,7 +601,7 @@ async def _stream(
             results[i] = event.result
             finish = envelope.delta(  # with the log-probabilities of tokens that sent no text
                 None if envelope.chat else "", _finish_reason(event.result),
-                logprobs=choice.logprobs.take(settled, choice.text), index=i,
+                logprobs=choice.logprobs.take(choice.text, final=True), index=i,
             )  # fmt: skip
             last = len(results) == len(jobs)
             ordered = [results[k] for k in sorted(results)]

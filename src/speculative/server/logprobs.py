@@ -36,9 +36,13 @@ class LogprobsFormatter:
     def add(self, entries: Sequence[TokenLogprobs] | None) -> None:
         self.entries.extend(entries or ())
 
-    def take(self, upto: int, text: TextAssembler) -> dict[str, Any] | None:
-        """The entries of tokens [sent, upto) in the response's shape (None when empty)."""
-        upto = min(upto, len(self.entries))
+    def take(self, text: TextAssembler, final: bool = False) -> dict[str, Any] | None:
+        """In the response's shape, the entries not taken yet of the tokens whose text
+        ``text`` has released (``final``: of the whole final text); None when there are
+        none (without entries, as when none were asked for, the text is not read)."""
+        if len(self.entries) <= self.sent:
+            return None
+        upto = min(text.final_tokens() if final else text.settled_tokens(), len(self.entries))
         if upto <= self.sent:
             return None
         chosen = range(self.sent, upto)

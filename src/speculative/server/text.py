@@ -14,6 +14,7 @@ The concatenated pieces equal ``StopCriteria.final_text(decode(all tokens))``, t
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -106,18 +107,19 @@ class TextAssembler:
 
     def settled_tokens(self) -> int:
         """Leading tokens whose text is all released (their log-probabilities can go)."""
-        n = 0
-        while n < len(self.ends) and self.ends[n] <= self.sent:
-            n += 1
-        return min(n, self.final_tokens())  # never a token after a stop string
+        settled = bisect.bisect_right(self.ends, self.sent)  # ends never decrease
+        return min(settled, self.final_tokens())  # never a token after a stop string
 
     def final_tokens(self) -> int:
         """Tokens of the final text: all of them, or those that start before a stop
         string (the stop string and what follows it are never sent)."""
-        stop = first_stop(self.text, self.stops)
+        stop = first_stop(self.text, self.stops) if self.stops else None
         if stop is None:
             return len(self.tokens)
-        return sum(1 for i in range(len(self.tokens)) if self.offset(i) < stop)
+        if not self.tokens or stop == 0:
+            return 0
+        # token 0 starts at 0; token i > 0 at ends[i - 1] (ends never decrease)
+        return 1 + min(bisect.bisect_left(self.ends, stop), len(self.tokens) - 1)
 
     def _release(self, limit: int) -> list[tuple[str, str]]:
         pieces: list[tuple[str, str]] = []
