@@ -35,11 +35,12 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
 
 
 def _asks_for(value: Any, off: tuple[Any, ...]) -> bool:
-    """Whether an unsupported option's ``value`` asks for it (see UNSUPPORTED_OPTIONS)."""
+    """Whether an unsupported option's ``value`` asks for it (see UNSUPPORTED_OPTIONS):
+    neither null nor one of its "off" values (``true`` is not ``1``, though Python says
+    they are equal)."""
     if value is None:
         return False
-    return not any(type(value) is type(o) or {type(value), type(o)} <= {int, float}
-                   for o in off if value == o)  # fmt: skip
+    return not any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in off)
 
 
 class ApiError(Exception):
