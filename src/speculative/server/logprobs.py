@@ -52,36 +52,37 @@ class LogprobsFormatter:
         return {
             "tokens": [self._chosen_text(i, text) for i in chosen],
             "token_logprobs": [self.entries[i].logprob for i in chosen],
-            "top_logprobs": [
-                {self._text(i, t, text): lp for t, lp in self.entries[i].top} for i in chosen
-            ],
+            "top_logprobs": [dict(self._alternatives(i, text)) for i in chosen],
             "text_offset": [text.offset(i) for i in chosen],
         }
 
     def _chosen_text(self, i: int, text: TextAssembler) -> str:
         return text.text[text.offset(i) : text.ends[i]]
 
-    def _text(self, i: int, token: int, text: TextAssembler) -> str:
-        """What ``token`` adds to the text in token i's place."""
-        if token == self.entries[i].token:
-            return self._chosen_text(i, text)
+    def _alternatives(self, i: int, text: TextAssembler) -> list[tuple[str, float]]:
+        """(text, log-probability) of entry i's alternatives: what each adds to the text
+        in token i's place (the chosen token's own slice where it is among them)."""
+        entry = self.entries[i]
         window = text.tokens[max(0, i - WINDOW) : i]
         before = self.decode(window)
-        after = self.decode([*window, token])
-        return after[len(before) :] if after.startswith(before) else self.decode([token])
+        out = []
+        for token, logprob in entry.top:
+            if token == entry.token:
+                out.append((self._chosen_text(i, text), logprob))
+                continue
+            after = self.decode([*window, token])
+            added = after[len(before) :] if after.startswith(before) else self.decode([token])
+            out.append((added, logprob))
+        return out
 
     def _chat_entry(self, i: int, text: TextAssembler) -> dict[str, Any]:
-        entry = self.entries[i]
-        alternatives = []
-        for token, logprob in entry.top:
-            alternative = self._text(i, token, text)
-            alternatives.append(
-                {"token": alternative, "logprob": logprob, "bytes": list(alternative.encode())}
-            )
         chosen = self._chosen_text(i, text)
         return {
             "token": chosen,
-            "logprob": entry.logprob,
+            "logprob": self.entries[i].logprob,
             "bytes": list(chosen.encode()),
-            "top_logprobs": alternatives,
+            "top_logprobs": [
+                {"token": added, "logprob": logprob, "bytes": list(added.encode())}
+                for added, logprob in self._alternatives(i, text)
+            ],
         }
