@@ -14,7 +14,7 @@ from speculative.bench.llamacpp import ENGINE as LLAMACPP
 from speculative.bench.methods import OURS, PLAIN, TRANSFORMERS, Method
 from speculative.bench.prompts import categories
 from speculative.bench.runner import BenchRun, Measurement
-from speculative.engine.stats import PositionAcceptance
+from speculative.engine.stats import GenerationStats
 from speculative.hardware import cpu_info
 
 ALL = "all"
@@ -22,35 +22,34 @@ ALL = "all"
 
 @dataclass
 class StatsTotals:
-    """Engine counters summed over prompts."""
+    """Engine counters summed over prompts (their :class:`GenerationStats` added up)."""
 
-    drafted: int = 0
-    accepted: int = 0
-    new_tokens: int = 0
-    target_calls: int = 0
-    draft_seconds: float = 0.0
-    positions: PositionAcceptance = field(default_factory=PositionAcceptance)
-    rounds: Counter[int] = field(default_factory=Counter)  # γ drafted -> rounds
+    summed: GenerationStats = field(default_factory=GenerationStats)
 
     def add(self, measurement: Measurement) -> None:
-        stats = measurement.stats
-        if stats is None:
-            return
-        self.drafted += stats.drafted_tokens
-        self.accepted += stats.accepted_tokens
-        self.new_tokens += stats.new_tokens
-        self.target_calls += stats.target_calls
-        self.draft_seconds += stats.draft_seconds
-        self.positions.merge(stats.positions)
-        self.rounds.update(stats.gammas)
+        if measurement.stats is not None:
+            self.summed.add(measurement.stats)
+
+    @property
+    def drafted(self) -> int:
+        return self.summed.drafted_tokens
+
+    @property
+    def target_calls(self) -> int:
+        return self.summed.target_calls
+
+    @property
+    def rounds(self) -> Counter[int]:
+        """γ drafted -> rounds."""
+        return Counter(self.summed.gammas)
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
+        return self.summed.acceptance_rate if self.drafted else None
 
     @property
     def mean_accepted_length(self) -> float | None:
-        return self.new_tokens / self.target_calls if self.target_calls else None
+        return self.summed.mean_accepted_length if self.target_calls else None
 
     @property
     def mean_gamma(self) -> float | None:
@@ -59,11 +58,11 @@ class StatsTotals:
     @property
     def seconds_per_draft(self) -> float | None:
         """Drafting wall time per drafted token (None when nothing was drafted)."""
-        return self.draft_seconds / self.drafted if self.drafted else None
+        return self.summed.draft_seconds / self.drafted if self.drafted else None
 
     @property
     def per_position_acceptance(self) -> list[float]:
-        return self.positions.rates()
+        return self.summed.per_position_acceptance
 
 
 @dataclass

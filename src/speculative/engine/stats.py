@@ -66,20 +66,27 @@ class GenerationStats:
     positions: PositionAcceptance = field(default_factory=PositionAcceptance)
     gammas: list[int] = field(default_factory=list)
 
+    def add(self, other: GenerationStats) -> None:
+        """Add ``other``'s counts, seconds and rounds to these (generations one after
+        another); positions merged."""
+        self.target_calls += other.target_calls
+        self.draft_calls += other.draft_calls
+        self.drafted_tokens += other.drafted_tokens
+        self.accepted_tokens += other.accepted_tokens
+        self.new_tokens += other.new_tokens
+        self.seconds += other.seconds
+        self.prefill_seconds += other.prefill_seconds
+        self.draft_seconds += other.draft_seconds
+        self.positions.merge(other.positions)
+        self.gammas += other.gammas
+
     @classmethod
     def together(cls, parts: Sequence[GenerationStats]) -> GenerationStats:
-        """Generations that ran side by side (rows of one batch) as one: counts summed,
-        positions merged, the seconds those of the longest."""
+        """Generations that ran side by side (rows of one batch) as one: :meth:`add`ed,
+        but the seconds those of the longest."""
         out = cls()
         for part in parts:
-            out.target_calls += part.target_calls
-            out.draft_calls += part.draft_calls
-            out.drafted_tokens += part.drafted_tokens
-            out.accepted_tokens += part.accepted_tokens
-            out.new_tokens += part.new_tokens
-            out.draft_seconds += part.draft_seconds
-            out.positions.merge(part.positions)
-            out.gammas += part.gammas
+            out.add(part)
         out.seconds = max((part.seconds for part in parts), default=0.0)
         out.prefill_seconds = max((part.prefill_seconds for part in parts), default=0.0)
         return out
