@@ -1369,6 +1369,79 @@ def test_logprobs_are_the_target_distribution_of_each_emitted_token(folder: Path
     assert kinds == {"accepted", "plain", "tree", "chain"}
 
 
+def _prompt_reference(folder: Path, backend: str, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab]: the target's log-softmax after each prompt prefix (row j
+    predicts prompt[j + 1]), from one forward over the prompt on a fresh model."""
+    reference = load_native(folder, max_length=96, backend=backend)
+    logits = reference.forward(torch.tensor([prompt]))[0, :-1]  # [n - 1, vocab]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _assert_prompt_entries(entries, prompt: list[int], expected: torch.Tensor) -> None:
+    assert entries is not None and [e.token for e in entries] == prompt[1:]
+    for entry, row in zip(entries, expected, strict=True):
+        assert abs(entry.logprob - row[entry.token].item()) < 1e-4
+        values, ids = row.topk(2)
+        assert [t for t, _ in entry.top] == ids.tolist()
+        assert torch.allclose(torch.tensor([v for _, v in entry.top]), values, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_prompt_logprobs_score_every_prompt_token(folder: Path, backend: str) -> None:
+    """Rows that ask for the prompt's log-probabilities get one per prompt token after the
+    first, its log-softmax after the tokens before it (one reference forward over the
+    prompt), and the likeliest alternatives there: through chunked prefill, beside a row
+    whose cache already holds the prompt (a row that shared that prefix would have no
+    logits for it), with a drafter, and with max_new_tokens 0 (the prompt scored, nothing
+    generated). The generated tokens are those of the same rows without them."""
+    _backend(backend)
+    prompt = _ids(30, 51)[0].tolist()[:23]
+    expected = _prompt_reference(folder, backend, prompt)
+    target = load_native(folder, max_length=96, backend=backend, max_slots=5)
+    engine = BatchEngine(target, max_batch=5, prefill_chunk=5)
+
+    def row(scored: bool, new: int = 10, drafter: Drafter | None = None) -> BatchRequest:
+        greedy, stop = SamplingParams(temperature=0), StopCriteria(new)
+        return BatchRequest(prompt, greedy, stop, torch.Generator(), drafter, 3,
+                            prompt_logprobs=2 if scored else None)  # fmt: skip
+
+    donor = engine.add(row(False, 40))
+    while len(engine.rows[donor].session.cached) < len(prompt):
+        engine.step()  # the donor's cache holds the whole prompt (and more)
+    probe = engine.pool.open(prompt=prompt)
+    assert len(probe.cached) > 0  # a row that did not score its prompt would share it
+    probe.release()
+    rows = [row(True), row(True, 0), row(True, drafter=PromptLookupDrafter(3)), row(False)]
+    ids = [engine.add(request) for request in rows]
+    while engine.rows:
+        engine.step()
+    results = [engine.finished[i] for i in ids]
+    scored, empty, drafted, unscored = results
+    for result in (scored, empty, drafted):
+        _assert_prompt_entries(result.prompt_logprobs, prompt, expected)
+    assert unscored.prompt_logprobs is None
+    assert scored.token_ids == drafted.token_ids == unscored.token_ids
+    assert len(scored.token_ids) == 10
+    assert empty.token_ids == [] and empty.finish_reason == "length"
+    assert empty.stats.target_calls == 0  # the prompt's passes only: no round was decoded
+
+
+def test_prompt_logprobs_after_an_earlier_generation_on_one_model(folder: Path) -> None:
+    """The single-sequence engine keeps its cache between generations: a generation that
+    scores its prompt rescores the positions the earlier one left cached."""
+    require_kernels()
+    prompt = _ids(30, 51)[0].tolist()[:14]
+    target = load_native(folder, max_length=96)
+    engine = SpeculativeEngine(target, PromptLookupDrafter(3), 3)
+    greedy, stop = SamplingParams(temperature=0), StopCriteria(8)
+    first = engine.generate(prompt, greedy, stop, torch.Generator())
+    rounds = list(engine.stream(prompt, greedy, stop, torch.Generator(), prompt_logprobs=2))
+    assert [t for r in rounds for t in r.tokens] == first.token_ids
+    assert [r.prompt_logprobs is None for r in rounds] == [False] + [True] * (len(rounds) - 1)
+    expected = _prompt_reference(folder, "kernels", prompt)
+    _assert_prompt_entries(rounds[0].prompt_logprobs, prompt, expected)
+
+
 class _SecondBranch(PromptLookupDrafter):
     """Token trees whose root's first child is wrong and whose second starts the target's
     own greedy ``continuation``: every accepted path leaves the tree's first nodes."""

@@ -214,7 +214,7 @@ def test_engine_bad_input():
     with pytest.raises(ValueError, match="empty"):
         engine.generate([], SamplingParams(), StopCriteria(max_new_tokens=3), torch.Generator())
     with pytest.raises(ValueError, match="max_new_tokens"):
-        StopCriteria(max_new_tokens=0)
+        StopCriteria(max_new_tokens=-1)
 
 
 def test_ngram_drafts_a_whole_short_loop_every_round():

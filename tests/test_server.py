@@ -323,6 +323,74 @@ def test_completion_logprobs_give_tokens_and_offsets(client: openai.OpenAI, mode
         assert len(top) <= 2 and token_logprob <= max(top.values()) <= 0.0
 
 
+def _streamed_completion(stream) -> tuple[str, dict[str, list]]:
+    """A streamed completion's text and its log-probabilities' lists, chunks joined."""
+    text, lists = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        text += chunk.choices[0].text
+        if chunk.choices[0].logprobs is not None:
+            for key, values in chunk.choices[0].logprobs.model_dump().items():
+                lists[key] += values
+    return text, lists
+
+
+def test_echo_scores_the_prompt(folder: Path, client: openai.OpenAI, model: str) -> None:
+    """``echo`` with ``logprobs`` returns the prompt's tokens before the completion's: the
+    first with null log-probabilities, the others the target's after the tokens before
+    them (what ``speculative generate --prompt-logprobs`` gives), then the completion's
+    own, as the same request without echo gets them; offsets run over the echoed text.
+    ``max_tokens`` 0 scores the prompt alone (how evaluation harnesses ask for a text's
+    likelihood); a stream carries the same."""
+    expected = generate(
+        folder, "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "0", "--draft", "none",
+        "--prompt-logprobs", "2",
+    )["prompt_logprobs"]  # fmt: skip
+    scored = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2, temperature=0,
+    )  # fmt: skip
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0
+    lists = choice.logprobs
+    assert "".join(lists.tokens) == PROMPT
+    assert lists.token_logprobs[0] is None and lists.top_logprobs[0] is None
+    assert len(lists.token_logprobs) == len(expected) + 1 == scored.usage.prompt_tokens
+    for got, want, top in zip(lists.token_logprobs[1:], expected, lists.top_logprobs[1:],
+                              strict=True):  # fmt: skip
+        assert abs(got - want["logprob"]) < 1e-5
+        assert sorted(top.values(), reverse=True) == pytest.approx(
+            [value for _, value in want["top"]], abs=1e-5
+        )
+
+    plain = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1,
+        extra_body={"speculative": {"draft": "ngram"}},
+    ).choices[0]  # fmt: skip
+    echoed = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1, echo=True,
+        extra_body={"speculative": {"draft": "ngram"}},
+    ).choices[0]  # fmt: skip
+    assert echoed.text == PROMPT + plain.text
+    both = echoed.logprobs
+    prompt_tokens = len(lists.tokens)
+    assert both.tokens == lists.tokens + plain.logprobs.tokens
+    assert both.token_logprobs[prompt_tokens:] == plain.logprobs.token_logprobs
+    assert both.token_logprobs[:prompt_tokens] == lists.token_logprobs
+    assert both.text_offset[prompt_tokens:] == [len(PROMPT) + o for o in plain.logprobs.text_offset]
+    assert all(
+        echoed.text[o:].startswith(t) for o, t in zip(both.text_offset, both.tokens, strict=True)
+    )
+    text, streamed = _streamed_completion(client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1, echo=True,
+        stream=True, extra_body={"speculative": {"draft": "ngram"}},
+    ))  # fmt: skip
+    assert text == echoed.text and streamed == both.model_dump()
+    quiet = client.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True)
+    assert quiet.choices[0].text == PROMPT and quiet.choices[0].logprobs is None
+
+
 def test_penalties_are_served_exactly(folder: Path, client: openai.OpenAI, model: str) -> None:
     """Penalized greedy text is `speculative generate`'s with the same penalties, with any
     drafter; the penalties change it (the control)."""
@@ -491,6 +559,12 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": "gpt-4", "prompt": PROMPT}, 404, "model"),
     ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "max_tokens": -5}, 400, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+        400,
+        "max_tokens",
+    ),
     (
         "/v1/completions",
         {"model": "MODEL", "prompt": PROMPT, "max_tokens": 5000},

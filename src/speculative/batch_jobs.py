@@ -43,6 +43,7 @@ class BatchJob:
     stop: tuple[str, ...] = ()
     batch_size: int = 8
     logprobs: int | None = None  # each token's log-probability and this many alternatives'
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     presence_penalty: float = 0.0  # the target's logits penalized (sampling.penalties)
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -115,7 +116,7 @@ class RowDecoder:
         )
         return BatchRequest(
             ids, params, criteria, generator, drafter, row_gamma, logprobs=job.logprobs,
-            penalties=penalties,
+            penalties=penalties, prompt_logprobs=job.prompt_logprobs,
         )  # fmt: skip
 
     def result_line(self, index: int, record: Record, result: GenerationResult) -> ResultLine:
@@ -131,6 +132,8 @@ class RowDecoder:
         }
         if result.logprobs is not None:
             line["logprobs"] = [entry.to_dict() for entry in result.logprobs]
+        if result.prompt_logprobs is not None:
+            line["prompt_logprobs"] = [entry.to_dict() for entry in result.prompt_logprobs]
         return line
 
     def run(self, items: Iterable[tuple[int, Record]]) -> Iterator[ResultLine]:

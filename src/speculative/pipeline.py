@@ -70,6 +70,13 @@ class GenerationOutput:
         for), where the generation asked for them (``logprobs=``); else None."""
         return rounds_logprobs(self.rounds)
 
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        """Each prompt token's log-probability after the tokens before it, from the
+        second token on, where the generation asked for them (``prompt_logprobs=``)."""
+        first = self.rounds[0].prompt_logprobs if self.rounds else None
+        return None if first is None else list(first)
+
     def to_dict(self) -> dict[str, Any]:
         out = {
             "text": self.text,
@@ -80,6 +87,8 @@ class GenerationOutput:
         }
         if self.logprobs is not None:
             out["logprobs"] = [entry.to_dict() for entry in self.logprobs]
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [entry.to_dict() for entry in self.prompt_logprobs]
         return out
 
 
@@ -204,10 +213,14 @@ class Speculator:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
+        prompt_logprobs: int | None = None,
     ) -> GenerationStream:
         """Start a generation; iterate the result for each round's emitted tokens.
         ``logprobs``: each token's log-probability under the target's raw distribution
         and this many alternatives' (``GenerationOutput.logprobs``); None: none.
+        ``prompt_logprobs``: the same for the prompt's tokens after the first
+        (``GenerationOutput.prompt_logprobs``); with ``max_new_tokens=0`` the prompt is
+        only scored.
         The penalties adjust the target's logits by what the sequence holds
         (:mod:`speculative.sampling.penalties`; exact under speculation)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
@@ -216,7 +229,8 @@ class Speculator:
         criteria = self.target.stop_criteria(max_new_tokens, stop)
         generator = torch.Generator().manual_seed(seed)
         stream = GenerationStream(
-            self, self.engine(), prompt_ids, params, criteria, generator, logprobs, penalties
+            self, self.engine(), prompt_ids, params, criteria, generator, logprobs, penalties,
+            prompt_logprobs,
         )  # fmt: skip
         self.target.cache_owner = stream
         return stream
@@ -242,6 +256,7 @@ class GenerationStream:
         generator: torch.Generator,
         logprobs: int | None = None,
         penalties: Penalties | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         self.speculator = speculator
         self.engine = engine
@@ -250,7 +265,14 @@ class GenerationStream:
         self.rounds: list[Round] = []
         self.stats = GenerationStats()
         self._rounds = engine.stream(
-            prompt_ids, params, criteria, generator, self.stats, logprobs, penalties
+            prompt_ids,
+            params,
+            criteria,
+            generator,
+            self.stats,
+            logprobs,
+            penalties,
+            prompt_logprobs,
         )
 
     def __iter__(self) -> Iterator[Round]:

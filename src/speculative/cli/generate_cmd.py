@@ -143,7 +143,12 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="keep tokens at least this times as likely as the likeliest, in [0, 1) (0: off)",
     )
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="token budget")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=non_negative_int,
+        default=128,
+        help="token budget (0, with --prompt-logprobs: only score the prompt)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     parser.add_argument(
         "--repetition-penalty",
@@ -172,6 +177,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --json (or --prompts' JSONL): each generated token's log-probability "
         "under the target's raw distribution (before temperature, top-k, top-p) and its N "
         "likeliest alternatives; speculation does not change them",
+    )
+    parser.add_argument(
+        "--prompt-logprobs",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="with --json (or --prompts' JSONL): the same for each prompt token after the "
+        "first, given the tokens before it (with --max-new-tokens 0: score the prompt only)",
     )
 
 
@@ -302,6 +315,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "stop": args.stop,
         "logprobs": args.logprobs,
+        "prompt_logprobs": args.prompt_logprobs,
         "presence_penalty": args.presence_penalty,
         "frequency_penalty": args.frequency_penalty,
         "repetition_penalty": args.repetition_penalty,
@@ -327,15 +341,27 @@ def stats_line(stats: dict, colour: bool, draft: str | None = None) -> str:
     return f"{DIM}{line}{RESET}" if colour else line
 
 
+def check_scoring(args: argparse.Namespace) -> None:
+    """--max-new-tokens 0 only scores a prompt: it needs --prompt-logprobs."""
+    if args.max_new_tokens == 0 and args.prompt_logprobs is None:
+        raise CliError(
+            "--max-new-tokens 0 generates nothing: add --prompt-logprobs N to score the "
+            "prompt, or give a budget of at least 1"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.prompts is None and args.ray is not None:
         raise CliError("--ray needs --prompts FILE.jsonl")
+    check_scoring(args)
     if args.prompts is not None:
         from speculative.cli.batch_generate import run_batch
 
         return run_batch(args)
-    if args.logprobs is not None and not args.json:
-        raise CliError("--logprobs shows in the --json output: add --json")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(args, name) is not None and not args.json:
+            flag = "--" + name.replace("_", "-")
+            raise CliError(f"{flag} shows in the --json output: add --json")
     prompt = read_prompt(args)
     if not prompt.strip():
         raise CliError("the prompt is empty")

@@ -61,6 +61,7 @@ from speculative.engine.round import (
     GenerationResult,
     Proposal,
     Round,
+    TokenLogprobs,
     Verifier,
     accepted,
     commit_tokens,
@@ -108,6 +109,9 @@ CATCH_UP_ROUNDS = 4
 # them: every pass that copies them out costs 2-3 % more (Zen 4, SmolLM2-135M at B = 4-8),
 # paid for drafts the load no longer lets the row make
 SHED_AFTER = 16
+# most prompt tokens a row that asked for the prompt's log-probabilities feeds per pass:
+# its logits are kept for every token (256 × the default model's 49,152: 50 MB)
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 POSITIONS = LOAD_AWARE_MAX_GAMMA  # draft positions whose acceptance the load policy learns
@@ -226,6 +230,10 @@ class BatchRequest:
     # each emitted token's log-probability (Round.logprobs) and this many alternatives';
     # None: none
     logprobs: int | None = None
+    # each prompt token's after the first, and this many alternatives' (the row's first
+    # Round.prompt_logprobs); None: none. Such a row prefills its whole prompt itself (no
+    # prefix shared with another row), PROMPT_LOGPROBS_CHUNK tokens at most per pass
+    prompt_logprobs: int | None = None
     # repetition / frequency / presence penalties of the target's logits (None: none)
     penalties: Penalties | None = None
 
@@ -257,6 +265,8 @@ class BatchRow:
     draft_cost: float = 0.0  # c until measured: the request's, else streamed_draft_cost
     # what the row's penalties read (its prompt, its output's counts), where it has them
     penalty_history: PenaltyHistory | None = None
+    # the prompt's log-probabilities so far, where the request asked for them
+    prompt_entries: list[TokenLogprobs] | None = None
 
     def result(self) -> GenerationResult:
         return GenerationResult(
@@ -390,7 +400,11 @@ class BatchEngine:
             raise ValueError(f"the batch is full ({self.max_batch} rows)")
         state = new_state(request.prompt_ids, self.max_length, stats)
         reads = provides(request.drafter, ReadsTargetFeatures)
-        session = self.pool.open(features=reads, prompt=request.prompt_ids)  # raises when full
+        scores_prompt = request.prompt_logprobs is not None
+        shared = () if scores_prompt else request.prompt_ids  # a prefix another row holds
+        session = self.pool.open(features=reads, prompt=shared)  # raises when full
+        if scores_prompt:  # every prompt position's logits, so none may come cached
+            session.reset()
         if request.drafter is not None:
             request.drafter.reset()
         chooses_length = provides(request.drafter, ChoosesDraftLength)
@@ -425,6 +439,7 @@ class BatchEngine:
                 if request.penalties is not None and request.penalties.active
                 else None
             ),
+            prompt_entries=[] if scores_prompt else None,
         )
         self.rows[row.row_id] = row
         self._next_id += 1
@@ -443,21 +458,26 @@ class BatchEngine:
         """One round for every decoding row and one prefill chunk for every joining row,
         all in one target pass: propose, forward, verify and commit per row. Finished
         rows leave (slot freed) before this returns; the result holds the rounds run."""
-        if not self.rows:
-            return {}
-        rows = list(self.rows.values())
-        for row in rows:
+        rounds: dict[int, Round] = {}
+        for row in list(self.rows.values()):
             if not row.decoding and row.prefill_left() == 0:
-                self._start_decoding(row)
+                if row.request.stop.max_new_tokens == 0:  # the prompt scored: done
+                    rounds[row.row_id] = self._finish_prompt_only(row)
+                else:
+                    self._start_decoding(row)
+        rows = list(self.rows.values())
+        if not rows:
+            return rounds
         chunks = [(row, self._prefill_chunk(row)) for row in rows if not row.decoding]
         chunk_tokens = sum(chunk.input_ids.numel() for _, chunk in chunks)
         planned = self._propose([row for row in rows if row.decoding], chunk_tokens, len(chunks))
         inputs = [chunk for _, chunk in chunks] + [p.proposal.request for p in planned]
         outputs, seconds = self._forward(inputs, chunks, planned)
         for (row, _), logits in zip(chunks, outputs[: len(chunks)], strict=True):
-            row.session.receive(logits)
+            scored = row.session.receive(logits)  # [1, k, vocab] or [1, 1, vocab]
+            if row.prompt_entries is not None:
+                self._score_prompt(row, scored[0])
             row.state.stats.prefill_seconds += seconds
-        rounds = {}
         for p, logits in zip(planned, outputs[len(chunks) :], strict=True):
             _feed_back_costs(p, seconds)
             started = time.perf_counter()
@@ -490,11 +510,47 @@ class BatchEngine:
         row.decoding = True
 
     def _prefill_chunk(self, row: BatchRow) -> RowInput:
-        """The row of the pass that feeds the next at most ``prefill_chunk`` prompt tokens."""
+        """The row of the pass that feeds the next at most ``prefill_chunk`` prompt tokens
+        (with every token's logits where the row scores its prompt)."""
         prefix = row.state.sequence[: row.state.prompt_length - 1]
         left = row.prefill_left()
         size = left if self.prefill_chunk is None else min(left, self.prefill_chunk)
-        return row.session.request(prefix[: len(prefix) - left + size])
+        scores = row.prompt_entries is not None
+        if scores:
+            size = min(size, PROMPT_LOGPROBS_CHUNK)
+        return row.session.request(prefix[: len(prefix) - left + size], every_logit=scores)
+
+    @staticmethod
+    def _score_prompt(row: BatchRow, logits: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens a prefill chunk's logits [k, vocab]
+        predict: those after the chunk's k fed tokens (the last one at most the prompt's
+        last token, which the first round feeds)."""
+        assert row.prompt_entries is not None and row.request.prompt_logprobs is not None
+        end = len(row.session.cached)  # the chunk fed positions end - k .. end - 1
+        predicted = row.state.sequence[end - logits.shape[0] + 1 : end + 1]
+        entries = emitted_logprobs(logits, predicted, row.request.prompt_logprobs)
+        row.prompt_entries.extend(entries)
+
+    def _finish_prompt_only(self, row: BatchRow) -> Round:
+        """Retire a row that asked for no new tokens once its prompt is in the cache: one
+        empty round, with the prompt's log-probabilities where it asked for them."""
+        logprobs = None if row.request.logprobs is None else ()
+        round_ = Round([], 0, 0, finished=True, reason="length", logprobs=logprobs)
+        round_ = self._with_prompt_logprobs(row, round_)
+        row.rounds.append(round_)
+        row.state.finished, row.state.reason = True, "length"
+        del self.rows[row.row_id]
+        row.session.release()
+        self.finished[row.row_id] = row.result()
+        return round_
+
+    @staticmethod
+    def _with_prompt_logprobs(row: BatchRow, round_: Round) -> Round:
+        """``round_`` with the prompt's log-probabilities, if it is the row's first round
+        and the row asked for them."""
+        if row.prompt_entries is None or row.rounds:
+            return round_
+        return replace(round_, prompt_logprobs=tuple(row.prompt_entries))
 
     def _forward(
         self,
@@ -861,6 +917,7 @@ class BatchEngine:
             rows = _emitted_rows(raw, result)  # [emitted, vocab]
             logprobs = emitted_logprobs(rows, round_.tokens, request.logprobs)
             round_ = replace(round_, logprobs=logprobs)
+        round_ = self._with_prompt_logprobs(row, round_)
         row.rounds.append(round_)
         row.state.stats.seconds = time.perf_counter() - row.started
         if round_.finished:

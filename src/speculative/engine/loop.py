@@ -84,6 +84,7 @@ class SpeculativeEngine:
         stats: GenerationStats | None = None,
         logprobs: int | None = None,
         penalties: Penalties | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Iterator[Round]:
         """Yield each round's emitted tokens until a stop criterion fires.
 
@@ -91,6 +92,8 @@ class SpeculativeEngine:
         that keeps a reference can read it during and after the stream. ``logprobs``: each
         round also carries its tokens' log-probabilities with this many alternatives
         (:attr:`Round.logprobs`; None: none). ``penalties``: of the target's logits.
+        ``prompt_logprobs``: the first round carries the prompt's tokens' log-probabilities
+        with this many alternatives (:attr:`Round.prompt_logprobs`).
         """
         batch = BatchEngine(
             self.target.model, max_batch=1, prefill_chunk=self.prefill_chunk,
@@ -98,7 +101,7 @@ class SpeculativeEngine:
         )  # fmt: skip
         request = BatchRequest(
             prompt_ids, params, stop, generator, self.drafter, self.gamma_policy, tree=self.tree,
-            logprobs=logprobs, penalties=penalties,
+            logprobs=logprobs, penalties=penalties, prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
         row = batch.add(request, stats)
         while row in batch.rows:

@@ -66,6 +66,7 @@ class Round:
     finished: bool
     reason: str | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass
@@ -79,6 +80,13 @@ class GenerationResult:
     def logprobs(self) -> list[TokenLogprobs] | None:
         """One per token of ``token_ids`` where the generation asked for them, else None."""
         return rounds_logprobs(self.rounds)
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        """One per prompt token after the first (its log-probability after the tokens
+        before it) where the generation asked for them, else None."""
+        first = self.rounds[0].prompt_logprobs if self.rounds else None
+        return None if first is None else list(first)
 
 
 def rounds_logprobs(rounds: Sequence[Round]) -> list[TokenLogprobs] | None:

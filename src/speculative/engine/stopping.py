@@ -25,8 +25,8 @@ class StopCriteria:
     decode: Callable[[Sequence[int]], str] | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0:  # 0: the prompt is only scored (its log-probabilities)
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty")
         if self.stop_strings and self.decode is None:

@@ -323,13 +323,18 @@ class ModelSession:
         return self.receive(self.run(self.request_tree(context, tokens, parents)))
 
     # ---- a batch of one: request -> run -> receive (see RowSession) -------------------
-    def request(self, context: Sequence[int], new: Sequence[int] = ()) -> RowInput:
+    def request(
+        self, context: Sequence[int], new: Sequence[int] = (), every_logit: bool = False
+    ) -> RowInput:
         """Plan the pass that scores ``context[-1]`` and each of ``new``: roll the cache back
-        to the longest common prefix with ``context[:-1]``; the row feeds the rest."""
+        to the longest common prefix with ``context[:-1]``; the row feeds the rest.
+        ``every_logit``: the row's logits start at its first fed token (a prompt's
+        log-probabilities), not at ``context[-1]``."""
         chain = self._rewind(context)
         fed = chain + list(new)
         self._pending = _Pending(fed, chain=len(fed))
-        return RowInput(0, torch.tensor(fed, dtype=torch.long), logits_from=len(chain) - 1)
+        first = 0 if every_logit else len(chain) - 1
+        return RowInput(0, torch.tensor(fed, dtype=torch.long), logits_from=first)
 
     def request_tree(
         self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
@@ -521,13 +526,16 @@ class SlotSession:
         if pending.tree:
             pending.features = features[first : first + len(pending.tokens)]
 
-    def request(self, context: Sequence[int], new: Sequence[int] = ()) -> RowInput:
+    def request(
+        self, context: Sequence[int], new: Sequence[int] = (), every_logit: bool = False
+    ) -> RowInput:
         """The row that scores ``context[-1]`` and each of ``new`` (the logits of
-        :meth:`ModelSession.logits_after`)."""
+        :meth:`ModelSession.logits_after`; ``every_logit``: as :meth:`ModelSession.request`)."""
         chain = self._rewind(context)
         fed = chain + list(new)
         self._pending = _Pending(fed, chain=len(fed))
-        return RowInput(self.slot, torch.tensor(fed, dtype=torch.long), logits_from=len(chain) - 1)
+        first = 0 if every_logit else len(chain) - 1
+        return RowInput(self.slot, torch.tensor(fed, dtype=torch.long), logits_from=first)
 
     def request_tree(
         self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
@@ -674,7 +682,9 @@ class RowSession(FeatureSource, Protocol):
         """The row's cache slot in ``model`` (None: its single-sequence cache)."""
         ...
 
-    def request(self, context: Sequence[int], new: Sequence[int] = ()) -> RowInput: ...
+    def request(
+        self, context: Sequence[int], new: Sequence[int] = (), every_logit: bool = False
+    ) -> RowInput: ...
 
     def request_tree(
         self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
@@ -689,6 +699,10 @@ class RowSession(FeatureSource, Protocol):
         ...
 
     def release(self) -> None: ...
+
+    def reset(self) -> None:
+        """Forget every cached position (the row then prefills its whole prompt)."""
+        ...
 
 
 class RowPool(Protocol):

@@ -34,7 +34,7 @@ from speculative.engine.gamma import LoadAwareGamma
 from speculative.engine.loop import GenerationResult, Round
 from speculative.engine.stats import GenerationStats
 from speculative.sampling import SamplingParams
-from speculative.server.logprobs import LogprobsFormatter
+from speculative.server.logprobs import LogprobsFormatter, echoed_prompt, joined
 from speculative.server.metrics import CONTENT_TYPE, ServerMetrics
 from speculative.server.protocol import (
     ApiError,
@@ -71,6 +71,19 @@ class Prepared:
     acquire: Callable[[], Any] | None  # the row's drafter instance, taken at admission
     release: Callable[[Any], None] | None
     seed: int = 0
+
+    @property
+    def echo(self) -> str:
+        """The text each choice starts with: the prompt, echoed (completions' ``echo``)."""
+        body = self.body
+        return body.prompt if isinstance(body, CompletionRequest) and body.echo else ""
+
+    def echoed_logprobs(self, decode: Callable, result: Round | GenerationResult) -> Any:
+        """The echoed prompt's log-probabilities (completions' shape), where asked for:
+        from a choice's result or its first round."""
+        if not self.echo:
+            return None
+        return echoed_prompt(decode, self.prompt_ids, result.prompt_logprobs)
 
     def choice_requests(self) -> list[BatchRequest]:
         """One engine request per choice (``n``), each with its own generator: choice i is
@@ -267,6 +280,7 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
     batch_request = BatchRequest(
         prompt_ids, params, criteria, generator, None, gamma,
         logprobs=body.wanted_logprobs(), penalties=body.penalties(),
+        prompt_logprobs=body.wanted_prompt_logprobs(),
     )  # fmt: skip
     # the scheduler takes the row's drafter when it admits the row, on its own thread
     # (building one may start OpenMP work: see speculative.server.compute)
@@ -483,11 +497,14 @@ def _whole_choice(
 ) -> dict[str, Any]:
     """One choice of a whole response: its text (cut at a stop string), finish reason and
     (where asked) its tokens' log-probabilities."""
-    text = TextAssembler(state.loaded.decode, prepared.body.stop_strings())
+    decode = state.loaded.decode
+    text = TextAssembler(decode, prepared.body.stop_strings())
     text.push(result.token_ids, ["target"] * len(result.token_ids))
-    logprobs = LogprobsFormatter(state.loaded.decode, envelope.chat)
+    logprobs = LogprobsFormatter(decode, envelope.chat, text_offset=len(prepared.echo))
     logprobs.add(result.logprobs)
-    token_logprobs = logprobs.take(text, final=True)
+    token_logprobs = joined(
+        prepared.echoed_logprobs(decode, result), logprobs.take(text, final=True)
+    )
     reason = _finish_reason(result)
     if envelope.chat:
         return {
@@ -498,7 +515,7 @@ def _whole_choice(
         }
     return {
         "index": index,
-        "text": text.final_text(),
+        "text": prepared.echo + text.final_text(),
         "logprobs": token_logprobs,
         "finish_reason": reason,
     }
@@ -536,6 +553,7 @@ class _StreamedChoice:
     text: TextAssembler
     logprobs: LogprobsFormatter
     running: _RunningStats = field(default_factory=_RunningStats)
+    started: bool = False  # an event came (the echoed prompt, if any, went first)
 
 
 async def _merged_events(jobs: list[Job]) -> AsyncIterator[tuple[int, Event]]:
@@ -563,8 +581,11 @@ async def _stream(
     chunk when asked, and ``[DONE]``."""
     envelope = _Envelope(prepared, state)
     decode, stops = state.loaded.decode, prepared.body.stop_strings()
+    echo = prepared.echo
     choices = [
-        _StreamedChoice(TextAssembler(decode, stops), LogprobsFormatter(decode, envelope.chat))
+        _StreamedChoice(
+            TextAssembler(decode, stops), LogprobsFormatter(decode, envelope.chat, len(echo))
+        )
         for _ in jobs
     ]
     options = prepared.body.stream_options
@@ -581,6 +602,11 @@ async def _stream(
             yield _sse("[DONE]")
             return
         choice = choices[i]
+        if echo and not choice.started and isinstance(event, RoundEvent):
+            scored = prepared.echoed_logprobs(decode, event.round)  # on the first round
+            delta = envelope.delta(echo, None, logprobs=scored, index=i)
+            yield _sse(envelope.wrap([delta], stream=True))
+        choice.started = True
         if isinstance(event, RoundEvent):
             choice.running.add(event.round)
             choice.logprobs.add(event.round.logprobs)

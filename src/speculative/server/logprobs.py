@@ -5,7 +5,9 @@ distribution and the likeliest alternatives (:class:`~speculative.engine.round.
 TokenLogprobs`); speculation does not change them (a row's logits are those of plain
 decoding). Here they become chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}``
 or completions' ``{tokens, token_logprobs, top_logprobs, text_offset}``, for the tokens of
-the text actually sent (see :class:`~speculative.server.text.TextAssembler`).
+the text actually sent (see :class:`~speculative.server.text.TextAssembler`). An echoed
+prompt's tokens come first in completions (:func:`echoed_prompt`): the first with null
+log-probabilities (nothing precedes it), the others scored by the target's prefill.
 """
 
 from __future__ import annotations
@@ -27,13 +29,19 @@ class LogprobsFormatter:
     after the WINDOW tokens before adds to decoding them alone (a token's leading space,
     say, exists only after another token)."""
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], chat: bool) -> None:
+    def __init__(
+        self, decode: Callable[[Sequence[int]], str], chat: bool, text_offset: int = 0
+    ) -> None:
+        """``text_offset``: where the formatted text starts in the response's text (after
+        an echoed prompt)."""
         self.decode = decode
         self.chat = chat
-        self.entries: list[TokenLogprobs] = []  # every token's so far
+        self.text_offset = text_offset
+        # every token's so far; None: a token without one (an echoed prompt's first)
+        self.entries: list[TokenLogprobs | None] = []
         self.sent = 0  # entries already formatted
 
-    def add(self, entries: Sequence[TokenLogprobs] | None) -> None:
+    def add(self, entries: Sequence[TokenLogprobs | None] | None) -> None:
         self.entries.extend(entries or ())
 
     def take(self, text: TextAssembler, final: bool = False) -> dict[str, Any] | None:
@@ -49,11 +57,15 @@ class LogprobsFormatter:
         self.sent = upto
         if self.chat:
             return {"content": [self._chat_entry(i, text) for i in chosen]}
+        entries = [self.entries[i] for i in chosen]
         return {
             "tokens": [self._chosen_text(i, text) for i in chosen],
-            "token_logprobs": [self.entries[i].logprob for i in chosen],
-            "top_logprobs": [dict(self._alternatives(i, text)) for i in chosen],
-            "text_offset": [text.offset(i) for i in chosen],
+            "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [
+                None if e is None else dict(self._alternatives(i, text))
+                for i, e in zip(chosen, entries, strict=True)
+            ],
+            "text_offset": [self.text_offset + text.offset(i) for i in chosen],
         }
 
     def _chosen_text(self, i: int, text: TextAssembler) -> str:
@@ -63,6 +75,7 @@ class LogprobsFormatter:
         """(text, log-probability) of entry i's alternatives: what each adds to the text
         in token i's place (the chosen token's own slice where it is among them)."""
         entry = self.entries[i]
+        assert entry is not None
         window = text.tokens[max(0, i - WINDOW) : i]
         before = self.decode(window)
         out = []
@@ -77,12 +90,40 @@ class LogprobsFormatter:
 
     def _chat_entry(self, i: int, text: TextAssembler) -> dict[str, Any]:
         chosen = self._chosen_text(i, text)
+        entry = self.entries[i]
+        assert entry is not None  # chat has no echoed prompt
         return {
             "token": chosen,
-            "logprob": self.entries[i].logprob,
+            "logprob": entry.logprob,
             "bytes": list(chosen.encode()),
             "top_logprobs": [
                 {"token": added, "logprob": logprob, "bytes": list(added.encode())}
                 for added, logprob in self._alternatives(i, text)
             ],
         }
+
+
+def echoed_prompt(
+    decode: Callable[[Sequence[int]], str],
+    prompt_ids: Sequence[int],
+    entries: Sequence[TokenLogprobs] | None,
+) -> dict[str, Any] | None:
+    """Completions' log-probabilities of an echoed prompt's tokens (``entries``: one per
+    token after the first; None: none were asked for, and None is returned): each token's
+    text is its slice of the decoded prompt, its offset where that slice starts."""
+    if entries is None:
+        return None
+    text = TextAssembler(decode)
+    text.push(prompt_ids, ["prompt"] * len(prompt_ids))
+    text.finish()
+    formatter = LogprobsFormatter(decode, chat=False)
+    formatter.add([None, *entries])
+    return formatter.take(text, final=True)
+
+
+def joined(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two parts of a completion's log-probabilities (an echoed prompt's and the
+    completion's) as one: every list of the first, then the second's."""
+    if first is None or second is None:
+        return first if second is None else second
+    return {key: first[key] + second[key] for key in first}

@@ -121,8 +121,8 @@ class _Common(BaseModel):
 
     @field_validator("max_tokens")
     @classmethod
-    def _positive_max_tokens(cls, value: int | None) -> int | None:
-        if value is not None and value < 1:
+    def _max_tokens_not_negative(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:  # 0: see _some_tokens
             raise ValueError(f"max_tokens must be at least 1, got {value}")
         return value
 
@@ -155,17 +155,27 @@ class _Common(BaseModel):
                     code="unsupported_parameter",
                 )
         return data
-        for name, off in UNSUPPORTED_OPTIONS.items():
-            value = data.get(name)
-            if value is None or value == off or value in ({}, [], ""):
-                continue
-            if name == "logprobs" and value == 0 and not isinstance(value, bool):
-                continue  # completions' "no log probabilities"
-            raise ValueError(
-                f"{name} is not supported by this server (asked for {value!r}); "
-                "leave it out to decode without it"
+
+    @model_validator(mode="after")
+    def _some_tokens(self) -> _Common:
+        """A budget of 0 tokens only where the request scores its prompt."""
+        if self.wanted_tokens() == 0 and not self.scores_prompt():
+            raise ApiError(
+                400,
+                "max_tokens must be at least 1 (0 only with echo: true on /v1/completions, "
+                "which returns the prompt, scored where logprobs is set)",
+                param="max_tokens",
             )
-        return data
+        return self
+
+    def scores_prompt(self) -> bool:
+        """Whether the response carries the prompt (completions' ``echo``)."""
+        return False
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token where the prompt's log-probabilities are asked
+        for (echoed with ``logprobs``); None: not asked for."""
+        return None
 
     def stop_strings(self) -> tuple[str, ...]:
         return tuple(self.stop or ())  # the validator made it a list
@@ -190,12 +200,20 @@ class CompletionRequest(_Common):
     """``POST /v1/completions``: one prompt string (raw, no chat template)."""
 
     prompt: str | list[str]
+    # the prompt before the completion (its tokens' log-probabilities too, with logprobs;
+    # with max_tokens 0, the prompt alone: scoring)
     echo: bool = False
     # each token's log-probability and this many alternatives' (0: the token's alone)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
     def wanted_logprobs(self) -> int | None:
         return self.logprobs
+
+    def scores_prompt(self) -> bool:
+        return self.echo
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt")
     @classmethod
@@ -206,13 +224,6 @@ class CompletionRequest(_Common):
             value = value[0]
         if not value:
             raise ValueError("the prompt is empty")
-        return value
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
         return value
 
 
