@@ -1522,6 +1522,43 @@ def test_cli_logprobs_in_batch_lines_and_single_json(tmp_path: Path, capsys) -> 
     assert code != 0 and "--logprobs shows in the --json output" in err
 
 
+def test_cli_prompt_logprobs_score_prompts(tmp_path: Path, capsys) -> None:
+    """``--prompt-logprobs N --max-new-tokens 0`` scores prompts without generating: each
+    ``--prompts`` line and a single prompt's --json list the prompt's tokens after the
+    first with N alternatives, the values the Python API gives; a budget of 0 without it
+    is refused before loading."""
+    import json
+
+    from speculative.pipeline import Speculator
+    from test_cli import run_cli
+    from tiny import save_tiny
+
+    folder = save_tiny(tmp_path / "tiny", seed=2, layers=2)
+    records = [{"prompt": "the cat sat on the mat and the cat"}, {"prompt": "a dog ran"}]
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    base = ["generate", "--target", str(folder), "--runtime", "native", "--no-chat"]
+    base += ["--max-new-tokens", "0", "--prompt-logprobs", "2"]
+    code, _, err = run_cli(capsys, *base, "--prompts", str(prompts), "--out", str(out))
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    single = Speculator.load(str(folder), "ngram", 3, "native")
+    for record, line in zip(records, lines, strict=True):
+        alone = single.generate(record["prompt"], chat=False, max_new_tokens=0, prompt_logprobs=2)
+        assert alone.prompt_logprobs is not None and alone.token_ids == line["token_ids"] == []
+        assert len(line["prompt_logprobs"]) == alone.prompt_tokens - 1
+        for got, want in zip(line["prompt_logprobs"], alone.prompt_logprobs, strict=True):
+            assert got["token"] == want.token and abs(got["logprob"] - want.logprob) < 1e-5
+            assert [t for t, _ in got["top"]] == [t for t, _ in want.top]
+    code, stdout, err = run_cli(capsys, *base, "--prompt", records[0]["prompt"], "--json")
+    assert code == 0, err
+    output = json.loads(stdout.strip().splitlines()[-1])
+    assert output["token_ids"] == [] and output["finish_reason"] == "length"
+    assert output["prompt_logprobs"] == lines[0]["prompt_logprobs"]
+    code, _, err = run_cli(capsys, *base[:-2], "--prompt", records[0]["prompt"], "--json")
+    assert code != 0 and "--max-new-tokens 0 generates nothing" in err
+
+
 def test_penalized_rows_equal_plain_penalized_decoding(folder: Path) -> None:
     """Greedy rows with penalties, drafted by chains or trees, batched, emit plain
     penalized decoding's tokens; the penalties change them (the control)."""
