@@ -1559,27 +1559,37 @@ def test_cli_prompt_logprobs_score_prompts(tmp_path: Path, capsys) -> None:
     assert code != 0 and "--max-new-tokens 0 generates nothing" in err
 
 
-def test_penalized_rows_equal_plain_penalized_decoding(folder: Path) -> None:
-    """Greedy rows with penalties, drafted by chains or trees, batched, emit plain
-    penalized decoding's tokens; the penalties change them (the control)."""
+@pytest.mark.parametrize("processor", ["penalties", "constraint"])
+def test_penalized_rows_equal_plain_penalized_decoding(folder: Path, processor: str) -> None:
+    """Greedy rows with penalties, or a token constraint, drafted by chains or trees,
+    batched, emit plain penalized (constrained) decoding's tokens; the penalties (the
+    constraint) change them (the control)."""
     from speculative.engine.tree import make_tree_round
     from speculative.sampling.penalties import Penalties
+    from test_engine_markov import NoRepeat
 
     backend = _backend("kernels")
     target = load_native(folder, max_length=96, backend=backend, max_slots=3)
     loop = _specs()[0].prompt
     greedy, stop = SamplingParams(temperature=0), StopCriteria(max_new_tokens=24)
-    penalties = Penalties(presence=0.3, frequency=0.2, repetition=1.2)
+    if processor == "penalties":
+        extra = {"penalties": Penalties(presence=0.3, frequency=0.2, repetition=1.2)}
+    else:  # no token twice in a row (a fresh constraint for every row)
+        extra = {"constraint": NoRepeat(loop)}
     alone = load_native(folder, max_length=96, backend=backend)
     engine = SpeculativeEngine(alone, None)
-    plain = engine.generate(loop, greedy, stop, torch.Generator(), penalties)
+    plain = engine.generate(loop, greedy, stop, torch.Generator(), **extra)
     unpenalized = engine.generate(loop, greedy, stop, torch.Generator())
     assert plain.token_ids != unpenalized.token_ids
     # drafters right on the penalized continuation, so that rows past the first verify
     chain, tree = _Oracle(len(loop), plain.token_ids), _SecondBranch(len(loop), plain.token_ids)
-    chain_row = BatchRequest(loop, greedy, stop, torch.Generator(), chain, 4, penalties=penalties)
+    chain_row = BatchRequest(loop, greedy, stop, torch.Generator(), chain, 4)
     tree_row = replace(chain_row, drafter=tree, tree=make_tree_round("static", tree, 4))
     rows = [chain_row, tree_row, replace(chain_row, drafter=None)]
+    if processor == "penalties":
+        rows = [replace(row, **extra) for row in rows]
+    else:
+        rows = [replace(row, constraint=NoRepeat(loop)) for row in rows]
     results = BatchEngine(target, max_batch=3).run(rows)
     for result in results:
         assert result.token_ids == plain.token_ids

@@ -25,6 +25,18 @@ def tiny_tokenizer(words: list[str] = WORDS) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
 
 
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer with one token per byte (no merges) and ``</s>`` (id 1): any
+    text, JSON included, one byte a token (what grammar-constrained decoding needs)."""
+    vocab = {"<unk>": 0, "</s>": 1}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+
+
 def tiny_llama(
     seed: int, vocab: int, layers: int = 2, max_positions: int = 256, scale: float = 0.2
 ) -> LlamaForCausalLM:

@@ -44,6 +44,7 @@ class BatchJob:
     batch_size: int = 8
     logprobs: int | None = None  # each token's log-probability and this many alternatives'
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    json_schema: dict[str, Any] | None = None  # the JSON the output must satisfy (or None)
     presence_penalty: float = 0.0  # the target's logits penalized (sampling.penalties)
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -114,9 +115,15 @@ class RowDecoder:
             float(record.get("frequency_penalty", job.frequency_penalty)),
             float(record.get("repetition_penalty", job.repetition_penalty)),
         )
+        schema = record.get("json_schema", job.json_schema)
+        constraint = None
+        if schema is not None:
+            from speculative.structured import structured_outputs
+
+            constraint = structured_outputs(loaded).json_schema(schema)()
         return BatchRequest(
             ids, params, criteria, generator, drafter, row_gamma, logprobs=job.logprobs,
-            penalties=penalties, prompt_logprobs=job.prompt_logprobs,
+            penalties=penalties, prompt_logprobs=job.prompt_logprobs, constraint=constraint,
         )  # fmt: skip
 
     def result_line(self, index: int, record: Record, result: GenerationResult) -> ResultLine:

@@ -46,6 +46,7 @@ from speculative.engine.gamma import GammaPolicy, make_gamma_policy, parse_gamma
 from speculative.engine.round import TokenLogprobs, rounds_logprobs
 from speculative.engine.tree import make_tree_round
 from speculative.sampling import SamplingParams
+from speculative.sampling.constraints import TokenConstraint
 from speculative.sampling.penalties import Penalties
 from speculative.targets import LoadedModel, encode_prompt, load_target
 
@@ -214,13 +215,17 @@ class Speculator:
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         prompt_logprobs: int | None = None,
+        json_schema: dict[str, Any] | str | None = None,
     ) -> GenerationStream:
         """Start a generation; iterate the result for each round's emitted tokens.
         ``logprobs``: each token's log-probability under the target's raw distribution
         and this many alternatives' (``GenerationOutput.logprobs``); None: none.
         ``prompt_logprobs``: the same for the prompt's tokens after the first
         (``GenerationOutput.prompt_logprobs``); with ``max_new_tokens=0`` the prompt is
-        only scored.
+        only scored. ``json_schema``: the output is JSON that satisfies it (a schema dict
+        or its JSON text; ``structured.ANY_OBJECT`` for any object): the target is
+        restricted to tokens that keep it so, and speculation is exact with respect to that
+        restricted target (ValueError for a schema that cannot be compiled).
         The penalties adjust the target's logits by what the sequence holds
         (:mod:`speculative.sampling.penalties`; exact under speculation)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
@@ -228,9 +233,14 @@ class Speculator:
         prompt_ids = encode_prompt(self.target.tokenizer, prompt, messages, chat)
         criteria = self.target.stop_criteria(max_new_tokens, stop)
         generator = torch.Generator().manual_seed(seed)
+        constraint = None
+        if json_schema is not None:
+            from speculative.structured import structured_outputs
+
+            constraint = structured_outputs(self.target).json_schema(json_schema)()
         stream = GenerationStream(
             self, self.engine(), prompt_ids, params, criteria, generator, logprobs, penalties,
-            prompt_logprobs,
+            prompt_logprobs, constraint,
         )  # fmt: skip
         self.target.cache_owner = stream
         return stream
@@ -257,6 +267,7 @@ class GenerationStream:
         logprobs: int | None = None,
         penalties: Penalties | None = None,
         prompt_logprobs: int | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> None:
         self.speculator = speculator
         self.engine = engine
@@ -273,6 +284,7 @@ class GenerationStream:
             logprobs,
             penalties,
             prompt_logprobs,
+            constraint,
         )
 
     def __iter__(self) -> Iterator[Round]:

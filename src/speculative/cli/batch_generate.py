@@ -88,6 +88,7 @@ def job_from_args(args: argparse.Namespace) -> BatchJob:
         batch_size=args.batch_size,
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
+        json_schema=args.json_schema,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,

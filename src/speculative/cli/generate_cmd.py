@@ -179,6 +179,15 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         "likeliest alternatives; speculation does not change them",
     )
     parser.add_argument(
+        "--json-schema",
+        type=json_schema_argument,
+        default=None,
+        metavar="SCHEMA",
+        help="write JSON that satisfies this JSON schema (inline JSON, a file's path, or "
+        "'object' for any JSON object): the target is restricted to tokens that keep the "
+        "output valid (a grammar; speculation stays exact for the restricted target)",
+    )
+    parser.add_argument(
         "--prompt-logprobs",
         type=non_negative_int,
         default=None,
@@ -186,6 +195,31 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --json (or --prompts' JSONL): the same for each prompt token after the "
         "first, given the tokens before it (with --max-new-tokens 0: score the prompt only)",
     )
+
+
+def json_schema_argument(text: str) -> dict:
+    """--json-schema: inline JSON, a file holding it, or "object" (any JSON object)."""
+    import json
+
+    from speculative.structured.grammar import ANY_OBJECT
+
+    if text == "object":
+        return dict(ANY_OBJECT)
+    source = text
+    if not text.lstrip().startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is neither a JSON object, a file, nor 'object'"
+            )
+        source = path.read_text()
+    try:
+        schema = json.loads(source)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"the JSON schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError("a JSON schema is a JSON object")
+    return schema
 
 
 def drafters_description() -> str:
@@ -212,7 +246,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=Path,
         help="JSONL file of prompts (prompt or messages; optional temperature, top_k, top_p, "
         "min_p, "
-        "seed, max_new_tokens, stop, presence_penalty, frequency_penalty, repetition_penalty), "
+        "seed, max_new_tokens, stop, presence_penalty, frequency_penalty, repetition_penalty, "
+        "json_schema), "
         "decoded in batches (native runtime); needs --out",
     )
     parser.add_argument(
@@ -316,6 +351,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         "stop": args.stop,
         "logprobs": args.logprobs,
         "prompt_logprobs": args.prompt_logprobs,
+        "json_schema": args.json_schema,
         "presence_penalty": args.presence_penalty,
         "frequency_penalty": args.frequency_penalty,
         "repetition_penalty": args.repetition_penalty,

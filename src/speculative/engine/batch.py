@@ -93,6 +93,7 @@ from speculative.models.session import (
     common_prefix_length,
 )
 from speculative.sampling import SamplingParams, VerifyResult, VerifyUniforms
+from speculative.sampling.constraints import TokenConstraint
 from speculative.sampling.penalties import Penalties, PenaltyHistory
 from speculative.sampling.tree import TreeVerifyResult
 from speculative.theory import decayed_average
@@ -236,6 +237,9 @@ class BatchRequest:
     prompt_logprobs: int | None = None
     # repetition / frequency / presence penalties of the target's logits (None: none)
     penalties: Penalties | None = None
+    # the tokens allowed after the output (a grammar; one instance per row: it keeps the
+    # row's state); the target's distribution is restricted to them (None: none)
+    constraint: TokenConstraint | None = None
 
 
 @dataclass
@@ -882,10 +886,10 @@ class BatchEngine:
         row, proposal = planned.row, planned.proposal
         request = row.request
         raw = logits  # what log-probabilities report
-        history = row.penalty_history
-        penalized = history is not None
-        if history is not None:
-            logits = _penalized(logits, history, proposal)
+        history, constraint = row.penalty_history, request.constraint
+        penalized = history is not None or constraint is not None
+        if penalized:
+            logits = _processed(logits, history, constraint, proposal)
         if proposal.tree is not None:
             assert request.tree is not None
             result = request.tree.verify(
@@ -913,6 +917,8 @@ class BatchEngine:
         )  # fmt: skip
         if history is not None:
             history.extend(round_.tokens)
+        if constraint is not None:
+            constraint.extend(round_.tokens)
         if request.logprobs is not None:
             rows = _emitted_rows(raw, result)  # [emitted, vocab]
             logprobs = emitted_logprobs(rows, round_.tokens, request.logprobs)
@@ -927,9 +933,15 @@ class BatchEngine:
         return round_
 
 
-def _penalized(logits: torch.Tensor, history: PenaltyHistory, proposal: Proposal) -> torch.Tensor:
-    """The row's logits [1, fed, vocab] penalized, each row by its own history: the
-    committed sequence, then a chain's drafts before it or a tree node's path."""
+def _processed(
+    logits: torch.Tensor,
+    history: PenaltyHistory | None,
+    constraint: TokenConstraint | None,
+    proposal: Proposal,
+) -> torch.Tensor:
+    """The row's logits [1, fed, vocab] penalized, then restricted to what the constraint
+    allows, each row by its own history: the committed sequence, then a chain's drafts
+    before it or a tree node's path."""
     tree = proposal.tree
     if tree is not None:
         tokens = tree.tokens.tolist()
@@ -938,7 +950,11 @@ def _penalized(logits: torch.Tensor, history: PenaltyHistory, proposal: Proposal
     else:
         drafted = proposal.draft.tokens if proposal.draft is not None else []
         extras = [drafted[:i] for i in range(len(drafted) + 1)]
-    return history.apply(logits[0, : len(extras)], extras).unsqueeze(0)
+    rows = logits[0, : len(extras)]  # [n, vocab]
+    rows = rows.float().clone() if history is None else history.apply(rows, extras)
+    if constraint is not None:
+        rows = constraint.restrict(rows, extras)
+    return rows.unsqueeze(0)
 
 
 def _emitted_rows(logits: torch.Tensor, result: VerifyResult | TreeVerifyResult) -> torch.Tensor:

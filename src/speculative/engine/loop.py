@@ -38,6 +38,7 @@ from speculative.engine.tree import TreeRound
 from speculative.models.base import CausalLM
 from speculative.models.session import ModelSession, SinglePool
 from speculative.sampling import SamplingParams
+from speculative.sampling.constraints import TokenConstraint
 from speculative.sampling.penalties import Penalties
 
 __all__ = [
@@ -85,6 +86,7 @@ class SpeculativeEngine:
         logprobs: int | None = None,
         penalties: Penalties | None = None,
         prompt_logprobs: int | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> Iterator[Round]:
         """Yield each round's emitted tokens until a stop criterion fires.
 
@@ -93,7 +95,8 @@ class SpeculativeEngine:
         round also carries its tokens' log-probabilities with this many alternatives
         (:attr:`Round.logprobs`; None: none). ``penalties``: of the target's logits.
         ``prompt_logprobs``: the first round carries the prompt's tokens' log-probabilities
-        with this many alternatives (:attr:`Round.prompt_logprobs`).
+        with this many alternatives (:attr:`Round.prompt_logprobs`). ``constraint``: the
+        tokens allowed after the output (a fresh instance per generation).
         """
         batch = BatchEngine(
             self.target.model, max_batch=1, prefill_chunk=self.prefill_chunk,
@@ -102,6 +105,7 @@ class SpeculativeEngine:
         request = BatchRequest(
             prompt_ids, params, stop, generator, self.drafter, self.gamma_policy, tree=self.tree,
             logprobs=logprobs, penalties=penalties, prompt_logprobs=prompt_logprobs,
+            constraint=constraint,
         )  # fmt: skip
         row = batch.add(request, stats)
         while row in batch.rows:
@@ -116,10 +120,16 @@ class SpeculativeEngine:
         stop: StopCriteria,
         generator: torch.Generator,
         penalties: Penalties | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> GenerationResult:
         """Run to completion; returns the generated ids (prompt excluded) and stats."""
         stats = GenerationStats()
-        rounds = list(self.stream(prompt_ids, params, stop, generator, stats, penalties=penalties))
+        rounds = list(
+            self.stream(
+                prompt_ids, params, stop, generator, stats, penalties=penalties,
+                constraint=constraint,
+            )
+        )  # fmt: skip
         tokens = [t for r in rounds for t in r.tokens]
         return GenerationResult(
             token_ids=tokens,

@@ -34,6 +34,7 @@ from speculative.engine.gamma import LoadAwareGamma
 from speculative.engine.loop import GenerationResult, Round
 from speculative.engine.stats import GenerationStats
 from speculative.sampling import SamplingParams
+from speculative.sampling.constraints import TokenConstraint
 from speculative.server.logprobs import LogprobsFormatter, echoed_prompt, joined
 from speculative.server.metrics import CONTENT_TYPE, ServerMetrics
 from speculative.server.protocol import (
@@ -71,6 +72,8 @@ class Prepared:
     acquire: Callable[[], Any] | None  # the row's drafter instance, taken at admission
     release: Callable[[Any], None] | None
     seed: int = 0
+    # a fresh constraint for each choice's row (response_format), or None
+    constraints: Callable[[], TokenConstraint] | None = None
 
     @property
     def echo(self) -> str:
@@ -88,8 +91,13 @@ class Prepared:
     def choice_requests(self) -> list[BatchRequest]:
         """One engine request per choice (``n``), each with its own generator: choice i is
         the sample a request with seed + i gets alone."""
+        make = self.constraints
         return [
-            replace(self.batch_request, generator=torch.Generator().manual_seed(seed))
+            replace(
+                self.batch_request,
+                generator=torch.Generator().manual_seed(seed),
+                constraint=None if make is None else make(),
+            )
             for seed in ((self.seed + i) % SEED_RANGE for i in range(self.body.n))
         ]
 
@@ -269,6 +277,7 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
             param="logit_bias",
         )
     draft, gamma = _speculation(body, state)
+    constraints = _constraints(body, state)
     params = SamplingParams(
         temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
         min_p=body.min_p,
@@ -286,7 +295,26 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
     # (building one may start OpenMP work: see speculative.server.compute)
     acquire = pool.acquire if pool is not None else None
     release = pool.release if pool is not None else None
-    return Prepared(endpoint, body, prompt_ids, batch_request, draft, gamma, acquire, release, seed)
+    return Prepared(
+        endpoint, body, prompt_ids, batch_request, draft, gamma, acquire, release, seed,
+        constraints,
+    )  # fmt: skip
+
+
+def _constraints(
+    body: CompletionRequest | ChatCompletionRequest, state: ServerState
+) -> Callable[[], TokenConstraint] | None:
+    """Fresh grammar constraints for the rows of a request with a JSON response_format
+    (the schema compiled once for all its choices), or None."""
+    schema = body.json_schema()
+    if schema is None:
+        return None
+    from speculative.structured import structured_outputs
+
+    try:
+        return structured_outputs(state.loaded).json_schema(schema)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="response_format") from None
 
 
 def _max_tokens(

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from speculative.sampling.penalties import Penalties
+from speculative.structured.grammar import ANY_OBJECT
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_GAMMA = 16
@@ -30,7 +31,6 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
 }
 
 
@@ -85,6 +85,43 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the output must satisfy."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # outputs always follow the schema here
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON by a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or not self.json_schema.schema_
+        ):
+            raise ValueError("type json_schema needs json_schema.schema (a JSON schema object)")
+        return self
+
+    def wanted_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the output must satisfy (None: free text)."""
+        if self.type == "json_object":
+            return dict(ANY_OBJECT)
+        if self.type == "json_schema":
+            assert self.json_schema is not None and self.json_schema.schema_
+            return self.json_schema.schema_
+        return None
+
+
 class _Common(BaseModel):
     """Fields shared by completions and chat completions (unknown fields are ignored)."""
 
@@ -100,6 +137,7 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # token id (as text) -> offset, as OpenAI's
+    response_format: ResponseFormat | None = None  # JSON output (structured outputs)
 
     @field_validator("logit_bias")
     @classmethod
@@ -176,6 +214,10 @@ class _Common(BaseModel):
         """Alternatives per prompt token where the prompt's log-probabilities are asked
         for (echoed with ``logprobs``); None: not asked for."""
         return None
+
+    def json_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the output must satisfy (None: free text)."""
+        return None if self.response_format is None else self.response_format.wanted_schema()
 
     def stop_strings(self) -> tuple[str, ...]:
         return tuple(self.stop or ())  # the validator made it a list

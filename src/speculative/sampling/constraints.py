@@ -1,0 +1,50 @@
+"""Constrained decoding: which tokens may follow a sequence's output.
+
+A :class:`TokenConstraint` (a grammar, say: :mod:`speculative.structured`) restricts the
+target's distribution at every scored position to the tokens it allows after the output so
+far (plus, for a drafted position, the drafted tokens before it): the others get logit
+−inf, so the distribution is the target's renormalized over the allowed tokens. The
+constrained target is then what speculation is exact with respect to, whatever the drafter
+proposes: a drafted token the constraint refuses has probability 0 there and verification
+rejects it, so no accepted path ever leaves the constraint, and rows after a refused token
+are never read (their logits may stay as they are).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class TokenConstraint(Protocol):
+    """The tokens allowed after a sequence's output, kept as the output grows (one
+    instance per sequence: it holds that sequence's state)."""
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """The output grew by ``tokens`` (each allowed where it was emitted)."""
+        ...
+
+    def restrict(
+        self,
+        logits: torch.Tensor,  # [n, vocab] float32, the rows to restrict (changed in place)
+        extras: Sequence[Sequence[int]],  # [n] tokens after the output in row i's history
+    ) -> torch.Tensor:  # [n, vocab] the same tensor
+        """Row i set to −inf wherever a token may not follow output + extras[i]; a row
+        whose extras the constraint refuses may be left as it is."""
+        ...
+
+
+def restricted(
+    logits: torch.Tensor,  # [vocab] float32, changed in place
+    allowed: torch.Tensor,  # [≤ vocab or more] bool, True = may follow
+) -> torch.Tensor:
+    """One row set to −inf outside ``allowed`` (tokens past its end are not allowed;
+    ``allowed`` may run past the row's end: a tokenizer's padding)."""
+    vocab = logits.shape[-1]
+    keep = torch.zeros(vocab, dtype=torch.bool)
+    width = min(vocab, allowed.shape[-1])
+    keep[:width] = allowed[:width]
+    return logits.masked_fill_(~keep, float("-inf"))

@@ -1,0 +1,24 @@
+"""Structured outputs: text that a JSON schema (or any JSON object) describes.
+
+The schema becomes a grammar over the model's tokenizer (llguidance), and the grammar a
+:class:`~speculative.sampling.constraints.TokenConstraint`: at every scored position the
+target is restricted to the tokens that keep the output a prefix of valid JSON, so
+speculation stays exact with respect to that restricted target (a drafted token the
+grammar refuses has probability 0 and is rejected).
+"""
+
+from speculative.structured.grammar import (
+    ANY_OBJECT,
+    JSON_FORMAT,
+    GrammarConstraint,
+    StructuredOutputs,
+    structured_outputs,
+)
+
+__all__ = [
+    "ANY_OBJECT",
+    "JSON_FORMAT",
+    "GrammarConstraint",
+    "StructuredOutputs",
+    "structured_outputs",
+]

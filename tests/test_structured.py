@@ -1,0 +1,170 @@
+"""Structured outputs: JSON by a schema, as a grammar constraint on a real tiny model.
+
+A tiny seeded Llama (native runtime) with a byte-level tokenizer: unconstrained, its text
+is noise (the control); constrained by a JSON schema, every output, sampled or greedy,
+plain or speculative, parses and satisfies the schema, and greedy speculative decoding
+(chains and trees) emits plain constrained greedy decoding's tokens. That speculation
+samples the constrained target's law exactly is `tests/test_engine_markov.py`'s
+enumerated test (with its negative control); here, that the grammar is the constraint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from speculative.drafters.ngram import PromptLookupDrafter
+from speculative.engine import SpeculativeEngine, StopCriteria
+from speculative.engine.tree import make_tree_round
+from speculative.models.native import load_native
+from speculative.sampling import SamplingParams
+from speculative.structured import ANY_OBJECT, StructuredOutputs
+from tiny import byte_tokenizer, save_tiny
+
+pytest.importorskip("llguidance")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer"},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["n", "ok", "tags"],
+    "additionalProperties": False,
+}
+PROMPT = 'Give me {"n": 1, "ok": true, "tags": ["ab"]} again: '
+EOS = 1
+
+
+def satisfies(value: object) -> bool:
+    """Whether ``value`` satisfies SCHEMA (written out, not by the code under test)."""
+    return (
+        isinstance(value, dict)
+        and set(value) == {"n", "ok", "tags"}
+        and type(value["n"]) is int
+        and type(value["ok"]) is bool
+        and isinstance(value["tags"], list)
+        and len(value["tags"]) <= 2
+        and all(isinstance(tag, str) and len(tag) <= 3 for tag in value["tags"])
+    )
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizer = byte_tokenizer()
+    return save_tiny(tmp_path_factory.mktemp("tiny_bytes"), seed=4, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def outputs() -> StructuredOutputs:
+    return StructuredOutputs(byte_tokenizer(), {EOS})
+
+
+def _generate(folder, constraint, params, seed=0, drafter=None, tree=None, budget=160):
+    tokenizer = byte_tokenizer()
+    target = load_native(folder, max_length=256)
+    engine = SpeculativeEngine(target, drafter, 4, tree=tree)
+    prompt = tokenizer(PROMPT)["input_ids"]
+    stop = StopCriteria(budget, frozenset({EOS}))
+    result = engine.generate(prompt, params, stop, torch.Generator().manual_seed(seed), None,
+                             constraint)  # fmt: skip
+    return result, tokenizer.decode(result.token_ids, skip_special_tokens=True)
+
+
+def test_sampled_outputs_satisfy_the_schema(folder: Path, outputs: StructuredOutputs) -> None:
+    """Sampled at temperature 1, plain and with n-gram drafts, every constrained output
+    ends (end-of-sequence, within budget) as JSON that satisfies the schema; the same
+    model unconstrained writes no JSON at all."""
+    make = outputs.json_schema(SCHEMA)
+    params = SamplingParams(temperature=1.0)
+    for seed in range(4):
+        for drafter in (None, PromptLookupDrafter(3)):
+            result, text = _generate(folder, make(), params, seed, drafter)
+            assert result.finish_reason == "eos", text
+            assert satisfies(json.loads(text)), text
+    free = [_generate(folder, None, params, seed)[1] for seed in range(4)]
+    for text in free:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(text)
+
+
+def test_greedy_speculation_keeps_constrained_greedy_tokens(
+    folder: Path, outputs: StructuredOutputs
+) -> None:
+    """Constrained greedy decoding, plain, with n-gram chains and with token trees, emits
+    the same tokens, valid JSON of any object (``json_object``)."""
+    make = outputs.json_schema(ANY_OBJECT)
+    greedy = SamplingParams(temperature=0)
+    plain, text = _generate(folder, make(), greedy)
+    assert isinstance(json.loads(text), dict)
+    drafter = PromptLookupDrafter(3)
+    chain, _ = _generate(folder, make(), greedy, drafter=drafter)
+    tree_drafter = PromptLookupDrafter(3)
+    tree = make_tree_round("static", tree_drafter, 4)
+    trees, _ = _generate(folder, make(), greedy, drafter=tree_drafter, tree=tree)
+    assert chain.token_ids == trees.token_ids == plain.token_ids
+    assert chain.stats.drafted_tokens > 0 and trees.stats.drafted_tokens > 0
+
+
+def test_bad_schemas_and_tokenizers_are_refused_with_reasons() -> None:
+    from tiny import tiny_tokenizer
+
+    outputs = StructuredOutputs(byte_tokenizer(), {EOS})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        outputs.json_schema("{not json")
+    with pytest.raises(ValueError, match="is an object"):
+        outputs.json_schema("[1, 2]")
+    with pytest.raises(ValueError, match="cannot be used"):
+        outputs.json_schema({"type": "object", "properties": {"a": {"type": "nonsense"}}})
+    with pytest.raises(ValueError, match="cannot use this tokenizer"):
+        StructuredOutputs(tiny_tokenizer(), {EOS})  # word-level: no byte strings
+
+
+def test_served_json_is_the_command_lines(folder: Path, tmp_path: Path) -> None:
+    """``response_format`` on the server: a JSON schema's greedy output (with n-gram
+    drafts) is `speculative generate --json-schema`'s, `json_object` choices sampled
+    together are JSON objects, and a schema that cannot be compiled is a 400 naming
+    response_format."""
+    import contextlib
+    import io
+
+    openai = pytest.importorskip("openai")
+    from server_helpers import start_server
+    from speculative.cli.main import main
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["generate", "--target", str(folder), "--runtime", "native", "--json",
+                     "--no-chat", "--prompt", PROMPT, "--max-new-tokens", "160", "--draft",
+                     "ngram", "--temperature", "0", "--json-schema", str(schema_file)])  # fmt: skip
+    assert code == 0
+    expected = json.loads(out.getvalue().splitlines()[-1])["text"]
+    assert satisfies(json.loads(expected))
+    with start_server(folder, max_prompt_tokens=128) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        schema_format = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}
+        answer = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=160, temperature=0,
+            extra_body={"response_format": schema_format, "speculative": {"draft": "ngram"}},
+        )  # fmt: skip
+        assert answer.choices[0].text == expected
+        assert answer.choices[0].finish_reason == "stop"
+        sampled = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=160, temperature=1.0, n=2, seed=1,
+            extra_body={"response_format": {"type": "json_object"}},
+        )  # fmt: skip
+        for choice in sampled.choices:
+            assert isinstance(json.loads(choice.text), dict)
+        bad = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "nope"}}}
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=8, extra_body={"response_format": bad}
+            )
+        assert caught.value.body["param"] == "response_format"
