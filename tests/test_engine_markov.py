@@ -321,9 +321,36 @@ class NoRepeat:
         return logits
 
 
-def constrained_law(prompt: list[int], length: int) -> np.ndarray:
+class ThenFour(NoRepeat):
+    """:class:`NoRepeat`, and after token 2 only token 4 may follow, which the constraint
+    says it forces (:class:`~speculative.sampling.constraints.ForcesTokens`): the engine
+    drafts it."""
+
+    def restrict(self, logits: torch.Tensor, extras) -> torch.Tensor:
+        super().restrict(logits, extras)
+        for i, extra in enumerate(extras):
+            if (extra[-1] if extra else self.last) == 2:
+                four = logits[i, 4].clone()
+                logits[i] = float("-inf")
+                logits[i, 4] = four
+        return logits
+
+    def forced(self, limit: int) -> list[int]:
+        return [4][:limit] if self.last == 2 else []
+
+
+class ForcesWrongly(NoRepeat):
+    """:class:`NoRepeat` that claims to force tokens it refuses (the last one again):
+    drafts verification must reject, never emit."""
+
+    def forced(self, limit: int) -> list[int]:
+        return [self.last, self.last][:limit]
+
+
+def constrained_law(prompt: list[int], length: int, then_four: bool = False) -> np.ndarray:
     """The exact probability of every output sequence of ``length`` tokens after
-    ``prompt`` from the target P restricted by :class:`NoRepeat` (temperature 1)."""
+    ``prompt`` from the target P restricted by :class:`NoRepeat` (or :class:`ThenFour`),
+    temperature 1."""
     logp = torch.log(torch.as_tensor(P)).double()
     law = np.zeros(5**length)
     for index in range(5**length):
@@ -332,31 +359,43 @@ def constrained_law(prompt: list[int], length: int) -> np.ndarray:
         for token in tokens:
             row = logp[last].clone()
             row[last] = float("-inf")
+            if then_four and last == 2:
+                row[[0, 1, 2, 3]] = float("-inf")
             p *= torch.softmax(row, dim=0)[token].item()
             last = token
         law[index] = p
     return law
 
 
-def constrained_counts(engine, n, length, seed) -> np.ndarray:
+def constrained_counts(engine, n, length, seed, kind=NoRepeat) -> tuple[np.ndarray, int]:
+    """Counts of each output sequence, and the drafted tokens in all."""
     g = torch.Generator().manual_seed(seed)
-    counts = np.zeros(5**length)
+    counts, drafted = np.zeros(5**length), 0
     stop, prompt = StopCriteria(max_new_tokens=length), [0, 3, 0]
     for _ in range(n):
-        tokens = engine.generate(prompt, SamplingParams(), stop, g, None, NoRepeat(prompt))
-        counts[int("".join(map(str, tokens.token_ids)), 5)] += 1
-    return counts
+        result = engine.generate(prompt, SamplingParams(), stop, g, None, kind(prompt))
+        counts[int("".join(map(str, result.token_ids)), 5)] += 1
+        drafted += result.stats.drafted_tokens
+    return counts, drafted
 
 
-@pytest.mark.parametrize("drafter", [None, "model", "ngram"])
-def test_constrained_sampling_follows_the_constrained_target_exactly(drafter):
+@pytest.mark.parametrize(
+    ("drafter", "kind"),
+    [(None, NoRepeat), ("model", NoRepeat), ("ngram", NoRepeat), (None, ThenFour),
+     ("model", ThenFour), (None, ForcesWrongly)],
+)  # fmt: skip
+def test_constrained_sampling_follows_the_constrained_target_exactly(drafter, kind):
     """Sequences sampled under a token constraint (plain or speculative) follow the exact
     law of the target restricted to the allowed tokens and renormalized, by enumeration:
     no sample leaves the constraint, and each verified row is restricted by its own
-    history, drafts included (the drafters propose refused tokens too)."""
+    history, drafts included (the drafters propose refused tokens too). The tokens a
+    constraint forces are drafted in rounds of their own (ThenFour), and forced drafts
+    that are wrong (ForcesWrongly) are rejected, never emitted."""
     n, length = 3000, 3
-    law = constrained_law([0, 3, 0], length)
-    counts = constrained_counts(make_engine(drafter, 4), n, length, seed=5)
+    law = constrained_law([0, 3, 0], length, then_four=kind is ThenFour)
+    engine = make_engine(drafter, 4)
+    counts, drafted = constrained_counts(engine, n, length, seed=5, kind=kind)
+    assert (drafted > 0) == (drafter is not None or kind is not NoRepeat)
     assert counts[law == 0].sum() == 0
     assert goodness_of_fit(counts, law) > 1e-3
 
@@ -372,5 +411,5 @@ def test_constrained_sampling_negative_control(monkeypatch):
 
     monkeypatch.setattr(batch, "_processed", forgets_drafts)
     law = constrained_law([0, 3, 0], 3)
-    counts = constrained_counts(make_engine("model", 4), 3000, 3, seed=5)
+    counts, _ = constrained_counts(make_engine("model", 4), 3000, 3, seed=5)
     assert counts[law == 0].sum() > 0

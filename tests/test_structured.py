@@ -21,7 +21,7 @@ from speculative.engine import SpeculativeEngine, StopCriteria
 from speculative.engine.tree import make_tree_round
 from speculative.models.native import load_native
 from speculative.sampling import SamplingParams
-from speculative.structured import ANY_OBJECT, StructuredOutputs
+from speculative.structured import ANY_OBJECT, GrammarConstraint, StructuredOutputs
 from tiny import byte_tokenizer, save_tiny
 
 pytest.importorskip("llguidance")
@@ -110,6 +110,23 @@ def test_greedy_speculation_keeps_constrained_greedy_tokens(
     assert chain.stats.drafted_tokens > 0 and trees.stats.drafted_tokens > 0
 
 
+def test_the_grammars_forced_tokens_are_drafted(
+    folder: Path, outputs: StructuredOutputs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a drafter, the tokens the schema forces (its keys and punctuation) are
+    drafted and verified in passes of their own: fewer target passes than tokens, the
+    same greedy tokens as decoding them one by one (forced drafts turned off)."""
+    make = outputs.json_schema(SCHEMA)
+    greedy = SamplingParams(temperature=0)
+    drafted, _ = _generate(folder, make(), greedy)
+    monkeypatch.setattr(GrammarConstraint, "forced", lambda self, limit: [])
+    one_by_one, _ = _generate(folder, make(), greedy)
+    assert drafted.token_ids == one_by_one.token_ids
+    assert one_by_one.stats.drafted_tokens == 0
+    assert drafted.stats.accepted_tokens >= 10  # '{"n": ', ', "ok": ', ', "tags": ['
+    assert drafted.stats.target_calls <= one_by_one.stats.target_calls - 10
+
+
 def test_bad_schemas_and_tokenizers_are_refused_with_reasons() -> None:
     from tiny import tiny_tokenizer
 
@@ -126,9 +143,9 @@ def test_bad_schemas_and_tokenizers_are_refused_with_reasons() -> None:
 
 def test_served_json_is_the_command_lines(folder: Path, tmp_path: Path) -> None:
     """``response_format`` on the server: a JSON schema's greedy output (with n-gram
-    drafts) is `speculative generate --json-schema`'s, `json_object` choices sampled
-    together are JSON objects, and a schema that cannot be compiled is a 400 naming
-    response_format."""
+    drafts) is `speculative generate --json-schema`'s, choices sampled together satisfy
+    it, `json_object` gives a JSON object, and a schema that cannot be compiled is a 400
+    naming response_format."""
     import contextlib
     import io
 
@@ -158,10 +175,15 @@ def test_served_json_is_the_command_lines(folder: Path, tmp_path: Path) -> None:
         assert answer.choices[0].finish_reason == "stop"
         sampled = client.completions.create(
             model=model, prompt=PROMPT, max_tokens=160, temperature=1.0, n=2, seed=1,
-            extra_body={"response_format": {"type": "json_object"}},
+            extra_body={"response_format": schema_format, "speculative": {"draft": "ngram"}},
         )  # fmt: skip
         for choice in sampled.choices:
-            assert isinstance(json.loads(choice.text), dict)
+            assert satisfies(json.loads(choice.text)) and choice.finish_reason == "stop"
+        anything = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=160, temperature=0,
+            extra_body={"response_format": {"type": "json_object"}},
+        )  # fmt: skip
+        assert isinstance(json.loads(anything.choices[0].text), dict)
         bad = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "nope"}}}
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(

@@ -93,7 +93,7 @@ from speculative.models.session import (
     common_prefix_length,
 )
 from speculative.sampling import SamplingParams, VerifyResult, VerifyUniforms
-from speculative.sampling.constraints import TokenConstraint
+from speculative.sampling.constraints import ForcesTokens, TokenConstraint
 from speculative.sampling.penalties import Penalties, PenaltyHistory
 from speculative.sampling.tree import TreeVerifyResult
 from speculative.theory import decayed_average
@@ -110,6 +110,8 @@ CATCH_UP_ROUNDS = 4
 # them: every pass that copies them out costs 2-3 % more (Zen 4, SmolLM2-135M at B = 4-8),
 # paid for drafts the load no longer lets the row make
 SHED_AFTER = 16
+# most tokens a round drafts from what a row's constraint forces (ForcesTokens)
+FORCED_DRAFT_MAX = 16
 # most prompt tokens a row that asked for the prompt's log-probabilities feeds per pass:
 # its logits are kept for every token (256 × the default model's 49,152: 50 MB)
 PROMPT_LOGPROBS_CHUNK = 256
@@ -594,9 +596,16 @@ class BatchEngine:
             wanted = self._load_gammas(load, rows, wanted, extra_tokens, extra_rows)
         if self.load is not None:  # a lone row choosing alone (load None here) too
             self._shed_idle_features(rows, offered, wanted, unasked)
+        forced = self._forced_drafts(rows)
+        if forced:  # those rows draft what their constraint forces, not their drafter
+            wanted = [0 if row.row_id in forced else g for row, g in zip(rows, wanted, strict=True)]
         together = self._proposals_together(rows, wanted)
         planned = []
         for row, gamma in zip(rows, wanted, strict=True):
+            if row.row_id in forced:  # no γ policy is asked or told: unasked
+                proposal = self._chain_proposal(row, forced[row.row_id])
+                planned.append(_Planned(row, proposal, 0.0, 0, unasked=True))
+                continue
             if row.row_id in together:
                 proposal, seconds, calls = together[row.row_id]
             else:
@@ -608,6 +617,23 @@ class BatchEngine:
                 row.state.stats.draft_seconds += seconds
             planned.append(_Planned(row, proposal, seconds, gamma, unasked))
         return planned
+
+    def _forced_drafts(self, rows: list[BatchRow]) -> dict[int, Draft]:
+        """Per chain row whose constraint forces its next tokens (:class:`ForcesTokens`):
+        those tokens as a point-mass draft, cut to what the pass and the row's token
+        budget can still use (the round adds one token of its own)."""
+        out = {}
+        for row in rows:
+            constraint = row.request.constraint
+            if row.request.tree is not None or not provides(constraint, ForcesTokens):
+                continue
+            emitted = len(row.state.sequence) - row.state.prompt_length
+            budget = row.request.stop.max_new_tokens - emitted - 1
+            limit = draft_length(min(FORCED_DRAFT_MAX, budget), row.state, self.max_length)
+            tokens = constraint.forced(limit)
+            if tokens:
+                out[row.row_id] = Draft(tokens=tokens)
+        return out
 
     @staticmethod
     def _shed_idle_features(
@@ -976,7 +1002,7 @@ def _feed_back_costs(planned: _Planned, pass_seconds: float) -> None:
     """Tell a γ policy that learns from timings what this round's drafting and its
     verification pass really cost (catch-up forwards and overheads included)."""
     policy, drafted = planned.row.learns_costs, planned.proposal.drafted
-    if drafted and planned.proposal.tree is None and policy is not None:
+    if drafted and planned.proposal.tree is None and policy is not None and not planned.unasked:
         policy.observe_costs(drafted, planned.propose_seconds, pass_seconds)
 
 

@@ -37,6 +37,19 @@ class TokenConstraint(Protocol):
         ...
 
 
+@runtime_checkable
+class ForcesTokens(Protocol):
+    """A constraint that can say which tokens it leaves as the only way on right after the
+    output (a grammar's fixed keys and punctuation): the engine drafts them, point-mass,
+    when the row's drafter is not asked; verification keeps them exactly as it keeps any
+    draft (the constrained target gives them probability 1, or less where the grammar
+    also allows another tokenization of the same text)."""
+
+    def forced(self, limit: int) -> list[int]:
+        """At most ``limit`` tokens that the constraint forces after the output."""
+        ...
+
+
 def restricted(
     logits: torch.Tensor,  # [vocab] float32, changed in place
     allowed: torch.Tensor,  # [≤ vocab or more] bool, True = may follow

@@ -76,6 +76,13 @@ class GrammarConstraint:
                 matcher.rollback(taken)
         return logits
 
+    def forced(self, limit: int) -> list[int]:
+        """The tokens of the text the grammar forces next (its fast-forward tokens: a
+        schema's keys and punctuation), at most ``limit``; [] where it forces none."""
+        if limit < 1 or self.matcher.is_stopped():
+            return []
+        return list(self.matcher.compute_ff_tokens()[:limit])
+
     def allowed(self) -> torch.Tensor:
         """[tokenizer's vocabulary, rounded up to 32] bool: the tokens that may come next."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
