@@ -127,6 +127,34 @@ def test_the_grammars_forced_tokens_are_drafted(
     assert drafted.stats.target_calls <= one_by_one.stats.target_calls - 10
 
 
+def test_regex_choice_and_grammar_outputs_match(folder: Path) -> None:
+    """A regular expression, a list of choices and a Lark grammar, through the library
+    (`Speculator.generate`), sampled with n-gram drafts: every output matches in full (the
+    model unconstrained matches none: the first test's control)."""
+    import re
+
+    from speculative.pipeline import Speculator
+
+    spec = Speculator.load(str(folder), "ngram", 3, "native")
+    choices = ["red", "green", "blue", 'a "quoted" one']
+    lark = 'start: num ("+" num)*\nnum: /[0-9]{1,2}/'
+    seen = set()
+    for seed in range(4):
+        kw = {"chat": False, "max_new_tokens": 24, "temperature": 1.0, "seed": seed}
+        out = spec.generate(PROMPT, regex="[a-c]{2,4}-[0-9]{1,3}", **kw)
+        assert re.fullmatch("[a-c]{2,4}-[0-9]{1,3}", out.text), out.text
+        out = spec.generate(PROMPT, choice=choices, **kw)
+        assert out.text in choices and out.finish_reason == "eos"
+        seen.add(out.text)
+        out = spec.generate(PROMPT, grammar=lark, **{**kw, "max_new_tokens": 40})
+        if out.finish_reason == "eos":
+            assert re.fullmatch(r"[0-9]{1,2}(\+[0-9]{1,2})*", out.text), out.text
+        else:  # the budget cut it: a prefix of a sentence
+            assert re.fullmatch(r"[0-9]{1,2}(\+[0-9]{1,2})*\+?", out.text), out.text
+    with pytest.raises(ValueError, match="one output format"):
+        spec.generate(PROMPT, regex="a", choice=["b"])
+
+
 def test_bad_schemas_and_tokenizers_are_refused_with_reasons() -> None:
     from tiny import tiny_tokenizer
 
@@ -137,6 +165,12 @@ def test_bad_schemas_and_tokenizers_are_refused_with_reasons() -> None:
         outputs.json_schema("[1, 2]")
     with pytest.raises(ValueError, match="cannot be used"):
         outputs.json_schema({"type": "object", "properties": {"a": {"type": "nonsense"}}})
+    with pytest.raises(ValueError, match="the regex cannot be used"):
+        outputs.regex("[0-9")
+    with pytest.raises(ValueError, match="the grammar cannot be used"):
+        outputs.lark("start: missing_rule")
+    with pytest.raises(ValueError, match="non-empty strings"):
+        outputs.choice([])
     with pytest.raises(ValueError, match="cannot use this tokenizer"):
         StructuredOutputs(tiny_tokenizer(), {EOS})  # word-level: no byte strings
 
@@ -190,3 +224,54 @@ def test_served_json_is_the_command_lines(folder: Path, tmp_path: Path) -> None:
                 model=model, prompt=PROMPT, max_tokens=8, extra_body={"response_format": bad}
             )
         assert caught.value.body["param"] == "response_format"
+        # vLLM's structured_outputs and its earlier guided_* names
+        for extra in ({"structured_outputs": {"choice": ["yes", "no"]}},
+                      {"guided_choice": ["yes", "no"]}):  # fmt: skip
+            answer = client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, n=3, seed=2,
+                extra_body=extra,
+            )  # fmt: skip
+            assert {choice.text for choice in answer.choices} <= {"yes", "no"}
+        answer = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+            extra_body={"structured_outputs": {"regex": "[0-9]{3}"}},
+        )  # fmt: skip
+        assert len(answer.choices[0].text) == 3 and answer.choices[0].text.isdigit()
+        for extra in ({"guided_regex": "a", "guided_choice": ["b"]},
+                      {"guided_regex": "a", "response_format": {"type": "json_object"}},
+                      {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+                      {"structured_outputs": {"grammar": "start: nowhere"}}):  # fmt: skip
+            with pytest.raises(openai.BadRequestError):
+                client.completions.create(
+                    model=model, prompt=PROMPT, max_tokens=8, extra_body=extra
+                )
+
+
+def test_command_line_formats(folder: Path, tmp_path: Path, capsys) -> None:
+    """`generate --choice`, and a `--prompts` job whose records carry their own formats
+    (a regex, a choice, a JSON schema, none); two formats at once are refused."""
+    import re
+
+    from test_cli import last_json, run_cli
+
+    base = ["generate", "--target", str(folder), "--runtime", "native", "--no-chat"]
+    base += ["--max-new-tokens", "24", "--temperature", "1.0", "--draft", "ngram"]
+    code, out, err = run_cli(capsys, *base, "--prompt", PROMPT, "--json", "--choice", "up", "down")
+    assert code == 0, err
+    assert last_json(out)["text"] in {"up", "down"}
+    records = [
+        {"prompt": PROMPT, "regex": "[xyz]{4}", "seed": 1},
+        {"prompt": PROMPT, "choice": ["left", "right"], "seed": 2},
+        {"prompt": PROMPT, "json_schema": SCHEMA, "max_new_tokens": 160, "seed": 3},
+        {"prompt": PROMPT, "seed": 4},
+    ]
+    prompts, results = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, _, err = run_cli(capsys, *base, "--prompts", str(prompts), "--out", str(results))
+    assert code == 0, err
+    texts = [json.loads(line)["text"] for line in results.read_text().splitlines()]
+    assert re.fullmatch("[xyz]{4}", texts[0]) and texts[1] in {"left", "right"}
+    assert satisfies(json.loads(texts[2]))
+    assert not re.fullmatch("[xyz]{4}", texts[3])  # free text: the model's noise
+    code, _, err = run_cli(capsys, *base, "--prompt", PROMPT, "--regex", "a", "--choice", "b")
+    assert code == 2 and "not allowed with argument" in err

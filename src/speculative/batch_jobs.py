@@ -44,10 +44,28 @@ class BatchJob:
     batch_size: int = 8
     logprobs: int | None = None  # each token's log-probability and this many alternatives'
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
-    json_schema: dict[str, Any] | None = None  # the JSON the output must satisfy (or None)
+    output_format: Any = None  # what the output must be (a structured.OutputFormat; None: text)
     presence_penalty: float = 0.0  # the target's logits penalized (sampling.penalties)
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+
+
+FORMAT_KEYS = ("json_schema", "regex", "choice", "grammar")  # a record's output format
+
+
+def record_output_format(record: Record) -> Any:
+    """A record's own output format (its ``json_schema``, ``regex``, ``choice`` or
+    ``grammar``: at most one), or None; ValueError for two of them."""
+    given = {key: record[key] for key in FORMAT_KEYS if record.get(key) is not None}
+    if not given:
+        return None
+    from speculative.structured import OutputFormat
+
+    choice = given.get("choice")
+    return OutputFormat(
+        given.get("json_schema"), given.get("regex"),
+        None if choice is None else tuple(choice), given.get("grammar"),
+    )  # fmt: skip
 
 
 class RowDecoder:
@@ -115,12 +133,12 @@ class RowDecoder:
             float(record.get("frequency_penalty", job.frequency_penalty)),
             float(record.get("repetition_penalty", job.repetition_penalty)),
         )
-        schema = record.get("json_schema", job.json_schema)
         constraint = None
-        if schema is not None:
-            from speculative.structured import structured_outputs
+        output = record_output_format(record) or job.output_format
+        if output is not None:
+            from speculative.structured import constraints_for
 
-            constraint = structured_outputs(loaded).json_schema(schema)()
+            constraint = constraints_for(loaded, output)()
         return BatchRequest(
             ids, params, criteria, generator, drafter, row_gamma, logprobs=job.logprobs,
             penalties=penalties, prompt_logprobs=job.prompt_logprobs, constraint=constraint,

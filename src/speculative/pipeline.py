@@ -216,6 +216,9 @@ class Speculator:
         repetition_penalty: float = 1.0,
         prompt_logprobs: int | None = None,
         json_schema: dict[str, Any] | str | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
+        grammar: str | None = None,
     ) -> GenerationStream:
         """Start a generation; iterate the result for each round's emitted tokens.
         ``logprobs``: each token's log-probability under the target's raw distribution
@@ -225,7 +228,9 @@ class Speculator:
         only scored. ``json_schema``: the output is JSON that satisfies it (a schema dict
         or its JSON text; ``structured.ANY_OBJECT`` for any object): the target is
         restricted to tokens that keep it so, and speculation is exact with respect to that
-        restricted target (ValueError for a schema that cannot be compiled).
+        restricted target (ValueError for a schema that cannot be compiled); ``regex``
+        (a full match), ``choice`` (one of these strings) and ``grammar`` (a Lark
+        grammar's sentence) in its place, at most one of the four.
         The penalties adjust the target's logits by what the sequence holds
         (:mod:`speculative.sampling.penalties`; exact under speculation)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
@@ -234,10 +239,14 @@ class Speculator:
         criteria = self.target.stop_criteria(max_new_tokens, stop)
         generator = torch.Generator().manual_seed(seed)
         constraint = None
-        if json_schema is not None:
-            from speculative.structured import structured_outputs
+        formats = (json_schema, regex, choice, grammar)
+        if any(f is not None for f in formats):
+            from speculative.structured import OutputFormat, constraints_for
 
-            constraint = structured_outputs(self.target).json_schema(json_schema)()
+            output = OutputFormat(
+                json_schema, regex, None if choice is None else tuple(choice), grammar
+            )
+            constraint = constraints_for(self.target, output)()
         stream = GenerationStream(
             self, self.engine(), prompt_ids, params, criteria, generator, logprobs, penalties,
             prompt_logprobs, constraint,

@@ -67,7 +67,7 @@ def done_indices(out: Path) -> set[int]:
 
 
 def job_from_args(args: argparse.Namespace) -> BatchJob:
-    from speculative.cli.generate_cmd import gamma_text
+    from speculative.cli.generate_cmd import gamma_text, output_format_of
     from speculative.engine.gamma import parse_gamma
 
     return BatchJob(
@@ -88,7 +88,7 @@ def job_from_args(args: argparse.Namespace) -> BatchJob:
         batch_size=args.batch_size,
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
-        json_schema=args.json_schema,
+        output_format=output_format_of(args),
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from speculative.cli.common import (
     CliError,
@@ -178,7 +178,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         "under the target's raw distribution (before temperature, top-k, top-p) and its N "
         "likeliest alternatives; speculation does not change them",
     )
-    parser.add_argument(
+    formats = parser.add_mutually_exclusive_group()
+    formats.add_argument(
         "--json-schema",
         type=json_schema_argument,
         default=None,
@@ -186,6 +187,19 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         help="write JSON that satisfies this JSON schema (inline JSON, a file's path, or "
         "'object' for any JSON object): the target is restricted to tokens that keep the "
         "output valid (a grammar; speculation stays exact for the restricted target)",
+    )
+    formats.add_argument(
+        "--regex", default=None, help="write text that matches this regular expression in full"
+    )
+    formats.add_argument(
+        "--choice", nargs="+", default=None, metavar="TEXT", help="write exactly one of these"
+    )
+    formats.add_argument(
+        "--grammar",
+        type=lark_grammar_argument,
+        default=None,
+        metavar="FILE",
+        help="write a sentence of this Lark grammar (a file; llguidance's Lark dialect)",
     )
     parser.add_argument(
         "--prompt-logprobs",
@@ -222,6 +236,26 @@ def json_schema_argument(text: str) -> dict:
     return schema
 
 
+def lark_grammar_argument(text: str) -> str:
+    """--grammar: a file holding a Lark grammar."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no grammar file {text!r}")
+    return path.read_text()
+
+
+def output_format_of(args: argparse.Namespace) -> Any:
+    """The --json-schema / --regex / --choice / --grammar option as a structured
+    ``OutputFormat`` (None: free text)."""
+    given = (args.json_schema, args.regex, args.choice, args.grammar)
+    if all(value is None for value in given):
+        return None
+    from speculative.structured import OutputFormat
+
+    choice = None if args.choice is None else tuple(args.choice)
+    return OutputFormat(args.json_schema, args.regex, choice, args.grammar)
+
+
 def drafters_description() -> str:
     from speculative.drafters.registry import drafter_help
 
@@ -247,7 +281,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="JSONL file of prompts (prompt or messages; optional temperature, top_k, top_p, "
         "min_p, "
         "seed, max_new_tokens, stop, presence_penalty, frequency_penalty, repetition_penalty, "
-        "json_schema), "
+        "json_schema, regex, choice, grammar), "
         "decoded in batches (native runtime); needs --out",
     )
     parser.add_argument(
@@ -352,6 +386,9 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         "logprobs": args.logprobs,
         "prompt_logprobs": args.prompt_logprobs,
         "json_schema": args.json_schema,
+        "regex": args.regex,
+        "choice": args.choice,
+        "grammar": args.grammar,
         "presence_penalty": args.presence_penalty,
         "frequency_penalty": args.frequency_penalty,
         "repetition_penalty": args.repetition_penalty,

@@ -304,17 +304,19 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
 def _constraints(
     body: CompletionRequest | ChatCompletionRequest, state: ServerState
 ) -> Callable[[], TokenConstraint] | None:
-    """Fresh grammar constraints for the rows of a request with a JSON response_format
-    (the schema compiled once for all its choices), or None."""
-    schema = body.json_schema()
-    if schema is None:
+    """Fresh grammar constraints for the rows of a request with an output format (a JSON
+    response_format or vLLM's structured_outputs; compiled once for all its choices),
+    or None."""
+    output = body.output_format()
+    if output is None:
         return None
-    from speculative.structured import structured_outputs
+    from speculative.structured import constraints_for
 
+    param = "response_format" if body.structured_outputs is None else "structured_outputs"
     try:
-        return structured_outputs(state.loaded).json_schema(schema)
+        return constraints_for(state.loaded, output)
     except ValueError as exc:
-        raise ApiError(400, str(exc), param="response_format") from None
+        raise ApiError(400, str(exc), param=param) from None
 
 
 def _max_tokens(

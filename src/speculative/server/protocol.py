@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from speculative.sampling.penalties import Penalties
-from speculative.structured.grammar import ANY_OBJECT
+from speculative.structured.grammar import ANY_OBJECT, OutputFormat
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_GAMMA = 16
@@ -122,6 +122,38 @@ class ResponseFormat(BaseModel):
         return None
 
 
+class StructuredOutputsOptions(BaseModel):
+    """vLLM's ``structured_outputs`` extension: one of a JSON schema, a regular expression
+    (matched in full), a list of choices or a Lark grammar."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one_format(self) -> StructuredOutputsOptions:
+        given = [v for v in (self.json_, self.regex, self.choice, self.grammar) if v is not None]
+        if len(given) != 1:
+            raise ValueError("give one of json, regex, choice or grammar")
+        return self
+
+    def output_format(self) -> OutputFormat:
+        choice = None if self.choice is None else tuple(self.choice)
+        return OutputFormat(self.json_, self.regex, choice, self.grammar)
+
+
+# vLLM's earlier names for the same options, taken as structured_outputs
+GUIDED_OPTIONS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
 class _Common(BaseModel):
     """Fields shared by completions and chat completions (unknown fields are ignored)."""
 
@@ -138,6 +170,7 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # token id (as text) -> offset, as OpenAI's
     response_format: ResponseFormat | None = None  # JSON output (structured outputs)
+    structured_outputs: StructuredOutputsOptions | None = None  # vLLM's: regex, choice, ...
 
     @field_validator("logit_bias")
     @classmethod
@@ -178,6 +211,25 @@ class _Common(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _guided_options(cls, data: Any) -> Any:
+        """vLLM's ``guided_json`` and kin as ``structured_outputs`` (one of them at most,
+        and not beside it)."""
+        if not isinstance(data, dict):
+            return data
+        guided = {key: data[key] for key in GUIDED_OPTIONS if data.get(key) is not None}
+        if not guided:
+            return data
+        if len(guided) > 1 or data.get("structured_outputs") is not None:
+            names = sorted(guided) + ["structured_outputs"] * ("structured_outputs" in data)
+            raise ApiError(
+                400, f"give one output format, got {', '.join(names)}", param=names[0]
+            )  # fmt: skip
+        ((key, value),) = guided.items()
+        rest = {k: v for k, v in data.items() if k not in GUIDED_OPTIONS}
+        return {**rest, "structured_outputs": {GUIDED_OPTIONS[key]: value}}
+
+    @model_validator(mode="before")
+    @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         """A 400 naming an option this server does not implement, where one is asked for
         (raised as the ApiError itself, so that its ``param`` is the option)."""
@@ -215,9 +267,19 @@ class _Common(BaseModel):
         for (echoed with ``logprobs``); None: not asked for."""
         return None
 
-    def json_schema(self) -> dict[str, Any] | None:
-        """The JSON schema the output must satisfy (None: free text)."""
-        return None if self.response_format is None else self.response_format.wanted_schema()
+    def output_format(self) -> OutputFormat | None:
+        """What the output must be (``response_format`` or ``structured_outputs``: not
+        both); None: free text."""
+        schema = None if self.response_format is None else self.response_format.wanted_schema()
+        options = self.structured_outputs
+        if schema is not None and options is not None:
+            raise ApiError(
+                400, "give response_format or structured_outputs, not both",
+                param="structured_outputs",
+            )  # fmt: skip
+        if options is not None:
+            return options.output_format()
+        return None if schema is None else OutputFormat(json_schema=schema)
 
     def stop_strings(self) -> tuple[str, ...]:
         return tuple(self.stop or ())  # the validator made it a list

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -93,6 +94,37 @@ class GrammarConstraint:
         return torch.from_numpy(allowed)
 
 
+@dataclass(frozen=True)
+class OutputFormat:
+    """What an output must be, one of: JSON valid under a schema, a full match of a regular
+    expression, exactly one of some strings, or a sentence of a Lark grammar."""
+
+    json_schema: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    lark: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [v for v in (self.json_schema, self.regex, self.choice, self.lark) if v is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "give one output format: a JSON schema, a regex, a choice or a grammar "
+                f"(got {len(given)})"
+            )
+
+    def compile(self, outputs: StructuredOutputs) -> Callable[[], GrammarConstraint]:
+        """Fresh constraints (one per row) for this format over ``outputs``' tokenizer;
+        ValueError saying what cannot be compiled."""
+        if self.json_schema is not None:
+            return outputs.json_schema(self.json_schema)
+        if self.regex is not None:
+            return outputs.regex(self.regex)
+        if self.choice is not None:
+            return outputs.choice(self.choice)
+        assert self.lark is not None
+        return outputs.lark(self.lark)
+
+
 class StructuredOutputs:
     """Grammars over one tokenizer: its conversion (about 0.3 s for a 49k vocabulary) is
     made once, each schema compiled when asked, each row's matcher fresh."""
@@ -119,16 +151,42 @@ class StructuredOutputs:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
-        matcher = self._matcher
         try:
-            grammar = matcher.grammar_from_json_schema(schema, overrides=JSON_FORMAT)
+            grammar = self._matcher.grammar_from_json_schema(schema, overrides=JSON_FORMAT)
         except ValueError as exc:
             raise ValueError(f"the JSON schema cannot be used: {exc}") from None
-        error = matcher.validate_grammar(grammar, self.tokenizer)
+        return self._compiled(grammar, "the JSON schema")
+
+    def regex(self, pattern: str) -> Callable[[], GrammarConstraint]:
+        """Fresh constraints whose outputs match the regular expression ``pattern`` in
+        full (Rust regex syntax)."""
+        return self._compiled(self._matcher.grammar_from_regex(pattern), "the regex")
+
+    def choice(self, options: Sequence[str]) -> Callable[[], GrammarConstraint]:
+        """Fresh constraints whose outputs are exactly one of ``options``."""
+        if not options or any(not isinstance(o, str) or not o for o in options):
+            raise ValueError("choose among one or more non-empty strings")
+        rule = " | ".join(json.dumps(option) for option in options)  # Lark string literals
+        return self._compiled(self._matcher.grammar_from_lark(f"start: {rule}"), "the choice")
+
+    def lark(self, grammar: str) -> Callable[[], GrammarConstraint]:
+        """Fresh constraints whose outputs the Lark grammar ``grammar`` derives from its
+        ``start`` rule (llguidance's Lark dialect)."""
+        return self._compiled(self._matcher.grammar_from_lark(grammar), "the grammar")
+
+    def _compiled(self, grammar: str, what: str) -> Callable[[], GrammarConstraint]:
+        """Fresh constraints of a compiled ``grammar``; ValueError naming ``what`` with
+        the compiler's message where it cannot be used."""
+        matcher, tokenizer = self._matcher, self.tokenizer
+        error = matcher.validate_grammar(grammar, tokenizer)
         if error:
-            raise ValueError(f"the JSON schema cannot be used: {error}")
-        tokenizer = self.tokenizer
+            raise ValueError(f"{what} cannot be used: {error}")
         return lambda: GrammarConstraint(matcher(tokenizer, grammar, log_level=0))
+
+
+def constraints_for(loaded: Any, output: OutputFormat) -> Callable[[], GrammarConstraint]:
+    """Fresh constraints (one per row) for ``output`` over a loaded model's tokenizer."""
+    return output.compile(structured_outputs(loaded))
 
 
 def structured_outputs(loaded: Any) -> StructuredOutputs:
