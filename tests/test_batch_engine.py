@@ -1597,6 +1597,82 @@ def test_penalized_rows_equal_plain_penalized_decoding(folder: Path, processor: 
     assert max(r.num_accepted for r in results[1].rounds) == 2
 
 
+class _FailsAfter:
+    """A token constraint that allows every token and fails after ``n`` tokens."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        from speculative.sampling.constraints import ConstraintError
+
+        self.left -= len(tokens)
+        if self.left <= 0:
+            raise ConstraintError("the grammar gave up")
+
+    def restrict(self, logits: torch.Tensor, extras) -> torch.Tensor:
+        return logits
+
+
+def test_a_failing_constraint_ends_its_row_alone(folder: Path) -> None:
+    """A row whose constraint fails ends with finish reason "error" and the message; the
+    row beside it decodes on to its own tokens; the single-sequence engine raises."""
+    from speculative.sampling.constraints import ConstraintError
+
+    backend = _backend("kernels")
+    target = load_native(folder, max_length=96, backend=backend, max_slots=2)
+    loop = _specs()[0].prompt
+    greedy, stop = SamplingParams(temperature=0), StopCriteria(max_new_tokens=16)
+    row = BatchRequest(loop, greedy, stop, torch.Generator(), PromptLookupDrafter(3), 3)
+    failing, fine = BatchEngine(target, max_batch=2).run(
+        [replace(row, constraint=_FailsAfter(5)), row]
+    )
+    alone = BatchEngine(target, max_batch=1).run([row])[0]
+    assert failing.finish_reason == "error" and failing.error == "the grammar gave up"
+    assert 0 < len(failing.token_ids) < 16
+    assert fine.token_ids == alone.token_ids and fine.error is None
+    engine = SpeculativeEngine(load_native(folder, max_length=96, backend=backend), None)
+    with pytest.raises(ConstraintError, match="gave up"):
+        engine.generate(loop, greedy, stop, torch.Generator(), None, _FailsAfter(3))
+
+
+def test_the_servers_scheduler_fails_only_the_row_whose_constraint_failed(folder: Path) -> None:
+    """Through the server's scheduler, a row whose constraint fails gets an error event
+    with the message; the row beside it finishes with its own tokens."""
+    import asyncio
+
+    from speculative.server.scheduler import DoneEvent, ErrorEvent, Job, Scheduler
+
+    backend = _backend("kernels")
+    target = load_native(folder, max_length=96, backend=backend, max_slots=2)
+    loop = _specs()[0].prompt
+    greedy, stop = SamplingParams(temperature=0), StopCriteria(max_new_tokens=16)
+    row = BatchRequest(loop, greedy, stop, torch.Generator(), PromptLookupDrafter(3), 3)
+    alone = BatchEngine(target, max_batch=1).run([row])[0]
+
+    async def last_events() -> list:
+        scheduler = Scheduler(BatchEngine(target, max_batch=2))
+        running = asyncio.get_running_loop()
+        jobs = [Job(replace(row, constraint=_FailsAfter(5)), running), Job(row, running)]
+        scheduler.start()
+        try:
+            for job in jobs:
+                scheduler.submit(job)
+            ends = []
+            for job in jobs:
+                event = await asyncio.wait_for(job.events.get(), 30)
+                while not isinstance(event, DoneEvent | ErrorEvent):
+                    event = await asyncio.wait_for(job.events.get(), 30)
+                ends.append(event)
+            return ends
+        finally:
+            scheduler.stop()
+
+    failed, done = asyncio.run(last_events())
+    assert isinstance(failed, ErrorEvent) and failed.message == "the grammar gave up"
+    assert isinstance(done, DoneEvent) and done.result.token_ids == alone.token_ids
+
+
 class _Oracle(_SecondBranch):
     """Chains of the target's own ``continuation``: every draft is accepted."""
 

@@ -93,7 +93,7 @@ from speculative.models.session import (
     common_prefix_length,
 )
 from speculative.sampling import SamplingParams, VerifyResult, VerifyUniforms
-from speculative.sampling.constraints import ForcesTokens, TokenConstraint
+from speculative.sampling.constraints import ConstraintError, ForcesTokens, TokenConstraint
 from speculative.sampling.penalties import Penalties, PenaltyHistory
 from speculative.sampling.tree import TreeVerifyResult
 from speculative.theory import decayed_average
@@ -273,6 +273,7 @@ class BatchRow:
     penalty_history: PenaltyHistory | None = None
     # the prompt's log-probabilities so far, where the request asked for them
     prompt_entries: list[TokenLogprobs] | None = None
+    error: str | None = None  # why the row failed (its constraint: ConstraintError)
 
     def result(self) -> GenerationResult:
         return GenerationResult(
@@ -280,6 +281,7 @@ class BatchRow:
             stats=self.state.stats,
             finish_reason=self.state.reason,
             rounds=self.rounds,
+            error=self.error,
         )
 
     def alphas(self) -> tuple[float, ...]:
@@ -487,7 +489,12 @@ class BatchEngine:
         for p, logits in zip(planned, outputs[len(chunks) :], strict=True):
             _feed_back_costs(p, seconds)
             started = time.perf_counter()
-            rounds[p.row.row_id] = self._commit(p, p.row.session.receive(logits))
+            scored = p.row.session.receive(logits)
+            try:
+                rounds[p.row.row_id] = self._commit(p, scored)
+            except ConstraintError as exc:  # that row ends; the others decode on
+                rounds[p.row.row_id] = self._fail_row(p.row, str(exc))
+                continue
             _feed_back_round(p, seconds + time.perf_counter() - started)
         return rounds
 
@@ -545,6 +552,18 @@ class BatchEngine:
         round_ = self._with_prompt_logprobs(row, round_)
         row.rounds.append(round_)
         row.state.finished, row.state.reason = True, "length"
+        del self.rows[row.row_id]
+        row.session.release()
+        self.finished[row.row_id] = row.result()
+        return round_
+
+    def _fail_row(self, row: BatchRow, message: str) -> Round:
+        """Retire a row whose constraint failed: an empty round, finish reason "error"
+        (its result's ``error`` says why)."""
+        round_ = Round([], 0, 0, finished=True, reason="error")
+        row.rounds.append(round_)
+        row.state.finished, row.state.reason = True, "error"
+        row.error = message
         del self.rows[row.row_id]
         row.session.release()
         self.finished[row.row_id] = row.result()

@@ -38,7 +38,7 @@ from speculative.engine.tree import TreeRound
 from speculative.models.base import CausalLM
 from speculative.models.session import ModelSession, SinglePool
 from speculative.sampling import SamplingParams
-from speculative.sampling.constraints import TokenConstraint
+from speculative.sampling.constraints import ConstraintError, TokenConstraint
 from speculative.sampling.penalties import Penalties
 
 __all__ = [
@@ -110,6 +110,8 @@ class SpeculativeEngine:
         row = batch.add(request, stats)
         while row in batch.rows:
             round_ = batch.step().get(row)  # None while the prompt is being prefilled
+            if round_ is not None and round_.reason == "error":  # its constraint failed
+                raise ConstraintError(batch.finished[row].error or "the constraint failed")
             if round_ is not None:
                 yield round_
 

@@ -75,6 +75,7 @@ class GenerationResult:
     stats: GenerationStats
     finish_reason: str | None = None
     rounds: list[Round] = field(default_factory=list)
+    error: str | None = None  # why the row failed (finish_reason "error"), else None
 
     @property
     def logprobs(self) -> list[TokenLogprobs] | None:

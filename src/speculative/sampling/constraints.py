@@ -18,6 +18,11 @@ from typing import Protocol, runtime_checkable
 import torch
 
 
+class ConstraintError(ValueError):
+    """A row's constraint cannot go on (its grammar failed, say): the row ends with
+    finish reason "error" and this message, the rows beside it decode on."""
+
+
 @runtime_checkable
 class TokenConstraint(Protocol):
     """The tokens allowed after a sequence's output, kept as the output grows (one

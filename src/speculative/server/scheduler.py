@@ -214,12 +214,16 @@ class Scheduler:
             return
         for row_id, round_ in rounds.items():
             job = self._jobs[row_id]
-            self.observer.on_round(job, round_)
-            job.send(RoundEvent(round_))
+            if round_.reason != "error":  # a failed row's round is its ErrorEvent
+                self.observer.on_round(job, round_)
+                job.send(RoundEvent(round_))
             if round_.finished:
                 del self._jobs[row_id]
                 result = self.engine.finished.pop(row_id)
-                self._end(job, "ok", result, DoneEvent(result))
+                if result.error is not None:  # this row failed (its constraint), not the pass
+                    self._fail(job, result.error)
+                else:
+                    self._end(job, "ok", result, DoneEvent(result))
         self.observer.on_step(batch, self.waiting, len(self._jobs))
 
     def _end(self, job: Job, status: str, result: GenerationResult | None, event: Event) -> None:

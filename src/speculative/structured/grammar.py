@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speculative.sampling.constraints import restricted
+from speculative.sampling.constraints import ConstraintError, restricted
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # "json_object": any JSON object
 # JSON as json.dumps writes it: ", " between items, ": " after keys, no other whitespace.
@@ -51,7 +51,7 @@ class GrammarConstraint:
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Consume the committed tokens (each one the grammar allowed where it was
-        emitted); ValueError if the grammar refuses one (the output left it). Once the
+        emitted); ConstraintError if the grammar refuses one (the output left it). Once the
         grammar is complete it allowed end-of-sequence alone, which ends the output:
         nothing is left to consume."""
         matcher = self.matcher
@@ -59,7 +59,7 @@ class GrammarConstraint:
             if matcher.is_stopped():
                 return
             if not matcher.consume_token(token):
-                raise ValueError(f"the output left its grammar: {matcher.get_error()}")
+                raise ConstraintError(f"the output left its grammar: {matcher.get_error()}")
 
     def restrict(
         self,
@@ -90,7 +90,7 @@ class GrammarConstraint:
         allowed = np.unpackbits(bits, bitorder="little").astype(bool)
         if not allowed.any():
             error = self.matcher.get_error() or "no token can continue the output"
-            raise ValueError(f"the grammar allows no token: {error}")
+            raise ConstraintError(f"the grammar allows no token: {error}")
         return torch.from_numpy(allowed)
 
 
