@@ -1597,6 +1597,44 @@ def test_penalized_rows_equal_plain_penalized_decoding(folder: Path, processor: 
     assert max(r.num_accepted for r in results[1].rounds) == 2
 
 
+def test_a_greedy_check_takes_allowed_argmax_ids_without_masks(folder: Path) -> None:
+    """A constraint that can check single tokens (ChecksTokens) lets greedy chains take
+    the kernels' argmax wherever it is allowed and mask only the rows where it is not:
+    the same tokens as masking every row, far fewer masks, and masks still where the
+    model's argmax is refused (the constraint changes the output: the control)."""
+    from test_engine_markov import NoRepeat
+
+    class Counted(NoRepeat):
+        def __init__(self, prompt: list[int]) -> None:
+            super().__init__(prompt)
+            self.masked = 0
+
+        def restrict(self, logits: torch.Tensor, extras) -> torch.Tensor:
+            self.masked += len(extras)
+            return super().restrict(logits, extras)
+
+    class Checked(Counted):
+        def allows(self, extra, token: int) -> bool:
+            return token != (extra[-1] if extra else self.last)
+
+    backend = _backend("kernels")
+    target = load_native(folder, max_length=96, backend=backend, max_slots=1)
+    loop = _specs()[0].prompt
+    greedy, stop = SamplingParams(temperature=0), StopCriteria(max_new_tokens=24)
+    free = BatchEngine(target, max_batch=1).run(
+        [BatchRequest(loop, greedy, stop, torch.Generator(), PromptLookupDrafter(3), 4)]
+    )[0]
+    results, masked = {}, {}
+    for kind in (Counted, Checked):
+        constraint = kind(loop)
+        row = BatchRequest(loop, greedy, stop, torch.Generator(), PromptLookupDrafter(3), 4,
+                           constraint=constraint)  # fmt: skip
+        results[kind] = BatchEngine(target, max_batch=1).run([row])[0].token_ids
+        masked[kind] = constraint.masked
+    assert results[Checked] == results[Counted] != free.token_ids
+    assert 0 < masked[Checked] < masked[Counted] / 4
+
+
 class _FailsAfter:
     """A token constraint that allows every token and fails after ``n`` tokens."""
 

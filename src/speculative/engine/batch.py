@@ -93,7 +93,12 @@ from speculative.models.session import (
     common_prefix_length,
 )
 from speculative.sampling import SamplingParams, VerifyResult, VerifyUniforms
-from speculative.sampling.constraints import ConstraintError, ForcesTokens, TokenConstraint
+from speculative.sampling.constraints import (
+    ChecksTokens,
+    ConstraintError,
+    ForcesTokens,
+    TokenConstraint,
+)
 from speculative.sampling.penalties import Penalties, PenaltyHistory
 from speculative.sampling.tree import TreeVerifyResult
 from speculative.theory import decayed_average
@@ -557,6 +562,46 @@ class BatchEngine:
         self.finished[row.row_id] = row.result()
         return round_
 
+    def _checks_constraint(self, row: BatchRow, proposal: Proposal) -> bool:
+        """Whether a row's greedy check can take the model's own argmax ids, checked
+        against its constraint token by token, instead of masking every row: a greedy
+        chain under a constraint alone (no penalties) that answers :class:`ChecksTokens`,
+        on a model that takes the argmax in its forward."""
+        request = row.request
+        return (
+            request.params.greedy
+            and proposal.tree is None
+            and row.penalty_history is None
+            and self._fused_argmax is not None
+            and self.verifier is None
+            and provides(request.constraint, ChecksTokens)
+        )
+
+    def _constrained_argmax(
+        self,
+        logits: torch.Tensor,  # [1, drafted + 1, vocab] the row's raw logits
+        constraint: ChecksTokens,
+        drafted: list[int],
+    ) -> list[int] | None:
+        """The argmax over the allowed tokens of each row the greedy check reads (the
+        rows up to the first draft that differs from it): the model's own argmax where
+        the constraint allows it (then the same token), else the restricted row's; rows
+        after are left at the model's argmax (never read). None where the model has no
+        argmax for these logits."""
+        assert self._fused_argmax is not None
+        ids = self._fused_argmax.argmax_rows(logits)
+        if ids is None:
+            return None
+        assert provides(constraint, TokenConstraint)
+        for i, token in enumerate(ids):
+            extra = drafted[:i]
+            if not constraint.allows(extra, token):
+                row = logits[0, i : i + 1].float().clone()  # [1, vocab]
+                ids[i] = int(constraint.restrict(row, [extra])[0].argmax())
+            if i >= len(drafted) or drafted[i] != ids[i]:
+                break  # the check stops here
+        return ids
+
     def _fail_row(self, row: BatchRow, message: str) -> Round:
         """Retire a row whose constraint failed: an empty round, finish reason "error"
         (its result's ``error`` says why)."""
@@ -933,6 +978,13 @@ class BatchEngine:
         raw = logits  # what log-probabilities report
         history, constraint = row.penalty_history, request.constraint
         penalized = history is not None or constraint is not None
+        best = None  # the model's argmax and nucleus search read its own (raw) logits
+        if request.params.greedy and self._fused_argmax is not None and not penalized:
+            best = self._fused_argmax.argmax_rows(logits)  # drafted + 1 ids or None
+        elif self._checks_constraint(row, proposal):
+            assert provides(constraint, ChecksTokens) and proposal.draft is not None
+            best = self._constrained_argmax(logits, constraint, proposal.draft.tokens)
+            penalized = best is None  # else the rows the check reads are settled: no mask
         if penalized:
             logits = _processed(logits, history, constraint, proposal)
         if proposal.tree is not None:
@@ -943,9 +995,6 @@ class BatchEngine:
             row.session.keep_path(result.path)
         else:
             assert proposal.draft is not None
-            best = None  # the model's argmax and nucleus search read its own (raw) logits
-            if request.params.greedy and self._fused_argmax is not None and not penalized:
-                best = self._fused_argmax.argmax_rows(logits)  # drafted + 1 ids or None
             result = verify_draft(
                 proposal.draft, logits, request.params, request.generator, self.verifier, best,
                 None if penalized else self._nucleus, proposal.uniforms,

@@ -55,6 +55,17 @@ class ForcesTokens(Protocol):
         ...
 
 
+@runtime_checkable
+class ChecksTokens(Protocol):
+    """A constraint that can say whether one token may follow a history, without a
+    mask over the vocabulary: a greedy row then takes the target's own argmax wherever the
+    constraint allows it (the argmax over the allowed tokens is that same token)."""
+
+    def allows(self, extra: Sequence[int], token: int) -> bool:
+        """Whether ``token`` may follow output + ``extra``."""
+        ...
+
+
 def restricted(
     logits: torch.Tensor,  # [vocab] float32, changed in place
     allowed: torch.Tensor,  # [≤ vocab or more] bool, True = may follow

@@ -77,6 +77,14 @@ class GrammarConstraint:
                 matcher.rollback(taken)
         return logits
 
+    def allows(self, extra: Sequence[int], token: int) -> bool:
+        """Whether ``token`` may follow output + ``extra`` (consumed, then rolled back)."""
+        tokens = [*extra, token]
+        taken = self.matcher.try_consume_tokens(tokens)
+        if taken:
+            self.matcher.rollback(taken)
+        return taken == len(tokens)
+
     def forced(self, limit: int) -> list[int]:
         """The tokens of the text the grammar forces next (its fast-forward tokens: a
         schema's keys and punctuation), at most ``limit``; [] where it forces none."""
