@@ -391,6 +391,64 @@ def test_echo_scores_the_prompt(folder: Path, client: openai.OpenAI, model: str)
     assert quiet.choices[0].text == PROMPT and quiet.choices[0].logprobs is None
 
 
+def test_several_prompts_and_token_ids_in_one_request(client: openai.OpenAI, model: str) -> None:
+    """A list of prompts gets n choices each, prompt p's choice j at index p × n + j and
+    the sample a request with that prompt alone and seed + j gets; a prompt given as
+    token ids is answered as its text is; usage counts every prompt."""
+    from tiny import tiny_tokenizer
+
+    def texts(prompt, n: int = 1, seed: int = 5) -> list[str]:
+        answer = client.completions.create(
+            model=model, prompt=prompt, n=n, max_tokens=8, temperature=0.9, seed=seed,
+            extra_body={"speculative": {"draft": "ngram"}},
+        )  # fmt: skip
+        assert [c.index for c in answer.choices] == list(range(len(answer.choices)))
+        return [choice.text for choice in answer.choices]
+
+    together = texts(PROMPTS, n=2)
+    alone = [texts(prompt, seed=5 + j)[0] for prompt in PROMPTS for j in range(2)]
+    assert together == alone and len(set(together)) > 1
+    ids = [tiny_tokenizer()(prompt)["input_ids"] for prompt in PROMPTS]
+    assert texts(ids[0]) == texts(PROMPTS[0]) and texts(ids, n=2) == together
+    usage = client.completions.create(model=model, prompt=ids, max_tokens=2).usage
+    assert usage.prompt_tokens == sum(len(i) for i in ids)
+
+
+def test_lm_eval_loglikelihood_requests(client: openai.OpenAI, model: str) -> None:
+    """lm-evaluation-harness's loglikelihood request (token-id prompts in a batch,
+    ``echo``, ``max_tokens`` 1, ``logprobs`` 1, temperature 0), read as the harness reads
+    it: each continuation's log-likelihood is the sum of ``token_logprobs[ctxlen:-1]``,
+    the prompt-only scoring's sum, and "greedy" (each value its position's best) exactly
+    where each token's text is its position's likeliest alternative."""
+    from tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    context = tokenizer("the cat sat on the")["input_ids"]
+    continuations = [tokenizer(w)["input_ids"] for w in ("mat", "red blue")]
+    prompts = [context + c for c in continuations]
+    body = {"model": model, "prompt": prompts, "temperature": 0, "max_tokens": 1,
+            "logprobs": 1, "seed": 1234, "echo": True}  # fmt: skip
+    answer = client.completions.create(**body)
+    scored = client.completions.create(**{**body, "max_tokens": 0})
+    for choice, whole, tokens in zip(answer.choices, scored.choices, prompts, strict=True):
+        lists = choice.logprobs
+        assert len(lists.token_logprobs) == len(tokens) + 1  # the prompt, then one token
+        assert lists.token_logprobs[:-1] == whole.logprobs.token_logprobs
+        likelihood = sum(lists.token_logprobs[len(context) : -1])
+        expected = sum(whole.logprobs.token_logprobs[len(context) :])
+        assert likelihood == expected < 0
+        span = slice(len(context), -1)
+        greedy = all(  # as the harness decides it, from the values
+            lp == max(top.values())
+            for lp, top in zip(lists.token_logprobs[span], lists.top_logprobs[span], strict=True)
+        )
+        likeliest = all(  # from the texts: each token is its position's likeliest
+            token == max(top, key=top.get)
+            for token, top in zip(lists.tokens[span], lists.top_logprobs[span], strict=True)
+        )
+        assert greedy == likeliest
+
+
 def test_penalties_are_served_exactly(folder: Path, client: openai.OpenAI, model: str) -> None:
     """Penalized greedy text is `speculative generate`'s with the same penalties, with any
     drafter; the penalties change it (the control)."""
@@ -586,6 +644,11 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "n": 17}, 400, "n"),
+    ("/v1/completions", {"model": "MODEL", "prompt": [PROMPT, PROMPT], "n": 9}, 400, "n"),
+    ("/v1/completions", {"model": "MODEL", "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": "MODEL", "prompt": [[]]}, 400, "prompt"),
+    ("/v1/completions", {"model": "MODEL", "prompt": [3, 999999]}, 400, "prompt"),
+    ("/v1/completions", {"model": "MODEL", "prompt": [3, -1]}, 400, "prompt"),
     ("/v1/completions", {"model": "MODEL", "prompt": "the " * 100}, 400, "prompt"),
     ("/v1/completions", {"model": "MODEL", "prompt": "x" * 20000}, 413, None),
     ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "stop": ["a"] * 5}, 400, "stop"),

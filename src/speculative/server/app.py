@@ -61,12 +61,13 @@ DISCONNECT_POLL_SECONDS = 0.25
 
 @dataclass
 class Prepared:
-    """A validated request, ready for the scheduler."""
+    """A validated request, ready for the scheduler: its prompts (completions may give
+    several) and, per prompt, the engine request of its first choice."""
 
     endpoint: str  # "completions" or "chat"
     body: CompletionRequest | ChatCompletionRequest
-    prompt_ids: list[int]
-    batch_request: BatchRequest  # the first choice's; choice i samples with seed + i
+    prompts: list[list[int]]  # token ids of each prompt
+    batch_requests: list[BatchRequest]  # per prompt; its choice j samples with seed + j
     draft: str
     gamma: int
     acquire: Callable[[], Any] | None  # the row's drafter instance, taken at admission
@@ -74,31 +75,40 @@ class Prepared:
     seed: int = 0
     # a fresh constraint for each choice's row (response_format), or None
     constraints: Callable[[], TokenConstraint] | None = None
+    echoes: list[str] = field(default_factory=list)  # per prompt: its echoed text, or ""
 
-    @property
-    def echo(self) -> str:
-        """The text each choice starts with: the prompt, echoed (completions' ``echo``)."""
-        body = self.body
-        return body.prompt if isinstance(body, CompletionRequest) and body.echo else ""
+    def prompt_of(self, choice: int) -> int:
+        """Which prompt choice ``choice`` answers (choices: prompt by prompt, n each)."""
+        return choice // self.body.n
 
-    def echoed_logprobs(self, decode: Callable, result: Round | GenerationResult) -> Any:
+    def echo(self, choice: int) -> str:
+        """The text choice ``choice`` starts with: its prompt, echoed (completions'
+        ``echo``), or ""."""
+        return self.echoes[self.prompt_of(choice)] if self.echoes else ""
+
+    def echoed_logprobs(
+        self, choice: int, decode: Callable, result: Round | GenerationResult
+    ) -> Any:
         """The echoed prompt's log-probabilities (completions' shape), where asked for:
         from a choice's result or its first round."""
-        if not self.echo:
+        if not self.echoes:
             return None
-        return echoed_prompt(decode, self.prompt_ids, result.prompt_logprobs)
+        ids = self.prompts[self.prompt_of(choice)]
+        return echoed_prompt(decode, ids, result.prompt_logprobs)
 
     def choice_requests(self) -> list[BatchRequest]:
-        """One engine request per choice (``n``), each with its own generator: choice i is
-        the sample a request with seed + i gets alone."""
+        """One engine request per choice (``n`` per prompt), each with its own generator:
+        a prompt's choice j is the sample a request with that prompt and seed + j gets
+        alone."""
         make = self.constraints
         return [
             replace(
-                self.batch_request,
-                generator=torch.Generator().manual_seed(seed),
+                request,
+                generator=torch.Generator().manual_seed((self.seed + j) % SEED_RANGE),
                 constraint=None if make is None else make(),
             )
-            for seed in ((self.seed + i) % SEED_RANGE for i in range(self.body.n))
+            for request in self.batch_requests
+            for j in range(self.body.n)
         ]
 
 
@@ -240,8 +250,6 @@ async def _serve(
 
 
 async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepared:
-    from speculative.targets import encode_prompt
-
     payload = await _read_json(request, state.config.max_body_bytes)
     model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
     if not isinstance(payload, dict):
@@ -257,17 +265,8 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
             param="model",
             code="model_not_found",
         )
-    tokenizer = state.loaded.tokenizer
-    try:
-        if isinstance(body, ChatCompletionRequest):
-            prompt_ids = encode_prompt(tokenizer, None, body.chat_messages(), chat=True)
-        else:
-            prompt_ids = encode_prompt(tokenizer, body.prompt, None, chat=False)
-    except ValueError as exc:
-        raise ApiError(
-            400, str(exc), param="messages" if endpoint == "chat" else "prompt"
-        ) from None
-    max_tokens = _max_tokens(body, len(prompt_ids), state)
+    prompts = _prompt_ids(body, state)
+    max_tokens = _max_tokens(body, max(len(ids) for ids in prompts), state)
     vocab = state.loaded.lm.vocab_size
     beyond = [t for t in body.logit_bias or {} if int(t) >= vocab]
     if beyond:
@@ -286,19 +285,66 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
     seed = body.seed if body.seed is not None else secrets.randbits(63)  # < SEED_RANGE
     generator = torch.Generator().manual_seed(seed)
     pool = state.pools.get(draft)
-    batch_request = BatchRequest(
-        prompt_ids, params, criteria, generator, None, gamma,
-        logprobs=body.wanted_logprobs(), penalties=body.penalties(),
-        prompt_logprobs=body.wanted_prompt_logprobs(),
-    )  # fmt: skip
+    extras = {
+        "logprobs": body.wanted_logprobs(),
+        "penalties": body.penalties(),
+        "prompt_logprobs": body.wanted_prompt_logprobs(),
+    }
+    requests = [
+        BatchRequest(ids, params, criteria, generator, None, gamma, **extras) for ids in prompts
+    ]
     # the scheduler takes the row's drafter when it admits the row, on its own thread
     # (building one may start OpenMP work: see speculative.server.compute)
     acquire = pool.acquire if pool is not None else None
     release = pool.release if pool is not None else None
+    echoes = _echoes(body, prompts, state) if body.scores_prompt() else []
     return Prepared(
-        endpoint, body, prompt_ids, batch_request, draft, gamma, acquire, release, seed,
-        constraints,
+        endpoint, body, prompts, requests, draft, gamma, acquire, release, seed,
+        constraints, echoes,
     )  # fmt: skip
+
+
+def _prompt_ids(
+    body: CompletionRequest | ChatCompletionRequest, state: ServerState
+) -> list[list[int]]:
+    """Token ids of the request's prompts: chat's messages through the chat template;
+    completions' texts as the tokenizer encodes them, token-id prompts as given (each id
+    checked against the vocabulary)."""
+    from speculative.targets import encode_prompt
+
+    tokenizer = state.loaded.tokenizer
+    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    try:
+        if isinstance(body, ChatCompletionRequest):
+            return [encode_prompt(tokenizer, None, body.chat_messages(), chat=True)]
+        prompts = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                prompts.append(encode_prompt(tokenizer, prompt, None, chat=False))
+            else:
+                prompts.append(list(prompt))
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=param) from None
+    vocab = state.loaded.lm.vocab_size
+    for ids in prompts:
+        beyond = [token for token in ids if token >= vocab]
+        if beyond:
+            raise ApiError(
+                400, f"the prompt holds token {beyond[0]}; this model's vocabulary has {vocab}",
+                param=param,
+            )  # fmt: skip
+    return prompts
+
+
+def _echoes(
+    body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], state: ServerState
+) -> list[str]:
+    """Each prompt's echoed text: a text prompt as given, a token-id prompt decoded."""
+    assert isinstance(body, CompletionRequest)
+    return [
+        prompt if isinstance(prompt, str) else state.loaded.decode(ids)
+        for prompt, ids in zip(body.prompts(), prompts, strict=True)
+    ]
 
 
 def _constraints(
@@ -394,7 +440,7 @@ def _speculative_stats(
 
 def _usage(prepared: Prepared, results: list[GenerationResult]) -> dict[str, int]:
     completion = sum(len(result.token_ids) for result in results)
-    prompt = len(prepared.prompt_ids)
+    prompt = sum(len(ids) for ids in prepared.prompts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -530,10 +576,11 @@ def _whole_choice(
     decode = state.loaded.decode
     text = TextAssembler(decode, prepared.body.stop_strings())
     text.push(result.token_ids, ["target"] * len(result.token_ids))
-    logprobs = LogprobsFormatter(decode, envelope.chat, text_offset=len(prepared.echo))
+    echo = prepared.echo(index)
+    logprobs = LogprobsFormatter(decode, envelope.chat, text_offset=len(echo))
     logprobs.add(result.logprobs)
     token_logprobs = joined(
-        prepared.echoed_logprobs(decode, result), logprobs.take(text, final=True)
+        prepared.echoed_logprobs(index, decode, result), logprobs.take(text, final=True)
     )
     reason = _finish_reason(result)
     if envelope.chat:
@@ -545,7 +592,7 @@ def _whole_choice(
         }
     return {
         "index": index,
-        "text": prepared.echo + text.final_text(),
+        "text": echo + text.final_text(),
         "logprobs": token_logprobs,
         "finish_reason": reason,
     }
@@ -611,12 +658,12 @@ async def _stream(
     chunk when asked, and ``[DONE]``."""
     envelope = _Envelope(prepared, state)
     decode, stops = state.loaded.decode, prepared.body.stop_strings()
-    echo = prepared.echo
     choices = [
         _StreamedChoice(
-            TextAssembler(decode, stops), LogprobsFormatter(decode, envelope.chat, len(echo))
+            TextAssembler(decode, stops),
+            LogprobsFormatter(decode, envelope.chat, len(prepared.echo(i))),
         )
-        for _ in jobs
+        for i in range(len(jobs))
     ]
     options = prepared.body.stream_options
     include_usage = options is not None and options.include_usage
@@ -632,8 +679,9 @@ async def _stream(
             yield _sse("[DONE]")
             return
         choice = choices[i]
+        echo = prepared.echo(i)
         if echo and not choice.started and isinstance(event, RoundEvent):
-            scored = prepared.echoed_logprobs(decode, event.round)  # on the first round
+            scored = prepared.echoed_logprobs(i, decode, event.round)  # on the first round
             delta = envelope.delta(echo, None, logprobs=scored, index=i)
             yield _sse(envelope.wrap([delta], stream=True))
         choice.started = True

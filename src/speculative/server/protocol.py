@@ -19,7 +19,8 @@ MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_GAMMA = 16
 MAX_COMPLETION_LOGPROBS = 5  # alternatives per token, as OpenAI's API: completions ...
 MAX_TOP_LOGPROBS = 20  # ... and chat
-MAX_CHOICES = 16  # n: choices per request (each a row of the batch)
+MAX_CHOICES = 16  # n: choices per request (each a row of the batch) ...
+MAX_PROMPTS = 16  # ... and completions' prompts per request (prompts × n rows at most 16)
 
 # OpenAI (and vLLM) request options this server does not implement, with the values that
 # mean "off": a request that leaves them off (or out, or null) is served, one that asks
@@ -301,9 +302,11 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    """``POST /v1/completions``: one prompt string (raw, no chat template)."""
+    """``POST /v1/completions``: a prompt (raw, no chat template) as text or token ids, or
+    a list of them: each prompt gets ``n`` choices (prompt p's choice j has index
+    p × n + j)."""
 
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
     # the prompt before the completion (its tokens' log-probabilities too, with logprobs;
     # with max_tokens 0, the prompt alone: scoring)
     echo: bool = False
@@ -321,14 +324,33 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str:
-        if isinstance(value, list):
-            if len(value) != 1:
-                raise ValueError(f"give one prompt (a string), got a list of {len(value)}")
-            value = value[0]
-        if not value:
-            raise ValueError("the prompt is empty")
+    def _some_prompts(
+        cls, value: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int] | list[list[int]]:
+        prompts = _as_prompts(value)
+        if not prompts:
+            raise ValueError("the prompt list is empty")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts a request, got {len(prompts)}")
+        for prompt in prompts:
+            if not prompt or (isinstance(prompt, str) and not prompt.strip()):
+                raise ValueError("the prompt is empty")
+            if not isinstance(prompt, str) and min(prompt) < 0:
+                raise ValueError("token ids are non-negative")
         return value
+
+    @model_validator(mode="after")
+    def _rows_fit(self) -> CompletionRequest:
+        rows = len(self.prompts()) * self.n
+        if rows > MAX_CHOICES:
+            raise ApiError(
+                400, f"prompts × n is at most {MAX_CHOICES}, got {rows}", param="n"
+            )  # fmt: skip
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text, or token ids."""
+        return _as_prompts(self.prompt)
 
 
 class TextPart(BaseModel):
@@ -385,6 +407,15 @@ class ChatCompletionRequest(_Common):
     def chat_messages(self) -> list[dict[str, str]]:
         role = {"developer": "system"}
         return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
+
+
+def _as_prompts(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """A completions ``prompt`` as a list of prompts (a text or token ids each)."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(item, int) for item in value):
+        return [list(value)]  # one prompt's token ids
+    return list(value)
 
 
 def validation_error(errors: list[dict[str, Any]]) -> ApiError:
