@@ -605,12 +605,30 @@ def test_trained_heads_agree_with_the_target(trained):
     assert report["heldout_accepted"] > 0.3
 
 
-def sequence_counts(target, drafter, params, runs, n, seed):
+class NoRepeatMask:
+    """A token constraint: no token may follow itself (the prompt's last included)."""
+
+    def __init__(self, prompt: list[int], vocab: int) -> None:
+        self.last, self.vocab = prompt[-1], vocab
+
+    def extend(self, tokens) -> None:
+        if tokens:
+            self.last = tokens[-1]
+
+    def restrict(self, logits: torch.Tensor, extras) -> torch.Tensor:
+        for i, extra in enumerate(extras):
+            logits[i, extra[-1] if extra else self.last] = float("-inf")
+        return logits
+
+
+def sequence_counts(target, drafter, params, runs, n, seed, constrained=False):
     counts: dict[tuple[int, ...], int] = {}
     generator = torch.Generator().manual_seed(seed)
     for _ in range(runs):
         engine = SpeculativeEngine(target.lm, drafter, 3)
-        out = engine.generate(PROMPT, params, StopCriteria(max_new_tokens=n), generator)
+        constraint = NoRepeatMask(PROMPT, target.lm.vocab_size) if constrained else None
+        stop = StopCriteria(max_new_tokens=n)
+        out = engine.generate(PROMPT, params, stop, generator, None, constraint)
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
     return counts
@@ -637,13 +655,25 @@ class MisreportedEagle(EagleDrafter):
 
 
 @pytest.mark.slow
-def test_sampling_matches_plain_and_catches_a_misreported_q(trained):
+@pytest.mark.parametrize("constrained", [False, True])
+def test_sampling_matches_plain_and_catches_a_misreported_q(trained, constrained):
+    """EAGLE's sampled sequences follow plain decoding's law, and a head that misreports
+    its q is caught; the same under a token constraint (the target restricted to the
+    allowed tokens; the head drafts refused tokens too, which verification rejects)."""
     target = target_on("native-torch", trained["model"])
     params = SamplingParams(temperature=1.0, top_p=0.9)
     head = load_head(trained["eagle"], target.lm)
-    plain = sequence_counts(target, None, params, 800, 2, seed=1)
-    honest = sequence_counts(target, EagleDrafter(head, target.lm.vocab_size), params, 800, 2, 2)
-    wrong = sequence_counts(target, MisreportedEagle(head, target.lm.vocab_size), params, 800, 2, 2)
+    vocab = target.lm.vocab_size
+    # (the constraint leaves the misreport less to show: more runs to see it)
+    runs = {"params": params, "runs": 1600 if constrained else 800, "n": 2,
+            "constrained": constrained}  # fmt: skip
+    plain = sequence_counts(target, None, seed=1, **runs)
+    honest = sequence_counts(target, EagleDrafter(head, vocab), seed=2, **runs)
+    wrong = sequence_counts(target, MisreportedEagle(head, vocab), seed=2, **runs)
+    if constrained:  # no sample repeats a token
+        assert all(
+            a != b for key in honest for a, b in zip((PROMPT[-1], *key[:-1]), key, strict=True)
+        )
     assert p_value(plain, honest) > 1e-3
     assert p_value(plain, wrong) < 1e-3
 
