@@ -460,11 +460,17 @@ class BatchEngine:
 
     def cancel(self, row_id: int) -> GenerationResult:
         """Stop a row now and free its slot; returns what it generated so far."""
-        row = self.rows.pop(row_id)
-        row.state.finished, row.state.reason = True, "cancelled"
+        return self._retire(self.rows[row_id], "cancelled")
+
+    def _retire(self, row: BatchRow, reason: str | None = None) -> GenerationResult:
+        """A finished row leaves: its slot freed, its result kept in ``finished``
+        (``reason``: its finish reason, where the rounds did not set one)."""
+        if reason is not None:
+            row.state.finished, row.state.reason = True, reason
+        del self.rows[row.row_id]
         row.session.release()
         result = row.result()
-        self.finished[row_id] = result
+        self.finished[row.row_id] = result
         return result
 
     def step(self) -> dict[int, Round]:
@@ -556,10 +562,7 @@ class BatchEngine:
         round_ = Round([], 0, 0, finished=True, reason="length", logprobs=logprobs)
         round_ = self._with_prompt_logprobs(row, round_)
         row.rounds.append(round_)
-        row.state.finished, row.state.reason = True, "length"
-        del self.rows[row.row_id]
-        row.session.release()
-        self.finished[row.row_id] = row.result()
+        self._retire(row, "length")
         return round_
 
     def _checks_constraint(self, row: BatchRow, proposal: Proposal) -> bool:
@@ -607,11 +610,8 @@ class BatchEngine:
         (its result's ``error`` says why)."""
         round_ = Round([], 0, 0, finished=True, reason="error")
         row.rounds.append(round_)
-        row.state.finished, row.state.reason = True, "error"
         row.error = message
-        del self.rows[row.row_id]
-        row.session.release()
-        self.finished[row.row_id] = row.result()
+        self._retire(row, "error")
         return round_
 
     @staticmethod
@@ -1021,9 +1021,7 @@ class BatchEngine:
         row.rounds.append(round_)
         row.state.stats.seconds = time.perf_counter() - row.started
         if round_.finished:
-            del self.rows[row.row_id]
-            row.session.release()
-            self.finished[row.row_id] = row.result()
+            self._retire(row)
         return round_
 
 

@@ -297,7 +297,7 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
     # (building one may start OpenMP work: see speculative.server.compute)
     acquire = pool.acquire if pool is not None else None
     release = pool.release if pool is not None else None
-    echoes = _echoes(body, prompts, state) if body.scores_prompt() else []
+    echoes = _echoes(body, prompts, state) if body.echoes_prompt() else []
     return Prepared(
         endpoint, body, prompts, requests, draft, gamma, acquire, release, seed,
         constraints, echoes,

@@ -250,7 +250,7 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _some_tokens(self) -> _Common:
         """A budget of 0 tokens only where the request scores its prompt."""
-        if self.wanted_tokens() == 0 and not self.scores_prompt():
+        if self.wanted_tokens() == 0 and not self.echoes_prompt():
             raise ApiError(
                 400,
                 "max_tokens must be at least 1 (0 only with echo: true on /v1/completions, "
@@ -259,7 +259,7 @@ class _Common(BaseModel):
             )
         return self
 
-    def scores_prompt(self) -> bool:
+    def echoes_prompt(self) -> bool:
         """Whether the response carries the prompt (completions' ``echo``)."""
         return False
 
@@ -316,7 +316,7 @@ class CompletionRequest(_Common):
     def wanted_logprobs(self) -> int | None:
         return self.logprobs
 
-    def scores_prompt(self) -> bool:
+    def echoes_prompt(self) -> bool:
         return self.echo
 
     def wanted_prompt_logprobs(self) -> int | None:
