@@ -370,3 +370,53 @@ def test_a_broken_llamacpp_install_is_a_reason_not_a_traceback(tmp_path, monkeyp
     (package / "__init__.py").write_text("")
     monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
     assert llamacpp_missing() is None
+
+
+# --------------------------------------------------------------------------- structured
+
+
+def test_the_structured_suite_holds_schemas_every_tokenizer_compiles():
+    """The built-in JSON suite: two categories of four, each prompt with a JSON schema
+    that compiles (on a byte-level tokenizer) and round-trips through to_dict."""
+    pytest.importorskip("llguidance")
+    from speculative.structured import StructuredOutputs
+    from tiny import byte_tokenizer
+
+    suite = load_prompts(structured=True)
+    assert Counter(p.category for p in suite) == {"extraction": 4, "generation": 4}
+    outputs = StructuredOutputs(byte_tokenizer(), {1})
+    for prompt in suite:
+        assert prompt.json_schema is not None and prompt.json_schema["required"]
+        outputs.json_schema(prompt.json_schema)  # raises if it cannot be compiled
+        assert parse_prompts(json.dumps(prompt.to_dict()))[0] == prompt
+
+
+def test_a_structured_bench_constrains_every_run_and_skips_the_peers(tmp_path, capsys):
+    """Prompts with a JSON schema: every configuration's output is JSON with the schema's
+    keys, the same tokens as plain decoding; transformers' peers (no grammar) are not
+    run; --structured with --prompts is refused."""
+    pytest.importorskip("llguidance")
+    from tiny import byte_tokenizer
+
+    folder = save_tiny(tmp_path / "bytes", seed=4, tokenizer=byte_tokenizer())
+    number = {"type": "integer", "minimum": 0, "maximum": 999}
+    schema = {"type": "object", "properties": {"n": number, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}  # fmt: skip
+    records = [{"category": "json", "prompt": f"Give {word}: ", "json_schema": schema}
+               for word in ("one", "two")]  # fmt: skip
+    settings = BenchSettings(
+        target=str(folder), runtimes=("native",), drafters=("ngram",),
+        gammas=tuple(parse_gamma_choices(["3"])), max_new_tokens=40, repeats=1,
+        warmup_tokens=4, cost_repeats=2, progress=False, chat=False,
+    )  # fmt: skip
+    run = run_bench(settings, parse_prompts("".join(json.dumps(r) + "\n" for r in records)))
+    assert [m.name for m in run.methods] == ["native/plain", "native/ngram/γ=3"]
+    assert run.mismatches == []
+    tokenizer = byte_tokenizer()
+    for measurement in run.measurements:
+        text = tokenizer.decode(measurement.tokens, skip_special_tokens=True)
+        assert set(json.loads(text)) == {"n", "ok"}, text
+    path = tmp_path / "p.jsonl"
+    write_jsonl(path, records)
+    code, _, err = run_cli(capsys, "bench", "--structured", "--prompts", str(path))
+    assert code != 0 and "not both" in err

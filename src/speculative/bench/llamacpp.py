@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from speculative.bench.methods import PLAIN, RunRecord
+from speculative.sampling.constraints import TokenConstraint
 
 ENGINE = "llama.cpp"
 PACKAGE = "llama_cpp"
@@ -50,7 +51,14 @@ class LlamaCppPeer:
     runtime: str  # the runtime whose prompt ids and plain outputs these rows share
     engine: str = ENGINE
 
-    def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunRecord:
+    def run(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        constraint: TokenConstraint | None = None,
+    ) -> RunRecord:
+        if constraint is not None:
+            raise ValueError("the llama.cpp peers take no output constraint")
         tokens: list[int] = []
         started = time.perf_counter()
         if max_new_tokens > 0:

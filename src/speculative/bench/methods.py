@@ -29,6 +29,7 @@ from speculative.engine.gamma import make_gamma_policy, parse_gamma
 from speculative.engine.tree import TreeRound
 from speculative.models.base import CausalLM
 from speculative.sampling import SamplingParams
+from speculative.sampling.constraints import TokenConstraint
 from speculative.targets import LoadedModel
 
 PLAIN = "plain"
@@ -55,7 +56,15 @@ class Method(Protocol):
     gamma: str  # "-" (no drafting), a fixed value, "auto" or "heuristic"
     engine: str  # OURS or TRANSFORMERS
 
-    def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunRecord: ...
+    def run(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        constraint: TokenConstraint | None = None,
+    ) -> RunRecord:
+        """One generation; ``constraint``: the output's (structured outputs; only our
+        engine takes one, the peers are not run on such prompts)."""
+        ...
 
 
 # --------------------------------------------------------------------------- γ schedules
@@ -121,14 +130,21 @@ class EngineMethod:
     params: SamplingParams = GREEDY
     make_tree: Callable[[], TreeRound | None] = lambda: None  # token trees instead of chains
 
-    def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunRecord:
+    def run(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        constraint: TokenConstraint | None = None,
+    ) -> RunRecord:
         # A fresh engine per run: its target session starts from a reset cache, so runs of
         # different methods sharing one model never see each other's cache.
         engine = SpeculativeEngine(self.target.lm, self.drafter, self.policy, self.make_tree())
         criteria = StopCriteria(max_new_tokens, eos_token_ids=self.target.eos_token_ids)
         generator = torch.Generator().manual_seed(0)
         started = time.perf_counter()
-        result = engine.generate(list(prompt_ids), self.params, criteria, generator)
+        result = engine.generate(
+            list(prompt_ids), self.params, criteria, generator, constraint=constraint
+        )
         seconds = time.perf_counter() - started
         return RunRecord(tokens=result.token_ids, seconds=seconds, stats=result.stats)
 
@@ -157,7 +173,14 @@ class GeneratePeer:
     runtime: str = "hf"
     engine: str = TRANSFORMERS
 
-    def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> RunRecord:
+    def run(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        constraint: TokenConstraint | None = None,
+    ) -> RunRecord:
+        if constraint is not None:
+            raise ValueError("transformers' generate() peers take no output constraint")
         input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # [1, n]
         eos = sorted(self.eos_token_ids)
         started = time.perf_counter()

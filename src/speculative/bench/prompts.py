@@ -1,16 +1,19 @@
-"""The benchmark's prompt suite: JSONL records of ``{"category", "prompt" | "messages"}``.
+"""The benchmark's prompt suite: JSONL records of ``{"category", "prompt" | "messages"}``
+and, optionally, the ``json_schema`` the output must satisfy.
 
 The built-in suite (``data/prompts.jsonl``, written for this project) covers eight task
 categories in the spirit of Spec-Bench, ten prompts each: multi-turn chat, translation,
 summarization, question answering, math reasoning, retrieval-augmented QA, code
-completion and code editing. A user's own file in the same format replaces it.
+completion and code editing. A user's own file in the same format replaces it. The
+structured suite (``data/structured.jsonl``) asks for JSON, each prompt with its schema:
+extracting fields from a given text, and making up a record.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -25,22 +28,33 @@ class BenchPrompt:
     category: str
     prompt: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
+    # the JSON schema the output must satisfy (structured outputs), or None: free text
+    json_schema: dict[str, Any] | None = field(default=None, hash=False)
 
     def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"category": self.category}
         if self.messages is not None:
-            return {"category": self.category, "messages": list(self.messages)}
-        return {"category": self.category, "prompt": self.prompt}
+            out["messages"] = list(self.messages)
+        else:
+            out["prompt"] = self.prompt
+        if self.json_schema is not None:
+            out["json_schema"] = self.json_schema
+        return out
 
 
-def builtin_prompts_text() -> str:
-    """The shipped suite's JSONL text."""
-    return resources.files("speculative.bench").joinpath("data/prompts.jsonl").read_text("utf-8")
+def builtin_prompts_text(name: str = "prompts") -> str:
+    """A shipped suite's JSONL text: ``prompts`` (the eight categories) or ``structured``
+    (JSON outputs, each prompt with its schema)."""
+    data = resources.files("speculative.bench").joinpath(f"data/{name}.jsonl")
+    return data.read_text("utf-8")
 
 
-def load_prompts(path: Path | None = None) -> list[BenchPrompt]:
-    """The prompts of ``path`` (a JSONL file), or the built-in suite when ``path`` is None."""
+def load_prompts(path: Path | None = None, structured: bool = False) -> list[BenchPrompt]:
+    """The prompts of ``path`` (a JSONL file), or a built-in suite when ``path`` is None
+    (``structured``: the JSON-output suite)."""
     if path is None:
-        return parse_prompts(builtin_prompts_text(), "the built-in prompt suite")
+        name = "structured" if structured else "prompts"
+        return parse_prompts(builtin_prompts_text(name), f"the built-in {name} suite")
     try:
         text = Path(path).read_text("utf-8")
     except OSError as exc:
@@ -75,14 +89,16 @@ def parse_record(line: str, where: str) -> BenchPrompt:
     has_prompt, has_messages = "prompt" in record, "messages" in record
     if has_prompt == has_messages:
         raise ValueError(f"{where}: give exactly one of 'prompt' or 'messages'")
+    schema = record.get("json_schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise ValueError(f"{where}: 'json_schema' must be a JSON schema object")
     if has_prompt:
         prompt = record["prompt"]
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"{where}: 'prompt' must be a non-empty string")
-        return BenchPrompt(category=category.strip(), prompt=prompt)
-    return BenchPrompt(
-        category=category.strip(), messages=parse_messages(record["messages"], where)
-    )
+        return BenchPrompt(category=category.strip(), prompt=prompt, json_schema=schema)
+    messages = parse_messages(record["messages"], where)
+    return BenchPrompt(category=category.strip(), messages=messages, json_schema=schema)
 
 
 def parse_messages(messages: Any, where: str) -> tuple[dict[str, str], ...]:

@@ -34,6 +34,8 @@ from speculative.drafters.registry import build_drafter
 from speculative.engine import GenerationStats
 from speculative.engine.costs import TargetCosts, drafter_cost, verify_cost_curve
 from speculative.sampling import SamplingParams
+from speculative.sampling.constraints import TokenConstraint
+from speculative.structured import OutputFormat, constraints_for
 from speculative.targets import LoadedModel, encode_prompt, load_target
 
 Loader = Callable[..., LoadedModel]  # (target, runtime, precision, kv_cache=)
@@ -338,15 +340,48 @@ def check_outputs(methods: Sequence[Method], measurements: Sequence[Measurement]
     return mismatches
 
 
+Constraints = dict[str, list[Callable[[], TokenConstraint] | None]]  # per runtime, per prompt
+
+
+def output_constraints(
+    setups: Sequence[RuntimeSetup], prompts: Sequence[BenchPrompt]
+) -> Constraints:
+    """Per runtime, each prompt's fresh-constraint factory (its JSON schema's grammar over
+    that runtime's tokenizer), or None for a free-text prompt."""
+    out: Constraints = {}
+    for setup in setups:
+        factories: list[Callable[[], TokenConstraint] | None] = []
+        for prompt in prompts:
+            if prompt.json_schema is None:
+                factories.append(None)
+                continue
+            output = OutputFormat(json_schema=prompt.json_schema)
+            factories.append(constraints_for(setup.target, output))
+        out[setup.runtime] = factories
+    return out
+
+
+def _constraint(constraints: Constraints, runtime: str, index: int) -> TokenConstraint | None:
+    make = constraints[runtime][index] if constraints else None
+    return None if make is None else make()
+
+
 def measure(
     methods: Sequence[Method],
     prompts: Sequence[BenchPrompt],
     prompt_ids: dict[str, list[list[int]]],
     settings: BenchSettings,
+    constraints: Constraints | None = None,
 ) -> list[Measurement]:
-    """Warm every configuration up, then run them interleaved prompt by prompt."""
+    """Warm every configuration up, then run them interleaved prompt by prompt (each run
+    with a fresh constraint where its prompt has a JSON schema)."""
+    made = constraints or {}
     for method in methods:
-        method.run(prompt_ids[method.runtime][0], settings.warmup_tokens)
+        method.run(
+            prompt_ids[method.runtime][0],
+            settings.warmup_tokens,
+            _constraint(made, method.runtime, 0),
+        )
     total = len(prompts) * settings.repeats * len(methods)
     bar = tqdm(
         total=total, desc="bench", unit="run", file=sys.stderr, disable=not settings.progress
@@ -358,7 +393,9 @@ def measure(
             for _ in range(settings.repeats):
                 for method in methods:
                     ids = prompt_ids[method.runtime][index]
-                    records[method.name].append(method.run(ids, settings.max_new_tokens))
+                    constraint = _constraint(made, method.runtime, index)
+                    run = method.run(ids, settings.max_new_tokens, constraint)
+                    records[method.name].append(run)
                     bar.update(1)
             for method in methods:
                 runs = records[method.name]
@@ -392,16 +429,19 @@ def run_bench(
     }
     costs: dict[str, RuntimeCosts] = {}
     methods: list[Method] = []
-    peers_done = not settings.peers
+    structured = any(p.json_schema is not None for p in prompts)
+    peers = settings.peers and not structured  # the peers take no output constraint
+    peers_done = not peers
     for setup in setups:
         context = cost_context(setup.target, prompts[0], settings)
         costs[setup.runtime] = measure_costs(setup, context, settings)
         ours = build_methods(setup, costs[setup.runtime], settings, with_peers=not peers_done)
         peers_done = peers_done or any(m.engine != OURS for m in ours)
         methods.extend(ours)
-    if settings.peers and settings.temperature == 0:
+    if peers and settings.temperature == 0:
         methods.extend(llamacpp_methods(settings, setups))
-    measurements = measure(methods, prompts, prompt_ids, settings)
+    constraints = output_constraints(setups, prompts) if structured else None
+    measurements = measure(methods, prompts, prompt_ids, settings, constraints)
     # under sampling the outputs differ by chance: only greedy runs must be identical
     mismatches = check_outputs(methods, measurements) if settings.temperature == 0 else []
     agreement = same_text_as_ours(methods, measurements, LLAMACPP)

@@ -162,6 +162,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="JSONL prompt file (default: the built-in suite)" + NO_DEFAULT,
     )
     parser.add_argument(
+        "--structured",
+        action="store_true",
+        help="the built-in JSON-output suite instead of the eight categories: each prompt's "
+        "output constrained by its JSON schema (structured outputs; no peers: they take no "
+        "grammar). A --prompts file's records may carry a json_schema too",
+    )
+    parser.add_argument(
         "--per-category",
         type=positive_int,
         default=None,
@@ -273,6 +280,8 @@ def concurrency_settings(args: argparse.Namespace):
     fixed = [int(g) for g in (args.gamma or ["4"]) if g.isdigit() and int(g) > 0]
     if args.temperature != 0:
         raise CliError("--concurrency runs greedy decoding only (drop --temperature)")
+    if args.structured:
+        raise CliError("--concurrency runs free text only (drop --structured)")
     return ConcurrencySettings(
         target=args.target,
         runtimes=tuple(dict.fromkeys(args.runtime)),
@@ -335,14 +344,23 @@ def run_suite_mode(args: argparse.Namespace) -> int:
         write_outputs,
     )
     from speculative.bench.prompts import take_per_category
+    from speculative.cli.common import CliError
 
+    if args.structured and args.prompts is not None:
+        raise CliError("--structured is a built-in suite: give it or --prompts, not both")
     settings = settings_from_args(args)  # validates --gamma before loading anything
     mode = QUICK if args.quick else FULL
-    prompts = take_per_category(load_prompts(args.prompts), args.per_category or mode.per_category)
+    try:
+        suite = load_prompts(args.prompts, structured=args.structured)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    prompts = take_per_category(suite, args.per_category or mode.per_category)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or every_core())
     try:
         bench = run_bench(settings, prompts)
+    except ValueError as exc:  # a schema that cannot be compiled, say
+        raise CliError(str(exc)) from None
     finally:
         torch.set_num_threads(threads)
     rows = summarize(bench)
