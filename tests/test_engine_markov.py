@@ -382,15 +382,16 @@ def constrained_counts(engine, n, length, seed, kind=NoRepeat) -> tuple[np.ndarr
 @pytest.mark.parametrize(
     ("drafter", "kind"),
     [(None, NoRepeat), ("model", NoRepeat), ("ngram", NoRepeat), (None, ThenFour),
-     ("model", ThenFour), (None, ForcesWrongly)],
+     ("model", ThenFour), ("ngram", ThenFour), (None, ForcesWrongly)],
 )  # fmt: skip
 def test_constrained_sampling_follows_the_constrained_target_exactly(drafter, kind):
     """Sequences sampled under a token constraint (plain or speculative) follow the exact
     law of the target restricted to the allowed tokens and renormalized, by enumeration:
     no sample leaves the constraint, and each verified row is restricted by its own
     history, drafts included (the drafters propose refused tokens too). The tokens a
-    constraint forces are drafted in rounds of their own (ThenFour), and forced drafts
-    that are wrong (ForcesWrongly) are rejected, never emitted."""
+    constraint forces are drafted in rounds of their own (ThenFour; an n-gram lookup
+    continues them), and forced drafts that are wrong (ForcesWrongly) are rejected, never
+    emitted."""
     n, length = 3000, 3
     law = constrained_law([0, 3, 0], length, then_four=kind is ThenFour)
     engine = make_engine(drafter, 4)

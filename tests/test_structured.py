@@ -127,6 +127,23 @@ def test_the_grammars_forced_tokens_are_drafted(
     assert drafted.stats.target_calls <= one_by_one.stats.target_calls - 10
 
 
+def test_a_lookup_continues_the_forced_tokens_in_their_round(
+    folder: Path, outputs: StructuredOutputs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With n-gram lookup as the drafter, a round that drafts the grammar's forced tokens
+    continues them with the lookup (the prompt holds the same keys with their values):
+    fewer target passes than forced drafts alone, the same greedy tokens."""
+    from speculative.engine.batch import BatchEngine
+
+    make = outputs.json_schema(SCHEMA)
+    greedy = SamplingParams(temperature=0)
+    continued, _ = _generate(folder, make(), greedy, drafter=PromptLookupDrafter(3))
+    monkeypatch.setattr(BatchEngine, "_after_forced", lambda self, row, forced, gamma: forced)
+    alone, _ = _generate(folder, make(), greedy, drafter=PromptLookupDrafter(3))
+    assert continued.token_ids == alone.token_ids
+    assert continued.stats.target_calls < alone.stats.target_calls
+
+
 def test_regex_choice_and_grammar_outputs_match(folder: Path) -> None:
     """A regular expression, a list of choices and a Lark grammar, through the library
     (`Speculator.generate`), sampled with n-gram drafts: every output matches in full (the

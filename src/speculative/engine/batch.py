@@ -35,6 +35,7 @@ from speculative.drafters.base import (
     Draft,
     Drafter,
     DraftsRowsTogether,
+    LooksUpContext,
     ReadsTargetFeatures,
     ReportsDraftCost,
     RowAsk,
@@ -661,7 +662,12 @@ class BatchEngine:
         if self.load is not None:  # a lone row choosing alone (load None here) too
             self._shed_idle_features(rows, offered, wanted, unasked)
         forced = self._forced_drafts(rows)
-        if forced:  # those rows draft what their constraint forces, not their drafter
+        if forced:  # those rows draft what their constraint forces (and a lookup after it)
+            forced = {
+                row.row_id: self._after_forced(row, forced[row.row_id], gamma)
+                for row, gamma in zip(rows, wanted, strict=True)
+                if row.row_id in forced
+            }
             wanted = [0 if row.row_id in forced else g for row, g in zip(rows, wanted, strict=True)]
         together = self._proposals_together(rows, wanted)
         planned = []
@@ -698,6 +704,28 @@ class BatchEngine:
             if tokens:
                 out[row.row_id] = Draft(tokens=tokens)
         return out
+
+    def _after_forced(self, row: BatchRow, forced: Draft, gamma: int) -> Draft:
+        """A forced draft, continued by the row's drafter where it is a context lookup
+        (:class:`LooksUpContext`: a function of the context, which may then end in the
+        forced tokens) by up to the ``gamma`` it was offered, within FORCED_DRAFT_MAX:
+        the value after a schema's key, copied from the prompt, in the key's round."""
+        drafter, room = row.request.drafter, FORCED_DRAFT_MAX - len(forced.tokens)
+        if gamma < 1 or room < 1 or not provides(drafter, LooksUpContext):
+            return forced
+        context = [*row.state.sequence, *forced.tokens]
+        emitted = len(context) - row.state.prompt_length
+        budget = row.request.stop.max_new_tokens - emitted - 1
+        limit = min(gamma, room, budget)
+        if self.max_length is not None:
+            limit = min(limit, self.max_length - len(context) - 1)
+        if limit < 1:
+            return forced
+        params, generator = row.request.params, row.request.generator
+        more = drafter.propose(context, limit, params, generator)
+        if more.probs is not None or more.rows is not None:  # not a point mass after all
+            return forced
+        return Draft(tokens=[*forced.tokens, *more.tokens])
 
     @staticmethod
     def _shed_idle_features(
