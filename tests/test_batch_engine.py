@@ -1488,6 +1488,21 @@ def test_logprobs_of_a_tree_path_come_from_its_nodes_rows(folder: Path) -> None:
         assert abs(tree_entry.logprob - plain_entry.logprob) < 1e-5
 
 
+def _cli_job(tmp_path: Path, *options: str) -> tuple[Path, list[dict], Path, Path, list[str]]:
+    """A tiny model, two prompt records in a JSONL file, where results go, and the
+    `generate` command line for that model (with ``options``)."""
+    import json
+
+    from tiny import save_tiny
+
+    folder = save_tiny(tmp_path / "tiny", seed=2, layers=2)
+    records = [{"prompt": "the cat sat on the mat and the cat"}, {"prompt": "a dog ran"}]
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    base = ["generate", "--target", str(folder), "--runtime", "native", "--no-chat", *options]
+    return folder, records, prompts, out, base
+
+
 def test_cli_logprobs_in_batch_lines_and_single_json(tmp_path: Path, capsys) -> None:
     """``--logprobs N``: each JSONL line (and a single prompt's --json) lists every token's
     log-probability with N alternatives, the values the Python API gives for that prompt
@@ -1496,14 +1511,10 @@ def test_cli_logprobs_in_batch_lines_and_single_json(tmp_path: Path, capsys) -> 
 
     from speculative.pipeline import Speculator
     from test_cli import run_cli
-    from tiny import save_tiny
 
-    folder = save_tiny(tmp_path / "tiny", seed=2, layers=2)
-    records = [{"prompt": "the cat sat on the mat and the cat"}, {"prompt": "a dog ran"}]
-    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    base = ["generate", "--target", str(folder), "--runtime", "native", "--no-chat"]
-    base += ["--max-new-tokens", "8", "--draft", "ngram", "--gamma", "3", "--logprobs", "2"]
+    folder, records, prompts, out, base = _cli_job(
+        tmp_path, "--max-new-tokens", "8", "--draft", "ngram", "--gamma", "3", "--logprobs", "2"
+    )
     code, _, err = run_cli(capsys, *base, "--prompts", str(prompts), "--out", str(out))
     assert code == 0, err
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -1531,14 +1542,10 @@ def test_cli_prompt_logprobs_score_prompts(tmp_path: Path, capsys) -> None:
 
     from speculative.pipeline import Speculator
     from test_cli import run_cli
-    from tiny import save_tiny
 
-    folder = save_tiny(tmp_path / "tiny", seed=2, layers=2)
-    records = [{"prompt": "the cat sat on the mat and the cat"}, {"prompt": "a dog ran"}]
-    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    base = ["generate", "--target", str(folder), "--runtime", "native", "--no-chat"]
-    base += ["--max-new-tokens", "0", "--prompt-logprobs", "2"]
+    folder, records, prompts, out, base = _cli_job(
+        tmp_path, "--max-new-tokens", "0", "--prompt-logprobs", "2"
+    )
     code, _, err = run_cli(capsys, *base, "--prompts", str(prompts), "--out", str(out))
     assert code == 0, err
     lines = [json.loads(line) for line in out.read_text().splitlines()]

@@ -27,6 +27,7 @@ from speculative.models.session import ModelSession, SlotPool
 from speculative.sampling import SamplingParams, verify
 from speculative.targets import load_target
 from speculative.training.train_draft import TrainDraftOptions, train_draft
+from test_engine_markov import NoRepeat
 from tiny import WORDS, save_tiny
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -605,28 +606,12 @@ def test_trained_heads_agree_with_the_target(trained):
     assert report["heldout_accepted"] > 0.3
 
 
-class NoRepeatMask:
-    """A token constraint: no token may follow itself (the prompt's last included)."""
-
-    def __init__(self, prompt: list[int], vocab: int) -> None:
-        self.last, self.vocab = prompt[-1], vocab
-
-    def extend(self, tokens) -> None:
-        if tokens:
-            self.last = tokens[-1]
-
-    def restrict(self, logits: torch.Tensor, extras) -> torch.Tensor:
-        for i, extra in enumerate(extras):
-            logits[i, extra[-1] if extra else self.last] = float("-inf")
-        return logits
-
-
 def sequence_counts(target, drafter, params, runs, n, seed, constrained=False):
     counts: dict[tuple[int, ...], int] = {}
     generator = torch.Generator().manual_seed(seed)
     for _ in range(runs):
         engine = SpeculativeEngine(target.lm, drafter, 3)
-        constraint = NoRepeatMask(PROMPT, target.lm.vocab_size) if constrained else None
+        constraint = NoRepeat(PROMPT) if constrained else None
         stop = StopCriteria(max_new_tokens=n)
         out = engine.generate(PROMPT, params, stop, generator, None, constraint)
         key = tuple(out.token_ids)
