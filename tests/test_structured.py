@@ -55,7 +55,10 @@ def satisfies(value: object) -> bool:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from server_helpers import CHAT_TEMPLATE
+
     tokenizer = byte_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE  # for the server's chat endpoint
     return save_tiny(tmp_path_factory.mktemp("tiny_bytes"), seed=4, tokenizer=tokenizer)
 
 
@@ -235,6 +238,13 @@ def test_served_json_is_the_command_lines(folder: Path, tmp_path: Path) -> None:
             extra_body={"response_format": {"type": "json_object"}},
         )  # fmt: skip
         assert isinstance(json.loads(anything.choices[0].text), dict)
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=160,
+            temperature=0, response_format=schema_format, stream=True,
+            extra_body={"speculative": {"draft": "ngram"}},
+        )  # fmt: skip
+        content = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+        assert satisfies(json.loads(content)), content
         bad = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "nope"}}}
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(
