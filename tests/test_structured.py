@@ -302,3 +302,111 @@ def test_command_line_formats(folder: Path, tmp_path: Path, capsys) -> None:
     assert not re.fullmatch("[xyz]{4}", texts[3])  # free text: the model's noise
     code, _, err = run_cli(capsys, *base, "--prompt", PROMPT, "--regex", "a", "--choice", "b")
     assert code == 2 and "not allowed with argument" in err
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+ALARM = {
+    "type": "function",
+    "function": {
+        "name": "set_alarm",
+        "parameters": {
+            "type": "object",
+            "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}},
+            "required": ["hour"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def valid_call(call: dict) -> bool:
+    """Whether a tool call names one of the tools with arguments its schema takes."""
+    arguments = json.loads(call["function"]["arguments"])
+    if call["function"]["name"] == "get_weather":
+        return (
+            set(arguments) == {"city", "days"}
+            and isinstance(arguments["city"], str)
+            and len(arguments["city"]) <= 12
+            and type(arguments["days"]) is int
+            and 1 <= arguments["days"] <= 7
+        )
+    return call["function"]["name"] == "set_alarm" and set(arguments) == {"hour"}
+
+
+def test_tool_calls_by_grammar(folder: Path, tmp_path: Path) -> None:
+    """``tools`` with a named ``tool_choice`` or ``"required"``: the reply is a call (a
+    tool of the list, arguments its schema takes; streamed whole), finish reason
+    tool_calls; the named call's greedy arguments are `generate --json-schema` of the
+    function's parameters; "none" gives text; a conversation holding a call and its
+    result is taken; "auto" and unknown names are 400s naming tool_choice."""
+    import contextlib
+    import io
+
+    openai = pytest.importorskip("openai")
+    from server_helpers import start_server
+    from speculative.cli.main import main
+
+    schema = tmp_path / "weather.json"
+    schema.write_text(json.dumps(WEATHER["function"]["parameters"]))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["generate", "--target", str(folder), "--runtime", "native", "--json",
+                     "--prompt", PROMPT, "--max-new-tokens", "120", "--draft", "ngram",
+                     "--temperature", "0", "--json-schema", str(schema)])  # fmt: skip
+    assert code == 0
+    expected = json.loads(out.getvalue().splitlines()[-1])["text"]
+    messages = [{"role": "user", "content": PROMPT}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with start_server(folder, max_prompt_tokens=256) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+
+        def ask(**kw):
+            return client.chat.completions.create(
+                model=model, messages=kw.pop("messages", messages), max_tokens=120,
+                tools=kw.pop("tools", [WEATHER, ALARM]),
+                extra_body={"speculative": {"draft": "ngram"}}, **kw,
+            )  # fmt: skip
+
+        choice = ask(tool_choice=named, temperature=0).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = [c.model_dump() for c in choice.message.tool_calls]
+        assert call["function"]["name"] == "get_weather" and valid_call(call)
+        assert json.loads(call["function"]["arguments"]) == json.loads(expected)
+        for answer in ask(tool_choice="required", temperature=1.0, n=3, seed=4).choices:
+            assert answer.finish_reason == "tool_calls"
+            assert valid_call(answer.message.tool_calls[0].model_dump())
+        streamed, reason = [], None
+        for chunk in ask(tool_choice=named, temperature=0, stream=True):
+            if chunk.choices and chunk.choices[0].delta.tool_calls:
+                streamed += [c.model_dump() for c in chunk.choices[0].delta.tool_calls]
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+        assert reason == "tool_calls" and len(streamed) == 1
+        assert streamed[0]["function"]["arguments"] == call["function"]["arguments"]
+        text = ask(tool_choice="none", temperature=0).choices[0]
+        assert text.message.tool_calls is None and text.message.content
+        history = [*messages, {"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]  # fmt: skip
+        assert ask(messages=history, tool_choice="none").choices[0].message.content is not None
+        for bad in ("auto", {"type": "function", "function": {"name": "nope"}}):
+            with pytest.raises(openai.BadRequestError) as caught:
+                ask(tool_choice=bad)
+            assert caught.value.body["param"] == "tool_choice"
+        with pytest.raises(openai.BadRequestError):
+            ask(messages=history, tools=None, tool_choice="required")

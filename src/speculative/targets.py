@@ -220,11 +220,13 @@ def _config_eos(config: dict[str, Any]) -> frozenset[int]:
 def encode_prompt(
     tokenizer: Any,
     prompt: str | None = None,
-    messages: Sequence[dict[str, str]] | None = None,
+    messages: Sequence[dict[str, Any]] | None = None,
     chat: bool | None = None,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids for a prompt; ``chat`` (default: when the tokenizer has a chat template)
-    wraps it as a user message and adds the assistant generation prompt."""
+    wraps it as a user message and adds the assistant generation prompt; ``tools``: the
+    functions the template shows the model (a template without tools ignores them)."""
     if messages is None:
         if prompt is None or not prompt.strip():
             raise ValueError("the prompt is empty")
@@ -236,8 +238,9 @@ def encode_prompt(
     if use_chat and not has_template:
         raise ValueError("--chat needs a tokenizer with a chat template; this one has none")
     if use_chat:
+        extra = {} if tools is None else {"tools": list(tools)}
         text = tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
+            list(messages), tokenize=False, add_generation_prompt=True, **extra
         )
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = "\n".join(m["content"] for m in messages)

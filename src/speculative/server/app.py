@@ -53,6 +53,7 @@ from speculative.server.scheduler import (
 )
 from speculative.server.state import NONE, ServerState
 from speculative.server.text import TextAssembler, token_kinds
+from speculative.server.tools import tool_call
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 SEED_RANGE = 2**63  # seeds drawn for requests without one lie below it
@@ -316,7 +317,8 @@ def _prompt_ids(
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     try:
         if isinstance(body, ChatCompletionRequest):
-            return [encode_prompt(tokenizer, None, body.chat_messages(), chat=True)]
+            messages, tools = body.chat_messages(), body.template_tools()
+            return [encode_prompt(tokenizer, None, messages, chat=True, tools=tools)]
         prompts = []
         for prompt in body.prompts():
             if isinstance(prompt, str):
@@ -499,6 +501,7 @@ class _Envelope:
         role: bool = False,
         logprobs: dict[str, Any] | None = None,
         index: int = 0,
+        call: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if not self.chat:
             return {
@@ -512,6 +515,8 @@ class _Envelope:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if call is not None:  # a whole function call in one delta
+            delta["tool_calls"] = [{"index": 0, **call}]
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
@@ -584,9 +589,16 @@ def _whole_choice(
     )
     reason = _finish_reason(result)
     if envelope.chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text.final_text()}
+        call = _tool_call(prepared, message["content"])
+        if call is not None:
+            message, reason = (
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                "tool_calls",
+            )
         return {
             "index": index,
-            "message": {"role": "assistant", "content": text.final_text()},
+            "message": message,
             "logprobs": token_logprobs,
             "finish_reason": reason,
         }
@@ -596,6 +608,16 @@ def _whole_choice(
         "logprobs": token_logprobs,
         "finish_reason": reason,
     }
+
+
+def _tool_call(prepared: Prepared, text: str) -> dict[str, Any] | None:
+    """The function call a reply makes, where the request required one and the reply is
+    a whole call (the token budget may cut it: then it stays text)."""
+    body = prepared.body
+    if not isinstance(body, ChatCompletionRequest) or not body.calls_tool():
+        return None
+    assert body.tools is not None and body.tool_choice is not None
+    return tool_call(text, body.tools, body.tool_choice)
 
 
 @dataclass
@@ -665,6 +687,8 @@ async def _stream(
         )
         for i in range(len(jobs))
     ]
+    body = prepared.body
+    calls = isinstance(body, ChatCompletionRequest) and body.calls_tool()  # a function call
     options = prepared.body.stream_options
     include_usage = options is not None and options.include_usage
     ttft = None
@@ -692,6 +716,14 @@ async def _stream(
         else:
             pieces = choice.text.finish()
         final = isinstance(event, DoneEvent)
+        if calls and not final:
+            continue  # a function call goes whole, once the reply is complete
+        call = _tool_call(prepared, choice.text.final_text()) if calls else None
+        if call is not None:
+            yield _sse(envelope.wrap([envelope.delta(None, None, index=i, call=call)], stream=True))
+            pieces = []
+        elif calls:  # not a whole call after all (the budget cut it): the text
+            pieces = [(choice.text.final_text(), "target")]
         if pieces:
             if ttft is None:
                 ttft = time.perf_counter() - jobs[i].submitted
@@ -703,8 +735,9 @@ async def _stream(
             yield _sse(envelope.wrap([delta], stream=True, speculative=pieces_out))
         if isinstance(event, DoneEvent):
             results[i] = event.result
+            reason = "tool_calls" if call is not None else _finish_reason(event.result)
             finish = envelope.delta(  # with the log-probabilities of tokens that sent no text
-                None if envelope.chat else "", _finish_reason(event.result),
+                None if envelope.chat else "", reason,
                 logprobs=choice.logprobs.take(choice.text, final=True), index=i,
             )  # fmt: skip
             last = len(results) == len(jobs)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from speculative.sampling.penalties import Penalties
+from speculative.server.tools import NamedToolChoice, Tool, ToolChoice, call_format
 from speculative.structured.grammar import ANY_OBJECT, OutputFormat
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -28,8 +29,6 @@ MAX_PROMPTS = 16  # ... and completions' prompts per request (prompts × n rows 
 UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
 }
@@ -361,13 +360,35 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant's tool calls alone
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (passed on)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _some_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (but for an assistant's tool_calls)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (``developer`` as ``system``)."""
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_Common):
@@ -377,12 +398,64 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False  # each token's log-probability ...
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # ... and more
+    tools: list[Tool] | None = None  # functions the reply may call (see server.tools)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # taken; a reply makes one call at most
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_served(self) -> ChatCompletionRequest:
+        """A call is made by constraining the output: "required" or a named function;
+        "auto" (OpenAI's default beside tools) would need the model's own call parser."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none", "auto"):
+                raise ApiError(400, "tool_choice needs tools to choose from", param="tool_choice")
+            return self
+        if choice in (None, "auto"):
+            raise ApiError(
+                400,
+                'tool_choice "auto" (the default beside tools) needs a parser for this '
+                "model's own tool-call syntax, which this server does not have: set "
+                'tool_choice to "required" or name a function, and the reply is a call '
+                'by a grammar (or "none" for text)',
+                param="tool_choice",
+                code="unsupported_parameter",
+            )
+        if isinstance(choice, NamedToolChoice):
+            names = [tool.function.name for tool in self.tools]
+            if choice.function.name not in names:
+                raise ApiError(
+                    400, f"tool_choice names {choice.function.name!r}; the tools are "
+                    f"{', '.join(names)}", param="tool_choice",
+                )  # fmt: skip
+        return self
+
+    def calls_tool(self) -> bool:
+        """Whether the reply is a function call (tools, and a choice that requires one)."""
+        return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+
+    def output_format(self) -> OutputFormat | None:
+        """A call's format where the reply calls a function (not beside another format),
+        else as for any request."""
+        given = super().output_format()
+        if not self.calls_tool():
+            return given
+        if given is not None:
+            raise ApiError(400, "give tools or an output format, not both", param="tools")
+        assert self.tools is not None and self.tool_choice is not None
+        return call_format(self.tools, self.tool_choice)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (None: none to show)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     def wanted_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -404,9 +477,8 @@ class ChatCompletionRequest(_Common):
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        role = {"developer": "system"}
-        return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [message.for_template() for message in self.messages]
 
 
 def _as_prompts(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
