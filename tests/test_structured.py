@@ -410,3 +410,7 @@ def test_tool_calls_by_grammar(folder: Path, tmp_path: Path) -> None:
             assert caught.value.body["param"] == "tool_choice"
         with pytest.raises(openai.BadRequestError):
             ask(messages=history, tools=None, tool_choice="required")
+        broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}
+        with pytest.raises(openai.BadRequestError) as caught:
+            ask(tools=[broken], tool_choice="required")
+        assert caught.value.body["param"] == "tools"

@@ -353,14 +353,16 @@ def _constraints(
     body: CompletionRequest | ChatCompletionRequest, state: ServerState
 ) -> Callable[[], TokenConstraint] | None:
     """Fresh grammar constraints for the rows of a request with an output format (a JSON
-    response_format or vLLM's structured_outputs; compiled once for all its choices),
-    or None."""
+    response_format, vLLM's structured_outputs, or a required function call; compiled
+    once for all its choices), or None."""
     output = body.output_format()
     if output is None:
         return None
     from speculative.structured import constraints_for
 
     param = "response_format" if body.structured_outputs is None else "structured_outputs"
+    if isinstance(body, ChatCompletionRequest) and body.calls_tool():
+        param = "tools"  # a function's parameters schema
     try:
         return constraints_for(state.loaded, output)
     except ValueError as exc:
