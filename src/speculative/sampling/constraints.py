@@ -46,9 +46,10 @@ class TokenConstraint(Protocol):
 class ForcesTokens(Protocol):
     """A constraint that can say which tokens it leaves as the only way on right after the
     output (a grammar's fixed keys and punctuation): the engine drafts them, point-mass,
-    when the row's drafter is not asked; verification keeps them exactly as it keeps any
-    draft (the constrained target gives them probability 1, or less where the grammar
-    also allows another tokenization of the same text)."""
+    in a round of their own instead of asking the row's drafter (a context lookup may
+    continue them); verification keeps them exactly as it keeps any draft (the
+    constrained target gives them probability 1, or less where the grammar also allows
+    another tokenization of the same text)."""
 
     def forced(self, limit: int) -> list[int]:
         """At most ``limit`` tokens that the constraint forces after the output."""
