@@ -118,7 +118,8 @@ def test_the_grammars_forced_tokens_are_drafted(
 ) -> None:
     """Without a drafter, the tokens the schema forces (its keys and punctuation) are
     drafted and verified in passes of their own: fewer target passes than tokens, the
-    same greedy tokens as decoding them one by one (forced drafts turned off)."""
+    same greedy tokens as decoding them one by one (forced drafts turned off); rows that
+    draft token trees take them too."""
     make = outputs.json_schema(SCHEMA)
     greedy = SamplingParams(temperature=0)
     drafted, _ = _generate(folder, make(), greedy)
@@ -128,6 +129,17 @@ def test_the_grammars_forced_tokens_are_drafted(
     assert one_by_one.stats.drafted_tokens == 0
     assert drafted.stats.accepted_tokens >= 10  # '{"n": ', ', "ok": ', ', "tags": ['
     assert drafted.stats.target_calls <= one_by_one.stats.target_calls - 10
+    # rows that draft token trees draft the forced tokens as a chain-shaped tree
+    monkeypatch.undo()
+    tree_drafter = PromptLookupDrafter(3)
+    tree = make_tree_round("static", tree_drafter, 4)
+    trees, _ = _generate(folder, make(), greedy, drafter=tree_drafter, tree=tree)
+    monkeypatch.setattr(GrammarConstraint, "forced", lambda self, limit: [])
+    tree_drafter = PromptLookupDrafter(3)
+    tree = make_tree_round("static", tree_drafter, 4)
+    unforced, _ = _generate(folder, make(), greedy, drafter=tree_drafter, tree=tree)
+    assert trees.token_ids == unforced.token_ids == drafted.token_ids
+    assert trees.stats.target_calls < unforced.stats.target_calls
 
 
 def test_a_lookup_continues_the_forced_tokens_in_their_round(

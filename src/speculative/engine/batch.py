@@ -669,11 +669,12 @@ class BatchEngine:
                 if row.row_id in forced
             }
             wanted = [0 if row.row_id in forced else g for row, g in zip(rows, wanted, strict=True)]
-        together = self._proposals_together(rows, wanted)
+        free = [(row, g) for row, g in zip(rows, wanted, strict=True) if row.row_id not in forced]
+        together = self._proposals_together([r for r, _ in free], [g for _, g in free])
         planned = []
         for row, gamma in zip(rows, wanted, strict=True):
             if row.row_id in forced:  # no γ policy is asked or told: unasked
-                proposal = self._chain_proposal(row, forced[row.row_id])
+                proposal = self._forced_proposal(row, forced[row.row_id])
                 planned.append(_Planned(row, proposal, 0.0, 0, unasked=True))
                 continue
             if row.row_id in together:
@@ -688,14 +689,21 @@ class BatchEngine:
             planned.append(_Planned(row, proposal, seconds, gamma, unasked))
         return planned
 
+    def _forced_proposal(self, row: BatchRow, draft: Draft) -> Proposal:
+        """A forced draft's pass row: a chain, or for a row that drafts token trees the
+        same chain as a tree (its tree verification then checks it)."""
+        if row.request.tree is None:
+            return self._chain_proposal(row, draft)
+        return self._tree_proposal(row, DraftTree.chain(draft.tokens))
+
     def _forced_drafts(self, rows: list[BatchRow]) -> dict[int, Draft]:
-        """Per chain row whose constraint forces its next tokens (:class:`ForcesTokens`):
-        those tokens as a point-mass draft, cut to what the pass and the row's token
-        budget can still use (the round adds one token of its own)."""
+        """Per row whose constraint forces its next tokens (:class:`ForcesTokens`): those
+        tokens as a point-mass draft, cut to what the pass and the row's token budget can
+        still use (the round adds one token of its own)."""
         out = {}
         for row in rows:
             constraint = row.request.constraint
-            if row.request.tree is not None or not provides(constraint, ForcesTokens):
+            if not provides(constraint, ForcesTokens):
                 continue
             emitted = len(row.state.sequence) - row.state.prompt_length
             budget = row.request.stop.max_new_tokens - emitted - 1
