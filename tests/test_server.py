@@ -449,6 +449,30 @@ def test_lm_eval_loglikelihood_requests(client: openai.OpenAI, model: str) -> No
         assert greedy == likeliest
 
 
+def test_best_of_returns_the_likeliest_samples(client: openai.OpenAI, model: str) -> None:
+    """``best_of`` 4 with ``n`` 2: the two of the four samples (seed + 0..3, each what a
+    request with that seed gets alone) with the highest mean log-probability per token,
+    likeliest first, without log-probabilities unless asked; usage counts all four."""
+
+    def sample(seed: int, **kw):
+        return client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=seed,
+            extra_body={"speculative": {"draft": "ngram"}}, **kw,
+        )  # fmt: skip
+
+    alone = [sample(11 + j, logprobs=0) for j in range(4)]
+    means = [
+        sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs)
+        for c in (a.choices[0] for a in alone)
+    ]
+    order = sorted(range(4), key=lambda j: means[j], reverse=True)[:2]
+    assert order != [0, 1]  # the ranking picks other samples than the first two
+    answer = sample(11, n=2, best_of=4)
+    assert [c.text for c in answer.choices] == [alone[j].choices[0].text for j in order]
+    assert all(c.logprobs is None for c in answer.choices)
+    assert answer.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+
 def test_penalties_are_served_exactly(folder: Path, client: openai.OpenAI, model: str) -> None:
     """Penalized greedy text is `speculative generate`'s with the same penalties, with any
     drafter; the penalties change it (the control)."""
@@ -645,6 +669,14 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "n": 17}, 400, "n"),
     ("/v1/completions", {"model": "MODEL", "prompt": [PROMPT, PROMPT], "n": 9}, 400, "n"),
+    ("/v1/completions", {"model": "MODEL", "prompt": PROMPT, "n": 3, "best_of": 2}, 400, "best_of"),
+    (
+        "/v1/completions",
+        {"model": "MODEL", "prompt": PROMPT, "best_of": 2, "stream": True},
+        400,
+        "best_of",
+    ),
+    ("/v1/completions", {"model": "MODEL", "prompt": [PROMPT] * 2, "best_of": 9}, 400, "best_of"),
     ("/v1/completions", {"model": "MODEL", "prompt": []}, 400, "prompt"),
     ("/v1/completions", {"model": "MODEL", "prompt": [[]]}, 400, "prompt"),
     ("/v1/completions", {"model": "MODEL", "prompt": [3, 999999]}, 400, "prompt"),

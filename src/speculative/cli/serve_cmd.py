@@ -28,7 +28,7 @@ of the drafters loaded here (--draft, comma-separated; the first is the default)
 request's statistics (drafted, accepted, α, τ). Structured outputs (response_format,
 vLLM's structured_outputs: a JSON schema, a regex, a choice or a Lark grammar), tools
 with a named or "required" tool_choice, logprobs, echo (prompt scoring: max_tokens 0),
-penalties, logit_bias, n and seed are served exactly under speculation.
+penalties, logit_bias, n, best_of and seed are served exactly under speculation.
 
 Security: binds 127.0.0.1 unless --host says otherwise (a warning when binding elsewhere
 without --api-key); the key (or $SPECULATIVE_API_KEY) is compared in constant time;

@@ -82,6 +82,10 @@ class Prepared:
         """Which prompt choice ``choice`` answers (choices: prompt by prompt, n each)."""
         return choice // self.body.n
 
+    def ranks_candidates(self) -> bool:
+        """Whether more rows are sampled than returned (``best_of`` above ``n``)."""
+        return self.body.candidates() > self.body.n
+
     def echo(self, choice: int) -> str:
         """The text choice ``choice`` starts with: its prompt, echoed (completions'
         ``echo``), or ""."""
@@ -98,19 +102,35 @@ class Prepared:
         return echoed_prompt(decode, ids, result.prompt_logprobs)
 
     def choice_requests(self) -> list[BatchRequest]:
-        """One engine request per choice (``n`` per prompt), each with its own generator:
-        a prompt's choice j is the sample a request with that prompt and seed + j gets
-        alone."""
+        """One engine request per row (``n`` per prompt, or ``best_of``), each with its
+        own generator: a prompt's row j is the sample a request with that prompt and
+        seed + j gets alone. Rows that are ranked report their tokens' log-probabilities
+        (the ranking reads them; the response shows them only where asked)."""
         make = self.constraints
+        ranked = self.ranks_candidates() and self.body.wanted_logprobs() is None
         return [
             replace(
                 request,
                 generator=torch.Generator().manual_seed((self.seed + j) % SEED_RANGE),
                 constraint=None if make is None else make(),
+                logprobs=0 if ranked else request.logprobs,
             )
             for request in self.batch_requests
-            for j in range(self.body.n)
+            for j in range(self.body.candidates())
         ]
+
+    def best(self, results: list[GenerationResult]) -> list[GenerationResult]:
+        """Per prompt, the ``n`` of its ``best_of`` results with the highest mean
+        log-probability per token (OpenAI's ``best_of``; ties keep the seed order), in
+        that order; all of them where nothing is ranked."""
+        if not self.ranks_candidates():
+            return results
+        each, n = self.body.candidates(), self.body.n
+        chosen = []
+        for start in range(0, len(results), each):
+            group = results[start : start + each]
+            chosen += sorted(group, key=_mean_logprob, reverse=True)[:n]
+        return chosen
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -559,7 +579,8 @@ async def _complete(
         results.append(event.result)
     envelope = _Envelope(prepared, state)
     choices = [
-        _whole_choice(i, prepared, result, envelope, state) for i, result in enumerate(results)
+        _whole_choice(i, prepared, result, envelope, state)
+        for i, result in enumerate(prepared.best(results))
     ]
     metrics.count_request(prepared.endpoint, "200")
     body = envelope.wrap(
@@ -585,7 +606,8 @@ def _whole_choice(
     text.push(result.token_ids, ["target"] * len(result.token_ids))
     echo = prepared.echo(index)
     logprobs = LogprobsFormatter(decode, envelope.chat, text_offset=len(echo))
-    logprobs.add(result.logprobs)
+    if prepared.body.wanted_logprobs() is not None:  # (ranked rows report them unasked)
+        logprobs.add(result.logprobs)
     token_logprobs = joined(
         prepared.echoed_logprobs(index, decode, result), logprobs.take(text, final=True)
     )
@@ -610,6 +632,12 @@ def _whole_choice(
         "logprobs": token_logprobs,
         "finish_reason": reason,
     }
+
+
+def _mean_logprob(result: GenerationResult) -> float:
+    """A completion's mean log-probability per token (−inf for none)."""
+    entries = result.logprobs or []
+    return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")
 
 
 def _tool_call(prepared: Prepared, text: str) -> dict[str, Any] | None:

@@ -27,7 +27,6 @@ MAX_PROMPTS = 16  # ... and completions' prompts per request (prompts × n rows 
 # mean "off": a request that leaves them off (or out, or null) is served, one that asks
 # for them is refused by name instead of answered as if it had not asked.
 UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,),
     "suffix": ("",),
     "functions": ([],),
     "function_call": ("none", "auto"),
@@ -262,6 +261,10 @@ class _Common(BaseModel):
         """Whether the response carries the prompt (completions' ``echo``)."""
         return False
 
+    def candidates(self) -> int:
+        """Rows sampled per prompt (``n``; completions' ``best_of`` more)."""
+        return self.n
+
     def wanted_prompt_logprobs(self) -> int | None:
         """Alternatives per prompt token where the prompt's log-probabilities are asked
         for (echoed with ``logprobs``); None: not asked for."""
@@ -311,6 +314,8 @@ class CompletionRequest(_Common):
     echo: bool = False
     # each token's log-probability and this many alternatives' (0: the token's alone)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    # completions sampled per prompt, of which the n likeliest per token are returned
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
 
     def wanted_logprobs(self) -> int | None:
         return self.logprobs
@@ -340,12 +345,24 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _rows_fit(self) -> CompletionRequest:
-        rows = len(self.prompts()) * self.n
-        if rows > MAX_CHOICES:
+        if self.best_of is not None and self.best_of < self.n:
             raise ApiError(
-                400, f"prompts × n is at most {MAX_CHOICES}, got {rows}", param="n"
+                400, f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of"
+            )  # fmt: skip
+        if self.stream and self.candidates() > self.n:
+            raise ApiError(400, "best_of above n cannot be streamed", param="best_of")
+        rows = len(self.prompts()) * self.candidates()
+        if rows > MAX_CHOICES:
+            param = "n" if self.best_of is None else "best_of"
+            raise ApiError(
+                400, f"prompts × {param} is at most {MAX_CHOICES}, got {rows}", param=param
             )  # fmt: skip
         return self
+
+    def candidates(self) -> int:
+        """Rows sampled per prompt: ``best_of`` (the ``n`` likeliest per token are
+        returned), else ``n``."""
+        return self.best_of or self.n
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt: a text, or token ids."""
