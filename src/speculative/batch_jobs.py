@@ -56,16 +56,9 @@ FORMAT_KEYS = ("json_schema", "regex", "choice", "grammar")  # a record's output
 def record_output_format(record: Record) -> Any:
     """A record's own output format (its ``json_schema``, ``regex``, ``choice`` or
     ``grammar``: at most one), or None; ValueError for two of them."""
-    given = {key: record[key] for key in FORMAT_KEYS if record.get(key) is not None}
-    if not given:
-        return None
     from speculative.structured import OutputFormat
 
-    choice = given.get("choice")
-    return OutputFormat(
-        given.get("json_schema"), given.get("regex"),
-        None if choice is None else tuple(choice), given.get("grammar"),
-    )  # fmt: skip
+    return OutputFormat.given(*(record.get(key) for key in FORMAT_KEYS))
 
 
 class RowDecoder:

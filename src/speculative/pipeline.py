@@ -239,13 +239,10 @@ class Speculator:
         criteria = self.target.stop_criteria(max_new_tokens, stop)
         generator = torch.Generator().manual_seed(seed)
         constraint = None
-        formats = (json_schema, regex, choice, grammar)
-        if any(f is not None for f in formats):
-            from speculative.structured import OutputFormat, constraints_for
+        from speculative.structured import OutputFormat, constraints_for
 
-            output = OutputFormat(
-                json_schema, regex, None if choice is None else tuple(choice), grammar
-            )
+        output = OutputFormat.given(json_schema, regex, choice, grammar)
+        if output is not None:
             constraint = constraints_for(self.target, output)()
         stream = GenerationStream(
             self, self.engine(), prompt_ids, params, criteria, generator, logprobs, penalties,

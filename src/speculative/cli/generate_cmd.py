@@ -247,13 +247,9 @@ def lark_grammar_argument(text: str) -> str:
 def output_format_of(args: argparse.Namespace) -> Any:
     """The --json-schema / --regex / --choice / --grammar option as a structured
     ``OutputFormat`` (None: free text)."""
-    given = (args.json_schema, args.regex, args.choice, args.grammar)
-    if all(value is None for value in given):
-        return None
     from speculative.structured import OutputFormat
 
-    choice = None if args.choice is None else tuple(args.choice)
-    return OutputFormat(args.json_schema, args.regex, choice, args.grammar)
+    return OutputFormat.given(args.json_schema, args.regex, args.choice, args.grammar)
 
 
 def drafters_description() -> str:

@@ -705,30 +705,33 @@ class BatchEngine:
             constraint = row.request.constraint
             if not provides(constraint, ForcesTokens):
                 continue
-            emitted = len(row.state.sequence) - row.state.prompt_length
-            budget = row.request.stop.max_new_tokens - emitted - 1
-            limit = draft_length(min(FORCED_DRAFT_MAX, budget), row.state, self.max_length)
-            tokens = constraint.forced(limit)
+            tokens = constraint.forced(self._forced_room(row, 0))
             if tokens:
                 out[row.row_id] = Draft(tokens=tokens)
         return out
+
+    def _forced_room(self, row: BatchRow, drafted: int) -> int:
+        """Tokens a forced round may still draft after ``drafted`` of them: within
+        FORCED_DRAFT_MAX, the row's token budget (the round adds one token of its own)
+        and the context window."""
+        state = row.state
+        length = len(state.sequence) + drafted
+        budget = row.request.stop.max_new_tokens - (length - state.prompt_length) - 1
+        room = min(FORCED_DRAFT_MAX - drafted, budget)
+        if self.max_length is not None:
+            room = min(room, self.max_length - length - 1)
+        return max(0, room)
 
     def _after_forced(self, row: BatchRow, forced: Draft, gamma: int) -> Draft:
         """A forced draft, continued by the row's drafter where it is a context lookup
         (:class:`LooksUpContext`: a function of the context, which may then end in the
         forced tokens) by up to the ``gamma`` it was offered, within FORCED_DRAFT_MAX:
         the value after a schema's key, copied from the prompt, in the key's round."""
-        drafter, room = row.request.drafter, FORCED_DRAFT_MAX - len(forced.tokens)
-        if gamma < 1 or room < 1 or not provides(drafter, LooksUpContext):
+        drafter = row.request.drafter
+        limit = min(gamma, self._forced_room(row, len(forced.tokens)))
+        if limit < 1 or not provides(drafter, LooksUpContext):
             return forced
         context = [*row.state.sequence, *forced.tokens]
-        emitted = len(context) - row.state.prompt_length
-        budget = row.request.stop.max_new_tokens - emitted - 1
-        limit = min(gamma, room, budget)
-        if self.max_length is not None:
-            limit = min(limit, self.max_length - len(context) - 1)
-        if limit < 1:
-            return forced
         params, generator = row.request.params, row.request.generator
         more = drafter.propose(context, limit, params, generator)
         if more.probs is not None or more.rows is not None:  # not a point mass after all

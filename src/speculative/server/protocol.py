@@ -140,8 +140,9 @@ class StructuredOutputsOptions(BaseModel):
         return self
 
     def output_format(self) -> OutputFormat:
-        choice = None if self.choice is None else tuple(self.choice)
-        return OutputFormat(self.json_, self.regex, choice, self.grammar)
+        output = OutputFormat.given(self.json_, self.regex, self.choice, self.grammar)
+        assert output is not None  # _one_format
+        return output
 
 
 # vLLM's earlier names for the same options, taken as structured_outputs

@@ -120,6 +120,20 @@ class OutputFormat:
                 f"(got {len(given)})"
             )
 
+    @classmethod
+    def given(
+        cls,
+        json_schema: dict[str, Any] | str | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
+        lark: str | None = None,
+    ) -> OutputFormat | None:
+        """The format of whichever option is given (None: none is, free text);
+        ValueError for two."""
+        if json_schema is None and regex is None and choice is None and lark is None:
+            return None
+        return cls(json_schema, regex, None if choice is None else tuple(choice), lark)
+
     def compile(self, outputs: StructuredOutputs) -> Callable[[], GrammarConstraint]:
         """Fresh constraints (one per row) for this format over ``outputs``' tokenizer;
         ValueError saying what cannot be compiled."""
