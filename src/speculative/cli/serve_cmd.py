@@ -27,7 +27,7 @@ of the drafters loaded here (--draft, comma-separated; the first is the default)
 "none" (plain decoding), and fixes γ. Each response has a "speculative" object with the
 request's statistics (drafted, accepted, α, τ). Structured outputs (response_format,
 vLLM's structured_outputs: a JSON schema, a regex, a choice or a Lark grammar), tools
-with a named or "required" tool_choice, logprobs, echo (prompt scoring: max_tokens 0),
+(calls in the Hermes format, valid by a grammar), logprobs, echo (prompt scoring: max_tokens 0),
 penalties, logit_bias, n, best_of and seed are served exactly under speculation.
 
 Security: binds 127.0.0.1 unless --host says otherwise (a warning when binding elsewhere

@@ -17,7 +17,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -52,8 +52,8 @@ from speculative.server.scheduler import (
     Scheduler,
 )
 from speculative.server.state import NONE, ServerState
-from speculative.server.text import TextAssembler, token_kinds
-from speculative.server.tools import tool_call
+from speculative.server.text import TextAssembler, first_stop, token_kinds
+from speculative.server.tools import CALL_OPEN, Reply, chat_prompt, split_calls
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 SEED_RANGE = 2**63  # seeds drawn for requests without one lie below it
@@ -337,8 +337,7 @@ def _prompt_ids(
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     try:
         if isinstance(body, ChatCompletionRequest):
-            messages, tools = body.chat_messages(), body.template_tools()
-            return [encode_prompt(tokenizer, None, messages, chat=True, tools=tools)]
+            return [chat_prompt(tokenizer, body.chat_messages(), body.template_tools())]
         prompts = []
         for prompt in body.prompts():
             if isinstance(prompt, str):
@@ -373,7 +372,7 @@ def _constraints(
     body: CompletionRequest | ChatCompletionRequest, state: ServerState
 ) -> Callable[[], TokenConstraint] | None:
     """Fresh grammar constraints for the rows of a request with an output format (a JSON
-    response_format, vLLM's structured_outputs, or a required function call; compiled
+    response_format, vLLM's structured_outputs, or tools to call; compiled
     once for all its choices), or None."""
     output = body.output_format()
     if output is None:
@@ -381,7 +380,7 @@ def _constraints(
     from speculative.structured import constraints_for
 
     param = "response_format" if body.structured_outputs is None else "structured_outputs"
-    if isinstance(body, ChatCompletionRequest) and body.calls_tool():
+    if isinstance(body, ChatCompletionRequest) and body.may_call():
         param = "tools"  # a function's parameters schema
     try:
         return constraints_for(state.loaded, output)
@@ -476,6 +475,13 @@ def _finish_reason(result: GenerationResult) -> str:
     return FINISH_REASONS.get(result.finish_reason or "", "stop")
 
 
+def _calls_reason(result: GenerationResult) -> str:
+    """A reply with calls: ``tool_calls``, or ``length`` where the budget cut a later call
+    (the whole ones are returned)."""
+    reason = _finish_reason(result)
+    return reason if reason == "length" else "tool_calls"
+
+
 def _model_card(state: ServerState) -> dict[str, Any]:
     return {
         "id": state.model_id,
@@ -523,7 +529,7 @@ class _Envelope:
         role: bool = False,
         logprobs: dict[str, Any] | None = None,
         index: int = 0,
-        call: dict[str, Any] | None = None,
+        calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         if not self.chat:
             return {
@@ -537,8 +543,8 @@ class _Envelope:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        if call is not None:  # a whole function call in one delta
-            delta["tool_calls"] = [{"index": 0, **call}]
+        if calls:  # the reply's function calls, each whole, in one delta
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
@@ -602,7 +608,7 @@ def _whole_choice(
     """One choice of a whole response: its text (cut at a stop string), finish reason and
     (where asked) its tokens' log-probabilities."""
     decode = state.loaded.decode
-    text = TextAssembler(decode, prepared.body.stop_strings())
+    text = _assembler(prepared, decode)
     text.push(result.token_ids, ["target"] * len(result.token_ids))
     echo = prepared.echo(index)
     logprobs = LogprobsFormatter(decode, envelope.chat, text_offset=len(echo))
@@ -614,12 +620,11 @@ def _whole_choice(
     reason = _finish_reason(result)
     if envelope.chat:
         message: dict[str, Any] = {"role": "assistant", "content": text.final_text()}
-        call = _tool_call(prepared, message["content"])
-        if call is not None:
-            message, reason = (
-                {"role": "assistant", "content": None, "tool_calls": [call]},
-                "tool_calls",
-            )
+        reply = _reply(prepared, text)
+        if reply is not None:
+            message["content"] = reply.content
+        if reply is not None and reply.calls:
+            message["tool_calls"], reason = reply.calls, _calls_reason(result)
         return {
             "index": index,
             "message": message,
@@ -640,14 +645,23 @@ def _mean_logprob(result: GenerationResult) -> float:
     return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")
 
 
-def _tool_call(prepared: Prepared, text: str) -> dict[str, Any] | None:
-    """The function call a reply makes, where the request required one and the reply is
-    a whole call (the token budget may cut it: then it stays text)."""
+def _assembler(prepared: Prepared, decode: Callable[[Sequence[int]], str]) -> TextAssembler:
+    """A choice's text, cut at the request's stop strings, and where the reply may call
+    a function also before its first call (streamed as it comes; the calls go whole)."""
     body = prepared.body
-    if not isinstance(body, ChatCompletionRequest) or not body.calls_tool():
+    calls = isinstance(body, ChatCompletionRequest) and body.may_call()
+    return TextAssembler(decode, body.stop_strings() + ((CALL_OPEN,) if calls else ()))
+
+
+def _reply(prepared: Prepared, text: TextAssembler) -> Reply | None:
+    """A complete reply's text and function calls, where the request gave tools to
+    call (None otherwise). A call the token budget cut leaves the reply text."""
+    body = prepared.body
+    if not isinstance(body, ChatCompletionRequest) or not body.may_call():
         return None
-    assert body.tools is not None and body.tool_choice is not None
-    return tool_call(text, body.tools, body.tool_choice)
+    assert body.tools is not None
+    stop = first_stop(text.text, body.stop_strings())
+    return split_calls(text.text if stop is None else text.text[:stop], body.tools)
 
 
 @dataclass
@@ -709,16 +723,14 @@ async def _stream(
     choice's finish chunk, then one with the request's ``speculative`` stats, the usage
     chunk when asked, and ``[DONE]``."""
     envelope = _Envelope(prepared, state)
-    decode, stops = state.loaded.decode, prepared.body.stop_strings()
+    decode = state.loaded.decode
     choices = [
         _StreamedChoice(
-            TextAssembler(decode, stops),
+            _assembler(prepared, decode),
             LogprobsFormatter(decode, envelope.chat, len(prepared.echo(i))),
         )
         for i in range(len(jobs))
     ]
-    body = prepared.body
-    calls = isinstance(body, ChatCompletionRequest) and body.calls_tool()  # a function call
     options = prepared.body.stream_options
     include_usage = options is not None and options.include_usage
     ttft = None
@@ -746,14 +758,10 @@ async def _stream(
         else:
             pieces = choice.text.finish()
         final = isinstance(event, DoneEvent)
-        if calls and not final:
-            continue  # a function call goes whole, once the reply is complete
-        call = _tool_call(prepared, choice.text.final_text()) if calls else None
-        if call is not None:
-            yield _sse(envelope.wrap([envelope.delta(None, None, index=i, call=call)], stream=True))
-            pieces = []
-        elif calls:  # not a whole call after all (the budget cut it): the text
-            pieces = [(choice.text.final_text(), "target")]
+        reply = _reply(prepared, choice.text) if final else None
+        if reply is not None and not reply.calls:  # text after all (the budget cut a call)
+            rest = (reply.content or "")[choice.text.sent :]
+            pieces = [*pieces, (rest, "target")] if rest else pieces
         if pieces:
             if ttft is None:
                 ttft = time.perf_counter() - jobs[i].submitted
@@ -763,9 +771,13 @@ async def _stream(
             )  # fmt: skip
             pieces_out = {"pieces": [list(p) for p in pieces], **choice.running.to_dict()}
             yield _sse(envelope.wrap([delta], stream=True, speculative=pieces_out))
+        calls = reply.calls if reply is not None else []
+        if calls:
+            delta = envelope.delta(None, None, index=i, calls=calls)
+            yield _sse(envelope.wrap([delta], stream=True))
         if isinstance(event, DoneEvent):
             results[i] = event.result
-            reason = "tool_calls" if call is not None else _finish_reason(event.result)
+            reason = _calls_reason(event.result) if calls else _finish_reason(event.result)
             finish = envelope.delta(  # with the log-probabilities of tokens that sent no text
                 None if envelope.chat else "", reason,
                 logprobs=choice.logprobs.take(choice.text, final=True), index=i,

@@ -418,7 +418,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # ... and more
     tools: list[Tool] | None = None  # functions the reply may call (see server.tools)
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # taken; a reply makes one call at most
+    parallel_tool_calls: bool | None = None  # false: one call at most (default: any)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -428,23 +428,12 @@ class ChatCompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _tool_choice_served(self) -> ChatCompletionRequest:
-        """A call is made by constraining the output: "required" or a named function;
-        "auto" (OpenAI's default beside tools) would need the model's own call parser."""
+        """A choice needs tools to choose from; a named one must be among them."""
         choice = self.tool_choice
         if not self.tools:
             if choice not in (None, "none", "auto"):
                 raise ApiError(400, "tool_choice needs tools to choose from", param="tool_choice")
             return self
-        if choice in (None, "auto"):
-            raise ApiError(
-                400,
-                'tool_choice "auto" (the default beside tools) needs a parser for this '
-                "model's own tool-call syntax, which this server does not have: set "
-                'tool_choice to "required" or name a function, and the reply is a call '
-                'by a grammar (or "none" for text)',
-                param="tool_choice",
-                code="unsupported_parameter",
-            )
         if isinstance(choice, NamedToolChoice):
             names = [tool.function.name for tool in self.tools]
             if choice.function.name not in names:
@@ -454,26 +443,25 @@ class ChatCompletionRequest(_Common):
                 )  # fmt: skip
         return self
 
-    def calls_tool(self) -> bool:
-        """Whether the reply is a function call (tools, and a choice that requires one)."""
-        return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+    def may_call(self) -> bool:
+        """Whether the reply may call a function (tools, and a choice other than "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def output_format(self) -> OutputFormat | None:
-        """A call's format where the reply calls a function (not beside another format),
-        else as for any request."""
+        """The calls' grammar where the reply may call a function (not beside another
+        format: a reply is text, calls, or both), else as for any request."""
         given = super().output_format()
-        if not self.calls_tool():
+        if not self.may_call():
             return given
         if given is not None:
             raise ApiError(400, "give tools or an output format, not both", param="tools")
-        assert self.tools is not None and self.tool_choice is not None
-        return call_format(self.tools, self.tool_choice)
+        assert self.tools is not None
+        choice = self.tool_choice or "auto"  # OpenAI's default beside tools
+        return call_format(self.tools, choice, parallel=self.parallel_tool_calls is not False)
 
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as chat templates take them (None: none to show)."""
-        if not self.tools or self.tool_choice == "none":
-            return None
-        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+    def template_tools(self) -> list[Tool] | None:
+        """The tools the prompt shows the model (None: none to show)."""
+        return self.tools if self.may_call() else None
 
     def wanted_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,23 +1,28 @@
-"""Function calling (OpenAI's ``tools``) by constrained decoding.
+"""Function calling (OpenAI's ``tools``) under a grammar.
 
-A request that must call a function (``tool_choice`` ``"required"`` or a named function)
-has its output constrained by a grammar (:mod:`speculative.structured`): a named
-function's ``parameters`` schema (the output is the call's arguments), or, for
-``"required"``, one of the functions as ``{"name": …, "arguments": {…}}``. The output is
-then always a well-formed call, and speculation stays exact with respect to the
-constrained target. ``"auto"`` (the model decides whether to call) would need a parser
-for each model family's own call syntax: it is refused with a 400 that says so.
+Calls are written in the Hermes format (``<tool_call>``, a newline, one JSON object
+``{"name": …, "arguments": {…}}``, a newline, ``</tool_call>``), which Qwen's, Hermes' and
+many open models' chat templates teach. :func:`call_format` compiles the tools into a
+grammar (:mod:`speculative.structured`): with ``tool_choice`` ``"auto"`` free text whose
+first ``<tool_call>`` opens a call (llguidance's lazy lexeme), with ``"required"`` a call
+from the first token, with a named function one call of it; every call names one of the
+tools and its arguments satisfy that function's schema. Speculation stays exact with
+respect to the grammar-restricted target. :func:`split_calls` reads a reply back into
+OpenAI's ``content`` and ``tool_calls``; :func:`chat_prompt` shows the tools to the
+model, described in a system message where the chat template does not show them.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from speculative.structured.grammar import ANY_OBJECT, OutputFormat
+from speculative.server.text import partial_stop_length
+from speculative.structured.grammar import ANY_OBJECT, JSON_FORMAT, OutputFormat
 
 
 class FunctionSpec(BaseModel):
@@ -56,40 +61,90 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-def call_format(tools: list[Tool], choice: ToolChoice) -> OutputFormat:
-    """What the output must be to call a function: the named one's arguments, or any of
-    ``tools`` as ``{"name", "arguments"}`` (``"required"``)."""
-    if isinstance(choice, NamedToolChoice):
-        return OutputFormat(json_schema=_named(tools, choice.function.name).function.schema())
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": tool.function.name},
-                "arguments": tool.function.schema(),
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for tool in tools
+CALL_OPEN = "<tool_call>"  # a call's text, as Hermes-format models write it:
+CALL_CLOSE = "</tool_call>"  # <tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>
+TEXT_RULES = (
+    'text_open[lazy]: TEXT "<tool_call>"',  # text up to its first call opener, no further
+    "TEXT: /(.|\\n)*/",
+)
+
+
+def call_format(tools: list[Tool], choice: ToolChoice, parallel: bool = True) -> OutputFormat:
+    """The grammar of a reply that may or must call ``tools``, each call written as
+    ``<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>`` (the Hermes format
+    that Qwen's and many open models' templates teach) with ``arguments`` valid under the
+    function's ``parameters`` schema:
+      - ``"auto"``: any text, or text followed by calls (the first ``<tool_call>`` the
+        model writes starts a call; after the calls, only more calls or the end);
+      - ``"required"``: calls from the first token;
+      - a named function: one call of that function.
+    ``parallel``: more than one call (OpenAI's ``parallel_tool_calls``)."""
+    named = isinstance(choice, NamedToolChoice)
+    chosen = [_named(tools, choice.function.name)] if named else tools
+    calls = [_call_schema(tool) for tool in chosen]
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_FORMAT}
+    close = json.dumps("\n" + CALL_CLOSE)
+    more = ' ("\\n"? call)*' if parallel and not named else ""
+    first = "TEXT | text_open body" if choice == "auto" else "call"
+    rules = [
+        "%llguidance {}",
+        f"start: {first}{more}",
+        f"call: {json.dumps(CALL_OPEN)} body",
+        f'body: "\\n" %json {json.dumps(schema)} {close}',
+        *(TEXT_RULES if choice == "auto" else ()),
     ]
-    return OutputFormat(json_schema=calls[0] if len(calls) == 1 else {"anyOf": calls})
+    return OutputFormat(lark="\n".join(rules) + "\n")
 
 
-def tool_call(text: str, tools: list[Tool], choice: ToolChoice) -> dict[str, Any] | None:
-    """The call ``text`` (a complete constrained output) makes, in OpenAI's shape
-    (``{"id", "type", "function": {"name", "arguments"}}``, the arguments as JSON text),
-    or None where the text is not a whole call (the token budget cut it)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if isinstance(choice, NamedToolChoice):
-        name, arguments = _named(tools, choice.function.name).function.name, value
-    elif isinstance(value, dict) and {"name", "arguments"} <= set(value):
-        name, arguments = value["name"], value["arguments"]
-    else:
-        return None
+def _call_schema(tool: Tool) -> dict[str, Any]:
+    """A call of ``tool`` as JSON: its name and its arguments."""
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"const": tool.function.name},
+            "arguments": tool.function.schema(),
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A reply split into its text and its calls (OpenAI's ``content`` and
+    ``tool_calls``)."""
+
+    content: str | None  # the text before the first call; None: none
+    calls: list[dict[str, Any]]  # OpenAI's shape: {"id", "type", "function": {…}}
+
+
+def split_calls(text: str, tools: list[Tool]) -> Reply:
+    """The text and the calls of a reply written by :func:`call_format`'s grammar. A last
+    call the token budget cut (or the start of its opener) is left out; a reply with no
+    whole call, or with a block that is not a call of one of ``tools``, stays text, calls
+    and all."""
+    cut = partial_stop_length(text, (CALL_OPEN,))  # a next call's opener, cut short
+    head, opener, rest = text[: len(text) - cut].partition(CALL_OPEN)
+    names = {tool.function.name for tool in tools}
+    calls = []
+    for block in (opener + rest).split(CALL_OPEN)[1:]:
+        body, closer, after = block.partition(CALL_CLOSE)
+        if not closer and calls:  # the budget cut the last call
+            break
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError:
+            return Reply(text, [])
+        whole = closer and not after.strip() and isinstance(value, dict)
+        if not whole or value.get("name") not in names or "arguments" not in value:
+            return Reply(text, [])
+        calls.append(_openai_call(value["name"], value["arguments"]))
+    if not calls:
+        return Reply(text, [])
+    return Reply(head if head.strip() else None, calls)
+
+
+def _openai_call(name: str, arguments: Any) -> dict[str, Any]:
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
@@ -102,3 +157,59 @@ def _named(tools: list[Tool], name: str) -> Tool:
         if tool.function.name == name:
             return tool
     raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+
+
+def chat_prompt(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[Tool] | None
+) -> list[int]:
+    """A chat prompt's tokens: ``messages`` through the tokenizer's chat template, with
+    the ``tools`` the reply may call. A template that does not show tools (the same
+    tokens with and without them, as SmolLM2's) gets them described in a system message
+    instead (:func:`described`)."""
+    from speculative.targets import encode_prompt
+
+    if not tools:
+        return encode_prompt(tokenizer, None, messages, chat=True)
+    shown = [tool.model_dump(exclude_none=True) for tool in tools]
+    ids = encode_prompt(tokenizer, None, messages, chat=True, tools=shown)
+    if ids != encode_prompt(tokenizer, None, messages, chat=True):
+        return ids
+    return encode_prompt(tokenizer, None, described(messages, tools), chat=True)
+
+
+def described(messages: list[dict[str, Any]], tools: list[Tool]) -> list[dict[str, Any]]:
+    """``messages`` for a chat template that does not show tools (SmolLM2's): the tools
+    and how to call them in a system message (the first one's text, extended), and an
+    assistant's earlier calls written into its text as the model would have written
+    them."""
+    listed = "\n".join(json.dumps(tool.model_dump(exclude_none=True)) for tool in tools)
+    guide = (
+        "You may call these functions, given as JSON schemas:\n"
+        f"<tools>\n{listed}\n</tools>\n"
+        "To call one, write its name and arguments as one JSON object between "
+        f"{CALL_OPEN} and {CALL_CLOSE}, one call per block:\n"
+        f'{CALL_OPEN}\n{{"name": "<function name>", "arguments": {{"<argument>": "<value>"}}}}'
+        f"\n{CALL_CLOSE}"
+    )
+    out = [_calls_as_text(message) for message in messages]
+    if out and out[0]["role"] == "system":
+        return [{**out[0], "content": f"{out[0]['content']}\n\n{guide}"}, *out[1:]]
+    return [{"role": "system", "content": guide}, *out]
+
+
+def _calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message whose ``tool_calls`` are written into its text."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    blocks = []
+    for call in calls:
+        function = call.get("function", {})
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except (TypeError, json.JSONDecodeError):
+            arguments = function.get("arguments")
+        value = {"name": function.get("name"), "arguments": arguments}
+        blocks.append(f"{CALL_OPEN}\n{json.dumps(value)}\n{CALL_CLOSE}")
+    text = "\n".join([message["content"], *blocks] if message.get("content") else blocks)
+    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}

@@ -1,0 +1,299 @@
+"""Function calling through the server: calls written in the Hermes format
+(``<tool_call>{"name", "arguments"}</tool_call>``) under a grammar, on real tiny models.
+
+Two tiny Llamas with a byte-level tokenizer: a random one (seeded: its free text is noise,
+so ``"auto"`` must leave that text alone) and one trained for a second in the fixture to
+answer the tool prompt with text and two calls, the second with an argument its schema
+refuses. Unconstrained, that model writes the bad argument (the control); through the
+server the grammar makes every call valid, ``"auto"`` keeps the text before the calls, and
+``parallel_tool_calls: false`` stops after one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from server_helpers import CHAT_TEMPLATE, start_server
+from speculative.engine import SpeculativeEngine, StopCriteria
+from speculative.models.native import load_native
+from speculative.sampling import SamplingParams
+from speculative.server.tools import (
+    CALL_OPEN,
+    NamedToolChoice,
+    Tool,
+    call_format,
+    chat_prompt,
+    described,
+    split_calls,
+)
+from speculative.structured import StructuredOutputs
+from tiny import byte_tokenizer, save_tiny, tiny_llama
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("llguidance")
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+ALARM = {
+    "type": "function",
+    "function": {
+        "name": "set_alarm",
+        "parameters": {
+            "type": "object",
+            "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}},
+            "required": ["hour"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [Tool.model_validate(WEATHER), Tool.model_validate(ALARM)]
+# a template that shows the tools' names (as Qwen's shows their schemas)
+TOOLS_TEMPLATE = (
+    "{% if tools %}tools {% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
+    "{% endif %}" + CHAT_TEMPLATE
+)
+MESSAGES = [{"role": "user", "content": "Wake me at 7, and the weather in Paris?"}]
+FIRST_CALL = '{"name": "set_alarm", "arguments": {"hour": 7}}'
+# what the trained model answers: text, a call, and a call whose "days" is out of range
+TRAINED_REPLY = (
+    f"Sure. {CALL_OPEN}\n{FIRST_CALL}\n</tool_call>\n"
+    f'{CALL_OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris", "days": 9}}}}'
+    "\n</tool_call>"
+)
+EOS = 1
+
+
+def valid_call(call: dict) -> bool:
+    """Whether a tool call names one of the tools with arguments its schema takes."""
+    arguments = json.loads(call["function"]["arguments"])
+    if call["function"]["name"] == "get_weather":
+        return (
+            set(arguments) == {"city", "days"}
+            and isinstance(arguments["city"], str)
+            and len(arguments["city"]) <= 12
+            and type(arguments["days"]) is int
+            and 1 <= arguments["days"] <= 7
+        )
+    return call["function"]["name"] == "set_alarm" and set(arguments) == {"hour"}
+
+
+def _tokenizer(template: str = TOOLS_TEMPLATE):
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Llama whose template shows the tools."""
+    return save_tiny(tmp_path_factory.mktemp("tools_random"), seed=4, tokenizer=_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama trained to answer MESSAGES with TRAINED_REPLY (every token of it at
+    probability > 0.8 under greedy decoding)."""
+    tokenizer = _tokenizer()
+    prompt = chat_prompt(tokenizer, MESSAGES, TOOLS)
+    reply = [*tokenizer(TRAINED_REPLY, add_special_tokens=False)["input_ids"], EOS]
+    model = tiny_llama(7, len(tokenizer.get_vocab()), layers=2).train()
+    ids = torch.tensor([prompt + reply])
+    labels = torch.tensor([[-100] * len(prompt) + reply])
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        for _ in range(300):
+            loss = model(ids, labels=labels).loss
+            if loss.item() < 0.001:
+                break
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    assert loss.item() < 0.001
+    folder = tmp_path_factory.mktemp("tools_caller")
+    model.eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _greedy(folder: Path, prompt: list[int], grammar: Any = None, budget: int = 160) -> str:
+    """The library's greedy text for ``prompt`` (under ``grammar``, a format, if given)."""
+    tokenizer = byte_tokenizer()
+    constraint = None
+    if grammar is not None:
+        constraint = grammar.compile(StructuredOutputs(tokenizer, {EOS}))()
+    engine = SpeculativeEngine(load_native(folder, max_length=256), None, 4)
+    stop = StopCriteria(budget, frozenset({EOS}))
+    params = SamplingParams(temperature=0)
+    result = engine.generate(prompt, params, stop, torch.Generator().manual_seed(0), None,
+                             constraint)  # fmt: skip
+    return tokenizer.decode(result.token_ids, skip_special_tokens=True)
+
+
+def _client(server) -> tuple[Any, str]:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    return client, client.models.list().data[0].id
+
+
+def _streamed(chunks) -> tuple[str, list[dict], str | None]:
+    """A streamed reply's text, calls and finish reason."""
+    text, calls, reason = "", [], None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        text += delta.content or ""
+        calls += [c.model_dump() for c in delta.tool_calls or []]
+        reason = chunk.choices[0].finish_reason or reason
+    return text, calls, reason
+
+
+def test_calls_are_split_from_text_and_described_to_templates_without_tools() -> None:
+    call = f"{CALL_OPEN}\n{FIRST_CALL}\n</tool_call>"
+    reply = split_calls(f"Sure. {call}\n{call}", TOOLS)
+    assert reply.content == "Sure. " and len(reply.calls) == 2
+    assert [json.loads(c["function"]["arguments"]) for c in reply.calls] == [{"hour": 7}] * 2
+    assert len({c["id"] for c in reply.calls}) == 2
+    assert split_calls(call, TOOLS).content is None
+    assert len(split_calls(f"{call}\n{call[:-3]}", TOOLS).calls) == 1  # a cut last call
+    assert len(split_calls(f"{call}\n<tool", TOOLS).calls) == 1  # a cut opener
+    for text in ("no call", f"Sure. {call[:-3]}", call.replace("set_alarm", "nope"),
+                 f"{call} and more", call.replace("{", "(", 1)):  # fmt: skip
+        assert split_calls(text, TOOLS).calls == [] and split_calls(text, TOOLS).content == text
+    # a template that shows tools gets them; one that does not gets a description
+    shows, plain = _tokenizer(), _tokenizer(CHAT_TEMPLATE)
+    assert (
+        byte_tokenizer()
+        .decode(chat_prompt(shows, MESSAGES, TOOLS))
+        .startswith("tools get_weather set_alarm user")
+    )
+    text = byte_tokenizer().decode(chat_prompt(plain, MESSAGES, TOOLS))
+    assert text.startswith("system You may call") and json.dumps(WEATHER) in text
+    assert text.endswith("user Wake me at 7, and the weather in Paris? then")
+    history = [
+        {"role": "system", "content": "Be brief."},
+        *MESSAGES,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "set_alarm", "arguments": '{"hour": 7}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+    ]  # fmt: skip
+    rendered = described(history, TOOLS)
+    assert rendered[0]["content"].startswith("Be brief.\n\nYou may call") and len(rendered) == 4
+    assert rendered[2]["content"] == call and "tool_calls" not in rendered[2]
+    assert chat_prompt(plain, MESSAGES, None) == chat_prompt(shows, MESSAGES, None)
+
+
+def test_auto_keeps_text_and_makes_every_call_valid(caller: Path) -> None:
+    tokenizer = _tokenizer()
+    prompt = chat_prompt(tokenizer, MESSAGES, TOOLS)
+    assert _greedy(caller, prompt, budget=200) == TRAINED_REPLY  # the control: "days" 9
+    with start_server(caller, max_prompt_tokens=200) as server:
+        client, model = _client(server)
+
+        def ask(**kw):
+            return client.chat.completions.create(
+                model=model, messages=MESSAGES, tools=[WEATHER, ALARM], temperature=0,
+                max_tokens=kw.pop("max_tokens", 178), **kw,
+            )  # fmt: skip
+
+        choice = ask().choices[0]  # tool_choice "auto", the default beside tools
+        calls = [c.model_dump() for c in choice.message.tool_calls]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure. "
+        assert [c["function"]["name"] for c in calls] == ["set_alarm", "get_weather"]
+        assert json.loads(calls[0]["function"]["arguments"]) == {"hour": 7}
+        assert all(valid_call(c) for c in calls)  # the grammar kept "days" within 1..7
+        assert json.loads(calls[1]["function"]["arguments"])["city"] == "Paris"
+        text, streamed, reason = _streamed(ask(tool_choice="auto", stream=True))
+        assert (text, reason) == ("Sure. ", "tool_calls")
+        assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+        assert [c["index"] for c in streamed] == [0, 1]
+        one = ask(parallel_tool_calls=False).choices[0]
+        assert [c.function.name for c in one.message.tool_calls] == ["set_alarm"]
+        late = ask(max_tokens=80).choices[0]  # the budget cuts the second call
+        assert late.finish_reason == "length" and late.message.content == "Sure. "
+        (kept,) = [c.model_dump() for c in late.message.tool_calls]
+        assert kept["function"] == calls[0]["function"]
+        cut = ask(max_tokens=30).choices[0]  # the budget cuts the first call
+        assert cut.finish_reason == "length" and cut.message.tool_calls is None
+        assert cut.message.content == TRAINED_REPLY[: len(cut.message.content)]
+        assert CALL_OPEN in cut.message.content
+        assert _streamed(ask(max_tokens=30, stream=True)) == (cut.message.content, [], "length")
+
+
+def test_required_named_and_none(folder: Path) -> None:
+    """On the random model: "auto" replies with the text the library decodes under the
+    same grammar (free text, held to valid UTF-8: the grammar's text is characters);
+    "required" and a named function make valid calls (the named one's greedy call is the
+    library's under the same grammar); "none" replies with text; refusals name their
+    field."""
+    tokenizer = _tokenizer()
+    prompt = chat_prompt(tokenizer, MESSAGES, TOOLS)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    grammar = call_format(TOOLS, NamedToolChoice.model_validate(named))
+    expected = split_calls(_greedy(folder, prompt, grammar), TOOLS)
+    free = _greedy(folder, prompt, budget=60)  # noise, bytes that are not UTF-8 included
+    auto_text = _greedy(folder, prompt, call_format(TOOLS, "auto"), budget=60)
+    assert "\ufffd" in free and "\ufffd" not in auto_text and CALL_OPEN not in auto_text
+    with start_server(folder, max_prompt_tokens=200) as server:
+        client, model = _client(server)
+
+        def ask(**kw):
+            return client.chat.completions.create(
+                model=model, messages=kw.pop("messages", MESSAGES),
+                max_tokens=kw.pop("max_tokens", 120), tools=kw.pop("tools", [WEATHER, ALARM]),
+                extra_body={"speculative": {"draft": "ngram"}}, **kw,
+            )  # fmt: skip
+
+        auto = ask(temperature=0, max_tokens=60).choices[0]
+        assert auto.message.tool_calls is None and auto.message.content == auto_text
+        assert _streamed(ask(temperature=0, max_tokens=60, stream=True))[0] == auto_text
+        choice = ask(tool_choice=named, temperature=0).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = [c.model_dump() for c in choice.message.tool_calls]
+        assert call["function"] == expected.calls[0]["function"] and valid_call(call)
+        sampled = ask(tool_choice="required", temperature=1.0, n=3, seed=4,
+                      parallel_tool_calls=False)  # fmt: skip
+        for answer in sampled.choices:
+            assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
+            assert valid_call(answer.message.tool_calls[0].model_dump())
+        text, streamed, reason = _streamed(ask(tool_choice=named, temperature=0, stream=True))
+        assert (text, reason, len(streamed)) == ("", "tool_calls", 1)
+        assert streamed[0]["function"] == call["function"]
+        reply = ask(tool_choice="none", temperature=0).choices[0]
+        assert reply.message.tool_calls is None and reply.message.content
+        history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]  # fmt: skip
+        assert ask(messages=history, tool_choice="none").choices[0].message.content is not None
+        bad = {"type": "function", "function": {"name": "nope"}}
+        with pytest.raises(openai.BadRequestError) as caught:
+            ask(tool_choice=bad)
+        assert caught.value.body["param"] == "tool_choice"
+        with pytest.raises(openai.BadRequestError):
+            ask(messages=history, tools=None, tool_choice="required")
+        broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}
+        with pytest.raises(openai.BadRequestError) as caught:
+            ask(tools=[broken], tool_choice="required")
+        assert caught.value.body["param"] == "tools"
+        with pytest.raises(openai.BadRequestError) as caught:
+            ask(response_format={"type": "json_object"})
+        assert caught.value.body["param"] == "tools"
