@@ -866,6 +866,44 @@ def test_interleaved_streams_on_one_target_raise_instead_of_corrupting() -> None
     assert speculator.generate("the cat sat on the mat", **kwargs).token_ids == expected
 
 
+def test_a_speculators_next_generation_reuses_the_cached_common_prefix(tmp_path: Path) -> None:
+    """A conversation's second turn (its prompt: the first turn's prompt and answer,
+    then more) feeds only the tokens after what the cache holds, and its tokens and
+    log-probabilities are bit for bit a fresh speculator's; a new γ starts a new engine
+    (and cache)."""
+    from speculative.drafters.ngram import PromptLookupDrafter
+    from speculative.pipeline import Speculator
+    from speculative.targets import load_target
+    from tiny import save_tiny
+
+    folder = save_tiny(tmp_path, seed=3, layers=2)
+    kwargs = {"max_new_tokens": 12, "chat": False, "logprobs": 0}
+    speculator = Speculator(load_target(str(folder), "native"), PromptLookupDrafter(), 3)
+    fed: list[int] = []  # tokens of each forward (every single-sequence pass comes here)
+    lm = speculator.target.lm
+    forward_from = lm.forward_from
+
+    def counting(input_ids, *args, **kw):
+        fed.append(input_ids.shape[-1])
+        return forward_from(input_ids, *args, **kw)
+
+    lm.forward_from = counting
+    first = speculator.generate("the cat sat on the mat", **kwargs)
+    second_prompt = "the cat sat on the mat" + first.text + " and the dog ran"
+    fed.clear()
+    second = speculator.generate(second_prompt, **kwargs)
+    prompt_ids = speculator.target.tokenizer(second_prompt)["input_ids"]
+    first_ids = speculator.target.tokenizer("the cat sat on the mat")["input_ids"]
+    assert 0 < fed[0] <= len(prompt_ids) - len(first_ids)  # only what the cache lacked
+    fresh = Speculator(load_target(str(folder), "native"), PromptLookupDrafter(), 3)
+    alone = fresh.generate(second_prompt, **kwargs)
+    assert second.token_ids == alone.token_ids
+    assert [e.logprob for e in second.logprobs] == [e.logprob for e in alone.logprobs]
+    kept = speculator.engine()
+    speculator.gamma = 2
+    assert speculator.engine() is not kept and speculator.engine() is speculator.engine()
+
+
 @pytest.mark.parametrize("backend", ["kernels", "torch"])
 def test_engines_taking_turns_on_one_target_each_stay_exact(folder: Path, backend: str) -> None:
     """Two single-sequence engines on one target, used one after the other: each

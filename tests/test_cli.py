@@ -131,7 +131,7 @@ def test_console_script_runs():
     assert "2.47x" in proc.stdout
 
 
-@pytest.mark.parametrize("command", ["generate", "check", "bench", "demo"])
+@pytest.mark.parametrize("command", ["generate", "check", "bench", "demo", "chat"])
 def test_help_lists_registry_drafters_and_no_flag_defaults(capsys, command):
     from speculative.drafters.registry import REGISTRY
 
@@ -139,7 +139,7 @@ def test_help_lists_registry_drafters_and_no_flag_defaults(capsys, command):
     assert code == 0
     for nonsense in ("(default: True)", "(default: False)", "(default: None)"):
         assert nonsense not in out, nonsense
-    if command in ("generate", "check"):
+    if command in ("generate", "check", "chat"):
         for entry in REGISTRY:  # every registry drafter, self-int4 included
             assert f"\n  {entry.prefix}" in out, entry.prefix
         assert "self-int4" in out
@@ -203,3 +203,54 @@ def test_generate_takes_a_kv_cache_type_and_refuses_one_for_transformers(capsys,
     code, _out, err = run_cli(capsys, *base, "--runtime", "hf", "--kv-cache", "fp16")
     assert code == 2 and "transformers keeps its own cache" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_chat_replies_from_the_cached_conversation_as_a_fresh_generation(
+    capsys, monkeypatch, tmp_path
+):
+    """`speculative chat` (piped input, --json): each reply is what a fresh speculator
+    gives for the whole conversation (turn n with seed + n), while the cache spares the
+    earlier turns; /undo, /system and a message too long for the context (an error line,
+    the chat goes on) behave as their help says."""
+    import io
+
+    from speculative.drafters.ngram import PromptLookupDrafter
+    from speculative.pipeline import Speculator
+    from speculative.targets import load_target
+    from tiny import save_tiny, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()  # the generation prompt opens the assistant's turn
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant{% endif %}"
+    )
+    folder = save_tiny(tmp_path / "chat", seed=3, tokenizer=tokenizer)
+    lines = ["hello there", "and then?", "/undo", "and then?", "the " * 2100, "/nope",
+             "/system be brief", "hi", "/exit", "never read"]  # fmt: skip
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    sampling = ["--temperature", "0.9", "--seed", "5", "--max-new-tokens", "10"]
+    code, out, err = run_cli(capsys, "chat", "--target", str(folder), "--runtime", "native",
+                             "--draft", "ngram", "--gamma", "3", "--json", *sampling)  # fmt: skip
+    assert code == 0, err
+    *replies, summary = [json.loads(line) for line in out.strip().splitlines()]
+    assert len(replies) == 4 and "error:" in err and "unknown command /nope" in err
+    first, second, again, brief = replies
+    assert first["computed_prompt_tokens"] == first["prompt_tokens"]
+    assert second["computed_prompt_tokens"] < second["prompt_tokens"] // 2  # turn 1 cached
+    assert again["computed_prompt_tokens"] < again["prompt_tokens"] // 2  # after /undo
+    fresh = Speculator(load_target(str(folder), "native"), PromptLookupDrafter(), 3)
+    turn_one = [{"role": "user", "content": "hello there"}]
+    history = [*turn_one, {"role": "assistant", "content": first["text"]},
+               {"role": "user", "content": "and then?"}]  # fmt: skip
+    options = {"chat": True, "temperature": 0.9, "max_new_tokens": 10}
+    assert fresh.generate(messages=turn_one, seed=5, **options).text == first["text"]
+    assert fresh.generate(messages=history, seed=6, **options).text == second["text"]
+    assert fresh.generate(messages=history, seed=7, **options).text == again["text"]
+    system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert fresh.generate(messages=system, seed=8, **options).text == brief["text"]
+    assert summary["turns"] == 4 and summary["messages"][:2] == system
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    plain = tmp_path / "plain"
+    save_tiny(plain, seed=3)  # a tokenizer without a chat template
+    code, _, err = run_cli(capsys, "chat", "--target", str(plain), "--runtime", "native")
+    assert code == 2 and "chat template" in err

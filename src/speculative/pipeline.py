@@ -128,6 +128,7 @@ class Speculator:
         self.tree_budget = tree_budget
         make_tree_round(tree, drafter)  # validate now
         self._kept_policy: tuple[Hashable, GammaPolicy | int] | None = None
+        self._kept_engine: tuple[Hashable, SpeculativeEngine] | None = None
 
     @classmethod
     def load(
@@ -167,10 +168,19 @@ class Speculator:
         )
 
     def engine(self) -> SpeculativeEngine:
+        """The engine of the next generation: the last one's while its γ policy, drafter
+        and tree settings are unchanged, so that its cache, which still holds the last
+        prompt and output, serves the next prompt's common prefix (a conversation's
+        earlier turns, a shared system prompt) without computing it again."""
         if self.gamma == "auto" and (self.draft_cost is None or self.verify_cost is None):
             self.calibrate()
-        tree = make_tree_round(self.tree, self.drafter, self.resolved_tree_budget())
-        return SpeculativeEngine(self.target.lm, self.drafter, self.gamma_policy(), tree)
+        policy, budget = self.gamma_policy(), self.resolved_tree_budget()
+        inputs = (id(policy), self.drafter, self.tree, budget)
+        if self._kept_engine is None or self._kept_engine[0] != inputs:
+            tree = make_tree_round(self.tree, self.drafter, budget)
+            engine = SpeculativeEngine(self.target.lm, self.drafter, policy, tree)
+            self._kept_engine = (inputs, engine)
+        return self._kept_engine[1]
 
     def gamma_policy(self) -> GammaPolicy | int:
         """The γ policy of the next generation: the last one's while γ, c and the curve
@@ -281,6 +291,9 @@ class GenerationStream:
         self.criteria = criteria
         self.rounds: list[Round] = []
         self.stats = GenerationStats()
+        # prompt tokens the cache already holds (the last one is always computed: its
+        # logits start the generation)
+        self.cached_prompt_tokens = engine.target.reusable(prompt_ids[:-1])
         self._rounds = engine.stream(
             prompt_ids,
             params,

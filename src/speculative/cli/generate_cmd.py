@@ -119,6 +119,16 @@ def tree_budget(text: str) -> int | str:
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """How to decode (:func:`add_decoding_arguments`) and what each output holds
+    (:func:`add_output_arguments`)."""
+    add_decoding_arguments(parser)
+    add_output_arguments(parser)
+
+
+def add_decoding_arguments(
+    parser: argparse.ArgumentParser, budget: int = 128, budget_help: str | None = None
+) -> None:
+    """γ, the sampling parameters, the token budget, the seed and the penalties."""
     parser.add_argument(
         "--gamma",
         default=None,
@@ -146,8 +156,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-new-tokens",
         type=non_negative_int,
-        default=128,
-        help="token budget (0, with --prompt-logprobs: only score the prompt)",
+        default=budget,
+        help=budget_help or "token budget (0, with --prompt-logprobs: only score the prompt)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     parser.add_argument(
@@ -169,6 +179,10 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="subtract this from the logits of tokens already in the output (0: off)",
     )
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """Log-probabilities and output formats (JSON schema, regex, choice, grammar)."""
     parser.add_argument(
         "--logprobs",
         type=non_negative_int,

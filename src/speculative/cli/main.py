@@ -9,6 +9,7 @@ from speculative import __version__
 from speculative.cli import (
     bench_cmd,
     bench_serve_cmd,
+    chat_cmd,
     check_cmd,
     demo_cmd,
     generate_cmd,
@@ -37,6 +38,7 @@ def build_parser() -> Parser:
         theory_cmd,
         simulate_cmd,
         generate_cmd,
+        chat_cmd,
         demo_cmd,
         profile_cmd,
         bench_cmd,
