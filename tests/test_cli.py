@@ -205,6 +205,19 @@ def test_generate_takes_a_kv_cache_type_and_refuses_one_for_transformers(capsys,
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def _chat_folder(tmp_path):
+    """A tiny Llama whose chat template's generation prompt opens the assistant's turn
+    (as ChatML's does), so that a turn's prompt and reply begin the next turn's prompt."""
+    from tiny import save_tiny, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant{% endif %}"
+    )
+    return save_tiny(tmp_path / "chat", seed=3, tokenizer=tokenizer)
+
+
 def test_chat_replies_from_the_cached_conversation_as_a_fresh_generation(
     capsys, monkeypatch, tmp_path
 ):
@@ -217,14 +230,9 @@ def test_chat_replies_from_the_cached_conversation_as_a_fresh_generation(
     from speculative.drafters.ngram import PromptLookupDrafter
     from speculative.pipeline import Speculator
     from speculative.targets import load_target
-    from tiny import save_tiny, tiny_tokenizer
+    from tiny import save_tiny
 
-    tokenizer = tiny_tokenizer()  # the generation prompt opens the assistant's turn
-    tokenizer.chat_template = (
-        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-        "{% if add_generation_prompt %}assistant{% endif %}"
-    )
-    folder = save_tiny(tmp_path / "chat", seed=3, tokenizer=tokenizer)
+    folder = _chat_folder(tmp_path)
     lines = ["hello there", "and then?", "/undo", "and then?", "the " * 2100, "/nope",
              "/system be brief", "hi", "/exit", "never read"]  # fmt: skip
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
@@ -254,3 +262,39 @@ def test_chat_replies_from_the_cached_conversation_as_a_fresh_generation(
     save_tiny(plain, seed=3)  # a tokenizer without a chat template
     code, _, err = run_cli(capsys, "chat", "--target", str(plain), "--runtime", "native")
     assert code == 2 and "chat template" in err
+
+
+def test_chat_stopped_inside_a_round_forgets_its_cache(capsys, monkeypatch, tmp_path):
+    """Ctrl-C while a reply streams: the text so far stays in the conversation, and the
+    next turn starts on an empty cache (all its prompt computed), exactly a fresh
+    generation."""
+    import io
+    import re
+
+    from speculative.cli.streaming import TextStreamer
+    from speculative.pipeline import Speculator
+    from speculative.targets import load_target
+
+    folder = _chat_folder(tmp_path)
+    push, calls = TextStreamer.push, []
+
+    def interrupted(self, round_):
+        calls.append(round_)
+        if len(calls) == 2:  # inside the first reply's second round
+            raise KeyboardInterrupt
+        push(self, round_)
+
+    monkeypatch.setattr(TextStreamer, "push", interrupted)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\nand then?\n"))
+    code, out, err = run_cli(capsys, "chat", "--target", str(folder), "--runtime", "native",
+                             "--draft", "none", "--max-new-tokens", "8", "--no-color")  # fmt: skip
+    assert code == 0 and err.count("(stopped)") == 1
+    first, second = out.strip().splitlines()
+    counts = re.findall(r"prompt (\d+) tokens, (\d+) computed", err)
+    (prompt, computed) = counts[-1]  # the second turn's
+    assert computed == prompt  # nothing reused after the interruption
+    history = [{"role": "user", "content": "hello there"},
+               {"role": "assistant", "content": first},
+               {"role": "user", "content": "and then?"}]  # fmt: skip
+    fresh = Speculator(load_target(str(folder), "native"), None)
+    assert fresh.generate(messages=history, chat=True, max_new_tokens=8).text == second

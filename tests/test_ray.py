@@ -23,7 +23,14 @@ from test_cli import last_json, run_cli  # noqa: E402
 from tiny import save_tiny  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::pydantic.warnings.PydanticDeprecatedSince20")
-TIMING = ("seconds", "prefill_seconds", "draft_seconds", "tokens_per_second")
+# what differs from run to run: timings, and how much of a prompt another live row held
+TIMING = (
+    "seconds",
+    "prefill_seconds",
+    "draft_seconds",
+    "tokens_per_second",
+    "cached_prompt_tokens",
+)
 RECORDS = [
     {"prompt": "the cat sat on the mat and the cat", "max_new_tokens": 12},
     {"prompt": "a dog ran", "temperature": 0.9, "seed": 4, "max_new_tokens": 9},

@@ -85,6 +85,33 @@ def test_models_health_and_key(server, client: openai.OpenAI, model: str) -> Non
         bad.completions.create(model=model, prompt=PROMPT, max_tokens=4)
 
 
+def test_tokenize_counts_what_a_request_counts(server, client: openai.OpenAI, model: str) -> None:
+    """/tokenize gives the tokens a completions prompt or a chat's messages count as
+    (``usage.prompt_tokens``), /detokenize their text back; both check their input and
+    the key."""
+    url = server.url
+    messages = [{"role": "user", "content": PROMPT}]
+    status, chat = http(url + "/tokenize", "POST", {"model": model, "messages": messages})
+    assert status == 200 and chat["count"] == len(chat["tokens"]) and chat["max_model_len"]
+    asked = client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+    assert asked.usage.prompt_tokens == chat["count"]
+    status, plain = http(url + "/tokenize", "POST", {"prompt": PROMPT})
+    done = client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+    assert status == 200 and done.usage.prompt_tokens == plain["count"]
+    status, text = http(url + "/detokenize", "POST", {"tokens": plain["tokens"]})
+    assert status == 200 and text["prompt"].strip() == PROMPT
+    for path, body, param in [
+        ("/tokenize", {"prompt": PROMPT, "messages": messages}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"messages": []}, "messages"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+    ]:
+        status, error = http(url + path, "POST", body)
+        assert status == 400 and error["error"]["param"] == param, (path, body, error)
+    assert http(url + "/tokenize", "POST", {"prompt": PROMPT}, key=None)[0] == 401
+
+
 @pytest.mark.parametrize("draft", ["ngram", "none"])
 def test_greedy_completions_equal_generate(
     folder: Path, client: openai.OpenAI, model: str, draft: str

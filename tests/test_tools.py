@@ -22,6 +22,7 @@ from server_helpers import CHAT_TEMPLATE, start_server
 from speculative.engine import SpeculativeEngine, StopCriteria
 from speculative.models.native import load_native
 from speculative.sampling import SamplingParams
+from speculative.server.protocol import ChatCompletionRequest
 from speculative.server.tools import (
     CALL_OPEN,
     NamedToolChoice,
@@ -197,6 +198,10 @@ def test_calls_are_split_from_text_and_described_to_templates_without_tools() ->
              "function": {"name": "set_alarm", "arguments": '{"hour": 7}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "done"},
     ]  # fmt: skip
+    request = {"model": "m", "messages": history}
+    parsed = ChatCompletionRequest.model_validate(request).chat_messages()
+    assert parsed[2]["tool_calls"][0]["function"]["arguments"] == {"hour": 7}  # for templates
+    assert described(parsed, TOOLS) == described(history, TOOLS)
     rendered = described(history, TOOLS)
     assert rendered[0]["content"].startswith("Be brief.\n\nYou may call") and len(rendered) == 4
     assert rendered[2]["content"] == call and "tool_calls" not in rendered[2]

@@ -182,6 +182,13 @@ class Speculator:
             self._kept_engine = (inputs, engine)
         return self._kept_engine[1]
 
+    def forget_cache(self) -> None:
+        """Start the next generation on an empty cache: after a generation interrupted
+        inside a round (Ctrl-C during a pass), the cache may hold tokens its bookkeeping
+        does not know of. (Stopping between rounds, by leaving the loop over a stream, is
+        safe without this.)"""
+        self._kept_engine = None
+
     def gamma_policy(self) -> GammaPolicy | int:
         """The γ policy of the next generation: the last one's while γ, c and the curve
         are unchanged (a new calibration builds a new one)."""
@@ -291,9 +298,6 @@ class GenerationStream:
         self.criteria = criteria
         self.rounds: list[Round] = []
         self.stats = GenerationStats()
-        # prompt tokens the cache already holds (the last one is always computed: its
-        # logits start the generation)
-        self.cached_prompt_tokens = engine.target.reusable(prompt_ids[:-1])
         self._rounds = engine.stream(
             prompt_ids,
             params,

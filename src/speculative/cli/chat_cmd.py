@@ -126,7 +126,7 @@ class ChatLoop:
     def command(self, line: str) -> bool:
         """Run a /command; False: leave."""
         name, _, rest = line.partition(" ")
-        if name in ("/exit", "/quit", "/bye"):
+        if name in ("/exit", "/quit"):
             return False
         if name == "/reset":
             self.conversation.turns.clear()
@@ -150,7 +150,7 @@ class ChatLoop:
         conversation = self.conversation
         conversation.turns.append({"role": "user", "content": message})
         options = {**self.options, "seed": self.options["seed"] + self.turn}
-        stopped = False
+        stopped, stream, printer = False, None, None
         try:
             stream = self.speculator.stream(messages=conversation.messages(), chat=True, **options)
             printer = TextStreamer(
@@ -160,17 +160,25 @@ class ChatLoop:
             for round_ in stream:
                 if not self.as_json:
                     printer.push(round_)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # inside a round, maybe: the cache is not to be trusted
+            self.speculator.forget_cache()
             stopped = True
         except ValueError as exc:  # the conversation outgrew the context, …
             conversation.turns.pop()
             self._note(f"error: {exc} (/undo or /reset makes room)")
             return
+        if stream is None:  # stopped before the reply began
+            conversation.turns.pop()
+            self._note("(stopped)")
+            return
         self.turn += 1
         output = stream.output()
-        conversation.turns.append({"role": "assistant", "content": output.text})
+        # a stopped reply keeps what was shown (the last round may not have been)
+        shown = printer.shown if stopped and printer is not None and not self.as_json else None
+        reply = output.text if shown is None else shown
+        conversation.turns.append({"role": "assistant", "content": reply})
         prompt = len(stream.prompt_ids)
-        self._report(output, stopped, prompt, prompt - stream.cached_prompt_tokens)
+        self._report(output, stopped, prompt, prompt - output.stats.cached_prompt_tokens)
 
     def _report(self, output: Any, stopped: bool, prompt: int, computed: int) -> None:
         reason = "stopped" if stopped else output.finish_reason

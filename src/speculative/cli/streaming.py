@@ -49,6 +49,7 @@ class TextStreamer:
         self.colour = colour and speculative
         self.tokens: list[int] = []
         self.printed = 0
+        self.shown = ""  # the text written so far
 
     def push(self, round_: Round) -> None:
         accepted = round_.tokens[: round_.num_accepted]
@@ -81,3 +82,4 @@ class TextStreamer:
             self.out.write(text[start:end])
         self.out.flush()
         self.printed = end
+        self.shown = text[:end]

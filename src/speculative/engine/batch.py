@@ -419,6 +419,9 @@ class BatchEngine:
         session = self.pool.open(features=reads, prompt=shared)  # raises when full
         if scores_prompt:  # every prompt position's logits, so none may come cached
             session.reset()
+        # the last prompt token is always computed: its logits start the generation
+        cached = common_prefix_length(session.cached, request.prompt_ids[:-1])
+        state.stats.cached_prompt_tokens = cached
         if request.drafter is not None:
             request.drafter.reset()
         chooses_length = provides(request.drafter, ChoosesDraftLength)

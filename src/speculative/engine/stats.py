@@ -53,6 +53,8 @@ class GenerationStats:
     target_calls: verification passes of the target (one per round; prefill excluded).
     positions: per-position acceptance (:class:`PositionAcceptance`).
     draft_seconds: wall time in the drafter's propose calls (its catch-up included).
+    cached_prompt_tokens: prompt tokens the row's cache already held when it started (a
+    previous generation's or another row's), not computed again.
     """
 
     target_calls: int = 0
@@ -63,6 +65,7 @@ class GenerationStats:
     seconds: float = 0.0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
+    cached_prompt_tokens: int = 0
     positions: PositionAcceptance = field(default_factory=PositionAcceptance)
     gammas: list[int] = field(default_factory=list)
 
@@ -77,6 +80,7 @@ class GenerationStats:
         self.seconds += other.seconds
         self.prefill_seconds += other.prefill_seconds
         self.draft_seconds += other.draft_seconds
+        self.cached_prompt_tokens += other.cached_prompt_tokens
         self.positions.merge(other.positions)
         self.gammas += other.gammas
 
@@ -132,6 +136,7 @@ class GenerationStats:
             "seconds": self.seconds,
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "tokens_per_second": self.tokens_per_second,
             "mean_gamma": sum(self.gammas) / len(self.gammas) if self.gammas else 0.0,
         }

@@ -271,14 +271,6 @@ class ModelSession:
         if holder is None or holder() is not self:
             self.reset()
 
-    def reusable(self, prefix: Sequence[int]) -> int:
-        """How many leading tokens of ``prefix`` the cache holds for this session (0 when
-        another session has started over on the model since)."""
-        holder = getattr(self.model, CACHE_HOLDER, None)
-        if holder is None or holder() is not self:
-            return 0
-        return common_prefix_length(self.cached, prefix)
-
     def sync(self, prefix: Sequence[int]) -> None:
         """Make the cache hold exactly ``prefix`` (rolling back and feeding as needed)."""
         self._hold()
@@ -805,6 +797,7 @@ class SinglePool:
         self.session = session
 
     def open(self, features: bool = False, prompt: Sequence[int] = ()) -> ModelSession:
+        self.session._hold()  # what it cached is gone if another session took the model
         self.session.keep_features(features)
         return self.session
 

@@ -21,12 +21,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speculative.engine.batch import BatchEngine, BatchRequest
@@ -41,6 +41,8 @@ from speculative.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     validation_error,
 )
 from speculative.server.scheduler import (
@@ -174,6 +176,19 @@ def create_app(state: ServerState) -> FastAPI:
         _authorize(request, state)
         return {"object": "list", "data": [_model_card(state)]}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        _authorize(request, state)
+        body = await _parsed(request, TokenizeRequest, state)
+        return _tokenized(body, state)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        _authorize(request, state)
+        body = await _parsed(request, DetokenizeRequest, state)
+        _check_vocabulary(body.tokens, state, "tokens")
+        return {"prompt": state.loaded.decode(body.tokens)}
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _serve(request, "completions", state, scheduler, metrics)
@@ -270,15 +285,51 @@ async def _serve(
     return await _complete(request, prepared, jobs, state, scheduler, metrics)
 
 
-async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepared:
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def _parsed(request: Request, model: type[Body], state: ServerState) -> Body:
+    """The request's JSON body as ``model``; 400 (naming the field) or 413."""
     payload = await _read_json(request, state.config.max_body_bytes)
-    model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
     if not isinstance(payload, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        body = model.model_validate(payload)
+        return model.model_validate(payload)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
+
+
+def _tokenized(body: TokenizeRequest, state: ServerState) -> dict[str, Any]:
+    """``/tokenize``'s answer: the prompt's tokens as a request would count them."""
+    from speculative.targets import encode_prompt
+
+    tokenizer = state.loaded.tokenizer
+    try:
+        if body.messages is not None:
+            messages = [message.for_template() for message in body.messages]
+            tokens = chat_prompt(tokenizer, messages, body.tools)
+        else:
+            assert body.prompt is not None
+            tokens = encode_prompt(tokenizer, body.prompt, None, chat=False)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="messages" if body.messages else "prompt") from None
+    return {"count": len(tokens), "max_model_len": state.context_window, "tokens": tokens}
+
+
+def _check_vocabulary(ids: Sequence[int], state: ServerState, param: str) -> None:
+    """400 (naming ``param``) for a token id outside the model's vocabulary."""
+    vocab = state.loaded.lm.vocab_size
+    beyond = [token for token in ids if token >= vocab]
+    if beyond:
+        raise ApiError(
+            400, f"{param} holds token {beyond[0]}; this model's vocabulary has {vocab}",
+            param=param,
+        )  # fmt: skip
+
+
+async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepared:
+    model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
+    body = await _parsed(request, model, state)
     if body.model != state.model_id:
         raise ApiError(
             404,
@@ -346,14 +397,8 @@ def _prompt_ids(
                 prompts.append(list(prompt))
     except ValueError as exc:
         raise ApiError(400, str(exc), param=param) from None
-    vocab = state.loaded.lm.vocab_size
     for ids in prompts:
-        beyond = [token for token in ids if token >= vocab]
-        if beyond:
-            raise ApiError(
-                400, f"the prompt holds token {beyond[0]}; this model's vocabulary has {vocab}",
-                param=param,
-            )  # fmt: skip
+        _check_vocabulary(ids, state, param)
     return prompts
 
 

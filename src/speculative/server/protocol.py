@@ -8,7 +8,8 @@ returned as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx statu
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -403,7 +404,7 @@ class ChatMessage(BaseModel):
             "content": self.text(),
         }
         if self.tool_calls:
-            message["tool_calls"] = self.tool_calls
+            message["tool_calls"] = [_arguments_parsed(call) for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
@@ -485,6 +486,49 @@ class ChatCompletionRequest(_Common):
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [message.for_template() for message in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): the tokens the server would count for a completions
+    ``prompt`` (the tokenizer's own special tokens included) or a chat's ``messages``
+    (through the chat template, with ``tools`` shown as a chat request shows them)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError(400, "give a prompt or messages (one of them)", param="prompt")
+        if not self.messages and self.messages is not None:
+            raise ApiError(400, "messages is empty", param="messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): the text of token ids."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+def _arguments_parsed(call: dict[str, Any]) -> dict[str, Any]:
+    """A call as chat templates take it: OpenAI sends a call's ``arguments`` as JSON
+    text; templates (Qwen's, Hermes') write them with ``tojson`` and expect an object."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _as_prompts(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
