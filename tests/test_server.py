@@ -112,6 +112,32 @@ def test_tokenize_counts_what_a_request_counts(server, client: openai.OpenAI, mo
     assert http(url + "/tokenize", "POST", {"prompt": PROMPT}, key=None)[0] == 401
 
 
+def test_a_conversations_next_request_reports_its_cached_prompt(
+    client: openai.OpenAI, model: str
+) -> None:
+    """A chat's next request (the conversation so far, then a new message) finds the
+    previous request's prompt in its finished row's slot: ``cached_tokens`` counts it
+    (all of it but the generation prompt, which the template writes as the assistant's
+    role), and the reply is the one a cold cache gives."""
+    first = [{"role": "user", "content": "red blue big small red"}]
+    asked = client.chat.completions.create(model=model, messages=first, max_tokens=6,
+                                           temperature=0)  # fmt: skip
+    reply = asked.choices[0].message.content
+    later = [*first, {"role": "assistant", "content": reply},
+             {"role": "user", "content": "and then"}]  # fmt: skip
+    warm = client.chat.completions.create(model=model, messages=later, max_tokens=6,
+                                          temperature=0)  # fmt: skip
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    assert asked.usage.prompt_tokens - 1 <= cached < warm.usage.prompt_tokens
+    filler = [{"role": "user", "content": "the " * 40}]
+    for _ in range(4):  # other prompts overwrite the finished rows' slots
+        client.chat.completions.create(model=model, messages=filler, max_tokens=2, n=4)
+    cold = client.chat.completions.create(model=model, messages=later, max_tokens=6,
+                                          temperature=0)  # fmt: skip
+    assert cold.usage.prompt_tokens_details.cached_tokens < cached
+    assert cold.choices[0].message.content == warm.choices[0].message.content
+
+
 @pytest.mark.parametrize("draft", ["ngram", "none"])
 def test_greedy_completions_equal_generate(
     folder: Path, client: openai.OpenAI, model: str, draft: str

@@ -506,13 +506,22 @@ def _speculative_stats(
     }
 
 
-def _usage(prepared: Prepared, results: list[GenerationResult]) -> dict[str, int]:
+def _usage(prepared: Prepared, results: list[GenerationResult]) -> dict[str, Any]:
+    """Tokens of the request: each prompt once (its ``cached_tokens``: those its rows
+    found in the cache, a live or finished row's, the fewest of its rows), every row's
+    completion."""
     completion = sum(len(result.token_ids) for result in results)
     prompt = sum(len(ids) for ids in prepared.prompts)
+    per_prompt = max(1, len(results) // len(prepared.prompts))
+    cached = sum(
+        min(r.stats.cached_prompt_tokens for r in results[p * per_prompt : (p + 1) * per_prompt])
+        for p in range(len(results) // per_prompt)
+    )
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
