@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from server_helpers import CHAT_TEMPLATE, start_server
+from server_helpers import CHAT_TEMPLATE, http, start_server
 from speculative.engine import SpeculativeEngine, StopCriteria
 from speculative.models.native import load_native
 from speculative.sampling import SamplingParams
@@ -302,3 +302,41 @@ def test_required_named_and_none(folder: Path) -> None:
         with pytest.raises(openai.BadRequestError) as caught:
             ask(response_format={"type": "json_object"})
         assert caught.value.body["param"] == "tools"
+
+
+def test_legacy_functions_answer_in_their_own_form(caller: Path) -> None:
+    """OpenAI's legacy ``functions``/``function_call``: the same grammar with one call at
+    most, answered as ``message.function_call`` with finish reason ``function_call``
+    (streamed too); a conversation may hold the legacy call and its ``function`` result;
+    tools beside functions, or a function_call naming none of them, are 400s."""
+    functions = [WEATHER["function"], ALARM["function"]]
+    with start_server(caller, max_prompt_tokens=200) as server:
+        url = server.url + "/v1/chat/completions"
+        client, model = _client(server)
+        base = {"model": model, "messages": MESSAGES, "functions": functions,
+                "temperature": 0, "max_tokens": 178}  # fmt: skip
+        status, body = http(url, "POST", base)
+        assert status == 200, body
+        answer = body["choices"][0]
+        assert status == 200 and answer["finish_reason"] == "function_call"
+        assert answer["message"]["function_call"] == {
+            "name": "set_alarm", "arguments": json.dumps({"hour": 7})
+        } and "tool_calls" not in answer["message"]  # fmt: skip
+        assert answer["message"]["content"] == "Sure. "
+        stream = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
+                                                max_tokens=178, functions=functions,
+                                                stream=True)  # fmt: skip
+        deltas = [chunk.choices[0] for chunk in stream if chunk.choices]
+        calls = [d.delta.function_call.model_dump() for d in deltas if d.delta.function_call]
+        assert calls == [answer["message"]["function_call"]]
+        assert [d.finish_reason for d in deltas if d.finish_reason] == ["function_call"]
+        history = [*MESSAGES, {"role": "assistant", "content": None,
+                               "function_call": answer["message"]["function_call"]},
+                   {"role": "function", "name": "set_alarm", "content": "set"}]  # fmt: skip
+        status, plain = http(url, "POST", {**base, "messages": history, "function_call": "none",
+                                           "max_tokens": 4})  # fmt: skip
+        assert status == 200 and "function_call" not in plain["choices"][0]["message"]
+        for bad, param in [({"tools": [WEATHER]}, "functions"),
+                           ({"function_call": {"name": "nope"}}, "function_call")]:  # fmt: skip
+            status, refused = http(url, "POST", {**base, **bad})
+            assert status == 400 and refused["error"]["param"] == param

@@ -529,11 +529,19 @@ def _finish_reason(result: GenerationResult) -> str:
     return FINISH_REASONS.get(result.finish_reason or "", "stop")
 
 
-def _calls_reason(result: GenerationResult) -> str:
-    """A reply with calls: ``tool_calls``, or ``length`` where the budget cut a later call
-    (the whole ones are returned)."""
+def _calls_reason(result: GenerationResult, prepared: Prepared) -> str:
+    """A reply with calls: ``tool_calls`` (``function_call`` for legacy functions), or
+    ``length`` where the budget cut a later call (the whole ones are returned)."""
     reason = _finish_reason(result)
-    return reason if reason == "length" else "tool_calls"
+    if reason == "length":
+        return reason
+    return "function_call" if _legacy(prepared) else "tool_calls"
+
+
+def _legacy(prepared: Prepared) -> bool:
+    """Whether the request gave OpenAI's legacy ``functions`` (and gets their reply)."""
+    body = prepared.body
+    return isinstance(body, ChatCompletionRequest) and body.legacy_functions()
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
@@ -584,6 +592,7 @@ class _Envelope:
         logprobs: dict[str, Any] | None = None,
         index: int = 0,
         calls: list[dict[str, Any]] | None = None,
+        legacy: bool = False,
     ) -> dict[str, Any]:
         if not self.chat:
             return {
@@ -597,7 +606,9 @@ class _Envelope:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        if calls:  # the reply's function calls, each whole, in one delta
+        if calls and legacy:  # the legacy form: one call, no id
+            delta["function_call"] = calls[0]["function"]
+        elif calls:  # the reply's function calls, each whole, in one delta
             delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
@@ -678,7 +689,11 @@ def _whole_choice(
         if reply is not None:
             message["content"] = reply.content
         if reply is not None and reply.calls:
-            message["tool_calls"], reason = reply.calls, _calls_reason(result)
+            reason = _calls_reason(result, prepared)
+            if _legacy(prepared):
+                message["function_call"] = reply.calls[0]["function"]
+            else:
+                message["tool_calls"] = reply.calls
         return {
             "index": index,
             "message": message,
@@ -827,11 +842,12 @@ async def _stream(
             yield _sse(envelope.wrap([delta], stream=True, speculative=pieces_out))
         calls = reply.calls if reply is not None else []
         if calls:
-            delta = envelope.delta(None, None, index=i, calls=calls)
+            delta = envelope.delta(None, None, index=i, calls=calls, legacy=_legacy(prepared))
             yield _sse(envelope.wrap([delta], stream=True))
         if isinstance(event, DoneEvent):
             results[i] = event.result
-            reason = _calls_reason(event.result) if calls else _finish_reason(event.result)
+            result = event.result
+            reason = _calls_reason(result, prepared) if calls else _finish_reason(result)
             finish = envelope.delta(  # with the log-probabilities of tokens that sent no text
                 None if envelope.chat else "", reason,
                 logprobs=choice.logprobs.take(choice.text, final=True), index=i,

@@ -14,7 +14,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from speculative.sampling.penalties import Penalties
-from speculative.server.tools import NamedToolChoice, Tool, ToolChoice, call_format
+from speculative.server.tools import (
+    FunctionName,
+    FunctionSpec,
+    NamedToolChoice,
+    Tool,
+    ToolChoice,
+    call_format,
+)
 from speculative.structured.grammar import ANY_OBJECT, OutputFormat
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -29,8 +36,6 @@ MAX_PROMPTS = 16  # ... and completions' prompts per request (prompts × n rows 
 # for them is refused by name instead of answered as if it had not asked.
 UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
-    "functions": ([],),
-    "function_call": ("none", "auto"),
 }
 
 
@@ -379,13 +384,16 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: Literal["system", "user", "assistant", "developer", "tool", "function"]
     content: str | list[TextPart] | None = None  # None: an assistant's tool calls alone
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (passed on)
     tool_call_id: str | None = None  # a tool message: the call it answers
+    function_call: dict[str, Any] | None = None  # the legacy form of one call
 
     @model_validator(mode="after")
     def _some_content(self) -> ChatMessage:
+        if self.function_call is not None and self.tool_calls is None:  # legacy: one call
+            self.tool_calls = [{"type": "function", "function": self.function_call}]
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content is required (but for an assistant's tool_calls)")
         return self
@@ -399,8 +407,9 @@ class ChatMessage(BaseModel):
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it (``developer`` as ``system``)."""
+        roles = {"developer": "system", "function": "tool"}  # (a legacy function result)
         message: dict[str, Any] = {
-            "role": "system" if self.role == "developer" else self.role,
+            "role": roles.get(self.role, self.role),
             "content": self.text(),
         }
         if self.tool_calls:
@@ -420,12 +429,38 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None  # functions the reply may call (see server.tools)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: one call at most (default: any)
+    functions: list[FunctionSpec] | None = None  # OpenAI's legacy tools: one call, …
+    function_call: Literal["none", "auto"] | FunctionName | None = None  # … its tool_choice
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return self
+
+    @model_validator(mode="after")
+    def _legacy_functions_as_tools(self) -> ChatCompletionRequest:
+        """OpenAI's legacy ``functions`` and ``function_call`` as tools with one call at
+        most (the reply then answers in the legacy form: :meth:`legacy_functions`)."""
+        if self.functions is None and self.function_call is None:
+            return self
+        if self.tools is not None or self.tool_choice is not None:
+            raise ApiError(400, "give tools or the legacy functions, not both", param="functions")
+        if not self.functions:
+            if self.function_call not in (None, "none", "auto"):
+                raise ApiError(400, "function_call needs functions", param="function_call")
+            return self
+        self.tools = [Tool(type="function", function=spec) for spec in self.functions]
+        choice = self.function_call
+        named = isinstance(choice, FunctionName)
+        self.tool_choice = NamedToolChoice(type="function", function=choice) if named else choice
+        self.parallel_tool_calls = False
+        return self
+
+    def legacy_functions(self) -> bool:
+        """Whether the request gave the legacy ``functions`` (the reply's call then goes
+        as ``function_call``, the finish reason ``function_call``)."""
+        return bool(self.functions)
 
     @model_validator(mode="after")
     def _tool_choice_served(self) -> ChatCompletionRequest:
@@ -438,9 +473,10 @@ class ChatCompletionRequest(_Common):
         if isinstance(choice, NamedToolChoice):
             names = [tool.function.name for tool in self.tools]
             if choice.function.name not in names:
+                field = "function_call" if self.legacy_functions() else "tool_choice"
                 raise ApiError(
-                    400, f"tool_choice names {choice.function.name!r}; the tools are "
-                    f"{', '.join(names)}", param="tool_choice",
+                    400, f"{field} names {choice.function.name!r}; the tools are "
+                    f"{', '.join(names)}", param=field,
                 )  # fmt: skip
         return self
 
