@@ -187,6 +187,22 @@ def test_regex_choice_and_grammar_outputs_match(folder: Path) -> None:
         spec.generate(PROMPT, regex="a", choice=["b"])
 
 
+def test_restrict_leaves_exactly_the_allowed_tokens(outputs: StructuredOutputs) -> None:
+    """Each row keeps the tokens the grammar allows after output + its drafted tokens
+    (masks alternating between states, so a stale cached mask would show); every token
+    past the tokenizer's mask is refused; a row after a refused draft is left as is."""
+    tokenizer = byte_tokenizer()
+    a, b = (tokenizer.convert_tokens_to_ids(t) for t in ("a", "b"))
+    constraint = outputs.regex("ab+")()
+    logits = torch.zeros(4, 400)  # a vocabulary wider than the tokenizer's mask (288)
+    constraint.restrict(logits, [[], [a], [a, b], [b]])
+    kept = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
+    assert kept[:3] == [{a}, {b}, {b, EOS}] and kept[3] == set(range(400))
+    logits = torch.zeros(2, 400)
+    constraint.restrict(logits, [[], [a]])
+    assert [set(torch.isfinite(r).nonzero().flatten().tolist()) for r in logits] == [{a}, {b}]
+
+
 def test_bad_schemas_and_tokenizers_are_refused_with_reasons() -> None:
     from tiny import tiny_tokenizer
 

@@ -65,16 +65,3 @@ class ChecksTokens(Protocol):
     def allows(self, extra: Sequence[int], token: int) -> bool:
         """Whether ``token`` may follow output + ``extra``."""
         ...
-
-
-def restricted(
-    logits: torch.Tensor,  # [vocab] float32, changed in place
-    allowed: torch.Tensor,  # [≤ vocab or more] bool, True = may follow
-) -> torch.Tensor:
-    """One row set to −inf outside ``allowed`` (tokens past its end are not allowed;
-    ``allowed`` may run past the row's end: a tokenizer's padding)."""
-    vocab = logits.shape[-1]
-    keep = torch.zeros(vocab, dtype=torch.bool)
-    width = min(vocab, allowed.shape[-1])
-    keep[:width] = allowed[:width]
-    return logits.masked_fill_(~keep, float("-inf"))

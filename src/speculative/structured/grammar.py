@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speculative.sampling.constraints import ConstraintError, restricted
+from speculative.sampling.constraints import ConstraintError
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # "json_object": any JSON object
 # JSON as json.dumps writes it: ", " between items, ": " after keys, no other whitespace.
@@ -48,6 +48,9 @@ class GrammarConstraint:
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
+        # the last mask's refused tokens, by (bitmask, vocabulary): a state that repeats
+        # (free text, a string's characters) gives the same mask step after step
+        self._refused: tuple[tuple[bytes, int], torch.Tensor] | None = None
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Consume the committed tokens (each one the grammar allowed where it was
@@ -71,8 +74,8 @@ class GrammarConstraint:
         matcher = self.matcher
         for i, extra in enumerate(extras):
             taken = matcher.try_consume_tokens(list(extra)) if extra else 0
-            if taken == len(extra):
-                restricted(logits[i], self.allowed())
+            if taken == len(extra):  # −inf where refused (index_fill_: a few hundred, not 49k)
+                logits[i].index_fill_(0, self.refused(logits.shape[-1]), float("-inf"))
             if taken:
                 matcher.rollback(taken)
         return logits
@@ -92,14 +95,30 @@ class GrammarConstraint:
             return []
         return list(self.matcher.compute_ff_tokens()[:limit])
 
-    def allowed(self) -> torch.Tensor:
-        """[tokenizer's vocabulary, rounded up to 32] bool: the tokens that may come next."""
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+    def refused(self, vocab: int) -> torch.Tensor:
+        """[r] int64: the tokens below ``vocab`` that may not come next (those past the
+        tokenizer's vocabulary included); ConstraintError where none may."""
+        bits = bytes(self.matcher.compute_bitmask())
+        key = (bits, vocab)
+        if self._refused is not None and self._refused[0] == key:
+            return self._refused[1]
+        allowed = self._allowed(bits)
+        width = min(vocab, allowed.size)
+        refused = np.flatnonzero(~allowed[:width])
+        if width < vocab:
+            refused = np.concatenate([refused, np.arange(width, vocab)])
+        tensor = torch.from_numpy(refused.astype(np.int64))
+        self._refused = (key, tensor)
+        return tensor
+
+    def _allowed(self, bitmask: bytes) -> np.ndarray:
+        """The bitmask unpacked (bool per token); ConstraintError where it allows none."""
+        bits = np.frombuffer(bitmask, dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little").astype(bool)
         if not allowed.any():
             error = self.matcher.get_error() or "no token can continue the output"
             raise ConstraintError(f"the grammar allows no token: {error}")
-        return torch.from_numpy(allowed)
+        return allowed
 
 
 @dataclass(frozen=True)
