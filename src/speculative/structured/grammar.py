@@ -48,7 +48,7 @@ class RowMask:
     """The tokens a grammar allows next, as whichever list is shorter: the allowed ones
     (``keep``) or the refused ones. Writing −inf through an index touches only the
     tokens it names, where a vocabulary-wide boolean mask costs tens of microseconds a
-    row (free text refuses a few hundred of 49k tokens; a JSON key allows a handful)."""
+    row (free text refuses a few hundred of 49k tokens; a JSON number allows a dozen)."""
 
     keep: bool  # index: the allowed tokens (True) or the refused ones (False)
     index: torch.Tensor  # [n] int64
