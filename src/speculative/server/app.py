@@ -724,7 +724,8 @@ def _assembler(prepared: Prepared, decode: Callable[[Sequence[int]], str]) -> Te
 
 def _reply(prepared: Prepared, text: TextAssembler) -> Reply | None:
     """A complete reply's text and function calls, where the request gave tools to
-    call (None otherwise). A call the token budget cut leaves the reply text."""
+    call (None otherwise): a first call the token budget cut leaves the reply text, a
+    later one is left out (:func:`split_calls`)."""
     body = prepared.body
     if not isinstance(body, ChatCompletionRequest) or not body.may_call():
         return None
