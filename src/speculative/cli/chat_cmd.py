@@ -13,11 +13,14 @@ from typing import Any, TextIO
 
 from speculative.cli.common import CliError, Formatter, emit_json
 from speculative.cli.generate_cmd import (
+    add_colour_arguments,
     add_decoding_arguments,
     add_model_arguments,
     add_tree_argument,
+    check_decoding,
     drafters_description,
-    penalties_of,
+    gamma_text,
+    load_speculator,
     stats_line,
 )
 from speculative.cli.streaming import TextStreamer, use_colour
@@ -61,10 +64,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_model_arguments(parser)
     add_tree_argument(parser)
     add_decoding_arguments(parser, budget=256, budget_help="token budget of each reply")
-    parser.add_argument(
-        "--color", dest="colour", action="store_true", default=None, help="force colours"
-    )
-    parser.add_argument("--no-color", dest="colour", action="store_false", help="no colours")
+    add_colour_arguments(parser)
     parser.add_argument(
         "--json",
         action="store_true",
@@ -230,24 +230,15 @@ def _reader() -> Callable[[], str | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from speculative.engine.gamma import parse_gamma
-    from speculative.pipeline import Speculator
-    from speculative.sampling import SamplingParams
-
-    gamma = parse_gamma(args.gamma or "4")  # validate before loading anything
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
-    penalties_of(args)
-    speculator = Speculator.load(
-        args.target, args.draft, gamma, args.runtime, args.precision, args.tree,
-        args.tree_budget, kv_cache=args.kv_cache,
-    )  # fmt: skip
+    check_decoding(args)
+    speculator = load_speculator(args)
     if not getattr(speculator.target.tokenizer, "chat_template", None):
         raise CliError("chat needs a model whose tokenizer has a chat template; this one has none")
     colour = use_colour(sys.stdout, args.colour)
     draft = speculator.drafter.name if speculator.drafter is not None else "none"
     if not args.json:
         print(
-            f"speculative chat · {args.target} · draft {draft} · γ {args.gamma or 4} — "
+            f"speculative chat · {args.target} · draft {draft} · γ {gamma_text(args)} — "
             "/help for commands, Ctrl-D to leave",
             file=sys.stderr,
         )

@@ -118,6 +118,14 @@ def tree_budget(text: str) -> int | str:
     return "auto" if text == "auto" else positive_int(text)
 
 
+def add_colour_arguments(parser: argparse.ArgumentParser) -> None:
+    """--color / --no-color (default: colours on a terminal, unless NO_COLOR is set)."""
+    parser.add_argument(
+        "--color", dest="colour", action="store_true", default=None, help="force colours"
+    )
+    parser.add_argument("--no-color", dest="colour", action="store_false", help="no colours")
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     """How to decode (:func:`add_decoding_arguments`) and what each output holds
     (:func:`add_output_arguments`)."""
@@ -341,10 +349,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="STRING",
         help="stop when the output contains one of these strings",
     )
-    parser.add_argument(
-        "--color", dest="colour", action="store_true", default=None, help="force colours"
-    )
-    parser.add_argument("--no-color", dest="colour", action="store_false", help="no colours")
+    add_colour_arguments(parser)
     add_json_flag(parser)
     parser.set_defaults(run=run)
 
@@ -363,7 +368,18 @@ def gamma_text(args: argparse.Namespace) -> str:
     for a file of prompts decoded in batches."""
     if args.gamma is not None:
         return args.gamma
-    return "auto" if args.prompts is not None else "4"
+    return "auto" if getattr(args, "prompts", None) is not None else "4"
+
+
+def check_decoding(args: argparse.Namespace) -> None:
+    """γ, the sampling parameters and the penalties, checked before anything loads
+    (ValueError naming a bad one)."""
+    from speculative.engine.gamma import parse_gamma
+    from speculative.sampling import SamplingParams
+
+    parse_gamma(gamma_text(args))
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    penalties_of(args)
 
 
 def load_speculator(args: argparse.Namespace):
@@ -448,12 +464,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     if not prompt.strip():
         raise CliError("the prompt is empty")
-    from speculative.engine.gamma import parse_gamma
-    from speculative.sampling import SamplingParams
-
-    parse_gamma(gamma_text(args))  # validate before loading anything
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
-    penalties_of(args)  # validate before loading
+    check_decoding(args)
     speculator = load_speculator(args)
     stream = speculator.stream(prompt, **generation_kwargs(args))
     colour = use_colour(sys.stdout, args.colour)
