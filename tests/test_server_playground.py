@@ -126,10 +126,38 @@ def test_playground_on_the_default_model(browser, tmp_path: Path) -> None:
     state = load_state(ServerConfig(drafts=("ngram", "none"), max_batch=4, gamma=4))
     target = Path(os.environ["SPECULATIVE_PLAYGROUND_SCREENSHOT"])
     prompt = (
-        "Rewrite this list with a dash before each item, keeping the order:\n"
+        "Put a dash before each item of this list and write the whole list:\n"
         "apples are red\nbananas are yellow\ncherries are dark red\ndates are brown\n"
         "figs are purple\ngrapes are green\nlemons are yellow\nmangoes are orange"
     )
     with serve_in_background(create_app(state)) as server:
         shown = drive_playground(browser, server.url, prompt, 96, target)
     check_page(shown)
+
+
+def test_playground_keeps_a_conversation(browser, tmp_path: Path) -> None:
+    """With "keep the conversation", each prompt continues the chat: the second turn's
+    prompt holds the first exchange, and the server found the first turn in its cache."""
+    import re
+
+    folder = tiny_chat_folder(tmp_path / "tiny")
+    with start_server(folder) as server:
+        browser.get(server.url + "/")
+        wait = WebDriverWait(browser, 120)
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#draft option"))
+        browser.find_element(By.ID, "converse").click()
+        turns = []
+        for prompt in ("red blue red blue", "and then the cat"):
+            box = browser.find_element(By.ID, "prompt")
+            box.clear()
+            box.send_keys(prompt)
+            browser.find_element(By.ID, "send").click()
+            wait.until(lambda d: d.find_element(By.ID, "status").text.startswith("done"))
+            status = browser.find_element(By.ID, "status").text
+            turns.append(re.search(r"turn (\d+): prompt (\d+) tokens, (\d+) cached", status))
+            wait.until(lambda d: d.find_element(By.ID, "send").is_enabled())
+        assert browser.find_element(By.ID, "error").text == ""
+    first, second = (tuple(int(g) for g in match.groups()) for match in turns)
+    assert first[0] == 1 and second[0] == 2
+    assert second[1] > first[1] + 2  # the first exchange is in the second prompt
+    assert second[2] >= first[1] - 1  # all of the first prompt but its generation prompt
