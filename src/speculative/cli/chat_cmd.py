@@ -196,9 +196,8 @@ class ChatLoop:
         self.out.write("\n")
         self.out.flush()
         draft = self.speculator.drafter.name if self.speculator.drafter is not None else "none"
-        line = stats_line(output.stats.to_dict(), self.colour, draft)
-        prompt_note = f" · prompt {prompt} tokens, {computed} computed"
-        self.err.write(line[: line.rindex("]")] + prompt_note + line[line.rindex("]") :] + "\n")
+        note = f"prompt {prompt} tokens, {computed} computed"
+        self.err.write(stats_line(output.stats.to_dict(), self.colour, draft, note) + "\n")
         if stopped:
             self.err.write("(stopped)\n")
 

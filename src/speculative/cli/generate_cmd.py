@@ -428,14 +428,16 @@ def penalties_of(args: argparse.Namespace) -> Penalties:
     return Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty)
 
 
-def stats_line(stats: dict, colour: bool, draft: str | None = None) -> str:
-    """The one-line summary of a generation (``draft``: the drafter's name, shown last)."""
+def stats_line(stats: dict, colour: bool, draft: str | None = None, extra: str = "") -> str:
+    """The one-line summary of a generation (``draft``: the drafter's name, then
+    ``extra``, shown last)."""
     line = (
         f"[{stats['new_tokens']} tokens in {stats['seconds']:.2f} s = "
         f"{stats['tokens_per_second']:.1f} tok/s · target calls {stats['target_calls']} · "
         f"τ {stats['mean_accepted_length']:.2f} tokens/call · "
         f"α {stats['acceptance_rate']:.2f} ({stats['accepted_tokens']}/{stats['drafted_tokens']})"
-        + (f" · draft {draft}]" if draft else "]")
+        + (f" · draft {draft}" if draft else "")
+        + (f" · {extra}]" if extra else "]")
     )
     return f"{DIM}{line}{RESET}" if colour else line
 
