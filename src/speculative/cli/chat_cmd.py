@@ -9,7 +9,7 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from speculative.cli.common import CliError, Formatter, emit_json
 from speculative.cli.generate_cmd import (
@@ -24,6 +24,9 @@ from speculative.cli.generate_cmd import (
     stats_line,
 )
 from speculative.cli.streaming import TextStreamer, use_colour
+
+if TYPE_CHECKING:
+    from speculative.pipeline import GenerationOutput, Speculator
 
 DESCRIPTION = """\
 Talk with the model: type a message, the reply streams back (green: accepted draft tokens,
@@ -97,7 +100,7 @@ class Conversation:
 class ChatLoop:
     """Reads messages and commands, writes replies (``out``) and statistics (``err``)."""
 
-    speculator: Any
+    speculator: Speculator
     options: dict[str, Any]  # Speculator.stream's keyword arguments
     read: Callable[[], str | None]  # the next line; None at the end of the input
     out: TextIO
@@ -180,7 +183,7 @@ class ChatLoop:
         prompt = len(stream.prompt_ids)
         self._report(output, stopped, prompt, prompt - output.stats.cached_prompt_tokens)
 
-    def _report(self, output: Any, stopped: bool, prompt: int, computed: int) -> None:
+    def _report(self, output: GenerationOutput, stopped: bool, prompt: int, computed: int) -> None:
         reason = "stopped" if stopped else output.finish_reason
         if self.as_json:
             record = {
