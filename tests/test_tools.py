@@ -25,6 +25,7 @@ from speculative.sampling import SamplingParams
 from speculative.server.protocol import ChatCompletionRequest
 from speculative.server.tools import (
     CALL_OPEN,
+    CallStream,
     NamedToolChoice,
     Tool,
     call_format,
@@ -155,15 +156,29 @@ def _client(server) -> tuple[Any, str]:
     return client, client.models.list().data[0].id
 
 
-def _streamed(chunks) -> tuple[str, list[dict], str | None]:
-    """A streamed reply's text, calls and finish reason."""
+def _streamed(chunks, pieces: list | None = None) -> tuple[str, list[dict], str | None]:
+    """A streamed reply's text, calls (their argument pieces joined, as clients join
+    them) and finish reason; ``pieces`` collects each call's argument pieces. Checks
+    that a call's first delta, and only that one, names it, and that no text comes
+    after the calls began."""
     text, calls, reason = "", [], None
     for chunk in chunks:
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
+        assert not (calls and delta.content)
         text += delta.content or ""
-        calls += [c.model_dump() for c in delta.tool_calls or []]
+        for entry in delta.tool_calls or []:
+            part = entry.model_dump()
+            first = part["index"] == len(calls)
+            assert (part["id"] is not None) == first == (part["function"]["name"] is not None)
+            if first:
+                calls.append({**part, "function": {**part["function"], "arguments": ""}})
+                if pieces is not None:
+                    pieces.append([])
+            calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
+            if pieces is not None and part["function"]["arguments"]:
+                pieces[part["index"]].append(part["function"]["arguments"])
         reason = chunk.choices[0].finish_reason or reason
     return text, calls, reason
 
@@ -174,12 +189,34 @@ def test_calls_are_split_from_text_and_described_to_templates_without_tools() ->
     assert reply.content == "Sure. " and len(reply.calls) == 2
     assert [json.loads(c["function"]["arguments"]) for c in reply.calls] == [{"hour": 7}] * 2
     assert len({c["id"] for c in reply.calls}) == 2
-    assert split_calls(call, TOOLS).content is None
-    assert len(split_calls(f"{call}\n{call[:-3]}", TOOLS).calls) == 1  # a cut last call
-    assert len(split_calls(f"{call}\n<tool", TOOLS).calls) == 1  # a cut opener
-    for text in ("no call", f"Sure. {call[:-3]}", call.replace("set_alarm", "nope"),
-                 f"{call} and more", call.replace("{", "(", 1)):  # fmt: skip
+    assert split_calls(call, TOOLS).content is None and not split_calls(call, TOOLS).cut
+    cut = split_calls(f"{call}\n<tool", TOOLS)  # a next call's opener, cut: left out
+    assert len(cut.calls) == 1 and not cut.cut
+    named = f'{CALL_OPEN}\n{{"name": "get_weather", "arguments": '
+    cut = split_calls(f'{call}\n{named}{{"city": "Pa', TOOLS)  # a call cut in its arguments
+    assert cut.cut and [c["function"]["arguments"] for c in cut.calls] == [
+        '{"hour": 7}', '{"city": "Pa'
+    ]  # fmt: skip
+    cut = split_calls(f"Sure. {call[:-3]}", TOOLS)  # arguments whole, the closer cut
+    assert cut.cut and cut.content == "Sure. " and cut.calls[0]["function"]["arguments"] == (
+        '{"hour": 7}'
+    )  # fmt: skip
+    assert len(split_calls(f"{call}\n{named[:20]}", TOOLS).calls) == 1  # cut before its name
+    for text in ("no call", f"Sure. {named[:20]}", call.replace("set_alarm", "nope"),
+                 f"{call} and more", call.replace("{", "(", 1),
+                 call.replace(" 7}", " 7, 8}")):  # fmt: skip
         assert split_calls(text, TOOLS).calls == [] and split_calls(text, TOOLS).content == text
+    # streamed: a call's name once written, then its arguments piece by piece
+    stream, entries = CallStream(TOOLS), []
+    for end in range(len(TRAINED_REPLY) + 1):
+        entries += stream.deltas(TRAINED_REPLY[:end])
+    assert [e["function"].get("name") for e in entries if "id" in e] == [
+        "set_alarm", "get_weather"
+    ]  # fmt: skip
+    assert "".join(e["function"]["arguments"] for e in entries if e["index"] == 1) == (
+        '{"city": "Paris", "days": 9}'
+    )  # fmt: skip
+    assert len(entries) == 2 + len('{"hour": 7}') + len('{"city": "Paris", "days": 9}')
     # a template that shows tools gets them; one that does not gets a description
     shows, plain = _tokenizer(), _tokenizer(CHAT_TEMPLATE)
     assert (
@@ -228,16 +265,32 @@ def test_auto_keeps_text_and_makes_every_call_valid(caller: Path) -> None:
         assert json.loads(calls[0]["function"]["arguments"]) == {"hour": 7}
         assert all(valid_call(c) for c in calls)  # the grammar kept "days" within 1..7
         assert json.loads(calls[1]["function"]["arguments"])["city"] == "Paris"
-        text, streamed, reason = _streamed(ask(tool_choice="auto", stream=True))
+        pieces: list[list[str]] = []
+        text, streamed, reason = _streamed(ask(tool_choice="auto", stream=True), pieces)
         assert (text, reason) == ("Sure. ", "tool_calls")
         assert [c["function"] for c in streamed] == [c["function"] for c in calls]
         assert [c["index"] for c in streamed] == [0, 1]
+        assert len(pieces[1]) > 1  # the arguments came as they were written
         one = ask(parallel_tool_calls=False).choices[0]
         assert [c.function.name for c in one.message.tool_calls] == ["set_alarm"]
-        late = ask(max_tokens=80).choices[0]  # the budget cuts the second call
+        late = ask(max_tokens=80).choices[0]  # the budget cuts the second call's opener
         assert late.finish_reason == "length" and late.message.content == "Sure. "
         (kept,) = [c.model_dump() for c in late.message.tool_calls]
         assert kept["function"] == calls[0]["function"]
+        budget = TRAINED_REPLY.index('"Paris"') + 3  # (a byte a token) cut inside "Paris"
+        cut = ask(max_tokens=budget).choices[0]
+        assert cut.finish_reason == "length" and cut.message.content == "Sure. "
+        cut_calls = [c.model_dump()["function"] for c in cut.message.tool_calls]
+        assert cut_calls == [calls[0]["function"], {"name": "get_weather",
+                                                    "arguments": '{"city": "Pa'}]  # fmt: skip
+        streamed_cut = _streamed(ask(max_tokens=budget, stream=True))
+        assert [c["function"] for c in streamed_cut[1]] == cut_calls
+        assert streamed_cut[::2] == ("Sure. ", "length")
+        stopped = ask(stop=['"days"']).choices[0]  # a stop string cuts the second call
+        assert stopped.finish_reason == "stop"
+        stopped_call = stopped.message.tool_calls[1].function.model_dump()
+        assert stopped_call == cut_calls[1] | {"arguments": '{"city": "Paris", '}
+        assert _streamed(ask(stop=['"days"'], stream=True))[1][1]["function"] == stopped_call
         cut = ask(max_tokens=30).choices[0]  # the budget cuts the first call
         assert cut.finish_reason == "length" and cut.message.tool_calls is None
         assert cut.message.content == TRAINED_REPLY[: len(cut.message.content)]
@@ -327,8 +380,11 @@ def test_legacy_functions_answer_in_their_own_form(caller: Path) -> None:
                                                 max_tokens=178, functions=functions,
                                                 stream=True)  # fmt: skip
         deltas = [chunk.choices[0] for chunk in stream if chunk.choices]
-        calls = [d.delta.function_call.model_dump() for d in deltas if d.delta.function_call]
-        assert calls == [answer["message"]["function_call"]]
+        parts = [d.delta.function_call.model_dump() for d in deltas if d.delta.function_call]
+        assert [part["name"] for part in parts] == ["set_alarm"] + [None] * (len(parts) - 1)
+        joined = "".join(part["arguments"] for part in parts)  # as clients join them
+        assert {"name": "set_alarm", "arguments": joined} == answer["message"]["function_call"]
+        assert len(parts) > 1  # the arguments came as they were written
         assert [d.finish_reason for d in deltas if d.finish_reason] == ["function_call"]
         history = [*MESSAGES, {"role": "assistant", "content": None,
                                "function_call": answer["message"]["function_call"]},

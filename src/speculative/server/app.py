@@ -54,8 +54,8 @@ from speculative.server.scheduler import (
     Scheduler,
 )
 from speculative.server.state import NONE, ServerState
-from speculative.server.text import TextAssembler, first_stop, token_kinds
-from speculative.server.tools import CALL_OPEN, Reply, chat_prompt, split_calls
+from speculative.server.text import TextAssembler, first_stop, partial_stop_length, token_kinds
+from speculative.server.tools import CALL_OPEN, CallStream, Reply, chat_prompt, split_calls
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 SEED_RANGE = 2**63  # seeds drawn for requests without one lie below it
@@ -529,11 +529,12 @@ def _finish_reason(result: GenerationResult) -> str:
     return FINISH_REASONS.get(result.finish_reason or "", "stop")
 
 
-def _calls_reason(result: GenerationResult, prepared: Prepared) -> str:
-    """A reply with calls: ``tool_calls`` (``function_call`` for legacy functions), or
-    ``length`` where the budget cut a later call (the whole ones are returned)."""
+def _calls_reason(result: GenerationResult, prepared: Prepared, reply: Reply) -> str:
+    """A reply with calls: ``tool_calls`` (``function_call`` for legacy functions);
+    ``length`` where the budget cut the reply (its last call, or a next one before its
+    name), and the result's own reason where a stop string cut its last call."""
     reason = _finish_reason(result)
-    if reason == "length":
+    if reason == "length" or reply.cut:
         return reason
     return "function_call" if _legacy(prepared) else "tool_calls"
 
@@ -608,8 +609,8 @@ class _Envelope:
             delta["content"] = text
         if calls and legacy:  # the legacy form: one call, no id
             delta["function_call"] = calls[0]["function"]
-        elif calls:  # the reply's function calls, each whole, in one delta
-            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+        elif calls:  # the calls' new parts (CallStream.deltas)
+            delta["tool_calls"] = calls
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
@@ -689,7 +690,7 @@ def _whole_choice(
         if reply is not None:
             message["content"] = reply.content
         if reply is not None and reply.calls:
-            reason = _calls_reason(result, prepared)
+            reason = _calls_reason(result, prepared, reply)
             if _legacy(prepared):
                 message["function_call"] = reply.calls[0]["function"]
             else:
@@ -716,7 +717,7 @@ def _mean_logprob(result: GenerationResult) -> float:
 
 def _assembler(prepared: Prepared, decode: Callable[[Sequence[int]], str]) -> TextAssembler:
     """A choice's text, cut at the request's stop strings, and where the reply may call
-    a function also before its first call (streamed as it comes; the calls go whole)."""
+    a function also before its first call (the calls stream by :class:`CallStream`)."""
     body = prepared.body
     calls = isinstance(body, ChatCompletionRequest) and body.may_call()
     return TextAssembler(decode, body.stop_strings() + ((CALL_OPEN,) if calls else ()))
@@ -724,14 +725,39 @@ def _assembler(prepared: Prepared, decode: Callable[[Sequence[int]], str]) -> Te
 
 def _reply(prepared: Prepared, text: TextAssembler) -> Reply | None:
     """A complete reply's text and function calls, where the request gave tools to
-    call (None otherwise): a first call the token budget cut leaves the reply text, a
-    later one is left out (:func:`split_calls`)."""
+    call (None otherwise); a call the budget or a stop string cut short keeps its
+    arguments as far as they go, once its name was written (:func:`split_calls`)."""
     body = prepared.body
     if not isinstance(body, ChatCompletionRequest) or not body.may_call():
         return None
     assert body.tools is not None
     stop = first_stop(text.text, body.stop_strings())
     return split_calls(text.text if stop is None else text.text[:stop], body.tools)
+
+
+def _call_stream(prepared: Prepared) -> CallStream | None:
+    body = prepared.body
+    if not isinstance(body, ChatCompletionRequest) or not body.may_call():
+        return None
+    assert body.tools is not None
+    return CallStream(body.tools)
+
+
+def _call_deltas(prepared: Prepared, choice: _StreamedChoice, final: bool) -> list[dict]:
+    """The streamed calls' new parts: from the choice's text so far, its whole
+    characters cut at the first stop string (and before what may start one, until the
+    reply is complete)."""
+    if choice.calls is None:
+        return []
+    text = choice.text
+    view = text.text if final else text.text[: text.ends[-1] if text.ends else 0]
+    stops = prepared.body.stop_strings()
+    stop = first_stop(view, stops)
+    if stop is not None:
+        view = view[:stop]
+    elif not final:
+        view = view[: len(view) - partial_stop_length(view, stops)]
+    return choice.calls.deltas(view)
 
 
 @dataclass
@@ -765,6 +791,7 @@ class _StreamedChoice:
 
     text: TextAssembler
     logprobs: LogprobsFormatter
+    calls: CallStream | None  # where the reply may call functions
     running: _RunningStats = field(default_factory=_RunningStats)
     started: bool = False  # an event came (the echoed prompt, if any, went first)
 
@@ -798,6 +825,7 @@ async def _stream(
         _StreamedChoice(
             _assembler(prepared, decode),
             LogprobsFormatter(decode, envelope.chat, len(prepared.echo(i))),
+            _call_stream(prepared),
         )
         for i in range(len(jobs))
     ]
@@ -841,14 +869,16 @@ async def _stream(
             )  # fmt: skip
             pieces_out = {"pieces": [list(p) for p in pieces], **choice.running.to_dict()}
             yield _sse(envelope.wrap([delta], stream=True, speculative=pieces_out))
-        calls = reply.calls if reply is not None else []
+        calls = _call_deltas(prepared, choice, final)
         if calls:
             delta = envelope.delta(None, None, index=i, calls=calls, legacy=_legacy(prepared))
             yield _sse(envelope.wrap([delta], stream=True))
         if isinstance(event, DoneEvent):
             results[i] = event.result
             result = event.result
-            reason = _calls_reason(result, prepared) if calls else _finish_reason(result)
+            reason = _finish_reason(result)
+            if reply is not None and reply.calls:
+                reason = _calls_reason(result, prepared, reply)
             finish = envelope.delta(  # with the log-probabilities of tokens that sent no text
                 None if envelope.chat else "", reason,
                 logprobs=choice.logprobs.take(choice.text, final=True), index=i,

@@ -8,15 +8,18 @@ first ``<tool_call>`` opens a call (llguidance's lazy lexeme), with ``"required"
 from the first token, with a named function one call of it; every call names one of the
 tools and its arguments satisfy that function's schema. Speculation stays exact with
 respect to the grammar-restricted target. :func:`split_calls` reads a reply back into
-OpenAI's ``content`` and ``tool_calls``; :func:`chat_prompt` shows the tools to the
-model, described in a system message where the chat template does not show them.
+OpenAI's ``content`` and ``tool_calls``, and :class:`CallStream` streams the calls as
+they are written (a call's name, then its arguments piece by piece); :func:`chat_prompt`
+shows the tools to the model, described in a system message where the chat template
+does not show them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -110,46 +113,125 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class WrittenCall:
+    """One call as the reply has written it so far."""
+
+    name: str
+    arguments: str  # its arguments' JSON text as written so far (all of it when whole)
+    whole: bool  # its ``</tool_call>`` came
+
+
+@dataclass(frozen=True)
 class Reply:
     """A reply split into its text and its calls (OpenAI's ``content`` and
     ``tool_calls``)."""
 
     content: str | None  # the text before the first call; None: none
     calls: list[dict[str, Any]]  # OpenAI's shape: {"id", "type", "function": {…}}
+    cut: bool = False  # the last call is not whole (the budget or a stop string cut it)
 
 
-def split_calls(text: str, tools: list[Tool]) -> Reply:
-    """The text and the calls of a reply written by :func:`call_format`'s grammar. A last
-    call the token budget cut (or the start of its opener) is left out; a reply with no
-    whole call, or with a block that is not a call of one of ``tools``, stays text, calls
-    and all."""
+# a call's text up to its arguments: {"name": "<one of the tools>", "arguments": …
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]+)"\s*,\s*"arguments"\s*:\s*')
+
+
+def written_calls(text: str, tools: list[Tool]) -> tuple[str, list[WrittenCall]] | None:
+    """The text before the calls and the calls of a reply written by
+    :func:`call_format`'s grammar, as far as it goes: a call counts from the moment its
+    name and the ``"arguments"`` key are written, a last call cut short with its
+    arguments as far as they go (OpenAI's truncated call). A later call cut before
+    that (or the start of its opener) is left out. None where the reply is text after
+    all: no call whose name is written, or a block that is not a call of ``tools``."""
     cut = partial_stop_length(text, (CALL_OPEN,))  # a next call's opener, cut short
     head, opener, rest = text[: len(text) - cut].partition(CALL_OPEN)
     names = {tool.function.name for tool in tools}
-    calls = []
+    calls: list[WrittenCall] = []
     for block in (opener + rest).split(CALL_OPEN)[1:]:
         body, closer, after = block.partition(CALL_CLOSE)
-        if not closer and calls:  # the budget cut the last call
+        call = _written(body, names, whole=bool(closer))
+        if call is None and not closer and calls:  # a later call cut before its name
             break
+        if call is None or (closer and after.strip()):
+            return None
+        calls.append(call)
+        if not closer:
+            break
+    return (head, calls) if calls else None
+
+
+def _written(body: str, names: set[str], whole: bool) -> WrittenCall | None:
+    """The call in a block's text (after its opener, before any closer); None where its
+    name is not written yet or the block is not a call of one of ``names``."""
+    head = CALL_HEAD.match(body)
+    if head is None or head[1] not in names:
+        return None
+    arguments = body[head.end() :]
+    try:
+        _, end = json.JSONDecoder().raw_decode(arguments)
+    except json.JSONDecodeError:
+        end = None  # not finished (or not JSON: a whole call is checked below)
+    if whole:
         try:
             value = json.loads(body)
         except json.JSONDecodeError:
-            return Reply(text, [])
-        whole = closer and not after.strip() and isinstance(value, dict)
-        if not whole or value.get("name") not in names or "arguments" not in value:
-            return Reply(text, [])
-        calls.append(_openai_call(value["name"], value["arguments"]))
-    if not calls:
+            return None
+        if end is None or set(value) != {"name", "arguments"}:
+            return None
+    return WrittenCall(head[1], arguments if end is None else arguments[:end], whole)
+
+
+def split_calls(text: str, tools: list[Tool]) -> Reply:
+    """The text and the calls of a complete reply written by :func:`call_format`'s
+    grammar (:func:`written_calls`); a reply with no call whose name is written, or with
+    a block that is not a call of ``tools``, stays text, calls and all."""
+    written = written_calls(text, tools)
+    if written is None:
         return Reply(text, [])
-    return Reply(head if head.strip() else None, calls)
+    head, calls = written
+    return Reply(
+        head if head.strip() else None,
+        [openai_call(call_id(), call.name, call.arguments) for call in calls],
+        cut=not calls[-1].whole,
+    )
 
 
-def _openai_call(name: str, arguments: Any) -> dict[str, Any]:
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments)},
-    }
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def openai_call(id_: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": id_, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass
+class CallStream:
+    """OpenAI's streamed ``tool_calls`` of a reply as it grows: a call's first delta
+    carries its index, id, type and name, later ones the next piece of its arguments
+    (clients join them); a reply's text goes out beside them, by the text's own path."""
+
+    tools: list[Tool]
+    ids: list[str] = field(default_factory=list)  # of the calls announced so far
+    sent: list[int] = field(default_factory=list)  # argument characters sent, per call
+
+    def deltas(self, text: str) -> list[dict[str, Any]]:
+        """The ``tool_calls`` entries that bring the calls sent so far up to ``text``
+        (the reply's text so far: whole characters, cut at any stop string)."""
+        written = written_calls(text, self.tools)
+        out: list[dict[str, Any]] = []
+        for k, call in enumerate(written[1] if written is not None else []):
+            if k == len(self.ids):
+                self.ids.append(call_id())
+                self.sent.append(0)
+                out.append({"index": k, **openai_call(self.ids[k], call.name, "")})
+            piece = call.arguments[self.sent[k] :]
+            if not piece:
+                continue
+            self.sent[k] = len(call.arguments)
+            if out and out[-1]["index"] == k:
+                out[-1]["function"]["arguments"] = piece
+            else:
+                out.append({"index": k, "function": {"arguments": piece}})
+        return out
 
 
 def _named(tools: list[Tool], name: str) -> Tool:
