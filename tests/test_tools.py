@@ -32,6 +32,7 @@ from speculative.server.tools import (
     chat_prompt,
     described,
     split_calls,
+    template_shows_tools,
 )
 from speculative.structured import StructuredOutputs
 from tiny import byte_tokenizer, save_tiny, tiny_llama
@@ -243,6 +244,14 @@ def test_calls_are_split_from_text_and_described_to_templates_without_tools() ->
     assert rendered[0]["content"].startswith("Be brief.\n\nYou may call") and len(rendered) == 4
     assert rendered[2]["content"] == call and "tool_calls" not in rendered[2]
     assert chat_prompt(plain, MESSAGES, None) == chat_prompt(shows, MESSAGES, None)
+    # a server asks the template once; the answer gives the prompts found per request
+    assert template_shows_tools(shows) is True and template_shows_tools(plain) is False
+    for tokenizer in (shows, plain):
+        known = template_shows_tools(tokenizer)
+        assert chat_prompt(tokenizer, MESSAGES, TOOLS, known) == chat_prompt(
+            tokenizer, MESSAGES, TOOLS
+        )  # fmt: skip
+    assert chat_prompt(shows, MESSAGES, TOOLS, False) != chat_prompt(shows, MESSAGES, TOOLS)
 
 
 def test_auto_keeps_text_and_makes_every_call_valid(caller: Path) -> None:

@@ -307,7 +307,7 @@ def _tokenized(body: TokenizeRequest, state: ServerState) -> dict[str, Any]:
     try:
         if body.messages is not None:
             messages = [message.for_template() for message in body.messages]
-            tokens = chat_prompt(tokenizer, messages, body.tools)
+            tokens = chat_prompt(tokenizer, messages, body.tools, state.shows_tools)
         else:
             assert body.prompt is not None
             tokens = encode_prompt(tokenizer, body.prompt, None, chat=False)
@@ -388,7 +388,8 @@ def _prompt_ids(
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     try:
         if isinstance(body, ChatCompletionRequest):
-            return [chat_prompt(tokenizer, body.chat_messages(), body.template_tools())]
+            tools = body.template_tools()
+            return [chat_prompt(tokenizer, body.chat_messages(), tools, state.shows_tools)]
         prompts = []
         for prompt in body.prompts():
             if isinstance(prompt, str):

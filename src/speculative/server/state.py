@@ -21,6 +21,7 @@ from speculative.engine.costs import PassCostCurves
 from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
 from speculative.models.base import ReservesSlots, SupportsBatchRows
 from speculative.server.compute import ComputeThread
+from speculative.server.tools import template_shows_tools
 from speculative.targets import LoadedModel
 
 NONE = "none"
@@ -102,6 +103,7 @@ class ServerState:
     pass_costs: PassCostCurves | None = None  # measured for γ "auto": its policy's input
     # the thread that loaded the target and runs its rounds (None: the scheduler's own)
     compute: ComputeThread | None = None
+    shows_tools: bool | None = None  # whether the chat template shows tools (None: ask)
 
     @property
     def row_gamma(self) -> int:
@@ -162,7 +164,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
             f"'{loaded.name}' on the {loaded.runtime} runtime cannot"
         )
     reserve_slots(loaded.lm, config.max_batch)
-    state = ServerState(config, loaded)
+    state = ServerState(config, loaded, shows_tools=template_shows_tools(loaded.tokenizer))
     if config.gamma == "auto":  # the pass-cost curves the load-aware policy needs
         from speculative.engine.costs import pass_cost_curves, probe_context
 

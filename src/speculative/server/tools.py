@@ -242,21 +242,53 @@ def _named(tools: list[Tool], name: str) -> Tool:
 
 
 def chat_prompt(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[Tool] | None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[Tool] | None,
+    shows_tools: bool | None = None,
 ) -> list[int]:
     """A chat prompt's tokens: ``messages`` through the tokenizer's chat template, with
-    the ``tools`` the reply may call. A template that does not show tools (the same
-    tokens with and without them, as SmolLM2's) gets them described in a system message
-    instead (:func:`described`)."""
+    the ``tools`` the reply may call. A template that does not show tools (SmolLM2's)
+    gets them described in a system message instead (:func:`described`).
+    ``shows_tools``: whether the template shows them (:func:`template_shows_tools`, asked
+    once by a server); None: found out for these messages (one more rendering)."""
     from speculative.targets import encode_prompt
 
     if not tools:
         return encode_prompt(tokenizer, None, messages, chat=True)
+    if shows_tools is False:
+        return encode_prompt(tokenizer, None, described(messages, tools), chat=True)
     shown = [tool.model_dump(exclude_none=True) for tool in tools]
     ids = encode_prompt(tokenizer, None, messages, chat=True, tools=shown)
-    if ids != encode_prompt(tokenizer, None, messages, chat=True):
+    if shows_tools or ids != encode_prompt(tokenizer, None, messages, chat=True):
         return ids
     return encode_prompt(tokenizer, None, described(messages, tools), chat=True)
+
+
+PROBE_TOOL = Tool(type="function", function=FunctionSpec(name="probe"))
+
+
+def template_shows_tools(tokenizer: Any) -> bool | None:
+    """Whether the tokenizer's chat template shows tools (renders other tokens with one
+    than without), probed with and without a system message; None where it rendered
+    neither probe (:func:`chat_prompt` then finds out per request)."""
+    from speculative.targets import encode_prompt
+
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    shown = [PROBE_TOOL.model_dump(exclude_none=True)]
+    user = {"role": "user", "content": "Hello"}
+    rendered = False
+    for messages in ([user], [{"role": "system", "content": "Be brief."}, user]):
+        try:
+            with_tools = encode_prompt(tokenizer, None, messages, chat=True, tools=shown)
+            without = encode_prompt(tokenizer, None, messages, chat=True)
+        except Exception:  # the template's own error (jinja's): it refuses this probe
+            continue
+        rendered = True
+        if with_tools != without:
+            return True
+    return False if rendered else None
 
 
 def described(messages: list[dict[str, Any]], tools: list[Tool]) -> list[dict[str, Any]]:
