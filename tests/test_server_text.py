@@ -89,3 +89,26 @@ def test_pieces_keep_each_tokens_kind() -> None:
     assert assembler.push([1, 2], [ACCEPTED, BONUS]) == [("the", ACCEPTED), (" cat", BONUS)]
     assert assembler.push([3], [RECOVERED]) == [(" sat", RECOVERED)]
     assert assembler.finish() == []
+
+
+def test_a_long_reply_decodes_a_window_per_token_not_the_whole_prefix() -> None:
+    """1,200 byte tokens pushed in rounds of 2: the pieces add up to the text while the
+    tokens decoded stay within a bounded window per token (the whole prefix after every
+    token, what it cost before, is n²/2: 720,000 token decodes here)."""
+    rng = random.Random(0)
+    tokens = byte_tokens(TEXT * 40, rng)[:1200]
+    assert len(tokens) == 1200
+    vocab = dict(enumerate(tokens))
+    decoded = []
+
+    def decode(ids):
+        decoded.append(len(ids))
+        return b"".join(vocab[i] for i in ids).decode("utf-8", "replace")
+
+    assembler = TextAssembler(decode, ("never-there",))
+    sent = ""
+    for k in range(0, len(tokens), 2):
+        sent += "".join(p for p, _ in assembler.push([k, k + 1], [TARGET, TARGET]))
+    sent += "".join(p for p, _ in assembler.finish())
+    assert sent == decode(range(len(tokens)))
+    assert sum(decoded) < 24 * len(tokens) * 2 < len(tokens) ** 2 / 2 / 10

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
+from speculative.detokenize import IncrementalDecoder
 from speculative.engine import Round
 
 ACCEPTED = "\033[32m"  # green: drafted tokens the target accepted
@@ -42,20 +43,22 @@ class TextStreamer:
         colour: bool = False,
         speculative: bool = True,
     ) -> None:
-        self.decode = decode
+        self.decoder = IncrementalDecoder(decode)  # the text of the tokens so far
         self.finalize = finalize
         self.stop_strings = tuple(stop_strings)
         self.out = out
         self.colour = colour and speculative
-        self.tokens: list[int] = []
         self.printed = 0
         self.shown = ""  # the text written so far
 
     def push(self, round_: Round) -> None:
-        accepted = round_.tokens[: round_.num_accepted]
-        boundary = len(self.finalize(self.decode(self.tokens + accepted)))
-        self.tokens.extend(round_.tokens)
-        text = self.finalize(self.decode(self.tokens))
+        accepted = round_.tokens[: round_.num_accepted]  # then the target's own tokens
+        made = round_.tokens[round_.num_accepted :]
+        boundary = len(self.finalize(self.decoder.extend(accepted)))
+        self.decoder.extend(made)
+        if round_.finished:
+            self.decoder.verify()
+        text = self.finalize(self.decoder.text)
         end = len(text) if round_.finished else len(text) - self._holdback(text)
         self._write(text, boundary, end)
 

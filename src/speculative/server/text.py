@@ -2,8 +2,9 @@
 
 :class:`TextAssembler` receives each round's tokens (with how each was made) and returns
 the text that is now final, as pieces ``(text, kind)``: one per token that produced it.
-It decodes the generated prefix after each token and emits only the delta that can no
-longer change:
+It keeps the generated prefix's text after each token (an
+:class:`~speculative.detokenize.IncrementalDecoder`: a window decoded, not the whole
+prefix) and emits only the delta that can no longer change:
   - a decoded prefix ending in U+FFFD (an incomplete UTF-8 sequence, or a piece the
     tokenizer merges with the next) is held back until later tokens complete it;
   - text that could be the start of a stop string is held back until it either is not
@@ -18,9 +19,8 @@ import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from speculative.detokenize import REPLACEMENT, IncrementalDecoder
 from speculative.engine.loop import Round
-
-REPLACEMENT = "\ufffd"
 
 # how a token was made
 ACCEPTED = "accepted"  # a drafted token the target accepted
@@ -67,18 +67,24 @@ class TextAssembler:
 
     decode: Callable[[Sequence[int]], str]
     stops: tuple[str, ...] = ()
-    tokens: list[int] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)  # stable text length after token i
     text: str = ""  # decoded text of all tokens so far
     sent: int = 0  # characters of ``text`` already released
+    decoder: IncrementalDecoder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.decoder = IncrementalDecoder(self.decode)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.decoder.tokens
 
     def push(self, tokens: Sequence[int], kinds: Sequence[str]) -> list[tuple[str, str]]:
         """Add tokens; returns the newly final pieces (text, kind)."""
         for token, kind in zip(tokens, kinds, strict=True):
-            self.tokens.append(token)
             self.kinds.append(kind)
-            self.text = self.decode(self.tokens)
+            self.text = self.decoder.add(token)
             stable = len(self.text.rstrip(REPLACEMENT))
             self.ends.append(max(stable, self.ends[-1] if self.ends else 0))
         limit = self.ends[-1] if self.ends else 0
@@ -91,6 +97,7 @@ class TextAssembler:
 
     def finish(self) -> list[tuple[str, str]]:
         """The rest of the text, cut before the first stop string."""
+        self._verify()
         stop = first_stop(self.text, self.stops)
         limit = len(self.text) if stop is None else stop
         if self.ends:
@@ -98,6 +105,7 @@ class TextAssembler:
         return self._release(limit)
 
     def final_text(self) -> str:
+        self._verify()
         stop = first_stop(self.text, self.stops)
         return self.text if stop is None else self.text[:stop]
 
@@ -121,10 +129,16 @@ class TextAssembler:
         # token 0 starts at 0; token i > 0 at ends[i - 1] (ends never decrease)
         return 1 + min(bisect.bisect_left(self.ends, stop), len(self.tokens) - 1)
 
+    def _verify(self) -> None:
+        """The text checked against the tokens' whole decoding (once per length)."""
+        self.decoder.verify()
+        self.text = self.decoder.text
+
     def _release(self, limit: int) -> list[tuple[str, str]]:
         pieces: list[tuple[str, str]] = []
-        start = 0
-        for end, kind in zip(self.ends, self.kinds, strict=True):
+        first = bisect.bisect_right(self.ends, self.sent)  # the first token not all sent
+        start = self.ends[first - 1] if first > 0 else 0
+        for end, kind in zip(self.ends[first:], self.kinds[first:], strict=True):
             lo, hi = max(start, self.sent), min(end, limit)
             if hi > lo:
                 pieces.append((self.text[lo:hi], kind))
