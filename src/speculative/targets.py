@@ -245,3 +245,48 @@ def encode_prompt(
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = "\n".join(m["content"] for m in messages)
     return list(tokenizer(text)["input_ids"])
+
+
+# fill-in-the-middle tokens (prefix, suffix, middle) as code models' tokenizers name them:
+# StarCoder's and SantaCoder's, Qwen2.5-Coder's, DeepSeek-Coder's (begin, hole, end)
+FIM_TOKENS: tuple[tuple[str, str, str], ...] = (
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+)
+
+
+def fim_tokens(tokenizer: Any) -> tuple[int, int, int] | None:
+    """The ids of the tokenizer's fill-in-the-middle tokens (prefix, suffix, middle), each
+    one token of its vocabulary; None where it has none of the known sets."""
+    vocab = tokenizer.get_vocab()
+    for names in FIM_TOKENS:
+        if all(name in vocab for name in names):
+            prefix, suffix, middle = (vocab[name] for name in names)
+            return prefix, suffix, middle
+    return None
+
+
+def encode_infill(tokenizer: Any, prefix: str | Sequence[int], suffix: str) -> list[int]:
+    """A fill-in-the-middle prompt (prefix, suffix, middle order, as the models above were
+    trained): what the model writes next is the text between ``prefix`` (a text or token
+    ids) and ``suffix``. ValueError for a tokenizer without fill-in-the-middle tokens."""
+    tokens = fim_tokens(tokenizer)
+    if tokens is None:
+        known = ", ".join(names[0] for names in FIM_TOKENS)
+        raise ValueError(
+            f"this model has no fill-in-the-middle tokens (none of {known}, …), so it "
+            "cannot fill in before a suffix; leave suffix out"
+        )
+    if isinstance(prefix, str):  # the tokenizer's BOS first, where it adds one
+        bos = tokenizer.bos_token_id
+        start = [t for t in tokenizer("")["input_ids"] if t == bos and bos is not None]
+        ids = [*start, tokens[0], *_plain(tokenizer, prefix)]
+    else:  # token ids are used as given
+        ids = [tokens[0], *prefix]
+    _, fim_suffix, fim_middle = tokens
+    return [*ids, fim_suffix, *_plain(tokenizer, suffix), fim_middle]
+
+
+def _plain(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

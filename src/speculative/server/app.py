@@ -381,8 +381,9 @@ def _prompt_ids(
 ) -> list[list[int]]:
     """Token ids of the request's prompts: chat's messages through the chat template;
     completions' texts as the tokenizer encodes them, token-id prompts as given (each id
-    checked against the vocabulary)."""
-    from speculative.targets import encode_prompt
+    checked against the vocabulary), each before the ``suffix`` if one is given (a
+    fill-in-the-middle prompt)."""
+    from speculative.targets import encode_infill, encode_prompt
 
     tokenizer = state.loaded.tokenizer
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
@@ -392,7 +393,10 @@ def _prompt_ids(
             return [chat_prompt(tokenizer, body.chat_messages(), tools, state.shows_tools)]
         prompts = []
         for prompt in body.prompts():
-            if isinstance(prompt, str):
+            if body.suffix:
+                param = "suffix"
+                prompts.append(encode_infill(tokenizer, prompt, body.suffix))
+            elif isinstance(prompt, str):
                 prompts.append(encode_prompt(tokenizer, prompt, None, chat=False))
             else:
                 prompts.append(list(prompt))

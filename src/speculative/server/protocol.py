@@ -31,22 +31,6 @@ MAX_TOP_LOGPROBS = 20  # ... and chat
 MAX_CHOICES = 16  # n: choices per request (each a row of the batch) ...
 MAX_PROMPTS = 16  # ... and completions' prompts per request (prompts × n rows at most 16)
 
-# OpenAI (and vLLM) request options this server does not implement, with the values that
-# mean "off": a request that leaves them off (or out, or null) is served, one that asks
-# for them is refused by name instead of answered as if it had not asked.
-UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
-    "suffix": ("",),
-}
-
-
-def _asks_for(value: Any, off: tuple[Any, ...]) -> bool:
-    """Whether an unsupported option's ``value`` asks for it (see UNSUPPORTED_OPTIONS):
-    neither null nor one of its "off" values (``true`` is not ``1``, though Python says
-    they are equal)."""
-    if value is None:
-        return False
-    return not any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in off)
-
 
 class ApiError(Exception):
     """An error answered as OpenAI's JSON error object."""
@@ -234,24 +218,6 @@ class _Common(BaseModel):
         rest = {k: v for k, v in data.items() if k not in GUIDED_OPTIONS}
         return {**rest, "structured_outputs": {GUIDED_OPTIONS[key]: value}}
 
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
-        """A 400 naming an option this server does not implement, where one is asked for
-        (raised as the ApiError itself, so that its ``param`` is the option)."""
-        if not isinstance(data, dict):
-            return data
-        for name, off in UNSUPPORTED_OPTIONS.items():
-            if _asks_for(data.get(name), off):
-                raise ApiError(
-                    400,
-                    f"{name} is not supported by this server (asked for {data[name]!r}); "
-                    "leave it out to decode without it",
-                    param=name,
-                    code="unsupported_parameter",
-                )
-        return data
-
     @model_validator(mode="after")
     def _some_tokens(self) -> _Common:
         """A budget of 0 tokens only where the request scores its prompt."""
@@ -323,6 +289,9 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     # completions sampled per prompt, of which the n likeliest per token are returned
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    # the text after the completion: the model fills in between prompt and suffix (its
+    # fill-in-the-middle tokens; "" or null: none, as clients send by default)
+    suffix: str | None = None
 
     def wanted_logprobs(self) -> int | None:
         return self.logprobs
@@ -358,6 +327,8 @@ class CompletionRequest(_Common):
             )  # fmt: skip
         if self.stream and self.candidates() > self.n:
             raise ApiError(400, "best_of above n cannot be streamed", param="best_of")
+        if self.suffix and self.echo:
+            raise ApiError(400, "echo cannot be combined with a suffix", param="suffix")
         rows = len(self.prompts()) * self.candidates()
         if rows > MAX_CHOICES:
             param = "n" if self.best_of is None else "best_of"
