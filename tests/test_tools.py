@@ -19,12 +19,14 @@ import pytest
 import torch
 
 from server_helpers import CHAT_TEMPLATE, http, start_server
+from speculative.cli.serve_cmd import TOOL_CALL_SYNTAXES
 from speculative.engine import SpeculativeEngine, StopCriteria
 from speculative.models.native import load_native
 from speculative.sampling import SamplingParams
 from speculative.server.protocol import ChatCompletionRequest
 from speculative.server.tools import (
-    CALL_OPEN,
+    HERMES,
+    SYNTAXES,
     CallStream,
     NamedToolChoice,
     Tool,
@@ -33,6 +35,7 @@ from speculative.server.tools import (
     described,
     split_calls,
     template_shows_tools,
+    template_syntax,
 )
 from speculative.structured import StructuredOutputs
 from tiny import byte_tokenizer, save_tiny, tiny_llama
@@ -69,6 +72,7 @@ ALARM = {
     },
 }
 TOOLS = [Tool.model_validate(WEATHER), Tool.model_validate(ALARM)]
+CALL_OPEN = HERMES.open
 # a template that shows the tools' names (as Qwen's shows their schemas)
 TOOLS_TEMPLATE = (
     "{% if tools %}tools {% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
@@ -82,6 +86,12 @@ TRAINED_REPLY = (
     f'{CALL_OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris", "days": 9}}}}'
     "\n</tool_call>"
 )
+# Llama 3's JSON calls: the whole reply, calls joined by "; " (the second out of range)
+LLAMA_REPLY = (
+    '{"name": "set_alarm", "parameters": {"hour": 7}}; '
+    '{"name": "get_weather", "parameters": {"city": "Paris", "days": 9}}'
+)
+LLAMA_TEMPLATE = "{# tool results come as ipython messages #}" + TOOLS_TEMPLATE
 EOS = 1
 
 
@@ -111,13 +121,12 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny(tmp_path_factory.mktemp("tools_random"), seed=4, tokenizer=_tokenizer())
 
 
-@pytest.fixture(scope="module")
-def caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama trained to answer MESSAGES with TRAINED_REPLY (every token of it at
-    probability > 0.8 under greedy decoding)."""
-    tokenizer = _tokenizer()
+def _trained(folder: Path, template: str, reply_text: str) -> Path:
+    """A tiny Llama trained to answer MESSAGES (through ``template``, with the tools)
+    with ``reply_text`` (every token of it at probability > 0.8 under greedy decoding)."""
+    tokenizer = _tokenizer(template)
     prompt = chat_prompt(tokenizer, MESSAGES, TOOLS)
-    reply = [*tokenizer(TRAINED_REPLY, add_special_tokens=False)["input_ids"], EOS]
+    reply = [*tokenizer(reply_text, add_special_tokens=False)["input_ids"], EOS]
     model = tiny_llama(7, len(tokenizer.get_vocab()), layers=2).train()
     ids = torch.tensor([prompt + reply])
     labels = torch.tensor([[-100] * len(prompt) + reply])
@@ -132,10 +141,23 @@ def caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
             loss.backward()
             optimizer.step()
     assert loss.item() < 0.001
-    folder = tmp_path_factory.mktemp("tools_caller")
     model.eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama trained to answer MESSAGES with TRAINED_REPLY (Hermes' calls)."""
+    return _trained(tmp_path_factory.mktemp("tools_caller"), TOOLS_TEMPLATE, TRAINED_REPLY)
+
+
+@pytest.fixture(scope="module")
+def llama_caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama whose template teaches Llama 3's JSON calls, trained to answer
+    MESSAGES with LLAMA_REPLY."""
+    folder = tmp_path_factory.mktemp("tools_llama_caller")
+    return _trained(folder, LLAMA_TEMPLATE, LLAMA_REPLY)
 
 
 def _greedy(folder: Path, prompt: list[int], grammar: Any = None, budget: int = 160) -> str:
@@ -405,3 +427,95 @@ def test_legacy_functions_answer_in_their_own_form(caller: Path) -> None:
                            ({"function_call": {"name": "nope"}}, "function_call")]:  # fmt: skip
             status, refused = http(url, "POST", {**base, **bad})
             assert status == 400 and refused["error"]["param"] == param
+
+
+def test_llama3_json_calls_are_read_and_streamed() -> None:
+    """Llama 3's syntax: a reply that starts with ``{`` is calls joined by "; ", any
+    other is text; cut calls as for Hermes."""
+    llama = SYNTAXES["llama3_json"]
+
+    def split(text: str):
+        return split_calls(text, TOOLS, llama)
+
+    reply = split(LLAMA_REPLY)
+    assert reply.content is None and not reply.cut
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in reply.calls] == [
+        ("set_alarm", '{"hour": 7}'), ("get_weather", '{"city": "Paris", "days": 9}')
+    ]  # fmt: skip
+    first = LLAMA_REPLY.index("; ")
+    for cut, calls, whole in [
+        (LLAMA_REPLY[: first + 1], 1, True),  # the separator cut short
+        (LLAMA_REPLY[: first + 12], 1, True),  # the second call cut before its name
+        (LLAMA_REPLY[: LLAMA_REPLY.index("Paris") + 2], 2, False),  # in its arguments
+        (LLAMA_REPLY[:-1], 2, False),  # before its closing brace
+    ]:
+        reply = split(cut)
+        assert (len(reply.calls), reply.cut) == (calls, not whole), cut
+    assert split(LLAMA_REPLY[:-1]).calls[1]["function"]["arguments"] == (
+        '{"city": "Paris", "days": 9}'
+    )  # fmt: skip
+    spaced = ' {"name": "set_alarm", "parameters": {}}'  # text: it does not start with {
+    for text in ("Sure, at 7.", '{"name": "nope", "parameters": {}}', '{"na',
+                 LLAMA_REPLY + " and more", spaced):  # fmt: skip
+        assert split(text).calls == [] and split(text).content == text
+    stream, entries = CallStream(TOOLS, llama), []
+    for end in range(len(LLAMA_REPLY) + 1):
+        entries += stream.deltas(LLAMA_REPLY[:end])
+    assert [e["function"]["name"] for e in entries if "id" in e] == ["set_alarm", "get_weather"]
+    assert "".join(e["function"]["arguments"] for e in entries if e["index"] == 1) == (
+        '{"city": "Paris", "days": 9}'
+    )  # fmt: skip
+    # the template decides the syntax; a template without tools gets Hermes' described
+    assert template_syntax(_tokenizer(LLAMA_TEMPLATE)) is llama
+    assert template_syntax(_tokenizer()) is HERMES
+    assert ("auto", *SYNTAXES) == TOOL_CALL_SYNTAXES  # serve's choices name them all
+    text = byte_tokenizer().decode(chat_prompt(_tokenizer(CHAT_TEMPLATE), MESSAGES, TOOLS,
+                                               syntax=llama))  # fmt: skip
+    assert '"parameters"' in text and CALL_OPEN not in text
+
+
+def test_llama3_json_served(llama_caller: Path, folder: Path) -> None:
+    """A model whose template teaches Llama 3's calls, served with the syntax read from
+    it: the calls come back valid (the second's out-of-range "days" kept in range; the
+    control: unconstrained it writes 9), streamed piece by piece; on a random model,
+    "auto"'s text is what the library decodes under the same grammar and never starts
+    with ``{``, and "required" gives valid calls."""
+    llama = SYNTAXES["llama3_json"]
+    prompt = chat_prompt(_tokenizer(LLAMA_TEMPLATE), MESSAGES, TOOLS)
+    assert _greedy(llama_caller, prompt, budget=200) == LLAMA_REPLY
+    with start_server(llama_caller, max_prompt_tokens=200) as server:
+        client, model = _client(server)
+
+        def ask(**kw):
+            return client.chat.completions.create(
+                model=model, messages=MESSAGES, tools=[WEATHER, ALARM], temperature=0,
+                max_tokens=kw.pop("max_tokens", 178), **kw,
+            )  # fmt: skip
+
+        choice = ask().choices[0]
+        calls = [c.model_dump() for c in choice.message.tool_calls]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [c["function"]["name"] for c in calls] == ["set_alarm", "get_weather"]
+        assert all(valid_call(c) for c in calls)
+        assert json.loads(calls[1]["function"]["arguments"])["city"] == "Paris"
+        pieces: list[list[str]] = []
+        text, streamed, reason = _streamed(ask(stream=True), pieces)
+        assert (text, reason) == ("", "tool_calls") and len(pieces[1]) > 1
+        assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+    grammar = call_format(TOOLS, "auto", syntax=llama)
+    tokenizer = _tokenizer()
+    auto_text = _greedy(folder, chat_prompt(tokenizer, MESSAGES, TOOLS), grammar, budget=60)
+    assert auto_text and not auto_text.startswith("{")
+    with start_server(folder, max_prompt_tokens=200, tool_call_syntax="llama3_json") as server:
+        client, model = _client(server)
+        auto = client.chat.completions.create(
+            model=model, messages=MESSAGES, tools=[WEATHER, ALARM], temperature=0, max_tokens=60
+        ).choices[0]
+        assert auto.message.tool_calls is None and auto.message.content == auto_text
+        required = client.chat.completions.create(
+            model=model, messages=MESSAGES, tools=[WEATHER, ALARM], temperature=1.0, seed=3,
+            tool_choice="required", max_tokens=120, n=2, parallel_tool_calls=False,
+        )  # fmt: skip
+        for answer in required.choices:
+            assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
+            assert valid_call(answer.message.tool_calls[0].model_dump())

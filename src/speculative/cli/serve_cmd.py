@@ -28,7 +28,9 @@ of the drafters loaded here (--draft, comma-separated; the first is the default)
 "none" (plain decoding), and fixes γ. Each response has a "speculative" object with the
 request's statistics (drafted, accepted, α, τ). Structured outputs (response_format,
 vLLM's structured_outputs: a JSON schema, a regex, a choice or a Lark grammar), tools
-(calls in the Hermes format, valid by a grammar), logprobs, echo (prompt scoring: max_tokens 0),
+(calls in the syntax the model's chat template teaches, valid by a grammar and streamed
+as they are written: --tool-call-syntax), fill in the middle (completions' suffix, for
+models with fill-in-the-middle tokens), logprobs, echo (prompt scoring: max_tokens 0),
 penalties, logit_bias, n, best_of and seed are served exactly under speculation.
 
 Security: binds 127.0.0.1 unless --host says otherwise (a warning when binding elsewhere
@@ -37,6 +39,9 @@ bodies and prompts are size-limited; a request can never name a model or a file 
 remote code from model repositories is never run. Idle connections close after
 --timeout-keep-alive seconds.
 """
+
+# speculative.server.tools.SYNTAXES and "auto" (named here: importing the server is slow)
+TOOL_CALL_SYNTAXES = ("auto", "hermes", "llama3_json")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -93,6 +98,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-batch", type=positive_int, default=8, help="rows decoded together")
     parser.add_argument(
         "--max-waiting", type=positive_int, default=256, help="queued requests before 503s"
+    )
+    parser.add_argument(
+        "--tool-call-syntax",
+        choices=TOOL_CALL_SYNTAXES,
+        default="auto",
+        help="how the model writes function calls: hermes (<tool_call>{...}</tool_call> "
+        "after its text: Qwen, Hermes), llama3_json (a reply of JSON calls joined by '; ': "
+        "Llama 3.1-3.3); auto: what the chat template teaches (hermes for templates "
+        "without tools, which get them described)",
     )
     parser.add_argument(
         "--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body"
@@ -171,6 +185,7 @@ def build_config(args: argparse.Namespace):
         max_prompt_tokens=args.max_prompt_tokens,
         default_max_tokens=args.default_max_tokens,
         max_waiting=args.max_waiting,
+        tool_call_syntax=args.tool_call_syntax,
     )
 
 

@@ -55,7 +55,14 @@ from speculative.server.scheduler import (
 )
 from speculative.server.state import NONE, ServerState
 from speculative.server.text import TextAssembler, first_stop, partial_stop_length, token_kinds
-from speculative.server.tools import CALL_OPEN, CallStream, Reply, chat_prompt, split_calls
+from speculative.server.tools import (
+    HERMES,
+    CallStream,
+    CallSyntax,
+    Reply,
+    chat_prompt,
+    split_calls,
+)
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 SEED_RANGE = 2**63  # seeds drawn for requests without one lie below it
@@ -79,6 +86,7 @@ class Prepared:
     # a fresh constraint for each choice's row (response_format), or None
     constraints: Callable[[], TokenConstraint] | None = None
     echoes: list[str] = field(default_factory=list)  # per prompt: its echoed text, or ""
+    call_syntax: CallSyntax = HERMES  # how the model writes function calls
 
     def prompt_of(self, choice: int) -> int:
         """Which prompt choice ``choice`` answers (choices: prompt by prompt, n each)."""
@@ -307,7 +315,9 @@ def _tokenized(body: TokenizeRequest, state: ServerState) -> dict[str, Any]:
     try:
         if body.messages is not None:
             messages = [message.for_template() for message in body.messages]
-            tokens = chat_prompt(tokenizer, messages, body.tools, state.shows_tools)
+            tokens = chat_prompt(
+                tokenizer, messages, body.tools, state.shows_tools, state.call_syntax
+            )
         else:
             assert body.prompt is not None
             tokens = encode_prompt(tokenizer, body.prompt, None, chat=False)
@@ -372,7 +382,7 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
     echoes = _echoes(body, prompts, state) if body.echoes_prompt() else []
     return Prepared(
         endpoint, body, prompts, requests, draft, gamma, acquire, release, seed,
-        constraints, echoes,
+        constraints, echoes, state.call_syntax,
     )  # fmt: skip
 
 
@@ -389,8 +399,9 @@ def _prompt_ids(
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     try:
         if isinstance(body, ChatCompletionRequest):
-            tools = body.template_tools()
-            return [chat_prompt(tokenizer, body.chat_messages(), tools, state.shows_tools)]
+            tools, shows = body.template_tools(), state.shows_tools
+            messages = body.chat_messages()
+            return [chat_prompt(tokenizer, messages, tools, shows, state.call_syntax)]
         prompts = []
         for prompt in body.prompts():
             if body.suffix:
@@ -424,7 +435,8 @@ def _constraints(
     """Fresh grammar constraints for the rows of a request with an output format (a JSON
     response_format, vLLM's structured_outputs, or tools to call; compiled
     once for all its choices), or None."""
-    output = body.output_format()
+    chat = isinstance(body, ChatCompletionRequest)
+    output = body.output_format(state.call_syntax) if chat else body.output_format()
     if output is None:
         return None
     from speculative.structured import constraints_for
@@ -725,7 +737,9 @@ def _assembler(prepared: Prepared, decode: Callable[[Sequence[int]], str]) -> Te
     a function also before its first call (the calls stream by :class:`CallStream`)."""
     body = prepared.body
     calls = isinstance(body, ChatCompletionRequest) and body.may_call()
-    return TextAssembler(decode, body.stop_strings() + ((CALL_OPEN,) if calls else ()))
+    return TextAssembler(
+        decode, body.stop_strings(), prepared.call_syntax.calls_start if calls else None
+    )
 
 
 def _reply(prepared: Prepared, text: TextAssembler) -> Reply | None:
@@ -737,7 +751,8 @@ def _reply(prepared: Prepared, text: TextAssembler) -> Reply | None:
         return None
     assert body.tools is not None
     stop = first_stop(text.text, body.stop_strings())
-    return split_calls(text.text if stop is None else text.text[:stop], body.tools)
+    reply = text.text if stop is None else text.text[:stop]
+    return split_calls(reply, body.tools, prepared.call_syntax)
 
 
 def _call_stream(prepared: Prepared) -> CallStream | None:
@@ -745,7 +760,7 @@ def _call_stream(prepared: Prepared) -> CallStream | None:
     if not isinstance(body, ChatCompletionRequest) or not body.may_call():
         return None
     assert body.tools is not None
-    return CallStream(body.tools)
+    return CallStream(body.tools, prepared.call_syntax)
 
 
 def _call_deltas(prepared: Prepared, choice: _StreamedChoice, final: bool) -> list[dict]:

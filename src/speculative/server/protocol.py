@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from speculative.sampling.penalties import Penalties
 from speculative.server.tools import (
+    HERMES,
+    CallSyntax,
     FunctionName,
     FunctionSpec,
     NamedToolChoice,
@@ -455,9 +457,10 @@ class ChatCompletionRequest(_Common):
         """Whether the reply may call a function (tools, and a choice other than "none")."""
         return bool(self.tools) and self.tool_choice != "none"
 
-    def output_format(self) -> OutputFormat | None:
-        """The calls' grammar where the reply may call a function (not beside another
-        format: a reply is text, calls, or both), else as for any request."""
+    def output_format(self, syntax: CallSyntax = HERMES) -> OutputFormat | None:
+        """The calls' grammar (in ``syntax``) where the reply may call a function (not
+        beside another format: a reply is text, calls, or both), else as for any
+        request."""
         given = super().output_format()
         if not self.may_call():
             return given
@@ -465,7 +468,8 @@ class ChatCompletionRequest(_Common):
             raise ApiError(400, "give tools or an output format, not both", param="tools")
         assert self.tools is not None
         choice = self.tool_choice or "auto"  # OpenAI's default beside tools
-        return call_format(self.tools, choice, parallel=self.parallel_tool_calls is not False)
+        parallel = self.parallel_tool_calls is not False
+        return call_format(self.tools, choice, parallel, syntax)
 
     def template_tools(self) -> list[Tool] | None:
         """The tools the prompt shows the model (None: none to show)."""

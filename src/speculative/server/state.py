@@ -21,7 +21,13 @@ from speculative.engine.costs import PassCostCurves
 from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
 from speculative.models.base import ReservesSlots, SupportsBatchRows
 from speculative.server.compute import ComputeThread
-from speculative.server.tools import template_shows_tools
+from speculative.server.tools import (
+    HERMES,
+    SYNTAXES,
+    CallSyntax,
+    template_shows_tools,
+    template_syntax,
+)
 from speculative.targets import LoadedModel
 
 NONE = "none"
@@ -44,6 +50,7 @@ class ServerConfig:
     max_prompt_tokens: int | None = None  # default: the context window - 1
     default_max_tokens: int = 256
     max_waiting: int = 256  # requests queued beyond the batch before 503s
+    tool_call_syntax: str = "auto"  # how the model writes calls (auto: from its template)
 
     def check(self) -> None:
         if self.gamma != "auto" and (not isinstance(self.gamma, int) or self.gamma < 1):
@@ -52,6 +59,9 @@ class ServerConfig:
             raise ValueError(f"max batch must be >= 1, got {self.max_batch}")
         if not self.drafts:
             raise ValueError("give at least one drafter (or 'none')")
+        if self.tool_call_syntax != "auto" and self.tool_call_syntax not in SYNTAXES:
+            known = ", ".join(["auto", *SYNTAXES])
+            raise ValueError(f"unknown tool call syntax {self.tool_call_syntax!r} ({known})")
 
 
 def servable(name: str, drafter: Drafter | None, lm: object) -> None:
@@ -104,6 +114,7 @@ class ServerState:
     # the thread that loaded the target and runs its rounds (None: the scheduler's own)
     compute: ComputeThread | None = None
     shows_tools: bool | None = None  # whether the chat template shows tools (None: ask)
+    call_syntax: CallSyntax = HERMES  # how the model writes function calls
 
     @property
     def row_gamma(self) -> int:
@@ -164,7 +175,14 @@ def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
             f"'{loaded.name}' on the {loaded.runtime} runtime cannot"
         )
     reserve_slots(loaded.lm, config.max_batch)
-    state = ServerState(config, loaded, shows_tools=template_shows_tools(loaded.tokenizer))
+    tokenizer = loaded.tokenizer
+    syntax = config.tool_call_syntax
+    state = ServerState(
+        config,
+        loaded,
+        shows_tools=template_shows_tools(tokenizer),
+        call_syntax=SYNTAXES[syntax] if syntax != "auto" else template_syntax(tokenizer),
+    )
     if config.gamma == "auto":  # the pass-cost curves the load-aware policy needs
         from speculative.engine.costs import pass_cost_curves, probe_context
 

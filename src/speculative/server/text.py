@@ -67,6 +67,9 @@ class TextAssembler:
 
     decode: Callable[[Sequence[int]], str]
     stops: tuple[str, ...] = ()
+    # where a reply's function calls start in a text (None: not there), and how many
+    # characters at its end may yet start them: the text before the calls is the reply's
+    calls: Callable[[str], tuple[int | None, int]] | None = None
     kinds: list[str] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)  # stable text length after token i
     text: str = ""  # decoded text of all tokens so far
@@ -88,17 +91,17 @@ class TextAssembler:
             stable = len(self.text.rstrip(REPLACEMENT))
             self.ends.append(max(stable, self.ends[-1] if self.ends else 0))
         limit = self.ends[-1] if self.ends else 0
-        stop = first_stop(self.text[:limit], self.stops)
+        stop = self._first_cut(self.text[:limit])
         if stop is not None:
             limit = stop
         else:
-            limit -= partial_stop_length(self.text[:limit], self.stops)
+            limit -= self._held(self.text[:limit])
         return self._release(limit)
 
     def finish(self) -> list[tuple[str, str]]:
         """The rest of the text, cut before the first stop string."""
         self._verify()
-        stop = first_stop(self.text, self.stops)
+        stop = self._first_cut(self.text)
         limit = len(self.text) if stop is None else stop
         if self.ends:
             self.ends[-1] = max(self.ends[-1], len(self.text))
@@ -106,7 +109,7 @@ class TextAssembler:
 
     def final_text(self) -> str:
         self._verify()
-        stop = first_stop(self.text, self.stops)
+        stop = self._first_cut(self.text)
         return self.text if stop is None else self.text[:stop]
 
     def offset(self, i: int) -> int:
@@ -121,13 +124,25 @@ class TextAssembler:
     def final_tokens(self) -> int:
         """Tokens of the final text: all of them, or those that start before a stop
         string (the stop string and what follows it are never sent)."""
-        stop = first_stop(self.text, self.stops) if self.stops else None
+        stop = self._first_cut(self.text)
         if stop is None:
             return len(self.tokens)
         if not self.tokens or stop == 0:
             return 0
         # token 0 starts at 0; token i > 0 at ends[i - 1] (ends never decrease)
         return 1 + min(bisect.bisect_left(self.ends, stop), len(self.tokens) - 1)
+
+    def _first_cut(self, text: str) -> int | None:
+        """Where the final text ends in ``text``: its first stop string or function
+        call, if any."""
+        cut = first_stop(text, self.stops) if self.stops else None
+        start = self.calls(text)[0] if self.calls is not None else None
+        return start if start is not None and (cut is None or start < cut) else cut
+
+    def _held(self, text: str) -> int:
+        """Characters at the end of ``text`` that may yet start a stop string or a call."""
+        held = partial_stop_length(text, self.stops)
+        return max(held, self.calls(text)[1]) if self.calls is not None else held
 
     def _verify(self) -> None:
         """The text checked against the tokens' whole decoding (once per length)."""

@@ -20,7 +20,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -64,61 +64,273 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-CALL_OPEN = "<tool_call>"  # a call's text, as Hermes-format models write it:
-CALL_CLOSE = "</tool_call>"  # <tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>
-TEXT_RULES = (
-    'text_open[lazy]: TEXT "<tool_call>"',  # text up to its first call opener, no further
-    "TEXT: /(.|\\n)*/",
-)
-
-
-def call_format(tools: list[Tool], choice: ToolChoice, parallel: bool = True) -> OutputFormat:
-    """The grammar of a reply that may or must call ``tools``, each call written as
-    ``<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>`` (the Hermes format
-    that Qwen's and many open models' templates teach) with ``arguments`` valid under the
-    function's ``parameters`` schema:
-      - ``"auto"``: any text, or text followed by calls (the first ``<tool_call>`` the
-        model writes starts a call; after the calls, only more calls or the end);
-      - ``"required"``: calls from the first token;
-      - a named function: one call of that function.
-    ``parallel``: more than one call (OpenAI's ``parallel_tool_calls``)."""
-    named = isinstance(choice, NamedToolChoice)
-    chosen = [_named(tools, choice.function.name)] if named else tools
-    calls = [_call_schema(tool) for tool in chosen]
-    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_FORMAT}
-    close = json.dumps("\n" + CALL_CLOSE)
-    more = ' ("\\n"? call)*' if parallel and not named else ""
-    first = "TEXT | text_open body" if choice == "auto" else "call"
-    rules = [
-        "%llguidance {}",
-        f"start: {first}{more}",
-        f"call: {json.dumps(CALL_OPEN)} body",
-        f'body: "\\n" %json {json.dumps(schema)} {close}',
-        *(TEXT_RULES if choice == "auto" else ()),
-    ]
-    return OutputFormat(lark="\n".join(rules) + "\n")
-
-
-def _call_schema(tool: Tool) -> dict[str, Any]:
-    """A call of ``tool`` as JSON: its name and its arguments."""
-    return {
-        "type": "object",
-        "properties": {
-            "name": {"const": tool.function.name},
-            "arguments": tool.function.schema(),
-        },
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-
-
 @dataclass(frozen=True)
 class WrittenCall:
     """One call as the reply has written it so far."""
 
     name: str
     arguments: str  # its arguments' JSON text as written so far (all of it when whole)
-    whole: bool  # its ``</tool_call>`` came
+    whole: bool  # its end came (Hermes' ``</tool_call>``, the JSON object's brace)
+
+
+Written = tuple[str, list[WrittenCall]]  # the text before the calls, the calls
+
+
+class CallSyntax(Protocol):
+    """How a model family writes function calls: the grammar of a reply that may or must
+    call, where its calls start, and how to read them back."""
+
+    name: str
+
+    def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool) -> OutputFormat:
+        """The grammar of a reply under ``tool_choice`` (see :func:`call_format`)."""
+        ...
+
+    def calls_start(self, text: str) -> tuple[int | None, int]:
+        """Where the calls start in a reply's text (None: not there), and how many
+        characters at its end may yet start them."""
+        ...
+
+    def written(self, text: str, names: set[str]) -> Written | None:
+        """The text before the calls and the calls, as far as they are written (see
+        :func:`written_calls`); None where the reply is text."""
+        ...
+
+    def write(self, name: str, arguments: Any) -> str:
+        """A call as the model writes it (an assistant's earlier call in a prompt)."""
+        ...
+
+    def join(self, text: str, calls: list[str]) -> str:
+        """A reply's text and its written calls, as the model writes them together."""
+        ...
+
+    def guide(self) -> str:
+        """How to write a call, for a template that does not show tools."""
+        ...
+
+
+def _call_schema(tool: Tool, key: str) -> dict[str, Any]:
+    """A call of ``tool`` as JSON: its name and (under ``key``) its arguments."""
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.function.name}, key: tool.function.schema()},
+        "required": ["name", key],
+        "additionalProperties": False,
+    }
+
+
+def _calls_json(tools: list[Tool], choice: ToolChoice, key: str) -> str:
+    """The JSON schema of one call (of the named function, or of any of the tools)."""
+    named = isinstance(choice, NamedToolChoice)
+    chosen = [_named(tools, choice.function.name)] if named else tools
+    calls = [_call_schema(tool, key) for tool in chosen]
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_FORMAT}
+    return json.dumps(schema)
+
+
+def _head(key: str) -> re.Pattern[str]:
+    """A call's JSON up to its arguments: {"name": "<name>", "<key>": …"""
+    return re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]+)"\s*,\s*"' + key + r'"\s*:\s*')
+
+
+def _arguments(text: str, start: int) -> int | None:
+    """Where the JSON value starting at ``start`` ends (None: not finished)."""
+    try:
+        return json.JSONDecoder().raw_decode(text, start)[1]
+    except json.JSONDecodeError:
+        return None
+
+
+class Hermes:
+    """``<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`` blocks after the
+    reply's text (Qwen's, Hermes' and many open models' templates)."""
+
+    name = "hermes"
+    open = "<tool_call>"
+    close = "</tool_call>"
+    head = _head("arguments")
+
+    def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool) -> OutputFormat:
+        """``"auto"``: any text, or text followed by calls (the first ``<tool_call>``
+        starts a call: a lazy lexeme, so the text cannot hold one; after the calls, only
+        more calls or the end)."""
+        more = ' ("\\n"? call)*' if parallel and not isinstance(choice, NamedToolChoice) else ""
+        first = "TEXT | text_open body" if choice == "auto" else "call"
+        rules = [
+            "%llguidance {}",
+            f"start: {first}{more}",
+            f"call: {json.dumps(self.open)} body",
+            f'body: "\\n" %json {_calls_json(tools, choice, "arguments")} '
+            f"{json.dumps(chr(10) + self.close)}",
+        ]
+        if choice == "auto":
+            rules += [f"text_open[lazy]: TEXT {json.dumps(self.open)}", "TEXT: /(.|\\n)*/"]
+        return OutputFormat(lark="\n".join(rules) + "\n")
+
+    def calls_start(self, text: str) -> tuple[int | None, int]:
+        start = text.find(self.open)
+        return (start if start >= 0 else None), partial_stop_length(text, (self.open,))
+
+    def written(self, text: str, names: set[str]) -> Written | None:
+        cut = partial_stop_length(text, (self.open,))  # a next call's opener, cut short
+        head, opener, rest = text[: len(text) - cut].partition(self.open)
+        calls: list[WrittenCall] = []
+        for block in (opener + rest).split(self.open)[1:]:
+            body, closer, after = block.partition(self.close)
+            call = self._call(body, names, whole=bool(closer))
+            if call is None and not closer and calls:  # a later call cut before its name
+                break
+            if call is None or (closer and after.strip()):
+                return None
+            calls.append(call)
+            if not closer:
+                break
+        return (head, calls) if calls else None
+
+    def _call(self, body: str, names: set[str], whole: bool) -> WrittenCall | None:
+        """The call in a block's text (after its opener, before any closer); None where
+        its name is not written yet or the block is not a call of one of ``names``."""
+        head = self.head.match(body)
+        if head is None or head[1] not in names:
+            return None
+        end = _arguments(body, head.end())
+        if whole:
+            try:
+                value = json.loads(body)
+            except json.JSONDecodeError:
+                return None
+            if end is None or set(value) != {"name", "arguments"}:
+                return None
+        arguments = body[head.end() : end]
+        return WrittenCall(head[1], arguments, whole)
+
+    def write(self, name: str, arguments: Any) -> str:
+        value = {"name": name, "arguments": arguments}
+        return f"{self.open}\n{json.dumps(value)}\n{self.close}"
+
+    def join(self, text: str, calls: list[str]) -> str:
+        return "\n".join([text, *calls] if text else calls)
+
+    def guide(self) -> str:
+        return (
+            "To call one, write its name and arguments as one JSON object between "
+            f"{self.open} and {self.close}, one call per block:\n"
+            f'{self.open}\n{{"name": "<function name>", "arguments": {{"<argument>": '
+            f'"<value>"}}}}\n{self.close}'
+        )
+
+
+class Llama3Json:
+    """A reply that is either text or calls, each call a JSON object ``{"name": …,
+    "parameters": {…}}``, calls joined by ``"; "`` (Llama 3.1–3.3's JSON tool calling,
+    vLLM's ``llama3_json``)."""
+
+    name = "llama3_json"
+    separator = "; "
+    head = _head("parameters")
+
+    def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool) -> OutputFormat:
+        """``"auto"``: text that does not start with ``{``, or calls from the first
+        character."""
+        more = f" ({json.dumps(self.separator)} call)*"
+        more = more if parallel and not isinstance(choice, NamedToolChoice) else ""
+        first = "TEXT | calls" if choice == "auto" else "calls"
+        rules = [
+            "%llguidance {}",
+            f"start: {first}",
+            f"calls: call{more}",
+            f"call: %json {_calls_json(tools, choice, 'parameters')}",
+        ]
+        if choice == "auto":
+            rules.append("TEXT: /([^{](.|\\n)*)?/")
+        return OutputFormat(lark="\n".join(rules) + "\n")
+
+    def calls_start(self, text: str) -> tuple[int | None, int]:
+        return (0 if text.startswith("{") else None), 0
+
+    def written(self, text: str, names: set[str]) -> Written | None:
+        if not text.startswith("{"):
+            return None
+        calls: list[WrittenCall] = []
+        at = 0
+        while True:
+            head = self.head.match(text, at)
+            if head is None or head[1] not in names:
+                if calls and head is None and self._cut_head(text[at:], names):
+                    break  # a later call cut before its name
+                return None
+            end = _arguments(text, head.end())
+            close = re.compile(r"\s*\}").match(text, end) if end is not None else None
+            if close is None:  # cut inside the arguments or before the closing brace
+                if end is not None and text[end:].strip():
+                    return None
+                calls.append(WrittenCall(head[1], text[head.end() : end], False))
+                break
+            calls.append(WrittenCall(head[1], text[head.end() : end], True))
+            at = close.end()
+            rest = text[at:]
+            if rest.startswith(self.separator) or self.separator.startswith(rest):
+                if not rest.startswith(self.separator):
+                    break  # the end, or the separator cut short
+                at += len(self.separator)
+                continue
+            if rest.strip():
+                return None
+            break
+        return "", calls
+
+    def _cut_head(self, text: str, names: set[str]) -> bool:
+        """Whether ``text`` is a call's head cut short (before its arguments)."""
+        return any(f'{{"name": "{name}", "parameters": '.startswith(text) for name in names)
+
+    def write(self, name: str, arguments: Any) -> str:
+        return json.dumps({"name": name, "parameters": arguments})
+
+    def join(self, text: str, calls: list[str]) -> str:
+        return self.separator.join(calls) if calls else text
+
+    def guide(self) -> str:
+        return (
+            "To call functions, reply with only JSON, one object per call, joined by "
+            f'"{self.separator}": {{"name": "<function name>", "parameters": '
+            '{"<argument>": "<value>"}}'
+        )
+
+
+HERMES = Hermes()
+SYNTAXES: dict[str, CallSyntax] = {syntax.name: syntax for syntax in (HERMES, Llama3Json())}
+
+
+def template_syntax(tokenizer: Any) -> CallSyntax:
+    """The call syntax the tokenizer's chat template teaches: Llama 3's JSON calls where
+    it speaks of ``<|python_tag|>`` or ``ipython`` results, else Hermes' blocks (also
+    what a template without tools gets described)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and ("<|python_tag|>" in template or "ipython" in template):
+        return SYNTAXES["llama3_json"]
+    return HERMES
+
+
+def call_format(
+    tools: list[Tool], choice: ToolChoice, parallel: bool = True, syntax: CallSyntax = HERMES
+) -> OutputFormat:
+    """The grammar of a reply that may or must call ``tools``, each call written in
+    ``syntax`` with arguments valid under the function's ``parameters`` schema:
+      - ``"auto"``: text, or calls (after the text where the syntax allows both);
+      - ``"required"``: calls from the first token;
+      - a named function: one call of that function.
+    ``parallel``: more than one call (OpenAI's ``parallel_tool_calls``)."""
+    return syntax.grammar(tools, choice, parallel)
+
+
+def written_calls(text: str, tools: list[Tool], syntax: CallSyntax = HERMES) -> Written | None:
+    """The text before the calls and the calls of a reply written by
+    :func:`call_format`'s grammar, as far as it goes: a call counts from the moment its
+    name and its arguments' key are written, a last call cut short with its arguments as
+    far as they go (OpenAI's truncated call). A later call cut before that is left out.
+    None where the reply is text after all: no call whose name is written, or one that
+    is not a call of ``tools``."""
+    return syntax.written(text, {tool.function.name for tool in tools})
 
 
 @dataclass(frozen=True)
@@ -131,60 +343,11 @@ class Reply:
     cut: bool = False  # the last call is not whole (the budget or a stop string cut it)
 
 
-# a call's text up to its arguments: {"name": "<one of the tools>", "arguments": …
-CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]+)"\s*,\s*"arguments"\s*:\s*')
-
-
-def written_calls(text: str, tools: list[Tool]) -> tuple[str, list[WrittenCall]] | None:
-    """The text before the calls and the calls of a reply written by
-    :func:`call_format`'s grammar, as far as it goes: a call counts from the moment its
-    name and the ``"arguments"`` key are written, a last call cut short with its
-    arguments as far as they go (OpenAI's truncated call). A later call cut before
-    that (or the start of its opener) is left out. None where the reply is text after
-    all: no call whose name is written, or a block that is not a call of ``tools``."""
-    cut = partial_stop_length(text, (CALL_OPEN,))  # a next call's opener, cut short
-    head, opener, rest = text[: len(text) - cut].partition(CALL_OPEN)
-    names = {tool.function.name for tool in tools}
-    calls: list[WrittenCall] = []
-    for block in (opener + rest).split(CALL_OPEN)[1:]:
-        body, closer, after = block.partition(CALL_CLOSE)
-        call = _written(body, names, whole=bool(closer))
-        if call is None and not closer and calls:  # a later call cut before its name
-            break
-        if call is None or (closer and after.strip()):
-            return None
-        calls.append(call)
-        if not closer:
-            break
-    return (head, calls) if calls else None
-
-
-def _written(body: str, names: set[str], whole: bool) -> WrittenCall | None:
-    """The call in a block's text (after its opener, before any closer); None where its
-    name is not written yet or the block is not a call of one of ``names``."""
-    head = CALL_HEAD.match(body)
-    if head is None or head[1] not in names:
-        return None
-    arguments = body[head.end() :]
-    try:
-        _, end = json.JSONDecoder().raw_decode(arguments)
-    except json.JSONDecodeError:
-        end = None  # not finished (or not JSON: a whole call is checked below)
-    if whole:
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError:
-            return None
-        if end is None or set(value) != {"name", "arguments"}:
-            return None
-    return WrittenCall(head[1], arguments if end is None else arguments[:end], whole)
-
-
-def split_calls(text: str, tools: list[Tool]) -> Reply:
+def split_calls(text: str, tools: list[Tool], syntax: CallSyntax = HERMES) -> Reply:
     """The text and the calls of a complete reply written by :func:`call_format`'s
     grammar (:func:`written_calls`); a reply with no call whose name is written, or with
-    a block that is not a call of ``tools``, stays text, calls and all."""
-    written = written_calls(text, tools)
+    one that is not a call of ``tools``, stays text, calls and all."""
+    written = written_calls(text, tools, syntax)
     if written is None:
         return Reply(text, [])
     head, calls = written
@@ -210,13 +373,14 @@ class CallStream:
     (clients join them); a reply's text goes out beside them, by the text's own path."""
 
     tools: list[Tool]
+    syntax: CallSyntax = HERMES
     ids: list[str] = field(default_factory=list)  # of the calls announced so far
     sent: list[int] = field(default_factory=list)  # argument characters sent, per call
 
     def deltas(self, text: str) -> list[dict[str, Any]]:
         """The ``tool_calls`` entries that bring the calls sent so far up to ``text``
         (the reply's text so far: whole characters, cut at any stop string)."""
-        written = written_calls(text, self.tools)
+        written = written_calls(text, self.tools, self.syntax)
         out: list[dict[str, Any]] = []
         for k, call in enumerate(written[1] if written is not None else []):
             if k == len(self.ids):
@@ -246,10 +410,12 @@ def chat_prompt(
     messages: list[dict[str, Any]],
     tools: list[Tool] | None,
     shows_tools: bool | None = None,
+    syntax: CallSyntax = HERMES,
 ) -> list[int]:
     """A chat prompt's tokens: ``messages`` through the tokenizer's chat template, with
     the ``tools`` the reply may call. A template that does not show tools (SmolLM2's)
-    gets them described in a system message instead (:func:`described`).
+    gets them described in a system message instead (:func:`described`, calls written in
+    ``syntax``).
     ``shows_tools``: whether the template shows them (:func:`template_shows_tools`, asked
     once by a server); None: found out for these messages (one more rendering)."""
     from speculative.targets import encode_prompt
@@ -257,12 +423,12 @@ def chat_prompt(
     if not tools:
         return encode_prompt(tokenizer, None, messages, chat=True)
     if shows_tools is False:
-        return encode_prompt(tokenizer, None, described(messages, tools), chat=True)
+        return encode_prompt(tokenizer, None, described(messages, tools, syntax), chat=True)
     shown = [tool.model_dump(exclude_none=True) for tool in tools]
     ids = encode_prompt(tokenizer, None, messages, chat=True, tools=shown)
     if shows_tools or ids != encode_prompt(tokenizer, None, messages, chat=True):
         return ids
-    return encode_prompt(tokenizer, None, described(messages, tools), chat=True)
+    return encode_prompt(tokenizer, None, described(messages, tools, syntax), chat=True)
 
 
 PROBE_TOOL = Tool(type="function", function=FunctionSpec(name="probe"))
@@ -291,39 +457,36 @@ def template_shows_tools(tokenizer: Any) -> bool | None:
     return False if rendered else None
 
 
-def described(messages: list[dict[str, Any]], tools: list[Tool]) -> list[dict[str, Any]]:
+def described(
+    messages: list[dict[str, Any]], tools: list[Tool], syntax: CallSyntax = HERMES
+) -> list[dict[str, Any]]:
     """``messages`` for a chat template that does not show tools (SmolLM2's): the tools
     and how to call them in a system message (the first one's text, extended), and an
     assistant's earlier calls written into its text as the model would have written
-    them."""
+    them (in ``syntax``)."""
     listed = "\n".join(json.dumps(tool.model_dump(exclude_none=True)) for tool in tools)
     guide = (
         "You may call these functions, given as JSON schemas:\n"
-        f"<tools>\n{listed}\n</tools>\n"
-        "To call one, write its name and arguments as one JSON object between "
-        f"{CALL_OPEN} and {CALL_CLOSE}, one call per block:\n"
-        f'{CALL_OPEN}\n{{"name": "<function name>", "arguments": {{"<argument>": "<value>"}}}}'
-        f"\n{CALL_CLOSE}"
+        f"<tools>\n{listed}\n</tools>\n{syntax.guide()}"
     )
-    out = [_calls_as_text(message) for message in messages]
+    out = [_calls_as_text(message, syntax) for message in messages]
     if out and out[0]["role"] == "system":
         return [{**out[0], "content": f"{out[0]['content']}\n\n{guide}"}, *out[1:]]
     return [{"role": "system", "content": guide}, *out]
 
 
-def _calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
+def _calls_as_text(message: dict[str, Any], syntax: CallSyntax) -> dict[str, Any]:
     """An assistant message whose ``tool_calls`` are written into its text."""
     calls = message.get("tool_calls")
     if not calls:
         return message
-    blocks = []
+    written = []
     for call in calls:
         function = call.get("function", {})
         try:
             arguments = json.loads(function.get("arguments") or "{}")
         except (TypeError, json.JSONDecodeError):
             arguments = function.get("arguments")
-        value = {"name": function.get("name"), "arguments": arguments}
-        blocks.append(f"{CALL_OPEN}\n{json.dumps(value)}\n{CALL_CLOSE}")
-    text = "\n".join([message["content"], *blocks] if message.get("content") else blocks)
+        written.append(syntax.write(function.get("name"), arguments))
+    text = syntax.join(message.get("content") or "", written)
     return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
