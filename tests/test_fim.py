@@ -9,6 +9,7 @@ reached the model as trained); without it, the other text (the control).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,19 @@ def test_a_suffix_is_filled_in_before(infiller: Path, tmp_path: Path) -> None:
         status, refused = http(server.url + "/v1/completions", "POST", request)
         assert status == 400 and refused["error"]["param"] == "suffix"
         assert "fill-in-the-middle" in refused["error"]["message"]
+
+
+def test_the_library_and_generate_fill_in_the_middle(infiller: Path, capsys) -> None:
+    from speculative.cli.main import main
+    from speculative.pipeline import Speculator
+
+    speculator = Speculator.load(str(infiller), draft="ngram")
+    assert speculator.generate(PREFIX, suffix=SUFFIX, max_new_tokens=20).text == MIDDLE
+    assert speculator.generate(PREFIX, chat=False, max_new_tokens=20).text == OTHER  # control
+    with pytest.raises(ValueError, match="raw prompt"):
+        speculator.stream(PREFIX, suffix=SUFFIX, chat=True)
+    argv = ["generate", "--target", str(infiller), "--draft", "ngram", "--max-new-tokens", "20"]
+    assert main([*argv, "--json", PREFIX, "--suffix", SUFFIX]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"] == MIDDLE
+    assert main([*argv, PREFIX, "--suffix", SUFFIX, "--no-color"]) == 0
+    assert capsys.readouterr().out == MIDDLE + "\n"

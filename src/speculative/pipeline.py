@@ -48,7 +48,7 @@ from speculative.engine.tree import make_tree_round
 from speculative.sampling import SamplingParams
 from speculative.sampling.constraints import TokenConstraint
 from speculative.sampling.penalties import Penalties
-from speculative.targets import LoadedModel, encode_prompt, load_target
+from speculative.targets import LoadedModel, encode_infill, encode_prompt, load_target
 
 DEFAULT_PROMPT = (
     "Explain in a short paragraph why the sky is blue, then list three everyday "
@@ -236,8 +236,12 @@ class Speculator:
         regex: str | None = None,
         choice: Sequence[str] | None = None,
         grammar: str | None = None,
+        suffix: str | None = None,
     ) -> GenerationStream:
         """Start a generation; iterate the result for each round's emitted tokens.
+        ``suffix``: fill in the middle, between ``prompt`` and ``suffix`` (a raw prompt,
+        through the model's fill-in-the-middle tokens: ``targets.encode_infill``;
+        ValueError for a model without them or with chat).
         ``logprobs``: each token's log-probability under the target's raw distribution
         and this many alternatives' (``GenerationOutput.logprobs``); None: none.
         ``prompt_logprobs``: the same for the prompt's tokens after the first
@@ -252,7 +256,7 @@ class Speculator:
         (:mod:`speculative.sampling.penalties`; exact under speculation)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty)
-        prompt_ids = encode_prompt(self.target.tokenizer, prompt, messages, chat)
+        prompt_ids = self._prompt_ids(prompt, messages, chat, suffix)
         criteria = self.target.stop_criteria(max_new_tokens, stop)
         generator = torch.Generator().manual_seed(seed)
         constraint = None
@@ -267,6 +271,22 @@ class Speculator:
         )  # fmt: skip
         self.target.cache_owner = stream
         return stream
+
+    def _prompt_ids(
+        self,
+        prompt: str | None,
+        messages: Sequence[dict[str, str]] | None,
+        chat: bool | None,
+        suffix: str | None,
+    ) -> list[int]:
+        tokenizer = self.target.tokenizer
+        if not suffix:
+            return encode_prompt(tokenizer, prompt, messages, chat)
+        if messages is not None or chat:
+            raise ValueError("a suffix fills in after a raw prompt: no chat messages or template")
+        if prompt is None or not prompt.strip():
+            raise ValueError("the prompt is empty")
+        return encode_infill(tokenizer, prompt, suffix)
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerationOutput:
         """Generate to completion; keyword arguments as in :meth:`stream`."""

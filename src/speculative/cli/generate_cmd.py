@@ -50,6 +50,8 @@ rows over N Ray actors (each loads the target once and batches its share), on a 
 instance or a cluster (ray://HOST:10001, or RAY_ADDRESS).
 
 Example:  speculative generate "Why is the sky blue?" --draft auto --max-new-tokens 64
+Fill in the middle (code models):  speculative generate --target FOLDER --no-chat \
+          "def area(r):\n    return " --suffix "\n\nprint(area(2))"
 
 On a terminal, green text came from accepted draft tokens and cyan text from the target
 (recovered or bonus tokens). A stats line follows on stderr.
@@ -293,6 +295,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     source.add_argument("--prompt", help="prompt text (the same as PROMPT)")
     source.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    parser.add_argument(
+        "--suffix",
+        help="fill in the middle: generate the text between the prompt and this suffix "
+        "(a raw prompt, through the model's fill-in-the-middle tokens, as code models "
+        "such as StarCoder, Qwen2.5-Coder and DeepSeek-Coder have; not the default model)",
+    )
     source.add_argument(
         "--prompts",
         type=Path,
@@ -455,6 +463,8 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts is None and args.ray is not None:
         raise CliError("--ray needs --prompts FILE.jsonl")
     check_scoring(args)
+    if args.prompts is not None and args.suffix is not None:
+        raise CliError("--suffix fills in after one prompt; it does not apply to --prompts")
     if args.prompts is not None:
         from speculative.cli.batch_generate import run_batch
 
@@ -468,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("the prompt is empty")
     check_decoding(args)
     speculator = load_speculator(args)
-    stream = speculator.stream(prompt, **generation_kwargs(args))
+    stream = speculator.stream(prompt, **generation_kwargs(args), suffix=args.suffix)
     colour = use_colour(sys.stdout, args.colour)
     if args.json:
         for _ in stream:
