@@ -38,6 +38,10 @@ without --api-key); the key (or $SPECULATIVE_API_KEY) is compared in constant ti
 bodies and prompts are size-limited; a request can never name a model or a file to load;
 remote code from model repositories is never run. Idle connections close after
 --timeout-keep-alive seconds.
+
+Shutdown: SIGTERM or Ctrl-C stops taking connections and lets the requests in flight
+finish (streams included) for up to --timeout-graceful-shutdown seconds, then cancels the
+rest and exits: a rolling restart loses no reply that fits the grace period.
 """
 
 # speculative.server.tools.SYNTAXES and "auto" (named here: importing the server is slow)
@@ -125,6 +129,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--timeout-keep-alive", type=positive_int, default=5, help="idle connection timeout (s)"
+    )
+    parser.add_argument(
+        "--timeout-graceful-shutdown",
+        type=positive_int,
+        default=30,
+        help="on SIGTERM or Ctrl-C: seconds the requests in flight may take to finish",
     )
     parser.add_argument("--log-level", default="info", help="uvicorn log level")
     add_replica_arguments(parser)
@@ -219,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     with sock:
         state = load_state(config)
         app = create_app(state)
+        sock.listen(2048)  # connections queue from the banner on, until the server takes them
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(
@@ -231,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
                 app,
                 log_level=args.log_level,
                 timeout_keep_alive=args.timeout_keep_alive,
+                timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                 access_log=False,
             )
         )
