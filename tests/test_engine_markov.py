@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -238,6 +240,10 @@ def test_ngram_drafts_a_whole_short_loop_every_round():
 
 
 PENALTIES = Penalties(presence=0.7, frequency=0.4, repetition=1.3)
+HOLDING = Penalties(min_tokens=2, held=(4, 1))  # tokens 4 and 1 not before position 2
+VARIANTS = {"penalties": PENALTIES, "min_tokens": HOLDING,
+            "both": Penalties(presence=0.7, frequency=0.4, repetition=1.3, min_tokens=1,
+                              held=(2,))}  # fmt: skip
 
 
 def penalized_law(prompt: list[int], length: int, penalties: Penalties) -> np.ndarray:
@@ -256,18 +262,20 @@ def penalized_law(prompt: list[int], length: int, penalties: Penalties) -> np.nd
                     row[seen] * penalties.repetition)  # fmt: skip
             for seen in set(output):
                 row[seen] -= penalties.frequency * output.count(seen) + penalties.presence
+            if t < penalties.min_tokens:  # held back before min_tokens
+                row[list(penalties.held)] = -math.inf
             p *= torch.softmax(row, dim=0)[token].item()
             history.append(token)
         law[index] = p
     return law
 
 
-def penalized_counts(engine, n, length, seed) -> np.ndarray:
+def penalized_counts(engine, n, length, seed, penalties=PENALTIES) -> np.ndarray:
     g = torch.Generator().manual_seed(seed)
     counts = np.zeros(5**length)
     stop = StopCriteria(max_new_tokens=length)
     for _ in range(n):
-        tokens = engine.generate([0, 3, 0], SamplingParams(), stop, g, PENALTIES).token_ids
+        tokens = engine.generate([0, 3, 0], SamplingParams(), stop, g, penalties).token_ids
         counts[int("".join(map(str, tokens)), 5)] += 1
     return counts
 
@@ -278,19 +286,22 @@ def goodness_of_fit(counts: np.ndarray, law: np.ndarray) -> float:
     return float(stats.chisquare(counts[keep], expected).pvalue)
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("drafter", [None, "model", "ngram"])
-def test_penalized_sampling_follows_the_penalized_target_exactly(drafter):
+def test_penalized_sampling_follows_the_penalized_target_exactly(drafter, variant):
     """Sequences sampled with penalties (plain or speculative) follow the exact law of
     the penalized target, computed by enumeration: each verified row is penalized by its
-    own history, drafts included."""
-    n, length = 3000, 3
-    law = penalized_law([0, 3, 0], length, PENALTIES)
+    own history, drafts included (``min_tokens``: a row's output position counts the
+    drafts before it)."""
+    n, length, penalties = 3000, 3, VARIANTS[variant]
+    law = penalized_law([0, 3, 0], length, penalties)
     assert np.abs(law - penalized_law([0, 3, 0], length, Penalties())).max() > 0.02
-    counts = penalized_counts(make_engine(drafter, 4), n, length, seed=3)
+    counts = penalized_counts(make_engine(drafter, 4), n, length, 3, penalties)
     assert goodness_of_fit(counts, law) > 1e-3
 
 
-def test_penalized_sampling_negative_control(monkeypatch):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_penalized_sampling_negative_control(monkeypatch, variant):
     """Verification that penalizes every row by the committed sequence alone (forgetting
     the drafts before it) samples another law, and the test above sees it."""
     import speculative.engine.batch as batch
@@ -299,9 +310,9 @@ def test_penalized_sampling_negative_control(monkeypatch):
         return history.apply(logits[0], [[]] * logits.shape[1]).unsqueeze(0)
 
     monkeypatch.setattr(batch, "_processed", forgets_drafts)
-    n, length = 3000, 3
-    law = penalized_law([0, 3, 0], length, PENALTIES)
-    counts = penalized_counts(make_engine("model", 4), n, length, seed=3)
+    n, length, penalties = 3000, 3, VARIANTS[variant]
+    law = penalized_law([0, 3, 0], length, penalties)
+    counts = penalized_counts(make_engine("model", 4), n, length, 3, penalties)
     assert goodness_of_fit(counts, law) < 1e-3
 
 

@@ -119,3 +119,24 @@ def test_the_library_and_generate_fill_in_the_middle(infiller: Path, capsys) -> 
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"] == MIDDLE
     assert main([*argv, PREFIX, "--suffix", SUFFIX, "--no-color"]) == 0
     assert capsys.readouterr().out == MIDDLE + "\n"
+
+
+def test_min_tokens_holds_the_end_back(infiller: Path, capsys) -> None:
+    """The trained model ends its middle (5 tokens) with end-of-sequence; ``min_tokens``
+    holds it back, in the library and on the command line (not beside --stop)."""
+    from speculative.cli.main import main
+    from speculative.pipeline import Speculator
+
+    speculator = Speculator.load(str(infiller), draft="ngram")
+    short = speculator.generate(PREFIX, suffix=SUFFIX, max_new_tokens=30)
+    assert short.finish_reason == "eos" and len(short.token_ids) == len(MIDDLE) + 1
+    held = speculator.generate(PREFIX, suffix=SUFFIX, max_new_tokens=30, min_tokens=9)
+    assert held.text.startswith(MIDDLE) and len(held.token_ids) >= 10
+    assert speculator.target.eos_token_ids.isdisjoint(held.token_ids[:9])
+    argv = ["generate", "--target", str(infiller), "--max-new-tokens", "30", PREFIX,
+            "--suffix", SUFFIX, "--json"]  # fmt: skip
+    assert main([*argv, "--min-tokens", "9"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["token_ids"] == held.token_ids
+    assert main([*argv, "--min-tokens", "9", "--stop", "x"]) == 2
+    assert "does not combine" in capsys.readouterr().err

@@ -999,3 +999,62 @@ def test_default_model_greedy_equals_generate() -> None:
         )  # fmt: skip
         assert stream_text(plain)[0] == raw.text
     assert any(ord(c) > 127 for c in chat.text + raw.text)  # the check saw non-ASCII
+
+
+def test_stop_tokens_min_tokens_and_kept_stops(
+    folder: Path, client: openai.OpenAI, model: str
+) -> None:
+    """vLLM's ``stop_token_ids`` end the output at a token (its text left out, or kept with
+    ``include_stop_str_in_output``, which keeps a stop string too), streamed and whole;
+    ``min_tokens`` holds end-of-sequence back (a +100 bias on it ends the output at once
+    without; with, the output is min_tokens + 1 long, with a drafter or none, greedy or
+    sampled); refusals name their field."""
+    from tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+
+    def decode(tokens: list[int]) -> str:
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+
+    plain = generate(folder, "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "16",
+                     "--draft", "none")  # fmt: skip
+    ids = plain["token_ids"]
+    k = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i] and ids[i] > 1)
+    word = decode([ids[k]])
+
+    def ask(stream: bool = False, **extra):
+        speculative = {"draft": extra.pop("draft", "ngram")}
+        answer = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=16, temperature=extra.pop("temperature", 0),
+            stream=stream, seed=1, extra_body={"speculative": speculative, **extra},
+        )  # fmt: skip
+        if stream:
+            text, _, _, reason = stream_text(answer)
+            return text, reason, None
+        choice = answer.choices[0]
+        return choice.text, choice.finish_reason, answer.usage.completion_tokens
+
+    assert ask()[0] == plain["text"]
+    cut = ask(stop_token_ids=[ids[k]])
+    assert cut == (decode(ids[:k]), "stop", k + 1)
+    kept = ask(stop_token_ids=[ids[k]], include_stop_str_in_output=True)
+    assert kept == (decode(ids[: k + 1]), "stop", k + 1)
+    assert ask(True, stop_token_ids=[ids[k]])[:2] == cut[:2]
+    assert ask(True, stop_token_ids=[ids[k]], include_stop_str_in_output=True)[:2] == kept[:2]
+    at = plain["text"].index(word)
+    assert ask(stop=[word])[0] == plain["text"][:at]  # the control: the stop string left out
+    with_stop = plain["text"][: at + len(word)]
+    assert ask(stop=[word], include_stop_str_in_output=True)[0] == with_stop
+    assert ask(True, stop=[word], include_stop_str_in_output=True)[0] == with_stop
+    eos = {"1": 100}
+    for draft in ("ngram", "none"):
+        for temperature in (0, 1.0):
+            settings = {"draft": draft, "temperature": temperature, "logit_bias": eos}
+            assert ask(**settings)[1:] == ("stop", 1)  # end-of-sequence at once
+            assert ask(**settings, min_tokens=5)[1:] == ("stop", 6)
+    for bad, param in (({"min_tokens": 5, "stop": ["x"]}, "min_tokens"),
+                       ({"min_tokens": 17}, "min_tokens"),
+                       ({"stop_token_ids": [10**6]}, "stop_token_ids")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as refused:
+            ask(**bad)
+        assert refused.value.body["param"] == param

@@ -237,6 +237,7 @@ class Speculator:
         choice: Sequence[str] | None = None,
         grammar: str | None = None,
         suffix: str | None = None,
+        min_tokens: int = 0,
     ) -> GenerationStream:
         """Start a generation; iterate the result for each round's emitted tokens.
         ``suffix``: fill in the middle, between ``prompt`` and ``suffix`` (a raw prompt,
@@ -253,11 +254,18 @@ class Speculator:
         (a full match), ``choice`` (one of these strings) and ``grammar`` (a Lark
         grammar's sentence) in its place, at most one of the four.
         The penalties adjust the target's logits by what the sequence holds
-        (:mod:`speculative.sampling.penalties`; exact under speculation)."""
+        (:mod:`speculative.sampling.penalties`; exact under speculation); ``min_tokens``
+        holds end-of-sequence back until the output has that many tokens (not with
+        ``stop`` strings)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-        penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty)
         prompt_ids = self._prompt_ids(prompt, messages, chat, suffix)
         criteria = self.target.stop_criteria(max_new_tokens, stop)
+        if min_tokens and stop:
+            raise ValueError("min_tokens does not combine with stop strings")
+        held = tuple(sorted(criteria.eos_token_ids)) if min_tokens else ()
+        penalties = Penalties(
+            presence_penalty, frequency_penalty, repetition_penalty, (), min_tokens, held
+        )
         generator = torch.Generator().manual_seed(seed)
         constraint = None
         from speculative.structured import OutputFormat, constraints_for

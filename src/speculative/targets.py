@@ -55,13 +55,18 @@ class LoadedModel:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def stop_criteria(
-        self, max_new_tokens: int, stop: Sequence[str] = (), ignore_eos: bool = False
+        self,
+        max_new_tokens: int,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+        stop_tokens: frozenset[int] = frozenset(),
     ) -> StopCriteria:
         """Stop after ``max_new_tokens``, at the model's end-of-sequence tokens (unless
-        ``ignore_eos``) and at the first of the ``stop`` strings."""
+        ``ignore_eos``) or one of ``stop_tokens``, and at the first of the ``stop``
+        strings."""
         return StopCriteria(
             max_new_tokens=max_new_tokens,
-            eos_token_ids=frozenset() if ignore_eos else self.eos_token_ids,
+            eos_token_ids=(frozenset() if ignore_eos else self.eos_token_ids) | stop_tokens,
             stop_strings=tuple(stop),
             decode=self.decode if stop else None,
         )

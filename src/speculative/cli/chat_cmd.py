@@ -257,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
             "presence_penalty": args.presence_penalty,
             "frequency_penalty": args.frequency_penalty,
             "repetition_penalty": args.repetition_penalty,
+            "min_tokens": args.min_tokens,
         },
         _reader(),
         sys.stdout,

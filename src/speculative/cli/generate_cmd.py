@@ -171,6 +171,13 @@ def add_decoding_arguments(
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     parser.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="hold end-of-sequence back until the output has this many tokens (exact "
+        "under speculation; not with --stop)",
+    )
+    parser.add_argument(
         "--repetition-penalty",
         type=positive_float,
         default=1.0,
@@ -426,6 +433,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         "presence_penalty": args.presence_penalty,
         "frequency_penalty": args.frequency_penalty,
         "repetition_penalty": args.repetition_penalty,
+        "min_tokens": args.min_tokens,
     }
 
 
@@ -433,7 +441,12 @@ def penalties_of(args: argparse.Namespace) -> Penalties:
     """The --*-penalty options (ValueError naming a bad one)."""
     from speculative.sampling.penalties import Penalties
 
-    return Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty)
+    if args.min_tokens and getattr(args, "stop", None):
+        raise ValueError("--min-tokens does not combine with --stop")
+    return Penalties(
+        args.presence_penalty, args.frequency_penalty, args.repetition_penalty,
+        min_tokens=args.min_tokens,
+    )  # fmt: skip
 
 
 def stats_line(stats: dict, colour: bool, draft: str | None = None, extra: str = "") -> str:

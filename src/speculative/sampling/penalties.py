@@ -11,7 +11,9 @@ penalties. As vLLM applies them:
     where l > 0, else l * r (r = 1: off);
   - ``frequency`` f and ``presence`` p (output tokens only): l - f * count - p * [count > 0];
 and, before them, ``bias`` (OpenAI's ``logit_bias``): a fixed offset per token id, the
-same at every position.
+same at every position; and ``min_tokens`` (vLLM's): the ``held`` tokens (end of sequence,
+stop tokens) get probability 0 at output positions before ``min_tokens``, so the output
+is at least that long.
 """
 
 from __future__ import annotations
@@ -30,8 +32,16 @@ class Penalties:
     frequency: float = 0.0
     repetition: float = 1.0
     bias: tuple[tuple[int, float], ...] = ()  # (token id, offset) pairs
+    min_tokens: int = 0  # output positions before this one cannot hold ``held`` tokens
+    held: tuple[int, ...] = ()  # the tokens that would end the output (EOS, stop tokens)
 
     def __post_init__(self) -> None:
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
+            raise ValueError(f"min_tokens must be an integer, got {self.min_tokens!r}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.held):
+            raise ValueError(f"held tokens must be ids >= 0, got {self.held!r}")
         if len({token for token, _ in self.bias}) != len(self.bias):
             raise ValueError("a token is biased twice")
         for token, offset in self.bias:
@@ -52,7 +62,18 @@ class Penalties:
 
     @property
     def active(self) -> bool:
-        return self.presence != 0 or self.frequency != 0 or self.repetition != 1 or bool(self.bias)
+        return (
+            self.presence != 0
+            or self.frequency != 0
+            or self.repetition != 1
+            or bool(self.bias)
+            or self.holds
+        )
+
+    @property
+    def holds(self) -> bool:
+        """Whether some output positions hold tokens back (``min_tokens``)."""
+        return self.min_tokens > 0 and bool(self.held)
 
 
 class PenaltyHistory:
@@ -64,11 +85,13 @@ class PenaltyHistory:
         self.penalties = penalties
         self.prompt_ids = np.unique(np.asarray(prompt, dtype=np.int64))  # [P] sorted
         self.counts: dict[int, int] = {}  # output token -> occurrences
+        self.length = 0  # output tokens so far
         self._ids: np.ndarray | None = None  # [m] sorted: prompt tokens and counted ones
         self._base: np.ndarray | None = None  # [m] their output counts
 
     def extend(self, tokens: Sequence[int]) -> None:
         """The output grew by ``tokens``."""
+        self.length += len(tokens)
         for token in tokens:
             known = token in self.counts
             self.counts[token] = self.counts.get(token, 0) + 1
@@ -105,6 +128,15 @@ class PenaltyHistory:
                 raise ValueError(f"logit bias names a token outside the vocabulary of {vocab}")
             tokens = torch.tensor([token for token, _ in penalties.bias], dtype=torch.long)
             out[:, tokens] += torch.tensor([offset for _, offset in penalties.bias])
+        if penalties.holds:
+            early = [
+                i
+                for i, extra in enumerate(extras)
+                if self.length + len(extra) < penalties.min_tokens
+            ]
+            if early:
+                held = torch.tensor(penalties.held, dtype=torch.long)
+                out[torch.tensor(early)[:, None], held[None, :]] = -math.inf
         if penalties.repetition == 1 and penalties.frequency == 0 and penalties.presence == 0:
             return out
         known, base = self._columns()

@@ -350,26 +350,28 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
     prompts = _prompt_ids(body, state)
     max_tokens = _max_tokens(body, max(len(ids) for ids in prompts), state)
     vocab = state.loaded.lm.vocab_size
-    beyond = [t for t in body.logit_bias or {} if int(t) >= vocab]
-    if beyond:
-        raise ApiError(
-            400,
-            f"logit_bias names token {beyond[0]}; this model's vocabulary has {vocab}",
-            param="logit_bias",
-        )
+    for param, tokens in (("logit_bias", body.logit_bias), ("stop_token_ids", body.stop_token_ids)):
+        beyond = [t for t in tokens or () if int(t) >= vocab]
+        if beyond:
+            raise ApiError(
+                400, f"{param} names token {beyond[0]}; this model's vocabulary has {vocab}",
+                param=param,
+            )  # fmt: skip
     draft, gamma = _speculation(body, state)
     constraints = _constraints(body, state)
     params = SamplingParams(
         temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
         min_p=body.min_p,
     )  # fmt: skip
-    criteria = state.loaded.stop_criteria(max_tokens, body.stop_strings(), body.ignore_eos)
+    criteria = state.loaded.stop_criteria(
+        max_tokens, body.stop_strings(), body.ignore_eos, body.stop_tokens()
+    )
     seed = body.seed if body.seed is not None else secrets.randbits(63)  # < SEED_RANGE
     generator = torch.Generator().manual_seed(seed)
     pool = state.pools.get(draft)
     extras = {
         "logprobs": body.wanted_logprobs(),
-        "penalties": body.penalties(),
+        "penalties": body.penalties(criteria.eos_token_ids),
         "prompt_logprobs": body.wanted_prompt_logprobs(),
     }
     requests = [
@@ -738,7 +740,11 @@ def _assembler(prepared: Prepared, decode: Callable[[Sequence[int]], str]) -> Te
     body = prepared.body
     calls = isinstance(body, ChatCompletionRequest) and body.may_call()
     return TextAssembler(
-        decode, body.stop_strings(), prepared.call_syntax.calls_start if calls else None
+        decode,
+        body.stop_strings(),
+        prepared.call_syntax.calls_start if calls else None,
+        body.stop_tokens(),
+        body.include_stop_str_in_output,
     )
 
 

@@ -180,6 +180,12 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False  # as vLLM: decode through end-of-sequence (benchmarks)
+    # vLLM's: tokens that end the output like end-of-sequence (their text left out) ...
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # ... and the stop string or stop token kept at the end of the text
+    include_stop_str_in_output: bool = False
+    # vLLM's: end-of-sequence and stop tokens held back until the output has this many
+    min_tokens: int = Field(default=0, ge=0)
     speculative: SpeculativeOptions | None = None
 
     @field_validator("max_tokens")
@@ -219,6 +225,22 @@ class _Common(BaseModel):
         ((key, value),) = guided.items()
         rest = {k: v for k, v in data.items() if k not in GUIDED_OPTIONS}
         return {**rest, "structured_outputs": {GUIDED_OPTIONS[key]: value}}
+
+    @model_validator(mode="after")
+    def _min_tokens_fit(self) -> _Common:
+        budget = self.wanted_tokens()
+        if budget is not None and self.min_tokens > budget:
+            raise ApiError(
+                400, f"min_tokens ({self.min_tokens}) exceeds max_tokens ({budget})",
+                param="min_tokens",
+            )  # fmt: skip
+        if self.min_tokens and self.stop:
+            raise ApiError(
+                400, "min_tokens does not combine with stop strings here (a stop string "
+                "inside the first min_tokens tokens would have to be skipped)",
+                param="min_tokens",
+            )  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _some_tokens(self) -> _Common:
@@ -270,12 +292,18 @@ class _Common(BaseModel):
         log-probabilities."""
         return None
 
-    def penalties(self) -> Penalties:
-        """The request's penalties of the target's logits (the engine applies active ones)."""
+    def penalties(self, ends: frozenset[int] = frozenset()) -> Penalties:
+        """The request's penalties of the target's logits (the engine applies active ones);
+        ``ends``: the tokens that end its output (``min_tokens`` holds them back)."""
         bias = tuple((int(token), offset) for token, offset in (self.logit_bias or {}).items())
         return Penalties(
-            self.presence_penalty, self.frequency_penalty, self.repetition_penalty, bias
-        )
+            self.presence_penalty, self.frequency_penalty, self.repetition_penalty, bias,
+            self.min_tokens, tuple(sorted(ends)) if self.min_tokens else (),
+        )  # fmt: skip
+
+    def stop_tokens(self) -> frozenset[int]:
+        """The request's own stop tokens (``stop_token_ids``)."""
+        return frozenset(self.stop_token_ids or ())
 
 
 class CompletionRequest(_Common):

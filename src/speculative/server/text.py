@@ -50,6 +50,16 @@ def first_stop(text: str, stops: Sequence[str]) -> int | None:
     return min(hits) if hits else None
 
 
+def stop_end(text: str, stops: Sequence[str]) -> int | None:
+    """Where the earliest stop string in ``text`` ends (of those starting earliest, the
+    first given), or None."""
+    hits = [(i, k) for k, i in enumerate(text.find(s) for s in stops) if i >= 0]
+    if not hits:
+        return None
+    start, k = min(hits)
+    return start + len(stops[k])
+
+
 def partial_stop_length(text: str, stops: Sequence[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
     longest = 0
@@ -70,11 +80,14 @@ class TextAssembler:
     # where a reply's function calls start in a text (None: not there), and how many
     # characters at its end may yet start them: the text before the calls is the reply's
     calls: Callable[[str], tuple[int | None, int]] | None = None
+    stop_tokens: frozenset[int] = frozenset()  # tokens whose text ends the final text
+    include_stops: bool = False  # the stop string or stop token's text stays in it
     kinds: list[str] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)  # stable text length after token i
     text: str = ""  # decoded text of all tokens so far
     sent: int = 0  # characters of ``text`` already released
     decoder: IncrementalDecoder = field(init=False)
+    token_cut: int | None = field(default=None, init=False)  # where a stop token's text starts
 
     def __post_init__(self) -> None:
         self.decoder = IncrementalDecoder(self.decode)
@@ -86,6 +99,8 @@ class TextAssembler:
     def push(self, tokens: Sequence[int], kinds: Sequence[str]) -> list[tuple[str, str]]:
         """Add tokens; returns the newly final pieces (text, kind)."""
         for token, kind in zip(tokens, kinds, strict=True):
+            if token in self.stop_tokens and self.token_cut is None:
+                self.token_cut = self.ends[-1] if self.ends else 0
             self.kinds.append(kind)
             self.text = self.decoder.add(token)
             stable = len(self.text.rstrip(REPLACEMENT))
@@ -133,11 +148,14 @@ class TextAssembler:
         return 1 + min(bisect.bisect_left(self.ends, stop), len(self.tokens) - 1)
 
     def _first_cut(self, text: str) -> int | None:
-        """Where the final text ends in ``text``: its first stop string or function
-        call, if any."""
-        cut = first_stop(text, self.stops) if self.stops else None
-        start = self.calls(text)[0] if self.calls is not None else None
-        return start if start is not None and (cut is None or start < cut) else cut
+        """Where the final text ends in ``text``: at its first stop string (after it,
+        with ``include_stops``), stop token or function call, if any."""
+        cuts = [stop_end(text, self.stops) if self.include_stops else first_stop(text, self.stops)]
+        cuts.append(self.calls(text)[0] if self.calls is not None else None)
+        if not self.include_stops and self.token_cut is not None and self.token_cut <= len(text):
+            cuts.append(self.token_cut)
+        found = [cut for cut in cuts if cut is not None]
+        return min(found) if found else None
 
     def _held(self, text: str) -> int:
         """Characters at the end of ``text`` that may yet start a stop string or a call."""
