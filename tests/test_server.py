@@ -1058,3 +1058,47 @@ def test_stop_tokens_min_tokens_and_kept_stops(
         with pytest.raises(openai.BadRequestError) as refused:
             ask(**bad)
         assert refused.value.body["param"] == param
+
+
+def test_an_assistant_message_continued_and_template_variables(
+    server, client: openai.OpenAI, model: str
+) -> None:
+    """vLLM's ``continue_final_message`` (with ``add_generation_prompt: false``) renders
+    the conversation up to the end of the assistant's begun text, and the reply continues
+    it: the same text as a completion of those prompt tokens; ``chat_template_kwargs``
+    reach the template (a variable that changes it), a reserved name is refused."""
+    from speculative.targets import TemplateOptions, encode_prompt
+    from tiny import tiny_tokenizer
+
+    url = server.url
+    begun = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "a dog"}]
+    prefill = {"add_generation_prompt": False, "continue_final_message": True}
+    status, opened = http(url + "/tokenize", "POST", {"model": model, "messages": begun})
+    status, continued = http(url + "/tokenize", "POST", {"messages": begun, **prefill})
+    assert status == 200
+    tokenizer = tiny_tokenizer()
+    assert tokenizer.decode(continued["tokens"]).endswith("a dog")  # (roles are <unk> here)
+    assert tokenizer.decode(opened["tokens"]).endswith("a dog then")  # the control
+    reply = client.chat.completions.create(
+        model=model, messages=begun, max_tokens=8, temperature=0, extra_body=prefill
+    )
+    same = client.completions.create(
+        model=model, prompt=continued["tokens"], max_tokens=8, temperature=0
+    )
+    assert reply.usage.prompt_tokens == continued["count"]
+    assert reply.choices[0].message.content == same.choices[0].text
+    for bad, param in [
+        ({"continue_final_message": True}, "continue_final_message"),  # generation prompt on
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=model, messages=begun, extra_body=bad)
+        assert refused.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as refused:  # the last message is the user's
+        client.chat.completions.create(model=model, messages=begun[:1], extra_body=prefill)
+    assert refused.value.body["param"] == "messages"
+    shouting = tiny_tokenizer()
+    shouting.chat_template = "{% if shout %}red {% endif %}{{ messages[0]['content'] }}"
+    options = TemplateOptions(variables=(("shout", True),))
+    assert tokenizer.decode(encode_prompt(shouting, PROMPT, template=options)).startswith("red")
+    assert not tokenizer.decode(encode_prompt(shouting, PROMPT)).startswith("red")

@@ -222,16 +222,56 @@ def _config_eos(config: dict[str, Any]) -> frozenset[int]:
     return frozenset()
 
 
+# apply_chat_template's own arguments: not template variables a request may set
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+     "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+     "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How a chat template renders a conversation: with the assistant's generation prompt
+    (the default), or continuing the last message, an assistant's text begun for the
+    model (a prefill); ``variables``: the template's own (Qwen3's ``enable_thinking``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    variables: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError(
+                "continue_final_message continues the last message: it needs "
+                "add_generation_prompt false"
+            )
+        reserved = sorted(RESERVED_TEMPLATE_NAMES.intersection(k for k, _ in self.variables))
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} is not a template variable a request may set")
+
+    def arguments(self) -> dict[str, Any]:
+        """apply_chat_template's keyword arguments."""
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            **dict(self.variables),
+        }
+
+
 def encode_prompt(
     tokenizer: Any,
     prompt: str | None = None,
     messages: Sequence[dict[str, Any]] | None = None,
     chat: bool | None = None,
     tools: Sequence[dict[str, Any]] | None = None,
+    template: TemplateOptions | None = None,
 ) -> list[int]:
     """Token ids for a prompt; ``chat`` (default: when the tokenizer has a chat template)
     wraps it as a user message and adds the assistant generation prompt; ``tools``: the
-    functions the template shows the model (a template without tools ignores them)."""
+    functions the template shows the model (a template without tools ignores them);
+    ``template``: how the template renders (the generation prompt, a final assistant
+    message continued, the template's own variables)."""
     if messages is None:
         if prompt is None or not prompt.strip():
             raise ValueError("the prompt is empty")
@@ -244,8 +284,11 @@ def encode_prompt(
         raise ValueError("--chat needs a tokenizer with a chat template; this one has none")
     if use_chat:
         extra = {} if tools is None else {"tools": list(tools)}
+        options = template or TemplateOptions()
+        if options.continue_final_message and messages[-1].get("role") != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
         text = tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True, **extra
+            list(messages), tokenize=False, **options.arguments(), **extra
         )
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = "\n".join(m["content"] for m in messages)

@@ -316,8 +316,9 @@ def _tokenized(body: TokenizeRequest, state: ServerState) -> dict[str, Any]:
         if body.messages is not None:
             messages = [message.for_template() for message in body.messages]
             tokens = chat_prompt(
-                tokenizer, messages, body.tools, state.shows_tools, state.call_syntax
-            )
+                tokenizer, messages, body.tools, state.shows_tools, state.call_syntax,
+                body.template_options(),
+            )  # fmt: skip
         else:
             assert body.prompt is not None
             tokens = encode_prompt(tokenizer, body.prompt, None, chat=False)
@@ -402,8 +403,8 @@ def _prompt_ids(
     try:
         if isinstance(body, ChatCompletionRequest):
             tools, shows = body.template_tools(), state.shows_tools
-            messages = body.chat_messages()
-            return [chat_prompt(tokenizer, messages, tools, shows, state.call_syntax)]
+            messages, template = body.chat_messages(), body.template_options()
+            return [chat_prompt(tokenizer, messages, tools, shows, state.call_syntax, template)]
         prompts = []
         for prompt in body.prompts():
             if body.suffix:

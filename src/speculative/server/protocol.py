@@ -9,9 +9,12 @@ returned as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx statu
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from speculative.targets import TemplateOptions
 
 from speculative.sampling.penalties import Penalties
 from speculative.server.tools import (
@@ -420,7 +423,28 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(_Common):
+class TemplateFields(BaseModel):
+    """How a chat's messages go through the chat template (vLLM's fields)."""
+
+    add_generation_prompt: bool = True  # the assistant's turn opened for the reply
+    continue_final_message: bool = False  # the last (assistant) message continued: a prefill
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables
+
+    def template_options(self) -> TemplateOptions:
+        """The options (400 naming the field that makes them impossible)."""
+        from speculative.targets import TemplateOptions
+
+        variables = tuple((self.chat_template_kwargs or {}).items())
+        try:
+            return TemplateOptions(
+                self.add_generation_prompt, self.continue_final_message, variables
+            )
+        except ValueError as exc:
+            param = "chat_template_kwargs" if "variable" in str(exc) else "continue_final_message"
+            raise ApiError(400, str(exc), param=param) from None
+
+
+class ChatCompletionRequest(TemplateFields, _Common):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
 
     messages: list[ChatMessage]
@@ -527,7 +551,7 @@ class ChatCompletionRequest(_Common):
         return [message.for_template() for message in self.messages]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(TemplateFields):
     """``POST /tokenize`` (vLLM's): the tokens the server would count for a completions
     ``prompt`` (the tokenizer's own special tokens included) or a chat's ``messages``
     (through the chat template, with ``tools`` shown as a chat request shows them)."""

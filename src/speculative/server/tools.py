@@ -20,12 +20,15 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from speculative.server.text import partial_stop_length
 from speculative.structured.grammar import ANY_OBJECT, JSON_FORMAT, OutputFormat
+
+if TYPE_CHECKING:
+    from speculative.targets import TemplateOptions
 
 
 class FunctionSpec(BaseModel):
@@ -411,24 +414,30 @@ def chat_prompt(
     tools: list[Tool] | None,
     shows_tools: bool | None = None,
     syntax: CallSyntax = HERMES,
+    template: TemplateOptions | None = None,
 ) -> list[int]:
     """A chat prompt's tokens: ``messages`` through the tokenizer's chat template, with
     the ``tools`` the reply may call. A template that does not show tools (SmolLM2's)
     gets them described in a system message instead (:func:`described`, calls written in
     ``syntax``).
     ``shows_tools``: whether the template shows them (:func:`template_shows_tools`, asked
-    once by a server); None: found out for these messages (one more rendering)."""
+    once by a server); None: found out for these messages (one more rendering).
+    ``template``: how the template renders (:class:`~speculative.targets.TemplateOptions`)."""
     from speculative.targets import encode_prompt
 
     if not tools:
-        return encode_prompt(tokenizer, None, messages, chat=True)
+        return encode_prompt(tokenizer, None, messages, chat=True, template=template)
     if shows_tools is False:
-        return encode_prompt(tokenizer, None, described(messages, tools, syntax), chat=True)
+        return encode_prompt(
+            tokenizer, None, described(messages, tools, syntax), chat=True, template=template
+        )
     shown = [tool.model_dump(exclude_none=True) for tool in tools]
-    ids = encode_prompt(tokenizer, None, messages, chat=True, tools=shown)
-    if shows_tools or ids != encode_prompt(tokenizer, None, messages, chat=True):
+    ids = encode_prompt(tokenizer, None, messages, chat=True, tools=shown, template=template)
+    if shows_tools or ids != encode_prompt(tokenizer, None, messages, chat=True, template=template):
         return ids
-    return encode_prompt(tokenizer, None, described(messages, tools, syntax), chat=True)
+    return encode_prompt(
+        tokenizer, None, described(messages, tools, syntax), chat=True, template=template
+    )
 
 
 PROBE_TOOL = Tool(type="function", function=FunctionSpec(name="probe"))
