@@ -11,6 +11,7 @@ from scipy import stats
 
 import broken
 from speculative.drafters import DraftModelDrafter, PromptLookupDrafter
+from speculative.drafters.prediction import PredictionDrafter
 from speculative.engine import (
     AdaptiveGamma,
     HeuristicGamma,
@@ -32,6 +33,9 @@ def make_engine(drafter: str | None, gamma=4) -> SpeculativeEngine:
         return SpeculativeEngine(target, None)
     if drafter == "ngram":
         return SpeculativeEngine(target, PromptLookupDrafter(), gamma)
+    if drafter == "prediction":  # a predicted output (prompts here are 2 or 3 tokens)
+        predicted = PredictionDrafter([1, 2, 0, 1, 3, 4, 2, 2, 0, 1] * 5, 3, min_match=1)
+        return SpeculativeEngine(target, predicted, gamma)
     return SpeculativeEngine(target, DraftModelDrafter(MarkovLM(Q, "draft"), 5), gamma)
 
 
@@ -60,6 +64,7 @@ def two_sample_p_value(a: np.ndarray, b: np.ndarray) -> float:
         ("model", 2, SamplingParams(temperature=0.7, top_p=0.8)),
         ("model", 3, SamplingParams(min_p=0.3)),
         ("ngram", 3, SamplingParams()),
+        ("prediction", 4, SamplingParams()),
     ],
 )
 def test_sequence_distribution_matches_plain_sampling(drafter, gamma, params):
@@ -91,7 +96,7 @@ def test_sequence_distribution_negative_control_broken_rule(rule):
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 5])
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "prediction"])
 def test_greedy_matches_plain(gamma, drafter):
     params = SamplingParams(temperature=0)
     stop = StopCriteria(max_new_tokens=40)

@@ -238,6 +238,7 @@ class Speculator:
         grammar: str | None = None,
         suffix: str | None = None,
         min_tokens: int = 0,
+        prediction: str | Sequence[int] | None = None,
     ) -> GenerationStream:
         """Start a generation; iterate the result for each round's emitted tokens.
         ``suffix``: fill in the middle, between ``prompt`` and ``suffix`` (a raw prompt,
@@ -256,7 +257,11 @@ class Speculator:
         The penalties adjust the target's logits by what the sequence holds
         (:mod:`speculative.sampling.penalties`; exact under speculation); ``min_tokens``
         holds end-of-sequence back until the output has that many tokens (not with
-        ``stop`` strings)."""
+        ``stop`` strings). ``prediction``: text (or token ids) the output is expected to
+        resemble (a file being edited): drafted from in place of the drafter, γ as
+        ``gamma`` says (a policy at no draft cost), n-gram lookup where the output leaves it
+        (:class:`~speculative.drafters.prediction.PredictionDrafter`; exact whatever it
+        says)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         prompt_ids = self._prompt_ids(prompt, messages, chat, suffix)
         criteria = self.target.stop_criteria(max_new_tokens, stop)
@@ -273,12 +278,29 @@ class Speculator:
         output = OutputFormat.given(json_schema, regex, choice, grammar)
         if output is not None:
             constraint = constraints_for(self.target, output)()
+        engine = self.engine() if prediction is None else self._predicted(prediction, prompt_ids)
         stream = GenerationStream(
-            self, self.engine(), prompt_ids, params, criteria, generator, logprobs, penalties,
+            self, engine, prompt_ids, params, criteria, generator, logprobs, penalties,
             prompt_logprobs, constraint,
         )  # fmt: skip
         self.target.cache_owner = stream
         return stream
+
+    def _predicted(
+        self, prediction: str | Sequence[int], prompt_ids: list[int]
+    ) -> SpeculativeEngine:
+        """An engine whose drafts come from ``prediction`` (a chain at a fixed γ)."""
+        from speculative.drafters.prediction import PredictionDrafter
+
+        tokens = prediction
+        if isinstance(prediction, str):
+            tokens = self.target.tokenizer(prediction, add_special_tokens=False)["input_ids"]
+        drafter = PredictionDrafter(tokens, len(prompt_ids))
+        if self.gamma == "auto" and self.verify_cost is None:
+            self.calibrate()
+        # a lookup's drafts cost nothing: the policy weighs only their verification
+        policy = make_gamma_policy(self.gamma, 0.0, self.verify_cost, drafter)
+        return SpeculativeEngine(self.target.lm, drafter, policy)
 
     def _prompt_ids(
         self,

@@ -303,6 +303,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--prompt", help="prompt text (the same as PROMPT)")
     source.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     parser.add_argument(
+        "--prediction-file",
+        type=Path,
+        help="text the output is expected to resemble (a file you ask the model to edit): "
+        "drafted from instead of --draft, as OpenAI's Predicted Outputs; exact whatever "
+        "it says (a wrong prediction only costs rejected drafts)",
+    )
+    parser.add_argument(
         "--suffix",
         help="fill in the middle: generate the text between the prompt and this suffix "
         "(a raw prompt, through the model's fill-in-the-middle tokens, as code models "
@@ -372,10 +379,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file is None:
         return args.prompt if args.prompt is not None else args.text
+    text = read_text_file(args.prompt_file, "--prompt-file")
+    assert text is not None
+    return text
+
+
+def read_text_file(path: Path | None, flag: str) -> str | None:
+    """The text of the file a flag names (None: none named); a one-line error if unreadable."""
+    if path is None:
+        return None
     try:
-        return args.prompt_file.read_text()
+        return path.read_text()
     except OSError as exc:
-        raise CliError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror}") from None
+        raise CliError(f"cannot read {flag} {path}: {exc.strerror}") from None
 
 
 def gamma_text(args: argparse.Namespace) -> str:
@@ -476,8 +492,9 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts is None and args.ray is not None:
         raise CliError("--ray needs --prompts FILE.jsonl")
     check_scoring(args)
-    if args.prompts is not None and args.suffix is not None:
-        raise CliError("--suffix fills in after one prompt; it does not apply to --prompts")
+    for flag, value in (("--suffix", args.suffix), ("--prediction-file", args.prediction_file)):
+        if args.prompts is not None and value is not None:
+            raise CliError(f"{flag} applies to one prompt, not to --prompts")
     if args.prompts is not None:
         from speculative.cli.batch_generate import run_batch
 
@@ -491,7 +508,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("the prompt is empty")
     check_decoding(args)
     speculator = load_speculator(args)
-    stream = speculator.stream(prompt, **generation_kwargs(args), suffix=args.suffix)
+    prediction = read_text_file(args.prediction_file, "--prediction-file")
+    stream = speculator.stream(
+        prompt, **generation_kwargs(args), suffix=args.suffix, prediction=prediction
+    )
     colour = use_colour(sys.stdout, args.colour)
     if args.json:
         for _ in stream:

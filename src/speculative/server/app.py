@@ -29,6 +29,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from speculative.drafters.prediction import PredictionDrafter
 from speculative.engine.batch import BatchEngine, BatchRequest
 from speculative.engine.gamma import LoadAwareGamma
 from speculative.engine.loop import GenerationResult, Round
@@ -87,6 +88,27 @@ class Prepared:
     constraints: Callable[[], TokenConstraint] | None = None
     echoes: list[str] = field(default_factory=list)  # per prompt: its echoed text, or ""
     call_syntax: CallSyntax = HERMES  # how the model writes function calls
+    prediction: list[int] | None = None  # the predicted output's tokens (drafted from)
+    # (accepted, rejected) prediction tokens of each row, as its drafter is given back
+    predicted: list[tuple[int, int]] = field(default_factory=list)
+
+    def drafter_hooks(
+        self, request: BatchRequest
+    ) -> tuple[Callable[[], Any] | None, Callable[[Any], None] | None]:
+        """How a row takes its drafter and gives it back: from the pool of the drafter
+        the request names, or, with a prediction, one that drafts from it (its counts
+        kept for ``usage``)."""
+        if self.prediction is None:
+            return self.acquire, self.release
+        prediction, prompt_length = self.prediction, len(request.prompt_ids)
+
+        def acquire() -> PredictionDrafter:
+            return PredictionDrafter(prediction, prompt_length)
+
+        def release(drafter: PredictionDrafter) -> None:
+            self.predicted.append((drafter.accepted, drafter.rejected))
+
+        return acquire, release
 
     def prompt_of(self, choice: int) -> int:
         """Which prompt choice ``choice`` answers (choices: prompt by prompt, n each)."""
@@ -270,10 +292,10 @@ async def _serve(
         metrics.count_request(endpoint, str(exc.status))
         raise
     loop = asyncio.get_running_loop()
-    jobs = [
-        Job(choice, loop, on_release=prepared.release, acquire=prepared.acquire)
-        for choice in prepared.choice_requests()
-    ]
+    jobs = []
+    for choice in prepared.choice_requests():
+        acquire, release = prepared.drafter_hooks(choice)
+        jobs.append(Job(choice, loop, on_release=release, acquire=acquire))
     try:
         scheduler.start()
         for job in jobs:
@@ -383,9 +405,14 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
     acquire = pool.acquire if pool is not None else None
     release = pool.release if pool is not None else None
     echoes = _echoes(body, prompts, state) if body.echoes_prompt() else []
+    prediction = None
+    if body.prediction is not None:  # its rows draft from it, whatever the request named
+        text = body.prediction.text()
+        prediction = state.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+        draft = "prediction"
     return Prepared(
         endpoint, body, prompts, requests, draft, gamma, acquire, release, seed,
-        constraints, echoes, state.call_syntax,
+        constraints, echoes, state.call_syntax, prediction,
     )  # fmt: skip
 
 
@@ -537,12 +564,18 @@ def _usage(prepared: Prepared, results: list[GenerationResult]) -> dict[str, Any
         min(r.stats.cached_prompt_tokens for r in results[p * per_prompt : (p + 1) * per_prompt])
         for p in range(len(results) // per_prompt)
     )
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if prepared.prediction is not None:  # OpenAI's counts of the predicted tokens
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(a for a, _ in prepared.predicted),
+            "rejected_prediction_tokens": sum(r for _, r in prepared.predicted),
+        }
+    return usage
 
 
 def _finish_reason(result: GenerationResult) -> str:

@@ -149,6 +149,23 @@ GUIDED_OPTIONS = {
 }
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's ``prediction``: ``{"type": "content", "content": …}``."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
 class _Common(BaseModel):
     """Fields shared by completions and chat completions (unknown fields are ignored)."""
 
@@ -189,6 +206,8 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     # vLLM's: end-of-sequence and stop tokens held back until the output has this many
     min_tokens: int = Field(default=0, ge=0)
+    # OpenAI's Predicted Outputs: text the reply is expected to resemble, drafted from
+    prediction: Prediction | None = None
     speculative: SpeculativeOptions | None = None
 
     @field_validator("max_tokens")
@@ -378,11 +397,6 @@ class CompletionRequest(_Common):
     def prompts(self) -> list[str | list[int]]:
         """Each prompt: a text, or token ids."""
         return _as_prompts(self.prompt)
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(BaseModel):
