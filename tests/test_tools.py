@@ -519,3 +519,60 @@ def test_llama3_json_served(llama_caller: Path, folder: Path) -> None:
         for answer in required.choices:
             assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
             assert valid_call(answer.message.tool_calls[0].model_dump())
+
+
+def test_the_responses_api_calls_as_chat_does(caller: Path) -> None:
+    """OpenAI's Responses API: flat function tools; the reply's text as a message item,
+    each call a ``function_call`` item (valid: the grammar kept "days" in range), streamed
+    as argument deltas; a follow-up with the calls and their outputs as input items."""
+    flat = [{"type": "function", **WEATHER["function"]}, {"type": "function", **ALARM["function"]}]
+    with start_server(caller, max_prompt_tokens=200) as server:
+        client, model = _client(server)
+
+        def ask(**kw):
+            return client.responses.create(
+                model=model, tools=flat, temperature=0,
+                max_output_tokens=kw.pop("max_output_tokens", 178),
+                input=kw.pop("input", MESSAGES[0]["content"]), **kw,
+            )  # fmt: skip
+
+        response = ask()
+        assert [item.type for item in response.output] == ["message", "function_call",
+                                                           "function_call"]  # fmt: skip
+        assert response.output[0].content[0].text == "Sure. " and response.status == "completed"
+        calls = response.output[1:]
+        assert [call.name for call in calls] == ["set_alarm", "get_weather"]
+        assert json.loads(calls[0].arguments) == {"hour": 7}
+        assert all(valid_call({"function": {"name": c.name, "arguments": c.arguments}})
+                   for c in calls)  # fmt: skip
+        events = list(ask(stream=True))
+        delta = "response.function_call_arguments.delta"
+        pieces = [e.delta for e in events if e.type == delta and e.output_index == 2]
+        assert len(pieces) > 1 and "".join(pieces) == calls[1].arguments
+        done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+        assert done == [call.arguments for call in calls]
+        assert events[-1].type == "response.completed"
+        history = [
+            {"role": "user", "content": MESSAGES[0]["content"]},
+            *({"type": "function_call", "call_id": c.call_id, "name": c.name,
+               "arguments": c.arguments} for c in calls),
+            *({"type": "function_call_output", "call_id": c.call_id, "output": "done"}
+              for c in calls),
+        ]  # fmt: skip
+        follow = ask(input=history, max_output_tokens=4, tool_choice="none")
+        assert follow.output[0].type == "message"
+
+
+def test_the_responses_api_takes_a_json_schema_format(folder: Path) -> None:
+    """``text.format`` ``json_schema`` (the Responses form of ``response_format``): the
+    random model's output, free noise otherwise, is JSON that satisfies the schema."""
+    schema = {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0,
+              "maximum": 23}}, "required": ["hour"], "additionalProperties": False}  # fmt: skip
+    with start_server(folder, max_prompt_tokens=200) as server:
+        client, model = _client(server)
+        response = client.responses.create(
+            model=model, input=MESSAGES[0]["content"], temperature=0, max_output_tokens=60,
+            text={"format": {"type": "json_schema", "name": "alarm", "schema": schema}},
+        )  # fmt: skip
+        value = json.loads(response.output_text)
+        assert set(value) == {"hour"} and 0 <= value["hour"] <= 23

@@ -18,6 +18,7 @@ lossless speculative decoding in one continuous batch.
 
 Endpoints:
   POST /v1/completions, /v1/chat/completions   (stream or not; SSE ending with [DONE])
+  POST /v1/responses                            OpenAI's Responses API (typed events)
   GET  /v1/models, /health
   POST /tokenize, /detokenize                   a prompt's tokens as a request counts them
   GET  /metrics                                 Prometheus metrics

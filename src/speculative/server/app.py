@@ -46,6 +46,12 @@ from speculative.server.protocol import (
     TokenizeRequest,
     validation_error,
 )
+from speculative.server.responses import (
+    ResponseEvents,
+    ResponsesRequest,
+    chat_error_param,
+    whole_response,
+)
 from speculative.server.scheduler import (
     DoneEvent,
     ErrorEvent,
@@ -75,7 +81,7 @@ class Prepared:
     """A validated request, ready for the scheduler: its prompts (completions may give
     several) and, per prompt, the engine request of its first choice."""
 
-    endpoint: str  # "completions" or "chat"
+    endpoint: str  # "completions", "chat" or "responses" (a chat request, answered as one)
     body: CompletionRequest | ChatCompletionRequest
     prompts: list[list[int]]  # token ids of each prompt
     batch_requests: list[BatchRequest]  # per prompt; its choice j samples with seed + j
@@ -91,6 +97,7 @@ class Prepared:
     prediction: list[int] | None = None  # the predicted output's tokens (drafted from)
     # (accepted, rejected) prediction tokens of each row, as its drafter is given back
     predicted: list[tuple[int, int]] = field(default_factory=list)
+    responses: ResponsesRequest | None = None  # the Responses API request it came as
 
     def drafter_hooks(
         self, request: BatchRequest
@@ -227,6 +234,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await _serve(request, "chat", state, scheduler, metrics)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _serve(request, "responses", state, scheduler, metrics)
+
     return app
 
 
@@ -361,8 +372,13 @@ def _check_vocabulary(ids: Sequence[int], state: ServerState, param: str) -> Non
 
 
 async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepared:
-    model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
-    body = await _parsed(request, model, state)
+    responses = None
+    if endpoint == "responses":
+        responses = await _parsed(request, ResponsesRequest, state)
+        body: CompletionRequest | ChatCompletionRequest = _as_chat(responses)
+    else:
+        model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
+        body = await _parsed(request, model, state)
     if body.model != state.model_id:
         raise ApiError(
             404,
@@ -412,8 +428,21 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
         draft = "prediction"
     return Prepared(
         endpoint, body, prompts, requests, draft, gamma, acquire, release, seed,
-        constraints, echoes, state.call_syntax, prediction,
+        constraints, echoes, state.call_syntax, prediction, responses=responses,
     )  # fmt: skip
+
+
+def _as_chat(responses: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that decodes a Responses request (its errors naming the
+    Responses fields)."""
+    try:
+        return ChatCompletionRequest.model_validate(responses.chat_request())
+    except ValidationError as exc:
+        error = validation_error(exc.errors())
+    except ApiError as exc:
+        error = exc
+    error.param = chat_error_param(error.param)
+    raise error
 
 
 def _prompt_ids(
@@ -619,7 +648,7 @@ class _Envelope:
     """id / object / created / model of one response (shared by all its chunks)."""
 
     def __init__(self, prepared: Prepared, state: ServerState) -> None:
-        chat = prepared.endpoint == "chat"
+        chat = prepared.endpoint in ("chat", "responses")
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -714,6 +743,8 @@ async def _complete(
         usage=_usage(prepared, results),
         speculative=_speculative_stats(prepared, results, ttft),
     )
+    if prepared.responses is not None:
+        body = whole_response(prepared.responses, body)
     return JSONResponse(body)
 
 
@@ -840,9 +871,10 @@ class _RunningStats:
         return {"alpha": alpha, "tau": self.tokens / self.passes if self.passes else 0.0}
 
 
-def _sse(payload: dict[str, Any] | str) -> bytes:
+def _sse(payload: dict[str, Any] | str, event: str | None = None) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    named = f"event: {event}\n" if event is not None else ""
+    return f"{named}data: {data}\n\n".encode()
 
 
 @dataclass
@@ -876,9 +908,28 @@ async def _merged_events(jobs: list[Job]) -> AsyncIterator[tuple[int, Event]]:
 async def _stream(
     prepared: Prepared, jobs: list[Job], state: ServerState, metrics: ServerMetrics
 ) -> AsyncIterator[bytes]:
-    """SSE chunks: each choice's text as it becomes final (``index``: its choice), each
-    choice's finish chunk, then one with the request's ``speculative`` stats, the usage
-    chunk when asked, and ``[DONE]``."""
+    """The response's SSE bytes: the chunks of :func:`_chunks`, or for a Responses API
+    request the events they make."""
+    chunks = _chunks(prepared, jobs, state, metrics)
+    if prepared.responses is None:
+        async for chunk in chunks:
+            yield _sse(chunk)
+        return
+    events = ResponseEvents(prepared.responses)
+    for event in events.start():
+        yield _sse(event, event["type"])
+    async for chunk in chunks:
+        made = events.end() if chunk == "[DONE]" else events.feed(chunk)
+        for event in made:
+            yield _sse(event, event["type"])
+
+
+async def _chunks(
+    prepared: Prepared, jobs: list[Job], state: ServerState, metrics: ServerMetrics
+) -> AsyncIterator[dict[str, Any] | str]:
+    """The stream's chunks (payloads): each choice's text as it becomes final
+    (``index``: its choice), each choice's finish chunk, then one with the request's
+    ``speculative`` stats, the usage chunk when asked, and ``[DONE]``."""
     envelope = _Envelope(prepared, state)
     decode = state.loaded.decode
     choices = [
@@ -895,19 +946,19 @@ async def _stream(
     results: dict[int, GenerationResult] = {}
     if envelope.chat:
         for i in range(len(jobs)):
-            yield _sse(envelope.wrap([envelope.delta("", None, role=True, index=i)], stream=True))
+            yield (envelope.wrap([envelope.delta("", None, role=True, index=i)], stream=True))
     async for i, event in _merged_events(jobs):
         if isinstance(event, ErrorEvent):
             metrics.count_request(prepared.endpoint, "500")
-            yield _sse(ApiError(500, event.message, "server_error").body())
-            yield _sse("[DONE]")
+            yield (ApiError(500, event.message, "server_error").body())
+            yield ("[DONE]")
             return
         choice = choices[i]
         echo = prepared.echo(i)
         if echo and not choice.started and isinstance(event, RoundEvent):
             scored = prepared.echoed_logprobs(i, decode, event.round)  # on the first round
             delta = envelope.delta(echo, None, logprobs=scored, index=i)
-            yield _sse(envelope.wrap([delta], stream=True))
+            yield (envelope.wrap([delta], stream=True))
         choice.started = True
         if isinstance(event, RoundEvent):
             choice.running.add(event.round)
@@ -928,11 +979,11 @@ async def _stream(
                 logprobs=choice.logprobs.take(choice.text, final), index=i,
             )  # fmt: skip
             pieces_out = {"pieces": [list(p) for p in pieces], **choice.running.to_dict()}
-            yield _sse(envelope.wrap([delta], stream=True, speculative=pieces_out))
+            yield (envelope.wrap([delta], stream=True, speculative=pieces_out))
         calls = _call_deltas(prepared, choice, final)
         if calls:
             delta = envelope.delta(None, None, index=i, calls=calls, legacy=_legacy(prepared))
-            yield _sse(envelope.wrap([delta], stream=True))
+            yield (envelope.wrap([delta], stream=True))
         if isinstance(event, DoneEvent):
             results[i] = event.result
             result = event.result
@@ -946,12 +997,12 @@ async def _stream(
             last = len(results) == len(jobs)
             ordered = [results[k] for k in sorted(results)]
             extra = {"speculative": _speculative_stats(prepared, ordered, ttft)} if last else {}
-            yield _sse(envelope.wrap([finish], stream=True, **extra))
+            yield (envelope.wrap([finish], stream=True, **extra))
     ordered = [results[k] for k in sorted(results)]
     if include_usage:
-        yield _sse(envelope.wrap([], stream=True, usage=_usage(prepared, ordered)))
+        yield (envelope.wrap([], stream=True, usage=_usage(prepared, ordered)))
     metrics.count_request(prepared.endpoint, "200")
-    yield _sse("[DONE]")
+    yield ("[DONE]")
 
 
 def _cancel_unfinished(

@@ -1,0 +1,393 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat machinery.
+
+A request is translated into a chat completion request (``instructions`` as the system
+message, ``input`` as the messages, earlier ``function_call`` and
+``function_call_output`` items as an assistant's tool calls and their results, flat
+function tools as chat tools, ``text.format`` as ``response_format``), decoded exactly as
+chat is, and its answer translated back: a whole chat completion into a ``response``
+object (a ``message`` output item with ``output_text``, then a ``function_call`` item per
+call), a chat stream into the Responses API's typed events (``response.created``, …,
+``response.output_text.delta``, ``response.function_call_arguments.delta``, …,
+``response.completed``). Nothing is stored: ``previous_response_id``, ``conversation``
+and ``background`` are refused by name.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from speculative.server.protocol import ApiError
+
+# Responses fields that ask for state this server does not keep, with their "off" value
+STATEFUL = {"previous_response_id": None, "conversation": None, "background": False}
+# chat fields whose errors name the Responses field the value came from
+PARAMS = {
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+    "tools": "tools",
+}
+
+
+class InputText(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputItem(BaseModel):
+    """One ``input`` item: a message (``type`` "message" or absent), an earlier function
+    call, or a function call's output."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[InputText] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``: the fields this server serves (others are ignored, or
+    refused where they ask for stored state)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    stream: bool = False
+
+    def chat_request(self) -> dict[str, Any]:
+        """The chat completion request that decodes this one (extensions such as
+        ``seed`` and ``speculative`` passed on)."""
+        extra = dict(self.model_extra or {})
+        for name, off in STATEFUL.items():
+            if extra.get(name, off) not in (off, None):
+                raise ApiError(
+                    400,
+                    f"{name} needs responses kept by the server, which this one does not "
+                    "keep: send the whole conversation as input",
+                    param=name,
+                )
+        passed = {k: v for k, v in extra.items() if k not in STATEFUL and k not in IGNORED}
+        chat: dict[str, Any] = {
+            **passed,
+            "model": self.model,
+            "messages": self._messages(),
+            "stream": self.stream,
+            "n": 1,
+        }
+        if self.stream:
+            chat["stream_options"] = {"include_usage": True}  # for response.completed
+        for name, value in (
+            ("max_tokens", self.max_output_tokens),
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("parallel_tool_calls", self.parallel_tool_calls),
+        ):
+            if value is not None:
+                chat[name] = value
+        if self.tools:
+            chat["tools"] = [_chat_tool(tool) for tool in self.tools]
+        if self.tool_choice is not None:
+            chat["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        form = (self.text or {}).get("format")
+        if form is not None and form.get("type") != "text":
+            chat["response_format"] = _chat_format(form)
+        return chat
+
+    def _messages(self) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        for item in self.input:
+            if item.type == "message":
+                role = "system" if item.role == "developer" else (item.role or "user")
+                messages.append({"role": role, "content": item.text()})
+            elif item.type == "function_call":
+                function = {"name": item.name, "arguments": item.arguments or "{}"}
+                call = {"id": item.call_id, "type": "function", "function": function}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                    last["tool_calls"].append(call)  # parallel calls: one assistant turn
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                messages.append(
+                    {"role": "tool", "tool_call_id": item.call_id, "content": item.output or ""}
+                )
+        return messages
+
+
+# Responses fields that change nothing here (kept, reasoning, streaming details, metadata)
+IGNORED = {"store", "include", "metadata", "user", "reasoning", "truncation", "service_tier",
+           "prompt_cache_key", "safety_identifier", "stream_options", "top_logprobs"}  # fmt: skip
+
+
+def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A Responses function tool (flat) as a chat tool."""
+    if tool.get("type") != "function":
+        raise ApiError(
+            400, f"only function tools are served, not {tool.get('type')!r}", param="tools"
+        )
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ApiError(400, f"tool_choice {choice!r} is not served", param="tool_choice")
+
+
+def _chat_format(form: dict[str, Any]) -> dict[str, Any]:
+    if form.get("type") == "json_schema":
+        schema = {k: form[k] for k in ("name", "schema", "strict", "description") if k in form}
+        return {"type": "json_schema", "json_schema": schema}
+    return {"type": form.get("type")}
+
+
+def chat_error_param(param: str | None) -> str | None:
+    """A chat field's name as the Responses request called it."""
+    if param is None:
+        return None
+    head, dot, rest = param.partition(".")
+    return PARAMS.get(head, head) + dot + rest
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def response_object(
+    request: ResponsesRequest,
+    response_id: str,
+    created: int,
+    output: list[dict[str, Any]],
+    status: str,
+    usage: dict[str, Any] | None,
+    speculative: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A ``response`` object."""
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "model": request.model,
+        "status": status,
+        "output": output,
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "parallel_tool_calls": request.parallel_tool_calls is not False,
+        "tool_choice": request.tool_choice or "auto",
+        "tools": request.tools or [],
+        "text": request.text or {"format": {"type": "text"}},
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "error": None,
+        "usage": _usage(usage),
+    }
+    if speculative is not None:
+        body["speculative"] = speculative
+    return body
+
+
+def _usage(chat: dict[str, Any] | None) -> dict[str, Any] | None:
+    if chat is None:
+        return None
+    cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": chat["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": chat["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat["total_tokens"],
+    }
+
+
+def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": [part] if text or status == "completed" else []}  # fmt: skip
+
+
+def call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
+    function = call["function"]
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call["id"],
+        "name": function["name"],
+        "arguments": function["arguments"],
+        "status": status,
+    }
+
+
+def whole_response(request: ResponsesRequest, chat: dict[str, Any]) -> dict[str, Any]:
+    """A whole chat completion as a ``response``."""
+    choice = chat["choices"][0]
+    message = choice["message"]
+    output = []
+    if message.get("content") or not message.get("tool_calls"):  # (a reply of no text too)
+        output.append(message_item(new_id("msg"), message.get("content") or "", "completed"))
+    for call in message.get("tool_calls") or []:
+        output.append(call_item(new_id("fc"), call, "completed"))
+    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    return response_object(
+        request, new_id("resp"), chat["created"], output, status, chat.get("usage"),
+        chat.get("speculative"),
+    )  # fmt: skip
+
+
+class ResponseEvents:
+    """A chat completion's stream (its chunks' payloads, in order) as the Responses API's
+    events: each :meth:`feed` returns the events a chunk makes."""
+
+    def __init__(self, request: ResponsesRequest) -> None:
+        self.request = request
+        self.id = new_id("resp")
+        self.created = int(time.time())
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []  # the items so far (the open one last)
+        self.text = ""  # the open message's text
+        self.calls: dict[int, int] = {}  # a chat call's index -> its output item's index
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.speculative: dict[str, Any] | None = None
+        self.open: str | None = None  # "message" or "call": the item being written
+
+    def start(self) -> list[dict[str, Any]]:
+        snapshot = self._response("in_progress")
+        return [self._event("response.created", response=snapshot),
+                self._event("response.in_progress", response=snapshot)]  # fmt: skip
+
+    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """The events of one chat chunk (or of its error payload)."""
+        if "error" in chunk:
+            return [self._event("error", message=chunk["error"].get("message"),
+                                code=chunk["error"].get("code"), param=None)]  # fmt: skip
+        self.speculative = chunk.get("speculative", self.speculative)
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        events: list[dict[str, Any]] = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for part in delta.get("tool_calls") or []:
+                events += self._call(part)
+            if choice.get("finish_reason") is not None:
+                self.finish = choice["finish_reason"]
+        return events
+
+    def end(self) -> list[dict[str, Any]]:
+        """The events that close the open item and the response."""
+        events = self._open_message() if not self.output else []  # a reply of no text
+        events += self._close()
+        status = "incomplete" if self.finish == "length" else "completed"
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return [*events, self._event(kind, response=self._response(status))]
+
+    def _text(self, piece: str) -> list[dict[str, Any]]:
+        events = [] if self.open == "message" else [*self._close(), *self._open_message()]
+        self.text += piece
+        item = self.output[-1]
+        events.append(self._event("response.output_text.delta", item_id=item["id"],
+                                  output_index=len(self.output) - 1, content_index=0,
+                                  delta=piece, logprobs=[]))  # fmt: skip
+        return events
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        item = message_item(new_id("msg"), "", "in_progress")
+        self.output.append(item)
+        self.open, self.text = "message", ""
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        added = self._added(item)
+        part_added = self._event(
+            "response.content_part.added", item_id=item["id"],
+            output_index=len(self.output) - 1, content_index=0, part=part,
+        )  # fmt: skip
+        return [added, part_added]
+
+    def _call(self, part: dict[str, Any]) -> list[dict[str, Any]]:
+        events = []
+        function = part.get("function") or {}
+        if part["index"] not in self.calls:
+            events += self._close()
+            call = {"id": part["id"], "function": {"name": function["name"], "arguments": ""}}
+            item = call_item(new_id("fc"), call, "in_progress")
+            self.output.append(item)
+            self.calls[part["index"]] = len(self.output) - 1
+            self.open = "call"
+            events.append(self._added(item))
+        at = self.calls[part["index"]]
+        piece = function.get("arguments") or ""
+        if piece:
+            self.output[at]["arguments"] += piece
+            events.append(self._event("response.function_call_arguments.delta",
+                                      item_id=self.output[at]["id"], output_index=at,
+                                      delta=piece))  # fmt: skip
+        return events
+
+    def _close(self) -> list[dict[str, Any]]:
+        """The done events of the item being written, if any."""
+        if self.open is None:
+            return []
+        at, item = len(self.output) - 1, self.output[-1]
+        events = []
+        if self.open == "message":
+            item.update(message_item(item["id"], self.text, "completed"))
+            part = item["content"][0]
+            events.append(self._event("response.output_text.done", item_id=item["id"],
+                                      output_index=at, content_index=0, text=self.text,
+                                      logprobs=[]))  # fmt: skip
+            events.append(self._event("response.content_part.done", item_id=item["id"],
+                                      output_index=at, content_index=0, part=part))  # fmt: skip
+        else:
+            item["status"] = "completed"
+            events.append(self._event("response.function_call_arguments.done",
+                                      item_id=item["id"], output_index=at,
+                                      arguments=item["arguments"]))  # fmt: skip
+        events.append(self._event("response.output_item.done", output_index=at, item=item))
+        self.open = None
+        return events
+
+    def _added(self, item: dict[str, Any]) -> dict[str, Any]:
+        return self._event("response.output_item.added", output_index=len(self.output) - 1,
+                           item=dict(item))  # fmt: skip
+
+    def _response(self, status: str) -> dict[str, Any]:
+        return response_object(
+            self.request, self.id, self.created, [dict(item) for item in self.output], status,
+            self.usage if status != "in_progress" else None, self.speculative,
+        )  # fmt: skip
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
