@@ -78,6 +78,8 @@ def test_what_is_not_served_is_refused_by_name(served) -> None:
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"temperature": 9}, "temperature"),
+        ({"input": []}, "input"),  # (the chat request's messages)
+        ({"max_output_tokens": 10**6}, "max_output_tokens"),  # beyond the context
     ]:
         status, error = http(url, "POST", {"model": model, "input": PROMPT, **body}, key=None)
         assert status == 400 and error["error"]["param"] == param, (body, error)

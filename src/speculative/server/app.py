@@ -301,6 +301,8 @@ async def _serve(
         prepared = await _prepare(request, endpoint, state)
     except ApiError as exc:
         metrics.count_request(endpoint, str(exc.status))
+        if endpoint == "responses":  # the field as the Responses request named it
+            exc.param = chat_error_param(exc.param)
         raise
     loop = asyncio.get_running_loop()
     jobs = []
@@ -433,16 +435,11 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
 
 
 def _as_chat(responses: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that decodes a Responses request (its errors naming the
-    Responses fields)."""
+    """The chat request that decodes a Responses request (400 for what it cannot be)."""
     try:
         return ChatCompletionRequest.model_validate(responses.chat_request())
     except ValidationError as exc:
-        error = validation_error(exc.errors())
-    except ApiError as exc:
-        error = exc
-    error.param = chat_error_param(error.param)
-    raise error
+        raise validation_error(exc.errors()) from None
 
 
 def _prompt_ids(
