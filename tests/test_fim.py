@@ -13,17 +13,15 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from server_helpers import http, start_server
 from speculative.targets import FIM_TOKENS, encode_infill, fim_tokens
-from tiny import byte_tokenizer, save_tiny, tiny_llama
+from tiny import byte_tokenizer, save_tiny, save_trained
 
 PREFIX = "def double(x):\n    return "
 SUFFIX = "\n\nprint(double(2))\n"
 MIDDLE = "x * 2"
 OTHER = "None"  # what the model answers the prefix alone
-EOS = 1
 
 
 def _fim_tokenizer(names: tuple[str, str, str] = FIM_TOKENS[0]):
@@ -37,30 +35,11 @@ def infiller(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama trained to answer PREFIX + SUFFIX as fill in the middle with MIDDLE,
     and PREFIX alone with OTHER."""
     tokenizer = _fim_tokenizer()
-    model = tiny_llama(3, len(tokenizer.get_vocab()), layers=2).train()
-    pairs = [
+    answers = [
         (encode_infill(tokenizer, PREFIX, SUFFIX), MIDDLE),
         (list(tokenizer(PREFIX)["input_ids"]), OTHER),
     ]
-    batch = []
-    for prompt, answer in pairs:
-        reply = [*tokenizer(answer, add_special_tokens=False)["input_ids"], EOS]
-        batch.append((torch.tensor([prompt + reply]), torch.tensor([[-100] * len(prompt) + reply])))
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        for _ in range(300):
-            loss = sum(model(ids, labels=labels).loss for ids, labels in batch)
-            if loss.item() < 0.002:
-                break
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    assert loss.item() < 0.002
-    folder = tmp_path_factory.mktemp("fim")
-    model.eval().save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_trained(tmp_path_factory.mktemp("fim"), tokenizer, answers, seed=3)
 
 
 def test_known_fill_in_the_middle_tokens_and_the_prompt_layout() -> None:

@@ -38,7 +38,7 @@ from speculative.server.tools import (
     template_syntax,
 )
 from speculative.structured import StructuredOutputs
-from tiny import byte_tokenizer, save_tiny, tiny_llama
+from tiny import byte_tokenizer, save_tiny, save_trained
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
@@ -126,24 +126,7 @@ def _trained(folder: Path, template: str, reply_text: str) -> Path:
     with ``reply_text`` (every token of it at probability > 0.8 under greedy decoding)."""
     tokenizer = _tokenizer(template)
     prompt = chat_prompt(tokenizer, MESSAGES, TOOLS)
-    reply = [*tokenizer(reply_text, add_special_tokens=False)["input_ids"], EOS]
-    model = tiny_llama(7, len(tokenizer.get_vocab()), layers=2).train()
-    ids = torch.tensor([prompt + reply])
-    labels = torch.tensor([[-100] * len(prompt) + reply])
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        for _ in range(300):
-            loss = model(ids, labels=labels).loss
-            if loss.item() < 0.001:
-                break
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    assert loss.item() < 0.001
-    model.eval().save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_trained(folder, tokenizer, [(prompt, reply_text)], goal=0.001)
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +160,18 @@ def _greedy(folder: Path, prompt: list[int], grammar: Any = None, budget: int = 
 def _client(server) -> tuple[Any, str]:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     return client, client.models.list().data[0].id
+
+
+def _chat_asker(client, model: str):
+    """A greedy chat request for MESSAGES with both tools, keyword arguments on top."""
+
+    def ask(**kw):
+        return client.chat.completions.create(
+            model=model, messages=MESSAGES, tools=[WEATHER, ALARM], temperature=0,
+            max_tokens=kw.pop("max_tokens", 178), **kw,
+        )  # fmt: skip
+
+    return ask
 
 
 def _streamed(chunks, pieces: list | None = None) -> tuple[str, list[dict], str | None]:
@@ -281,13 +276,7 @@ def test_auto_keeps_text_and_makes_every_call_valid(caller: Path) -> None:
     prompt = chat_prompt(tokenizer, MESSAGES, TOOLS)
     assert _greedy(caller, prompt, budget=200) == TRAINED_REPLY  # the control: "days" 9
     with start_server(caller, max_prompt_tokens=200) as server:
-        client, model = _client(server)
-
-        def ask(**kw):
-            return client.chat.completions.create(
-                model=model, messages=MESSAGES, tools=[WEATHER, ALARM], temperature=0,
-                max_tokens=kw.pop("max_tokens", 178), **kw,
-            )  # fmt: skip
+        ask = _chat_asker(*_client(server))
 
         choice = ask().choices[0]  # tool_choice "auto", the default beside tools
         calls = [c.model_dump() for c in choice.message.tool_calls]
@@ -484,13 +473,7 @@ def test_llama3_json_served(llama_caller: Path, folder: Path) -> None:
     prompt = chat_prompt(_tokenizer(LLAMA_TEMPLATE), MESSAGES, TOOLS)
     assert _greedy(llama_caller, prompt, budget=200) == LLAMA_REPLY
     with start_server(llama_caller, max_prompt_tokens=200) as server:
-        client, model = _client(server)
-
-        def ask(**kw):
-            return client.chat.completions.create(
-                model=model, messages=MESSAGES, tools=[WEATHER, ALARM], temperature=0,
-                max_tokens=kw.pop("max_tokens", 178), **kw,
-            )  # fmt: skip
+        ask = _chat_asker(*_client(server))
 
         choice = ask().choices[0]
         calls = [c.model_dump() for c in choice.message.tool_calls]

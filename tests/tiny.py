@@ -77,3 +77,35 @@ def save_tiny(
     tiny_llama(seed, width, layers, **kw).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def save_trained(
+    folder: Path,
+    tokenizer: PreTrainedTokenizerFast,
+    answers: list[tuple[list[int], str]],
+    seed: int = 7,
+    goal: float = 0.002,
+) -> Path:
+    """A tiny Llama trained (about a second) to answer each prompt (token ids) with its
+    text and then ``</s>`` (id 1), every token at probability > 0.8 under greedy decoding
+    (the summed loss under ``goal``), saved with ``tokenizer`` in ``folder``."""
+    model = tiny_llama(seed, len(tokenizer.get_vocab()), layers=2).train()
+    batch = []
+    for prompt, text in answers:
+        reply = [*tokenizer(text, add_special_tokens=False)["input_ids"], 1]
+        labels = [-100] * len(prompt) + reply
+        batch.append((torch.tensor([prompt + reply]), torch.tensor([labels])))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        for _ in range(300):
+            loss = sum(model(ids, labels=labels).loss for ids, labels in batch)
+            if loss.item() < goal:
+                break
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    assert loss.item() < goal
+    model.eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
