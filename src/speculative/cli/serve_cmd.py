@@ -114,6 +114,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "without tools, which get them described)",
     )
     parser.add_argument(
+        "--reasoning-parser",
+        choices=["auto", "think", "none"],
+        default="auto",
+        help="think: a chat reply's <think>...</think> block goes out as reasoning_content "
+        "and the rest as content (Qwen3, DeepSeek-R1); auto: when the chat template "
+        "speaks of </think>; none: all of it as content",
+    )
+    parser.add_argument(
         "--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body"
     )
     parser.add_argument(
@@ -197,6 +205,7 @@ def build_config(args: argparse.Namespace):
         default_max_tokens=args.default_max_tokens,
         max_waiting=args.max_waiting,
         tool_call_syntax=args.tool_call_syntax,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -46,6 +46,7 @@ from speculative.server.protocol import (
     TokenizeRequest,
     validation_error,
 )
+from speculative.server.reasoning import ReasoningStream, opens_thinking, split_reasoning
 from speculative.server.responses import (
     ResponseEvents,
     ResponsesRequest,
@@ -98,6 +99,9 @@ class Prepared:
     # (accepted, rejected) prediction tokens of each row, as its drafter is given back
     predicted: list[tuple[int, int]] = field(default_factory=list)
     responses: ResponsesRequest | None = None  # the Responses API request it came as
+    # where the reply's thinking is split from its answer: whether the prompt opened the
+    # thinking block (None: no split)
+    thinking: bool | None = None
 
     def drafter_hooks(
         self, request: BatchRequest
@@ -428,9 +432,13 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
         text = body.prediction.text()
         prediction = state.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
         draft = "prediction"
+    thinking = None
+    if state.reasons and isinstance(body, ChatCompletionRequest):
+        thinking = opens_thinking(state.loaded.decode(prompts[0]))
     return Prepared(
         endpoint, body, prompts, requests, draft, gamma, acquire, release, seed,
         constraints, echoes, state.call_syntax, prediction, responses=responses,
+        thinking=thinking,
     )  # fmt: skip
 
 
@@ -673,6 +681,7 @@ class _Envelope:
         index: int = 0,
         calls: list[dict[str, Any]] | None = None,
         legacy: bool = False,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         if not self.chat:
             return {
@@ -684,6 +693,8 @@ class _Envelope:
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
+        if reasoning is not None:  # a reasoning model's thinking (vLLM's field)
+            delta["reasoning_content"] = reasoning
         if text is not None:
             delta["content"] = text
         if calls and legacy:  # the legacy form: one call, no id
@@ -770,6 +781,10 @@ def _whole_choice(
         reply = _reply(prepared, text)
         if reply is not None:
             message["content"] = reply.content
+        if prepared.thinking is not None:  # the thinking split from the answer
+            reasoning, answer = split_reasoning(message["content"] or "", prepared.thinking)
+            message["reasoning_content"] = reasoning
+            message["content"] = answer if answer or not (reply and reply.calls) else None
         if reply is not None and reply.calls:
             reason = _calls_reason(result, prepared, reply)
             if _legacy(prepared):
@@ -881,6 +896,7 @@ class _StreamedChoice:
     text: TextAssembler
     logprobs: LogprobsFormatter
     calls: CallStream | None  # where the reply may call functions
+    reasoning: ReasoningStream | None  # where the reply's thinking is split from it
     running: _RunningStats = field(default_factory=_RunningStats)
     started: bool = False  # an event came (the echoed prompt, if any, went first)
 
@@ -934,6 +950,7 @@ async def _chunks(
             _assembler(prepared, decode),
             LogprobsFormatter(decode, envelope.chat, len(prepared.echo(i))),
             _call_stream(prepared),
+            None if prepared.thinking is None else ReasoningStream(prepared.thinking),
         )
         for i in range(len(jobs))
     ]
@@ -943,19 +960,19 @@ async def _chunks(
     results: dict[int, GenerationResult] = {}
     if envelope.chat:
         for i in range(len(jobs)):
-            yield (envelope.wrap([envelope.delta("", None, role=True, index=i)], stream=True))
+            yield envelope.wrap([envelope.delta("", None, role=True, index=i)], stream=True)
     async for i, event in _merged_events(jobs):
         if isinstance(event, ErrorEvent):
             metrics.count_request(prepared.endpoint, "500")
-            yield (ApiError(500, event.message, "server_error").body())
-            yield ("[DONE]")
+            yield ApiError(500, event.message, "server_error").body()
+            yield "[DONE]"
             return
         choice = choices[i]
         echo = prepared.echo(i)
         if echo and not choice.started and isinstance(event, RoundEvent):
             scored = prepared.echoed_logprobs(i, decode, event.round)  # on the first round
             delta = envelope.delta(echo, None, logprobs=scored, index=i)
-            yield (envelope.wrap([delta], stream=True))
+            yield envelope.wrap([delta], stream=True)
         choice.started = True
         if isinstance(event, RoundEvent):
             choice.running.add(event.round)
@@ -968,19 +985,23 @@ async def _chunks(
         if reply is not None and not reply.calls:  # text after all (the budget cut a call)
             rest = (reply.content or "")[choice.text.sent :]
             pieces = [*pieces, (rest, "target")] if rest else pieces
-        if pieces:
+        text, reasoning = "".join(p for p, _ in pieces), None
+        if choice.reasoning is not None:  # the thinking and the answer, routed
+            reasoning, text = choice.reasoning.feed(text, final)
+        if text or reasoning:
             if ttft is None:
                 ttft = time.perf_counter() - jobs[i].submitted
             delta = envelope.delta(
-                "".join(p for p, _ in pieces), None,
+                text or None if reasoning else text, None,
                 logprobs=choice.logprobs.take(choice.text, final), index=i,
+                reasoning=reasoning or None,
             )  # fmt: skip
             pieces_out = {"pieces": [list(p) for p in pieces], **choice.running.to_dict()}
-            yield (envelope.wrap([delta], stream=True, speculative=pieces_out))
+            yield envelope.wrap([delta], stream=True, speculative=pieces_out)
         calls = _call_deltas(prepared, choice, final)
         if calls:
             delta = envelope.delta(None, None, index=i, calls=calls, legacy=_legacy(prepared))
-            yield (envelope.wrap([delta], stream=True))
+            yield envelope.wrap([delta], stream=True)
         if isinstance(event, DoneEvent):
             results[i] = event.result
             result = event.result
@@ -994,12 +1015,12 @@ async def _chunks(
             last = len(results) == len(jobs)
             ordered = [results[k] for k in sorted(results)]
             extra = {"speculative": _speculative_stats(prepared, ordered, ttft)} if last else {}
-            yield (envelope.wrap([finish], stream=True, **extra))
+            yield envelope.wrap([finish], stream=True, **extra)
     ordered = [results[k] for k in sorted(results)]
     if include_usage:
-        yield (envelope.wrap([], stream=True, usage=_usage(prepared, ordered)))
+        yield envelope.wrap([], stream=True, usage=_usage(prepared, ordered))
     metrics.count_request(prepared.endpoint, "200")
-    yield ("[DONE]")
+    yield "[DONE]"
 
 
 def _cancel_unfinished(

@@ -21,6 +21,7 @@ from speculative.engine.costs import PassCostCurves
 from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
 from speculative.models.base import ReservesSlots, SupportsBatchRows
 from speculative.server.compute import ComputeThread
+from speculative.server.reasoning import template_thinks
 from speculative.server.tools import (
     HERMES,
     SYNTAXES,
@@ -51,6 +52,7 @@ class ServerConfig:
     default_max_tokens: int = 256
     max_waiting: int = 256  # requests queued beyond the batch before 503s
     tool_call_syntax: str = "auto"  # how the model writes calls (auto: from its template)
+    reasoning_parser: str = "auto"  # "think": split <think>…</think>; auto: if the template has it
 
     def check(self) -> None:
         if self.gamma != "auto" and (not isinstance(self.gamma, int) or self.gamma < 1):
@@ -59,6 +61,10 @@ class ServerConfig:
             raise ValueError(f"max batch must be >= 1, got {self.max_batch}")
         if not self.drafts:
             raise ValueError("give at least one drafter (or 'none')")
+        if self.reasoning_parser not in ("auto", "think", "none"):
+            raise ValueError(
+                f"unknown reasoning parser {self.reasoning_parser!r} (auto, think, none)"
+            )
         if self.tool_call_syntax != "auto" and self.tool_call_syntax not in SYNTAXES:
             known = ", ".join(["auto", *SYNTAXES])
             raise ValueError(f"unknown tool call syntax {self.tool_call_syntax!r} ({known})")
@@ -115,6 +121,7 @@ class ServerState:
     compute: ComputeThread | None = None
     shows_tools: bool | None = None  # whether the chat template shows tools (None: ask)
     call_syntax: CallSyntax = HERMES  # how the model writes function calls
+    reasons: bool = False  # a reply's <think> block goes out as its reasoning_content
 
     @property
     def row_gamma(self) -> int:
@@ -182,6 +189,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
         loaded,
         shows_tools=template_shows_tools(tokenizer),
         call_syntax=SYNTAXES[syntax] if syntax != "auto" else template_syntax(tokenizer),
+        reasons=config.reasoning_parser == "think"
+        or (config.reasoning_parser == "auto" and template_thinks(tokenizer)),
     )
     if config.gamma == "auto":  # the pass-cost curves the load-aware policy needs
         from speculative.engine.costs import pass_cost_curves, probe_context

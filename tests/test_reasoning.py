@@ -1,0 +1,97 @@
+"""A reasoning model's thinking split from its answer (``reasoning_content``), whole and
+streamed, on tiny models trained in the fixtures (about a second each): one that writes
+``<think>…</think>`` itself (Qwen3's way) and one whose template opens the block in the
+generation prompt (DeepSeek-R1's); the control, ``--reasoning-parser none``, gives the
+whole text as content. The streamed router is checked against the whole split for every
+way of cutting a reply into pieces."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from server_helpers import CHAT_TEMPLATE, start_server  # noqa: E402
+from speculative.server.reasoning import ReasoningStream, split_reasoning  # noqa: E402
+from tiny import byte_tokenizer, save_trained  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "Wake me at 7."}]
+THINKS = "<think>\nThe user wants an alarm at 7.\n</think>\n\nSure, at 7."
+# a template that speaks of thinking (the parser's auto), and one that opens the block
+QWEN_LIKE = "{# models think in <think></think> first #}" + CHAT_TEMPLATE
+R1_LIKE = (
+    "{# history keeps what follows </think> #}"
+    + CHAT_TEMPLATE
+    + ("{% if add_generation_prompt %}<think>\n{% endif %}")
+)
+
+
+def _thinker(folder: Path, template: str, reply: str) -> Path:
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = template
+    prompt = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return save_trained(folder, tokenizer, [(ids, reply)])
+
+
+@pytest.fixture(scope="module")
+def qwen_like(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _thinker(tmp_path_factory.mktemp("qwen_like"), QWEN_LIKE, THINKS)
+
+
+@pytest.fixture(scope="module")
+def r1_like(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _thinker(tmp_path_factory.mktemp("r1_like"), R1_LIKE, "Seven it is.\n</think>\nDone.")
+
+
+def _ask(server, stream: bool = False):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    answer = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=120, stream=stream
+    )
+    if not stream:
+        message = answer.choices[0].message
+        return (message.model_extra or {}).get("reasoning_content"), message.content
+    reasoning, content = "", ""
+    for chunk in answer:
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            content += delta.content or ""
+    return reasoning, content
+
+
+def test_the_thinking_goes_out_as_reasoning_content(qwen_like: Path, r1_like: Path) -> None:
+    with start_server(qwen_like, max_prompt_tokens=200) as server:
+        whole = _ask(server)
+        assert whole == ("\nThe user wants an alarm at 7.\n", "Sure, at 7.")
+        assert _ask(server, stream=True) == whole
+    with start_server(r1_like, max_prompt_tokens=200) as server:  # the prompt opened it
+        whole = _ask(server)
+        assert whole == ("Seven it is.\n", "Done.")
+        assert _ask(server, stream=True) == whole
+    with start_server(qwen_like, max_prompt_tokens=200, reasoning_parser="none") as server:
+        assert _ask(server) == (None, THINKS)  # the control: all of it as content
+        assert _ask(server, stream=True) == ("", THINKS)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_the_streamed_router_equals_the_whole_split(thinking: bool) -> None:
+    rng = random.Random(0)
+    replies = [THINKS, "  <think>a</think>b", "<thi", "no thinking here", "<think>cut sh",
+               "x</think>\n y", "", " ", "</think>", "a </thin", "<think></think>"]  # fmt: skip
+    for reply in replies:
+        whole = split_reasoning(reply, thinking)
+        for _ in range(20):
+            router, reasoning, answer, at = ReasoningStream(thinking), "", "", 0
+            while at < len(reply):
+                step = rng.randint(1, 4)
+                r, a = router.feed(reply[at : at + step])
+                reasoning, answer, at = reasoning + r, answer + a, at + step
+            r, a = router.feed("", final=True)
+            reasoning, answer = reasoning + r, answer + a
+            assert (reasoning, answer) == (whole[0] or "", whole[1]), (reply, thinking)
