@@ -86,3 +86,19 @@ def test_what_is_not_served_is_refused_by_name(served) -> None:
     status, _ = http(url, "POST", {"model": model, "input": PROMPT, "store": False,
                                    "max_output_tokens": 2}, key=None)  # fmt: skip
     assert status == 200
+
+
+def test_a_stream_that_fails_ends_with_response_failed() -> None:
+    from speculative.server.responses import ResponseEvents, ResponsesRequest
+
+    events = ResponseEvents(ResponsesRequest(model="m", input="hi"))
+    started = events.start()
+    text = events.feed(
+        {"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]}
+    )
+    failed = events.feed({"error": {"message": "decoding failed", "code": None}})
+    ended = events.end()
+    kinds = [e["type"] for e in [*started, *text, *failed, *ended]]
+    assert kinds[-2:] == ["error", "response.failed"]
+    assert ended[-1]["response"]["status"] == "failed"
+    assert ended[-1]["response"]["error"]["message"] == "decoding failed"

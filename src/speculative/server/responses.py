@@ -281,6 +281,7 @@ class ResponseEvents:
         self.usage: dict[str, Any] | None = None
         self.speculative: dict[str, Any] | None = None
         self.open: str | None = None  # "message" or "call": the item being written
+        self.failed: dict[str, Any] | None = None  # the error that ended the stream
 
     def start(self) -> list[dict[str, Any]]:
         snapshot = self._response("in_progress")
@@ -290,6 +291,7 @@ class ResponseEvents:
     def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         """The events of one chat chunk (or of its error payload)."""
         if "error" in chunk:
+            self.failed = chunk["error"]
             return [self._event("error", message=chunk["error"].get("message"),
                                 code=chunk["error"].get("code"), param=None)]  # fmt: skip
         self.speculative = chunk.get("speculative", self.speculative)
@@ -308,6 +310,10 @@ class ResponseEvents:
 
     def end(self) -> list[dict[str, Any]]:
         """The events that close the open item and the response."""
+        if self.failed is not None:
+            response = self._response("failed")
+            response["error"] = {"code": "server_error", "message": self.failed.get("message")}
+            return [self._event("response.failed", response=response)]
         events = self._open_message() if not self.output else []  # a reply of no text
         events += self._close()
         status = "incomplete" if self.finish == "length" else "completed"
