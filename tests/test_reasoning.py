@@ -95,3 +95,22 @@ def test_the_streamed_router_equals_the_whole_split(thinking: bool) -> None:
             r, a = router.feed("", final=True)
             reasoning, answer = reasoning + r, answer + a
             assert (reasoning, answer) == (whole[0] or "", whole[1]), (reply, thinking)
+
+
+def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(qwen_like: Path) -> None:
+    with start_server(qwen_like, max_prompt_tokens=200) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        ask = {"model": model, "input": MESSAGES[0]["content"], "temperature": 0,
+               "max_output_tokens": 120}  # fmt: skip
+        response = client.responses.create(**ask)
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        assert response.output[0].content[0].text == "\nThe user wants an alarm at 7.\n"
+        assert response.output_text == "Sure, at 7."
+        events = list(client.responses.create(**ask, stream=True))
+        thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert (thinking, answer) == (response.output[0].content[0].text, "Sure, at 7.")
+        final = events[-1].response
+        assert [item.type for item in final.output] == ["reasoning", "message"]
+        assert [e.sequence_number for e in events] == list(range(len(events)))

@@ -237,6 +237,13 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [part] if text or status == "completed" else []}  # fmt: skip
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A reasoning model's thinking (its ``<think>`` block) as a ``reasoning`` item."""
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
+            "status": status}  # fmt: skip
+
+
 def call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
     function = call["function"]
     return {
@@ -254,6 +261,8 @@ def whole_response(request: ResponsesRequest, chat: dict[str, Any]) -> dict[str,
     choice = chat["choices"][0]
     message = choice["message"]
     output = []
+    if message.get("reasoning_content"):
+        output.append(reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
     if message.get("content") or not message.get("tool_calls"):  # (a reply of no text too)
         output.append(message_item(new_id("msg"), message.get("content") or "", "completed"))
     for call in message.get("tool_calls") or []:
@@ -280,7 +289,7 @@ class ResponseEvents:
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
         self.speculative: dict[str, Any] | None = None
-        self.open: str | None = None  # "message" or "call": the item being written
+        self.open: str | None = None  # "reasoning", "message", "call": the item being written
         self.failed: dict[str, Any] | None = None  # the error that ended the stream
 
     def start(self) -> list[dict[str, Any]]:
@@ -300,6 +309,8 @@ class ResponseEvents:
         events: list[dict[str, Any]] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events += self._reasoning(delta["reasoning_content"])
             if delta.get("content"):
                 events += self._text(delta["content"])
             for part in delta.get("tool_calls") or []:
@@ -314,7 +325,8 @@ class ResponseEvents:
             response = self._response("failed")
             response["error"] = {"code": "server_error", "message": self.failed.get("message")}
             return [self._event("response.failed", response=response)]
-        events = self._open_message() if not self.output else []  # a reply of no text
+        answered = any(item["type"] != "reasoning" for item in self.output)
+        events = [] if answered else [*self._close(), *self._open_message()]  # no text
         events += self._close()
         status = "incomplete" if self.finish == "length" else "completed"
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
@@ -327,6 +339,21 @@ class ResponseEvents:
         events.append(self._event("response.output_text.delta", item_id=item["id"],
                                   output_index=len(self.output) - 1, content_index=0,
                                   delta=piece, logprobs=[]))  # fmt: skip
+        return events
+
+    def _reasoning(self, piece: str) -> list[dict[str, Any]]:
+        events = []
+        if self.open != "reasoning":
+            events += self._close()
+            item = reasoning_item(new_id("rs"), "", "in_progress")
+            self.output.append(item)
+            self.open, self.text = "reasoning", ""
+            events.append(self._added(item))
+        self.text += piece
+        item = self.output[-1]
+        events.append(self._event("response.reasoning_text.delta", item_id=item["id"],
+                                  output_index=len(self.output) - 1, content_index=0,
+                                  delta=piece))  # fmt: skip
         return events
 
     def _open_message(self) -> list[dict[str, Any]]:
@@ -367,7 +394,14 @@ class ResponseEvents:
             return []
         at, item = len(self.output) - 1, self.output[-1]
         events = []
-        if self.open == "message":
+        if self.open == "reasoning":
+            item.update(reasoning_item(item["id"], self.text, "completed"))
+            done = self._event(
+                "response.reasoning_text.done", item_id=item["id"], output_index=at,
+                content_index=0, text=self.text,
+            )  # fmt: skip
+            events.append(done)
+        elif self.open == "message":
             item.update(message_item(item["id"], self.text, "completed"))
             part = item["content"][0]
             events.append(self._event("response.output_text.done", item_id=item["id"],
