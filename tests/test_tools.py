@@ -311,6 +311,13 @@ def test_auto_keeps_text_and_makes_every_call_valid(caller: Path) -> None:
         stopped_call = stopped.message.tool_calls[1].function.model_dump()
         assert stopped_call == cut_calls[1] | {"arguments": '{"city": "Paris", '}
         assert _streamed(ask(stop=['"days"'], stream=True))[1][1]["function"] == stopped_call
+        brace = byte_tokenizer().convert_tokens_to_ids("}")  # a stop token inside a call
+        braced = ask(extra_body={"stop_token_ids": [brace]}).choices[0]
+        assert braced.finish_reason == "stop" and braced.message.content == "Sure. "
+        (first,) = [c.model_dump()["function"] for c in braced.message.tool_calls]
+        assert first == {"name": "set_alarm", "arguments": '{"hour": 7'}
+        streamed_brace = _streamed(ask(extra_body={"stop_token_ids": [brace]}, stream=True))
+        assert [c["function"] for c in streamed_brace[1]] == [first]
         cut = ask(max_tokens=30).choices[0]  # the budget cuts the first call
         assert cut.finish_reason == "length" and cut.message.tool_calls is None
         assert cut.message.content == TRAINED_REPLY[: len(cut.message.content)]

@@ -62,7 +62,7 @@ from speculative.server.scheduler import (
     Scheduler,
 )
 from speculative.server.state import NONE, ServerState
-from speculative.server.text import TextAssembler, first_stop, partial_stop_length, token_kinds
+from speculative.server.text import TextAssembler, token_kinds
 from speculative.server.tools import (
     HERMES,
     CallStream,
@@ -833,9 +833,7 @@ def _reply(prepared: Prepared, text: TextAssembler) -> Reply | None:
     if not isinstance(body, ChatCompletionRequest) or not body.may_call():
         return None
     assert body.tools is not None
-    stop = first_stop(text.text, body.stop_strings())
-    reply = text.text if stop is None else text.text[:stop]
-    return split_calls(reply, body.tools, prepared.call_syntax)
+    return split_calls(text.reply_text(final=True), body.tools, prepared.call_syntax)
 
 
 def _call_stream(prepared: Prepared) -> CallStream | None:
@@ -846,21 +844,12 @@ def _call_stream(prepared: Prepared) -> CallStream | None:
     return CallStream(body.tools, prepared.call_syntax)
 
 
-def _call_deltas(prepared: Prepared, choice: _StreamedChoice, final: bool) -> list[dict]:
-    """The streamed calls' new parts: from the choice's text so far, its whole
-    characters cut at the first stop string (and before what may start one, until the
-    reply is complete)."""
+def _call_deltas(choice: _StreamedChoice, final: bool) -> list[dict]:
+    """The streamed calls' new parts, from the reply so far (:meth:`TextAssembler.
+    reply_text`)."""
     if choice.calls is None:
         return []
-    text = choice.text
-    view = text.text if final else text.text[: text.ends[-1] if text.ends else 0]
-    stops = prepared.body.stop_strings()
-    stop = first_stop(view, stops)
-    if stop is not None:
-        view = view[:stop]
-    elif not final:
-        view = view[: len(view) - partial_stop_length(view, stops)]
-    return choice.calls.deltas(view)
+    return choice.calls.deltas(choice.text.reply_text(final))
 
 
 @dataclass
@@ -998,7 +987,7 @@ async def _chunks(
             )  # fmt: skip
             pieces_out = {"pieces": [list(p) for p in pieces], **choice.running.to_dict()}
             yield envelope.wrap([delta], stream=True, speculative=pieces_out)
-        calls = _call_deltas(prepared, choice, final)
+        calls = _call_deltas(choice, final)
         if calls:
             delta = envelope.delta(None, None, index=i, calls=calls, legacy=_legacy(prepared))
             yield envelope.wrap([delta], stream=True)

@@ -147,11 +147,21 @@ class TextAssembler:
         # token 0 starts at 0; token i > 0 at ends[i - 1] (ends never decrease)
         return 1 + min(bisect.bisect_left(self.ends, stop), len(self.tokens) - 1)
 
-    def _first_cut(self, text: str) -> int | None:
+    def reply_text(self, final: bool) -> str:
+        """The reply before its first stop string or stop token, function calls
+        included (what the calls are read from): whole characters, and until ``final``
+        without what may start a stop string."""
+        view = self.text if final else self.text[: self.ends[-1] if self.ends else 0]
+        cut = self._first_cut(view, calls=False)
+        if cut is not None:
+            return view[:cut]
+        return view if final else view[: len(view) - partial_stop_length(view, self.stops)]
+
+    def _first_cut(self, text: str, calls: bool = True) -> int | None:
         """Where the final text ends in ``text``: at its first stop string (after it,
-        with ``include_stops``), stop token or function call, if any."""
+        with ``include_stops``), stop token or (``calls``) function call, if any."""
         cuts = [stop_end(text, self.stops) if self.include_stops else first_stop(text, self.stops)]
-        cuts.append(self.calls(text)[0] if self.calls is not None else None)
+        cuts.append(self.calls(text)[0] if calls and self.calls is not None else None)
         if not self.include_stops and self.token_cut is not None and self.token_cut <= len(text):
             cuts.append(self.token_cut)
         found = [cut for cut in cuts if cut is not None]
