@@ -1087,6 +1087,22 @@ def test_an_assistant_message_continued_and_template_variables(
     )
     assert reply.usage.prompt_tokens == continued["count"]
     assert reply.choices[0].message.content == same.choices[0].text
+    echoed = client.chat.completions.create(  # vLLM's echo: the prefill comes back too
+        model=model, messages=begun, max_tokens=8, temperature=0,
+        extra_body={**prefill, "echo": True},
+    )  # fmt: skip
+    assert echoed.choices[0].message.content == "a dog" + same.choices[0].text
+    streamed = client.chat.completions.create(
+        model=model, messages=begun, max_tokens=8, temperature=0, stream=True,
+        extra_body={**prefill, "echo": True},
+    )  # fmt: skip
+    assert stream_text(streamed)[0] == echoed.choices[0].message.content
+    alone = client.chat.completions.create(  # the last message the user's: nothing echoed
+        model=model, messages=begun[:1], max_tokens=8, temperature=0, extra_body={"echo": True}
+    )
+    plain = client.chat.completions.create(model=model, messages=begun[:1], max_tokens=8,
+                                           temperature=0)  # fmt: skip
+    assert alone.choices[0].message.content == plain.choices[0].message.content
     for bad, param in [
         ({"continue_final_message": True}, "continue_final_message"),  # generation prompt on
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),

@@ -139,7 +139,7 @@ class Prepared:
     ) -> Any:
         """The echoed prompt's log-probabilities (completions' shape), where asked for:
         from a choice's result or its first round."""
-        if not self.echoes:
+        if not self.echoes or self.endpoint != "completions":
             return None
         ids = self.prompts[self.prompt_of(choice)]
         return echoed_prompt(decode, ids, result.prompt_logprobs)
@@ -427,6 +427,8 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
     acquire = pool.acquire if pool is not None else None
     release = pool.release if pool is not None else None
     echoes = _echoes(body, prompts, state) if body.echoes_prompt() else []
+    if isinstance(body, ChatCompletionRequest) and body.echoed_message():
+        echoes = [body.echoed_message()]  # vLLM's chat echo: the begun assistant message
     prediction = None
     if body.prediction is not None:  # its rows draft from it, whatever the request named
         text = body.prediction.text()
@@ -785,6 +787,8 @@ def _whole_choice(
             reasoning, answer = split_reasoning(message["content"] or "", prepared.thinking)
             message["reasoning_content"] = reasoning
             message["content"] = answer if answer or not (reply and reply.calls) else None
+        if echo and isinstance(message["content"], str):
+            message["content"] = echo + message["content"]
         if reply is not None and reply.calls:
             reason = _calls_reason(result, prepared, reply)
             if _legacy(prepared):

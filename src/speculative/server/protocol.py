@@ -470,6 +470,9 @@ class ChatCompletionRequest(TemplateFields, _Common):
     parallel_tool_calls: bool | None = None  # false: one call at most (default: any)
     functions: list[FunctionSpec] | None = None  # OpenAI's legacy tools: one call, …
     function_call: Literal["none", "auto"] | FunctionName | None = None  # … its tool_choice
+    # vLLM's: the reply starts with the last message where that is the assistant's (a
+    # prefill continued with continue_final_message comes back whole)
+    echo: bool = False
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -536,6 +539,12 @@ class ChatCompletionRequest(TemplateFields, _Common):
         choice = self.tool_choice or "auto"  # OpenAI's default beside tools
         parallel = self.parallel_tool_calls is not False
         return call_format(self.tools, choice, parallel, syntax)
+
+    def echoed_message(self) -> str:
+        """The text the reply starts with: the last message's, where ``echo`` asks for it
+        and it is the assistant's; else ""."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     def template_tools(self) -> list[Tool] | None:
         """The tools the prompt shows the model (None: none to show)."""
