@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from importlib import resources
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from fastapi import FastAPI, Request
@@ -68,9 +68,13 @@ from speculative.server.tools import (
     CallStream,
     CallSyntax,
     Reply,
+    Tool,
     chat_prompt,
     split_calls,
 )
+
+if TYPE_CHECKING:
+    from speculative.targets import TemplateOptions
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 SEED_RANGE = 2**63  # seeds drawn for requests without one lie below it
@@ -354,16 +358,26 @@ def _tokenized(body: TokenizeRequest, state: ServerState) -> dict[str, Any]:
     try:
         if body.messages is not None:
             messages = [message.for_template() for message in body.messages]
-            tokens = chat_prompt(
-                tokenizer, messages, body.tools, state.shows_tools, state.call_syntax,
-                body.template_options(),
-            )  # fmt: skip
+            tokens = _chat_ids(state, messages, body.tools, body.template_options())
         else:
             assert body.prompt is not None
             tokens = encode_prompt(tokenizer, body.prompt, None, chat=False)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="messages" if body.messages else "prompt") from None
     return {"count": len(tokens), "max_model_len": state.context_window, "tokens": tokens}
+
+
+def _chat_ids(
+    state: ServerState,
+    messages: list[dict[str, Any]],
+    tools: list[Tool] | None,
+    template: TemplateOptions,
+) -> list[int]:
+    """A chat's prompt tokens as this server renders them (its template's way with tools,
+    its call syntax): what a request and ``/tokenize`` both count."""
+    return chat_prompt(
+        state.loaded.tokenizer, messages, tools, state.shows_tools, state.call_syntax, template
+    )
 
 
 def _check_vocabulary(ids: Sequence[int], state: ServerState, param: str) -> None:
@@ -465,9 +479,8 @@ def _prompt_ids(
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     try:
         if isinstance(body, ChatCompletionRequest):
-            tools, shows = body.template_tools(), state.shows_tools
-            messages, template = body.chat_messages(), body.template_options()
-            return [chat_prompt(tokenizer, messages, tools, shows, state.call_syntax, template)]
+            template = body.template_options()
+            return [_chat_ids(state, body.chat_messages(), body.template_tools(), template)]
         prompts = []
         for prompt in body.prompts():
             if body.suffix:

@@ -44,20 +44,20 @@ def token_kinds(round_: Round) -> list[str]:
     return kinds
 
 
-def first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index where the earliest stop string starts in ``text``, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def stop_end(text: str, stops: Sequence[str]) -> int | None:
-    """Where the earliest stop string in ``text`` ends (of those starting earliest, the
-    first given), or None."""
+def earliest_stop(text: str, stops: Sequence[str]) -> tuple[int, int] | None:
+    """(where it starts, where it ends) of the earliest stop string in ``text`` (of those
+    starting earliest, the first given), or None."""
     hits = [(i, k) for k, i in enumerate(text.find(s) for s in stops) if i >= 0]
     if not hits:
         return None
     start, k = min(hits)
-    return start + len(stops[k])
+    return start, start + len(stops[k])
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Index where the earliest stop string starts in ``text``, or None."""
+    found = earliest_stop(text, stops)
+    return None if found is None else found[0]
 
 
 def partial_stop_length(text: str, stops: Sequence[str]) -> int:
@@ -160,7 +160,8 @@ class TextAssembler:
     def _first_cut(self, text: str, calls: bool = True) -> int | None:
         """Where the final text ends in ``text``: at its first stop string (after it,
         with ``include_stops``), stop token or (``calls``) function call, if any."""
-        cuts = [stop_end(text, self.stops) if self.include_stops else first_stop(text, self.stops)]
+        found = earliest_stop(text, self.stops) if self.stops else None
+        cuts = [None if found is None else found[1] if self.include_stops else found[0]]
         cuts.append(self.calls(text)[0] if calls and self.calls is not None else None)
         if not self.include_stops and self.token_cut is not None and self.token_cut <= len(text):
             cuts.append(self.token_cut)
