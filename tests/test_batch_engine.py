@@ -1116,6 +1116,55 @@ def test_rows_after_finished_rows_reuse_their_retained_prompt(folder: Path, monk
     assert model.retained(0, holder) == 0
 
 
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+@pytest.mark.parametrize("tree", ["off", "static"])
+def test_a_conversations_next_turn_starts_from_the_last_turns_reply(
+    folder: Path, backend: str, tree: str
+) -> None:
+    """A row whose prompt is a finished row's prompt, its reply and more (a chat's next
+    turn) starts from every position of them the finished row's chain passes computed,
+    its reply's included, and is exactly its single-sequence run (greedy and sampled).
+    Positions a tree pass wrote are computed again (their attention ran over other
+    cache slots). Negative control: a copy that claims the positions without their keys
+    and values changes the next turn."""
+    from speculative.engine.tree import make_tree_round
+
+    _backend(backend)
+    prompt = _ids(40, 81)[0].tolist()[:24]
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+
+    def request(ids: list[int], seed: int) -> BatchRequest:
+        drafter = _drafter("self-int4", folder, backend)  # (drafts the target mostly keeps)
+        tree_round = make_tree_round(tree, drafter, 4) if tree != "off" else None
+        return BatchRequest(ids, params, StopCriteria(10), torch.Generator().manual_seed(seed),
+                            drafter, 3, tree=tree_round)  # fmt: skip
+
+    def turns(cls: type[NativeLlama]) -> tuple[list[int], list[int], int]:
+        model = load_native(folder, max_length=96, backend=backend, max_slots=2)
+        model.__class__ = cls
+        engine = BatchEngine(model, max_batch=2)
+        (first,) = engine.run([request(prompt, 1)])
+        follow = [*prompt, *first.token_ids, *prompt[:5]]
+        (then,) = engine.run([request(follow, 2)])
+        return first.token_ids, then.token_ids, then.stats.cached_prompt_tokens
+
+    reply, next_turn, cached = turns(NativeLlama)
+    follow = [*prompt, *reply, *prompt[:5]]
+    alone_request = request(follow, 2)
+    alone = SpeculativeEngine(
+        load_native(folder, max_length=96, backend=backend), alone_request.drafter, 3,
+        alone_request.tree,
+    ).generate(follow, params, StopCriteria(10), alone_request.generator)  # fmt: skip
+    assert next_turn == alone.token_ids
+    held = len(prompt) + len(reply) - 1  # (the last reply token was never fed)
+    if tree == "off":
+        assert cached >= held  # the reply's positions too, not only the prompt's
+    else:
+        assert len(prompt) - 1 <= cached < held  # up to where the first tree path was kept
+    _reply, broken, _ = turns(_ClaimsPrefixOnly)
+    assert broken != alone.token_ids
+
+
 class _NoPrefixSharing(NativeLlama):
     copy_slot_prefix = None  # not a SharesSlotPrefix: every row prefills its own prompt
 

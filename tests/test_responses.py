@@ -1,7 +1,9 @@
 """OpenAI's Responses API (``POST /v1/responses``) with the real ``openai`` client: the
 same decoding as chat (greedy text equal to the chat completion of the same messages),
-its output items and usage, the typed stream events, and the refusals of what it does
-not serve (stored responses, non-function tools)."""
+its output items and usage, the typed stream events, stored responses (a follow-up by
+``previous_response_id`` is the chat completion of the whole conversation and finds it in
+the cache; retrieval, input items, deletion; background responses, polled and cancelled),
+and the refusals of what it does not serve (conversation objects, non-function tools)."""
 
 from __future__ import annotations
 
@@ -9,14 +11,24 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from server_helpers import http, start_server, tiny_chat_folder  # noqa: E402
+from server_helpers import CHAT_TEMPLATE, http, start_server  # noqa: E402
+from tiny import save_tiny, tiny_tokenizer  # noqa: E402
 
 PROMPT = "the cat sat on the mat"
 
 
+# the tiny chat template, with a generation prompt that starts the assistant's turn as a
+# rendered assistant message does (as real templates do), so that a follow-up's prompt
+# begins with the earlier prompt and reply
+TEMPLATE = CHAT_TEMPLATE.replace("then{% endif %}", "assistant{% endif %}")
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
-    folder = tiny_chat_folder(tmp_path_factory.mktemp("responses"))
+    folder = tmp_path_factory.mktemp("responses")
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    save_tiny(folder, seed=3, tokenizer=tokenizer)
     with start_server(folder, max_prompt_tokens=64) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         yield server, client, client.models.list().data[0].id
@@ -73,8 +85,9 @@ def test_what_is_not_served_is_refused_by_name(served) -> None:
     server, _client, model = served
     url = server.url + "/v1/responses"
     for body, param in [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"background": True}, "background"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"background": True, "stream": True}, "background"),
+        ({"background": True, "store": False}, "background"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"temperature": 9}, "temperature"),
@@ -102,3 +115,163 @@ def test_a_stream_that_fails_ends_with_response_failed() -> None:
     assert kinds[-2:] == ["error", "response.failed"]
     assert ended[-1]["response"]["status"] == "failed"
     assert ended[-1]["response"]["error"]["message"] == "decoding failed"
+
+
+def test_a_follow_up_is_the_whole_conversation_and_finds_it_in_the_cache(served) -> None:
+    _server, client, model = served
+    # words only (no <unk> or </s>, which decoding drops): the reply re-tokenizes as made
+    through = {"ignore_eos": True, "logit_bias": {"0": -100, "1": -100}}
+    first = client.responses.create(
+        model=model, input=PROMPT, max_output_tokens=8, temperature=0, extra_body=through
+    )
+    then = client.responses.create(
+        model=model, previous_response_id=first.id, input="and then", max_output_tokens=8,
+        temperature=0, extra_body=through,
+    )  # fmt: skip
+    assert then.previous_response_id == first.id
+    # the earlier turn's prompt and reply, then the new input, rendered and decoded again
+    cached = then.usage.input_tokens_details.cached_tokens
+    held = first.usage.input_tokens + first.usage.output_tokens - 1  # (the last not yet fed)
+    assert held <= cached < then.usage.input_tokens  # the first turn's row still held them
+    messages = [{"role": "user", "content": PROMPT},
+                {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "and then"}]  # fmt: skip
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, extra_body=through
+    )
+    assert then.output_text == chat.choices[0].message.content
+    assert then.usage.input_tokens == chat.usage.prompt_tokens
+    # instructions are the request's own: a follow-up with others is decoded with them
+    told = client.responses.create(
+        model=model, previous_response_id=first.id, input="and then", instructions="red",
+        max_output_tokens=8, temperature=0, extra_body=through,
+    )  # fmt: skip
+    assert told.usage.input_tokens > then.usage.input_tokens
+
+
+def test_a_stored_response_is_retrieved_listed_and_deleted(served) -> None:
+    _server, client, model = served
+    first = client.responses.create(model=model, input=PROMPT, max_output_tokens=4, temperature=0)
+    then = client.responses.create(
+        model=model, previous_response_id=first.id, input="and then", max_output_tokens=4,
+        temperature=0,
+    )  # fmt: skip
+    kept = client.responses.retrieve(then.id)
+    assert kept.output_text == then.output_text and kept.usage == then.usage
+    items = client.responses.input_items.list(then.id, order="asc").data
+    assert [(item.type, item.role) for item in items] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user")
+    ]  # fmt: skip
+    assert items[1].content[0].text == first.output_text
+    assert items[2].content[0].text == "and then"
+    newest = client.responses.input_items.list(then.id, limit=2)  # desc by default
+    assert [item.id for item in newest.data] == [items[2].id, items[1].id]
+    assert newest.has_more
+    rest = client.responses.input_items.list(then.id, limit=2, after=items[1].id)
+    assert [item.id for item in rest.data] == [items[0].id] and not rest.has_more
+    # deleting the first leaves the follow-up's conversation whole
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.create(model=model, previous_response_id=first.id, input="x")
+    assert gone.value.body["param"] == "previous_response_id"
+    again = client.responses.create(
+        model=model, previous_response_id=then.id, input="more", max_output_tokens=2
+    )
+    assert again.usage.input_tokens > then.usage.input_tokens
+    unkept = client.responses.create(model=model, input=PROMPT, max_output_tokens=2, store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+
+
+def test_a_background_response_is_polled_to_the_foreground_answer(served) -> None:
+    _server, client, model = served
+    asked = {"model": model, "input": PROMPT, "max_output_tokens": 12, "temperature": 0}
+    foreground = client.responses.create(**asked)
+    started = client.responses.create(**asked, background=True)
+    assert started.status in ("queued", "in_progress") and started.output == []
+    polled = _poll(client, started.id)
+    assert polled.status == foreground.status and polled.background
+    assert polled.output_text == foreground.output_text
+    with pytest.raises(openai.BadRequestError):  # only background responses are cancelled
+        client.responses.cancel(foreground.id)
+
+
+def test_a_cancelled_background_response_frees_its_row(served) -> None:
+    server, client, model = served
+    scheduler = server.server.config.app.state.scheduler
+    long = client.responses.create(
+        model=model, input=PROMPT, max_output_tokens=2000, background=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    _wait(lambda: scheduler.running == 1)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    _wait(lambda: scheduler.running == 0)  # the row left the batch
+    assert client.responses.retrieve(long.id).status == "cancelled"
+
+
+def _poll(client, response_id: str):
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        response = client.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress"):
+            return response
+        time.sleep(0.02)
+    raise AssertionError(f"{response_id} still {response.status} after 60 s")
+
+
+def _wait(condition) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_store_keeps_the_most_recently_used_and_never_evicts_a_running_one() -> None:
+    from speculative.server.protocol import ApiError
+    from speculative.server.stored import ResponseStore, StoredResponse
+
+    def response(name: str, status: str = "completed") -> StoredResponse:
+        return StoredResponse({"id": name, "status": status, "output": []}, [])
+
+    store = ResponseStore(capacity=2)
+    store.put(response("a", "queued"))  # running: kept past the capacity
+    store.put(response("b"))
+    store.put(response("c"))
+    assert list(store.kept) == ["a", "c"]  # b, the oldest finished one, went
+    store.get("a").body["status"] = "completed"  # a lookup makes it the most recent
+    store.put(response("d"))
+    assert list(store.kept) == ["a", "d"]  # c, now the least recently used, went
+    with pytest.raises(ApiError) as missing:
+        ResponseStore(capacity=0).get("a", "previous_response_id")
+    assert missing.value.status == 404 and "--responses-store 0" in missing.value.message
+
+
+def test_stored_items_translate_back_to_the_chat_they_came_from() -> None:
+    from speculative.server.responses import InputItem, ResponsesRequest
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x":1}'}
+    given = [
+        {"role": "user", "content": "weather?"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        call,
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ]
+    request = ResponsesRequest(model="m", input=given)
+    stored = [item.stored() for item in request.input_items()]
+    assert len({item["id"] for item in stored}) == 4
+    history = [InputItem.model_validate(item) for item in stored]
+    follow_up = ResponsesRequest(model="m", input="thanks")
+    assert follow_up.chat_request(history)["messages"] == [
+        *request.chat_request()["messages"], {"role": "user", "content": "thanks"}
+    ]  # fmt: skip
+    assert [m["role"] for m in follow_up.chat_request(history)["messages"]] == [
+        "user", "assistant", "tool", "user"
+    ]  # fmt: skip

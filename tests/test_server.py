@@ -1001,6 +1001,48 @@ def test_default_model_greedy_equals_generate() -> None:
     assert any(ord(c) > 127 for c in chat.text + raw.text)  # the check saw non-ASCII
 
 
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(
+    client: openai.OpenAI, model: str
+) -> None:
+    """vLLM's ``stop_reason``: the stop string (as given) or ``stop_token_ids`` token that
+    ended a choice, whole and streamed, completions and chat; None at the budget and at
+    the model's end of sequence, even where that token is a stop token too."""
+    from tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+
+    def ask(stream: bool = False, chat: bool = False, **extra) -> tuple[str | None, object]:
+        common = {"model": model, "max_tokens": 16, "temperature": 0, "stream": stream,
+                  "extra_body": extra}  # fmt: skip
+        if chat:
+            messages = [{"role": "user", "content": PROMPT}]
+            answer = client.chat.completions.create(messages=messages, **common)
+        else:
+            answer = client.completions.create(prompt=PROMPT, **common)
+        chunks = list(answer) if stream else [answer]
+        last = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+        return last.finish_reason, last.model_extra["stop_reason"]
+
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    ids = tokenizer(whole.choices[0].text, add_special_tokens=False)["input_ids"]
+    word = tokenizer.decode(ids[2:3])
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=16,
+        temperature=0, extra_body={"ignore_eos": True},
+    ).choices[0].message.content  # fmt: skip
+    said = reply.split()[1]
+    assert ask(ignore_eos=True) == ("length", None)
+    for stream in (False, True):
+        assert ask(stream, stop=["zzz", word], ignore_eos=True) == ("stop", word)
+        assert ask(stream, stop_token_ids=[ids[2]], ignore_eos=True) == ("stop", ids[2])
+        assert ask(stream, chat=True, stop=[said], ignore_eos=True) == ("stop", said)
+    end = {"1": 100}  # the model's end of sequence at once
+    assert ask(logit_bias=end) == ("stop", None)
+    assert ask(logit_bias=end, stop_token_ids=[1]) == ("stop", None)
+    assert ask(logit_bias=end, stop_token_ids=[1], ignore_eos=True) == ("stop", 1)
+
+
 def test_stop_tokens_min_tokens_and_kept_stops(
     folder: Path, client: openai.OpenAI, model: str
 ) -> None:

@@ -8,7 +8,13 @@ import os
 import socket
 import sys
 
-from speculative.cli.common import CliError, Formatter, port_number, positive_int
+from speculative.cli.common import (
+    CliError,
+    Formatter,
+    non_negative_int,
+    port_number,
+    positive_int,
+)
 from speculative.cli.generate_cmd import add_kv_cache_argument
 from speculative.cli.serve_ray import add_replica_arguments, serve_replicas, uses_ray
 
@@ -122,6 +128,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "speaks of </think>; none: all of it as content",
     )
     parser.add_argument(
+        "--responses-store",
+        type=non_negative_int,
+        default=1000,
+        metavar="N",
+        help="Responses API answers kept in memory for previous_response_id, GET "
+        "/v1/responses/{id} and background requests (the N most recently used; 0: none)",
+    )
+    parser.add_argument(
         "--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body"
     )
     parser.add_argument(
@@ -206,6 +220,7 @@ def build_config(args: argparse.Namespace):
         max_waiting=args.max_waiting,
         tool_call_syntax=args.tool_call_syntax,
         reasoning_parser=args.reasoning_parser,
+        responses_stored=args.responses_store,
     )
 
 

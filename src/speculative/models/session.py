@@ -457,7 +457,9 @@ class SlotSession:
         # the acquisition whose positions the slot holds (SharesSlotPrefix.holder)
         self.holder = model.holder(self.slot) if provides(model, SharesSlotPrefix) else 0
         self.cached: list[int] = []
-        self.prompt_prefix: list[int] = []  # the prompt tokens its prefill feeds (shareable)
+        # the first cached position no chain pass of this model computed (a tree pass's,
+        # kept by keep_path, or one imported from another model), None: there is none
+        self.foreign_from: int | None = None
         self.released = False
         self._pending: _Pending | None = None
         self._tree: list[int] | None = None  # tree tokens fed after ``cached``, not committed
@@ -493,10 +495,14 @@ class SlotSession:
 
     def shareable(self, prefix: Sequence[int], features: bool) -> int:
         """How many first positions of ``prefix`` another slot may copy from this one:
-        prompt positions (computed by prefill passes, as the copy's own prefill would
-        compute them) already cached, with their features when ``features``."""
-        n = common_prefix_length(self.prompt_prefix, prefix)
-        n = min(n, common_prefix_length(self.cached, prefix))
+        cached positions that chain passes computed (prompt chunks and rounds: bit for bit
+        what the copy's own prefill would compute, the kernels being k-invariant; not
+        those a tree pass wrote, whose attention ran over other cache slots), with their
+        features when ``features``. A conversation's next turn so finds the last turn's
+        prompt and reply."""
+        n = common_prefix_length(self.cached, prefix)
+        if self.foreign_from is not None:
+            n = min(n, self.foreign_from)
         if features:
             n = min(n, self._features.length if self._features is not None else 0)
         if self.released:  # what the slot still holds of this row
@@ -508,6 +514,7 @@ class SlotSession:
         values and features copied, not computed."""
         self.model.copy_slot_prefix(donor.slot, self.slot, length)
         self.cached = donor.cached[:length]
+        self.foreign_from = None  # (the donor shares no position a tree wrote)
         if self._features is not None:
             assert donor.features is not None
             self._features.append(0, donor.features[:length])
@@ -573,6 +580,8 @@ class SlotSession:
         if self._features is not None:
             self._features.keep_path(first, nodes)
         self.cached.extend(tree[i] for i in nodes)
+        if nodes:
+            self._mark_foreign(first)
 
     def release(self) -> None:
         """Free the slot at once (the session cannot be used afterwards; what it cached
@@ -592,6 +601,8 @@ class SlotSession:
         if drop:
             self.model.rollback_slot(self.slot, drop)
             del self.cached[keep:]
+            if self.foreign_from is not None and self.foreign_from >= keep:
+                self.foreign_from = None  # what a tree wrote or another model gave is gone
         if self._features is not None:
             self._features.truncate(keep)
             self._features.tree = None
@@ -602,7 +613,7 @@ class SlotSession:
         """Forget every cached position (the slot stays held)."""
         self._tree = None
         self.model.rollback_slot(self.slot, self.model.slot_length(self.slot))
-        self.cached = []
+        self.cached, self.foreign_from = [], None
         if self._features is not None:
             self._features.truncate(0)
 
@@ -635,6 +646,7 @@ class SlotSession:
         ):
             return 0
         self.cached.extend(context[keep:usable])
+        self._mark_foreign(keep)
         return usable - keep
 
     def adopt(self, other: RowSession) -> bool:
@@ -647,7 +659,12 @@ class SlotSession:
         if not model.import_cache(other.model, len(other.cached), other.cache_slot, self.slot):
             return False
         self.cached = list(other.cached)
+        self._mark_foreign(0)
         return True
+
+    def _mark_foreign(self, first: int) -> None:
+        """Positions from ``first`` on were not computed by this model's chain passes."""
+        self.foreign_from = first if self.foreign_from is None else min(first, self.foreign_from)
 
 
 # ---- where rows live: one model's slots, or a single-sequence model (batch of one) ------
@@ -744,8 +761,7 @@ class SlotPool:
         depend on the other rows or tokens of a pass)."""
         wanted = features and self.gives_features
         session = SlotSession(self.model, wanted)  # raises when no slot is free
-        session.prompt_prefix = list(prompt[:-1])
-        donor, length = self._donor(session.prompt_prefix, wanted)
+        donor, length = self._donor(list(prompt[:-1]), wanted)
         if donor is not None:
             session.adopt_prefix(donor, length)
         self._sessions[session.slot] = session

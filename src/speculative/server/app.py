@@ -17,7 +17,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -48,9 +48,12 @@ from speculative.server.protocol import (
 )
 from speculative.server.reasoning import ReasoningStream, opens_thinking, split_reasoning
 from speculative.server.responses import (
+    InputItem,
     ResponseEvents,
     ResponsesRequest,
     chat_error_param,
+    new_id,
+    response_object,
     whole_response,
 )
 from speculative.server.scheduler import (
@@ -62,7 +65,8 @@ from speculative.server.scheduler import (
     Scheduler,
 )
 from speculative.server.state import NONE, ServerState
-from speculative.server.text import TextAssembler, token_kinds
+from speculative.server.stored import ResponseStore, StoredResponse, item_page
+from speculative.server.text import TextAssembler, earliest_stop, token_kinds
 from speculative.server.tools import (
     HERMES,
     CallStream,
@@ -103,6 +107,10 @@ class Prepared:
     # (accepted, rejected) prediction tokens of each row, as its drafter is given back
     predicted: list[tuple[int, int]] = field(default_factory=list)
     responses: ResponsesRequest | None = None  # the Responses API request it came as
+    response_id: str | None = None  # a Responses request's answer's id
+    # a Responses request's input items (earlier turns' first), kept with its answer
+    input_items: list[dict[str, Any]] = field(default_factory=list)
+    keep: Callable[[StoredResponse], None] | None = None  # stores the answer, where asked
     # where the reply's thinking is split from its answer: whether the prompt opened the
     # thinking block (None: no split)
     thinking: bool | None = None
@@ -189,6 +197,7 @@ def create_app(state: ServerState) -> FastAPI:
     engine = BatchEngine(state.loaded.lm, max_batch=state.config.max_batch, load=load)
     scheduler = Scheduler(engine, metrics, state.config.max_waiting, compute=state.compute)
     metrics.attach(scheduler)
+    store = ResponseStore(state.config.responses_stored)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -200,6 +209,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
     app.state.scheduler = scheduler
     app.state.metrics = metrics
+    app.state.responses = store
     _install_error_handlers(app)
 
     @app.get("/health")
@@ -236,17 +246,52 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _serve(request, "completions", state, scheduler, metrics)
+        return await _serve(request, "completions", state, scheduler, metrics, store)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _serve(request, "chat", state, scheduler, metrics)
+        return await _serve(request, "chat", state, scheduler, metrics, store)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await _serve(request, "responses", state, scheduler, metrics)
+        return await _serve(request, "responses", state, scheduler, metrics, store)
 
+    _install_stored_responses(app, state, store)
     return app
+
+
+def _install_stored_responses(app: FastAPI, state: ServerState, store: ResponseStore) -> None:
+    """``GET`` / ``DELETE /v1/responses/{id}``, its ``input_items`` and ``cancel``."""
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> dict[str, Any]:
+        _authorize(request, state)
+        return store.get(response_id).current()
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
+        _authorize(request, state)
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(
+        request: Request, response_id: str, limit: int = 20, order: str = "desc",
+        after: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        _authorize(request, state)
+        return item_page(store.get(response_id).input_items, limit, order, after)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> dict[str, Any]:
+        _authorize(request, state)
+        stored = store.get(response_id)
+        if stored.task is None:
+            raise ApiError(400, "only a background response can be cancelled")
+        if stored.running:
+            stored.task.cancel()
+            await asyncio.gather(stored.task, return_exceptions=True)
+        return stored.current()
 
 
 # ---- errors and security ----------------------------------------------------------
@@ -303,10 +348,11 @@ async def _serve(
     state: ServerState,
     scheduler: Scheduler,
     metrics: ServerMetrics,
+    store: ResponseStore,
 ) -> Response:
     try:
         _authorize(request, state)
-        prepared = await _prepare(request, endpoint, state)
+        prepared = await _prepare(request, endpoint, state, store)
     except ApiError as exc:
         metrics.count_request(endpoint, str(exc.status))
         if endpoint == "responses":  # the field as the Responses request named it
@@ -326,6 +372,8 @@ async def _serve(
             scheduler.cancel(job)
         metrics.count_request(endpoint, "503")
         raise ApiError(503, str(exc), "server_error", code="overloaded") from None
+    if prepared.responses is not None and prepared.responses.background:
+        return _start_background(prepared, jobs, state, scheduler, metrics, store)
     if prepared.body.stream:
         return _CancellingStream(
             _stream(prepared, jobs, state, metrics),
@@ -391,11 +439,29 @@ def _check_vocabulary(ids: Sequence[int], state: ServerState, param: str) -> Non
         )  # fmt: skip
 
 
-async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepared:
-    responses = None
+async def _prepare(
+    request: Request, endpoint: str, state: ServerState, store: ResponseStore
+) -> Prepared:
+    responses, conversation = None, []
     if endpoint == "responses":
         responses = await _parsed(request, ResponsesRequest, state)
-        body: CompletionRequest | ChatCompletionRequest = _as_chat(responses)
+        if not store.enabled:  # what is reported: nothing is kept
+            if responses.background:
+                raise ApiError(
+                    400, "a background response is kept until polled, and this server "
+                    "keeps no responses (serve --responses-store 0)", param="background",
+                )  # fmt: skip
+            responses.store = False
+        if responses.previous_response_id is not None:
+            earlier = store.get(responses.previous_response_id, "previous_response_id")
+            if earlier.running:
+                raise ApiError(
+                    400, f"response '{responses.previous_response_id}' is still decoding",
+                    param="previous_response_id",
+                )  # fmt: skip
+            conversation = earlier.conversation()
+        history = [InputItem.model_validate(item) for item in conversation]
+        body: CompletionRequest | ChatCompletionRequest = _as_chat(responses, history)
     else:
         model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
         body = await _parsed(request, model, state)
@@ -451,17 +517,25 @@ async def _prepare(request: Request, endpoint: str, state: ServerState) -> Prepa
     thinking = None
     if state.reasons and isinstance(body, ChatCompletionRequest):
         thinking = opens_thinking(state.loaded.decode(prompts[0]))
-    return Prepared(
+    prepared = Prepared(
         endpoint, body, prompts, requests, draft, gamma, acquire, release, seed,
         constraints, echoes, state.call_syntax, prediction, responses=responses,
         thinking=thinking,
     )  # fmt: skip
+    if responses is not None:
+        prepared.response_id = new_id("resp")
+        own = [item.stored() for item in responses.input_items()]
+        prepared.input_items = [*conversation, *own]
+        if responses.store:
+            prepared.keep = store.put
+    return prepared
 
 
-def _as_chat(responses: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that decodes a Responses request (400 for what it cannot be)."""
+def _as_chat(responses: ResponsesRequest, history: list[InputItem]) -> ChatCompletionRequest:
+    """The chat request that decodes a Responses request after ``history`` (400 for
+    what it cannot be)."""
     try:
-        return ChatCompletionRequest.model_validate(responses.chat_request())
+        return ChatCompletionRequest.model_validate(responses.chat_request(history))
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
 
@@ -728,6 +802,24 @@ async def _complete(
     metrics: ServerMetrics,
 ) -> Response:
     """A whole (non-streamed) response; a client that goes away cancels its rows."""
+    body = await _whole_body(prepared, jobs, state, scheduler, metrics, request.is_disconnected)
+    if body is None:
+        return Response(status_code=499)
+    if prepared.keep is not None:
+        prepared.keep(StoredResponse(body, prepared.input_items))
+    return JSONResponse(body)
+
+
+async def _whole_body(
+    prepared: Prepared,
+    jobs: list[Job],
+    state: ServerState,
+    scheduler: Scheduler,
+    metrics: ServerMetrics,
+    disconnected: Callable[[], Awaitable[bool]] | None,
+) -> dict[str, Any] | None:
+    """A whole response's body once every row has finished; None where ``disconnected``
+    (polled) said the client went away, its rows cancelled."""
     ttft = None
     results: list[GenerationResult] = []
     next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
@@ -739,9 +831,9 @@ async def _complete(
                 event = None
             if time.monotonic() >= next_check:  # rounds may arrive faster than any timeout
                 next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
-                if await request.is_disconnected():
+                if disconnected is not None and await disconnected():
                     _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics)
-                    return Response(status_code=499)
+                    return None
             if event is None or isinstance(event, RoundEvent):
                 if event is not None and event.round.tokens:
                     first = time.perf_counter() - job.submitted
@@ -767,8 +859,42 @@ async def _complete(
         speculative=_speculative_stats(prepared, results, ttft),
     )
     if prepared.responses is not None:
-        body = whole_response(prepared.responses, body)
-    return JSONResponse(body)
+        body = whole_response(prepared.responses, body, prepared.response_id)
+    return body
+
+
+def _start_background(
+    prepared: Prepared,
+    jobs: list[Job],
+    state: ServerState,
+    scheduler: Scheduler,
+    metrics: ServerMetrics,
+    store: ResponseStore,
+) -> Response:
+    """A background Responses request: kept as "queued" at once and answered so; its
+    rows decode on, and the kept response becomes the whole one (or "failed", or
+    "cancelled" by ``POST /v1/responses/{id}/cancel``)."""
+    request = prepared.responses
+    assert request is not None and prepared.response_id is not None
+    queued = response_object(request, prepared.response_id, int(time.time()), [], "queued", None)
+    stored = StoredResponse(queued, prepared.input_items)
+    stored.started = lambda: any(job.admitted is not None for job in jobs)
+
+    async def decode() -> None:
+        try:
+            body = await _whole_body(prepared, jobs, state, scheduler, metrics, None)
+            assert body is not None
+            stored.body = body
+        except ApiError as exc:
+            stored.body = {**queued, "status": "failed",
+                           "error": {"code": "server_error", "message": exc.message}}  # fmt: skip
+        except asyncio.CancelledError:
+            _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics)
+            stored.body = {**queued, "status": "cancelled"}
+
+    stored.task = asyncio.get_running_loop().create_task(decode())
+    store.put(stored)
+    return JSONResponse(queued)
 
 
 def _whole_choice(
@@ -813,13 +939,32 @@ def _whole_choice(
             "message": message,
             "logprobs": token_logprobs,
             "finish_reason": reason,
+            "stop_reason": _stop_reason(prepared, result, state),
         }
     return {
         "index": index,
         "text": echo + text.final_text(),
         "logprobs": token_logprobs,
         "finish_reason": reason,
+        "stop_reason": _stop_reason(prepared, result, state),
     }
+
+
+def _stop_reason(
+    prepared: Prepared, result: GenerationResult, state: ServerState
+) -> str | int | None:
+    """vLLM's ``stop_reason``: the stop string that ended the choice, or the
+    ``stop_token_ids`` token; None where the model's end of sequence or the budget did."""
+    body = prepared.body
+    if result.finish_reason == "stop":
+        text = state.loaded.decode(result.token_ids)
+        found = earliest_stop(text, body.stop_strings())
+        return None if found is None else text[found[0] : found[1]]
+    last = result.token_ids[-1] if result.token_ids else None
+    if result.finish_reason != "eos" or last not in body.stop_tokens():
+        return None
+    model_ends = frozenset() if body.ignore_eos else state.loaded.eos_token_ids
+    return None if last in model_ends else last  # (the model's end comes first, as vLLM's)
 
 
 def _mean_logprob(result: GenerationResult) -> float:
@@ -934,13 +1079,15 @@ async def _stream(
         async for chunk in chunks:
             yield _sse(chunk)
         return
-    events = ResponseEvents(prepared.responses)
+    events = ResponseEvents(prepared.responses, prepared.response_id)
     for event in events.start():
         yield _sse(event, event["type"])
     async for chunk in chunks:
         made = events.end() if chunk == "[DONE]" else events.feed(chunk)
         for event in made:
             yield _sse(event, event["type"])
+        if chunk == "[DONE]" and prepared.keep is not None:
+            prepared.keep(StoredResponse(made[-1]["response"], prepared.input_items))
 
 
 async def _chunks(
@@ -1018,6 +1165,7 @@ async def _chunks(
                 None if envelope.chat else "", reason,
                 logprobs=choice.logprobs.take(choice.text, final=True), index=i,
             )  # fmt: skip
+            finish["stop_reason"] = _stop_reason(prepared, result, state)
             last = len(results) == len(jobs)
             ordered = [results[k] for k in sorted(results)]
             extra = {"speculative": _speculative_stats(prepared, ordered, ttft)} if last else {}

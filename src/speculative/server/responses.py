@@ -8,14 +8,16 @@ chat is, and its answer translated back: a whole chat completion into a ``respon
 object (a ``message`` output item with ``output_text``, then a ``function_call`` item per
 call), a chat stream into the Responses API's typed events (``response.created``, …,
 ``response.output_text.delta``, ``response.function_call_arguments.delta``, …,
-``response.completed``). Nothing is stored: ``previous_response_id``, ``conversation``
-and ``background`` are refused by name.
+``response.completed``). Responses are kept (``store``, by default) for
+``previous_response_id`` follow-ups, retrieval and background decoding (see
+:mod:`speculative.server.stored`); ``conversation`` objects are refused by name.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from speculative.server.protocol import ApiError
 
 # Responses fields that ask for state this server does not keep, with their "off" value
-STATEFUL = {"previous_response_id": None, "conversation": None, "background": False}
+STATEFUL = {"conversation": None}
 # chat fields whose errors name the Responses field the value came from
 PARAMS = {
     "max_tokens": "max_output_tokens",
@@ -36,17 +38,18 @@ PARAMS = {
 class InputText(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["input_text", "output_text", "text"]
+    type: Literal["input_text", "output_text", "text", "reasoning_text"]
     text: str
 
 
 class InputItem(BaseModel):
     """One ``input`` item: a message (``type`` "message" or absent), an earlier function
-    call, or a function call's output."""
+    call, a function call's output, or an earlier reply's reasoning (which the prompt
+    leaves out, as chat templates leave out earlier turns' thinking)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["message", "function_call", "function_call_output"] = "message"
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[InputText] | None = None
     call_id: str | None = None
@@ -58,6 +61,24 @@ class InputItem(BaseModel):
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def stored(self) -> dict[str, Any]:
+        """The item as a kept response lists it (``/input_items``): with an id, a
+        message's content as parts."""
+        if self.type == "message":
+            role = self.role or "user"
+            kind = "output_text" if role == "assistant" else "input_text"
+            return {"type": "message", "id": new_id("msg"), "role": role, "status": "completed",
+                    "content": [{"type": kind, "text": self.text()}]}  # fmt: skip
+        if self.type == "function_call":
+            return {"type": "function_call", "id": new_id("fc"), "call_id": self.call_id,
+                    "name": self.name, "arguments": self.arguments or "{}",
+                    "status": "completed"}  # fmt: skip
+        if self.type == "function_call_output":
+            return {"type": "function_call_output", "id": new_id("fco"),
+                    "call_id": self.call_id, "output": self.output or "",
+                    "status": "completed"}  # fmt: skip
+        return reasoning_item(new_id("rs"), self.text(), "completed")
 
 
 class ResponsesRequest(BaseModel):
@@ -77,24 +98,35 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
     stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    background: bool = False
 
-    def chat_request(self) -> dict[str, Any]:
-        """The chat completion request that decodes this one (extensions such as
-        ``seed`` and ``speculative`` passed on)."""
+    def chat_request(self, history: Sequence[InputItem] = ()) -> dict[str, Any]:
+        """The chat completion request that decodes this one after ``history`` (the
+        earlier response's conversation, where ``previous_response_id`` names one), with
+        extensions such as ``seed`` and ``speculative`` passed on."""
         extra = dict(self.model_extra or {})
         for name, off in STATEFUL.items():
             if extra.get(name, off) not in (off, None):
                 raise ApiError(
                     400,
-                    f"{name} needs responses kept by the server, which this one does not "
-                    "keep: send the whole conversation as input",
+                    f"{name} objects are not kept by this server: continue a conversation "
+                    "with previous_response_id, or send it whole as input",
                     param=name,
                 )
+        if self.background and self.stream:
+            raise ApiError(
+                400, "a background response is polled (GET /v1/responses/{id}), not "
+                "streamed, here", param="background",
+            )  # fmt: skip
+        if self.background and not self.store:
+            raise ApiError(400, "a background response needs store: true", param="background")
         passed = {k: v for k, v in extra.items() if k not in STATEFUL and k not in IGNORED}
         chat: dict[str, Any] = {
             **passed,
             "model": self.model,
-            "messages": self._messages(),
+            "messages": self._messages(history),
             "stream": self.stream,
             "n": 1,
         }
@@ -117,13 +149,19 @@ class ResponsesRequest(BaseModel):
             chat["response_format"] = _chat_format(form)
         return chat
 
-    def _messages(self) -> list[dict[str, Any]]:
-        messages: list[dict[str, Any]] = []
-        if self.instructions:
-            messages.append({"role": "system", "content": self.instructions})
+    def input_items(self) -> list[InputItem]:
+        """``input`` as items (a text input is one user message)."""
         if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
-        for item in self.input:
+            return [InputItem(type="message", role="user", content=self.input)]
+        return list(self.input)
+
+    def _messages(self, history: Sequence[InputItem]) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        if self.instructions:  # (an earlier response's instructions are not carried over)
+            messages.append({"role": "system", "content": self.instructions})
+        for item in [*history, *self.input_items()]:
+            if item.type == "reasoning":
+                continue
             if item.type == "message":
                 role = "system" if item.role == "developer" else (item.role or "user")
                 messages.append({"role": role, "content": item.text()})
@@ -143,7 +181,7 @@ class ResponsesRequest(BaseModel):
 
 
 # Responses fields that change nothing here (kept, reasoning, streaming details, metadata)
-IGNORED = {"store", "include", "metadata", "user", "reasoning", "truncation", "service_tier",
+IGNORED = {"include", "metadata", "user", "reasoning", "truncation", "service_tier",
            "prompt_cache_key", "safety_identifier", "stream_options", "top_logprobs"}  # fmt: skip
 
 
@@ -212,6 +250,9 @@ def response_object(
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "error": None,
         "usage": _usage(usage),
+        "previous_response_id": request.previous_response_id,
+        "store": request.store,
+        "background": request.background,
     }
     if speculative is not None:
         body["speculative"] = speculative
@@ -256,8 +297,10 @@ def call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]
     }
 
 
-def whole_response(request: ResponsesRequest, chat: dict[str, Any]) -> dict[str, Any]:
-    """A whole chat completion as a ``response``."""
+def whole_response(
+    request: ResponsesRequest, chat: dict[str, Any], response_id: str | None = None
+) -> dict[str, Any]:
+    """A whole chat completion as a ``response`` (with ``response_id``, or a new id)."""
     choice = chat["choices"][0]
     message = choice["message"]
     output = []
@@ -269,8 +312,8 @@ def whole_response(request: ResponsesRequest, chat: dict[str, Any]) -> dict[str,
         output.append(call_item(new_id("fc"), call, "completed"))
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
     return response_object(
-        request, new_id("resp"), chat["created"], output, status, chat.get("usage"),
-        chat.get("speculative"),
+        request, response_id or new_id("resp"), chat["created"], output, status,
+        chat.get("usage"), chat.get("speculative"),
     )  # fmt: skip
 
 
@@ -278,9 +321,9 @@ class ResponseEvents:
     """A chat completion's stream (its chunks' payloads, in order) as the Responses API's
     events: each :meth:`feed` returns the events a chunk makes."""
 
-    def __init__(self, request: ResponsesRequest) -> None:
+    def __init__(self, request: ResponsesRequest, response_id: str | None = None) -> None:
         self.request = request
-        self.id = new_id("resp")
+        self.id = response_id or new_id("resp")
         self.created = int(time.time())
         self.sequence = 0
         self.output: list[dict[str, Any]] = []  # the items so far (the open one last)

@@ -53,10 +53,13 @@ class ServerConfig:
     max_waiting: int = 256  # requests queued beyond the batch before 503s
     tool_call_syntax: str = "auto"  # how the model writes calls (auto: from its template)
     reasoning_parser: str = "auto"  # "think": split <think>…</think>; auto: if the template has it
+    responses_stored: int = 1000  # Responses API answers kept (previous_response_id, GET); 0: none
 
     def check(self) -> None:
         if self.gamma != "auto" and (not isinstance(self.gamma, int) or self.gamma < 1):
             raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {self.gamma!r}")
+        if self.responses_stored < 0:
+            raise ValueError(f"responses kept must be >= 0, got {self.responses_stored}")
         if self.max_batch < 1:
             raise ValueError(f"max batch must be >= 1, got {self.max_batch}")
         if not self.drafts:
