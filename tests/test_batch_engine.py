@@ -905,6 +905,47 @@ def test_a_speculators_next_generation_reuses_the_cached_common_prefix(tmp_path:
 
 
 @pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_an_engines_next_generation_recomputes_what_a_tree_wrote(
+    folder: Path, backend: str
+) -> None:
+    """With token trees, an engine's next generation (its prompt: the last one's prompt
+    and output, then more) reuses only the cached positions chain passes computed; those
+    a tree pass wrote are computed again (on the PyTorch decoder their keys and values
+    differ from a chain pass's in the last bits), so its prompt's keys and values, and its
+    tokens, are bit for bit a fresh engine's on both decoders."""
+    from speculative.engine.tree import make_tree_round
+
+    _backend(backend)
+    prompt = _ids(40, 81)[0].tolist()[:24]
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+
+    def engine() -> SpeculativeEngine:
+        drafter = _drafter("self-int4", folder, backend)
+        tree = make_tree_round("static", drafter, 4)
+        return SpeculativeEngine(load_native(folder, max_length=96, backend=backend),
+                                 drafter, 3, tree)  # fmt: skip
+
+    def run(on: SpeculativeEngine, ids: list[int]):
+        return on.generate(ids, params, StopCriteria(10), torch.Generator().manual_seed(7))
+
+    def prompt_positions(on: SpeculativeEngine) -> list[torch.Tensor]:
+        decoder = cast(NativeLlama, on.target.model).decoder
+        n = len(follow) - 1  # keys and values of the prompt's positions
+        return [cache.narrow(cache.dim() - 2, 0, n) for cache in (decoder.k_cache,
+                                                                  decoder.v_cache)]  # fmt: skip
+
+    warm, fresh = engine(), engine()
+    first = run(warm, prompt)
+    assert any(r.num_accepted for r in first.rounds)  # a tree path was kept
+    follow = [*prompt, *first.token_ids, *prompt[:5]]
+    second, alone = run(warm, follow), run(fresh, follow)
+    assert second.token_ids == alone.token_ids
+    assert len(prompt) - 1 <= second.stats.cached_prompt_tokens < len(prompt) + 9
+    for kept, computed in zip(prompt_positions(warm), prompt_positions(fresh), strict=True):
+        assert torch.equal(kept, computed)  # (reused, the tree's differ on the PyTorch decoder)
+
+
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
 def test_engines_taking_turns_on_one_target_each_stay_exact(folder: Path, backend: str) -> None:
     """Two single-sequence engines on one target, used one after the other: each
     generation is exactly its run alone, though the other engine wrote the cache in

@@ -218,6 +218,9 @@ class ModelSession:
     def __init__(self, model: CausalLM) -> None:
         self.model = model
         self.cached: list[int] = []
+        # the first cached position no chain pass of this model computed (a tree's kept
+        # path, an imported cache), None: there is none (see drop_foreign)
+        self.foreign_from: int | None = None
         self.forward_calls = 0
         self._tree: list[int] | None = None  # tree tokens fed after ``cached``, not committed
         self._features = FeatureStore()
@@ -258,7 +261,7 @@ class ModelSession:
 
     def reset(self) -> None:
         self.model.reset()
-        self.cached = []
+        self.cached, self.foreign_from = [], None
         self._tree = None
         self._pending = None
         self._features.forget()
@@ -299,6 +302,7 @@ class ModelSession:
         if not model.import_cache(other.model, len(other.cached), other.cache_slot):
             return False
         self.cached = list(other.cached)
+        self.foreign_from = 0
         self._features.forget()
         return True
 
@@ -414,6 +418,8 @@ class ModelSession:
             self.model.keep_slots(first, [first + i for i in nodes])
             self._features.keep_path(first, nodes)
             self.cached.extend(tree[i] for i in nodes)
+            if nodes and self.foreign_from is None:
+                self.foreign_from = first
         else:
             self._features.tree = None
             self.model.rollback(len(tree))
@@ -429,6 +435,18 @@ class ModelSession:
             self.model.rollback(drop)
             del self.cached[keep:]
             self._features.truncate(keep)
+            if self.foreign_from is not None and self.foreign_from >= keep:
+                self.foreign_from = None
+
+    def drop_foreign(self) -> None:
+        """Forget the cached positions from the first one that no chain pass of this
+        model computed (:attr:`foreign_from`): a new generation then computes them as its
+        own prefill would, bit for bit (a tree pass's keys and values may differ from a
+        chain pass's in the last bits: the PyTorch decoder's attention runs over other
+        cache slots)."""
+        self._drop_tree()
+        if self.foreign_from is not None:
+            self._truncate(self.foreign_from)
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         input_ids = torch.tensor([tokens], dtype=torch.long)  # [1, k]
@@ -514,7 +532,7 @@ class SlotSession:
         values and features copied, not computed."""
         self.model.copy_slot_prefix(donor.slot, self.slot, length)
         self.cached = donor.cached[:length]
-        self.foreign_from = None  # (the donor shares no position a tree wrote)
+        self.foreign_from = None  # (a donor shares only what its chain passes computed)
         if self._features is not None:
             assert donor.features is not None
             self._features.append(0, donor.features[:length])
@@ -813,7 +831,10 @@ class SinglePool:
         self.session = session
 
     def open(self, features: bool = False, prompt: Sequence[int] = ()) -> ModelSession:
+        """The session, for a new generation: it keeps what chain passes cached (the last
+        generation's prompt and output, for a next turn's prompt to start from)."""
         self.session._hold()  # what it cached is gone if another session took the model
+        self.session.drop_foreign()
         self.session.keep_features(features)
         return self.session
 
