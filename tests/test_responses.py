@@ -149,6 +149,22 @@ def test_a_follow_up_is_the_whole_conversation_and_finds_it_in_the_cache(served)
     assert told.usage.input_tokens > then.usage.input_tokens
 
 
+def test_interleaved_conversations_each_find_their_last_turn_in_the_cache(served) -> None:
+    """Two conversations taking turns: each next request starts from its own last turn
+    (the other's rows took other free slots, not the one it finished in)."""
+    _server, client, model = served
+    through = {"ignore_eos": True, "logit_bias": {"0": -100, "1": -100}}
+    asked = {"model": model, "max_output_tokens": 6, "temperature": 0, "extra_body": through}
+    turns = {name: client.responses.create(input=text, **asked)
+             for name, text in (("cat", PROMPT), ("dog", "a dog ran on the rug"))}  # fmt: skip
+    for _ in range(2):
+        for name, last in list(turns.items()):
+            then = client.responses.create(previous_response_id=last.id, input="and", **asked)
+            held = last.usage.input_tokens + last.usage.output_tokens - 1
+            assert then.usage.input_tokens_details.cached_tokens >= held, name
+            turns[name] = then
+
+
 def test_a_stored_response_is_retrieved_listed_and_deleted(served) -> None:
     _server, client, model = served
     first = client.responses.create(model=model, input=PROMPT, max_output_tokens=4, temperature=0)

@@ -118,7 +118,8 @@ def test_a_conversations_next_request_reports_its_cached_prompt(
     """A chat's next request (the conversation so far, then a new message) finds the
     previous request's prompt in its finished row's slot: ``cached_tokens`` counts it
     (all of it but the generation prompt, which the template writes as the assistant's
-    role), and the reply is the one a cold cache gives."""
+    role), and the reply is the one a cold cache gives (once more rows than the cache's
+    slots have been decoded since)."""
     first = [{"role": "user", "content": "red blue big small red"}]
     asked = client.chat.completions.create(model=model, messages=first, max_tokens=6,
                                            temperature=0)  # fmt: skip
@@ -129,8 +130,8 @@ def test_a_conversations_next_request_reports_its_cached_prompt(
                                           temperature=0)  # fmt: skip
     cached = warm.usage.prompt_tokens_details.cached_tokens
     assert asked.usage.prompt_tokens - 1 <= cached < warm.usage.prompt_tokens
-    filler = [{"role": "user", "content": "the " * 40}]
-    for _ in range(4):  # other prompts overwrite the finished rows' slots
+    for word in ("the", "a", "cat", "dog", "mat"):  # 20 other rows, in the 16 cache slots
+        filler = [{"role": "user", "content": f"{word} " * 40}]
         client.chat.completions.create(model=model, messages=filler, max_tokens=2, n=4)
     cold = client.chat.completions.create(model=model, messages=later, max_tokens=6,
                                           temperature=0)  # fmt: skip

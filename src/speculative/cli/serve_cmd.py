@@ -108,6 +108,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--max-batch", type=positive_int, default=8, help="rows decoded together")
     parser.add_argument(
+        "--cache-slots",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="KV cache slots (at least --max-batch): the rows decode in --max-batch of them "
+        "and the rest keep finished requests' prompts and replies, the least recently used "
+        "given up first, so a conversation's next request starts from them (native "
+        "runtime; default 4 x --max-batch, at most 32; each slot holds up to the context "
+        "window, its memory used as it fills)",
+    )
+    parser.add_argument(
         "--max-waiting", type=positive_int, default=256, help="queued requests before 503s"
     )
     parser.add_argument(
@@ -212,6 +223,7 @@ def build_config(args: argparse.Namespace):
         kv_cache=args.kv_cache,
         runtime=args.runtime,
         max_batch=args.max_batch,
+        cache_slots=args.cache_slots,
         served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("SPECULATIVE_API_KEY") or None,
         max_body_bytes=args.max_body_bytes,

@@ -319,6 +319,12 @@ class SharesSlotPrefix(Protocol):
         from them (none once another acquisition has written the slot)."""
         ...
 
+    def reacquire_slot(self, slot: int) -> None:
+        """Acquire the free ``slot`` itself (as :meth:`SupportsBatchRows.acquire_slot`
+        acquires one): a row that starts from the positions it retains then needs no
+        copy. ValueError when it is not free."""
+        ...
+
 
 @runtime_checkable
 class SupportsBatchRowFeatures(Protocol):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import numpy as np
 import torch
@@ -469,9 +469,17 @@ class SlotSession:
     ``forward_rows`` call and hands this row's logits back to :meth:`receive`.
     """
 
-    def __init__(self, model: SupportsBatchRows, features: bool = False) -> None:
+    def __init__(
+        self, model: SupportsBatchRows, features: bool = False, slot: int | None = None
+    ) -> None:
+        """``slot``: that free slot of a :class:`SharesSlotPrefix` model (a row starting
+        from what it retains), else any free one."""
         self.model = model
-        self.slot = model.acquire_slot()
+        if slot is None:
+            self.slot = model.acquire_slot()
+        else:
+            cast(SharesSlotPrefix, model).reacquire_slot(slot)
+            self.slot = slot
         # the acquisition whose positions the slot holds (SharesSlotPrefix.holder)
         self.holder = model.holder(self.slot) if provides(model, SharesSlotPrefix) else 0
         self.cached: list[int] = []
@@ -759,6 +767,11 @@ class RowPool(Protocol):
         ...
 
 
+# the share of a finished row's cached positions a new row must start from to take that
+# row's slot itself (else it copies them into another slot)
+IN_PLACE_SHARE = 0.75
+
+
 class SlotPool:
     """Rows in the cache slots of a :class:`SupportsBatchRows` model: one weight pass for
     every row's tokens. When the model gives every row's features
@@ -778,12 +791,26 @@ class SlotPool:
         (bit for bit what its own prefill would compute: the kernels' results do not
         depend on the other rows or tokens of a pass)."""
         wanted = features and self.gives_features
-        session = SlotSession(self.model, wanted)  # raises when no slot is free
         donor, length = self._donor(list(prompt[:-1]), wanted)
+        session = self._new_session(donor, length, wanted)  # raises when no slot is free
         if donor is not None:
             session.adopt_prefix(donor, length)
         self._sessions[session.slot] = session
         return session
+
+    def _new_session(self, donor: SlotSession | None, length: int, features: bool) -> SlotSession:
+        """A session on the donor's own slot where the donor is a finished row whose slot
+        is still free and the new row shares most of what it holds (a conversation's next
+        turn: it starts from those positions in place, and the other slots keep what they
+        retain), else on any free slot (a row sharing only an opening copies it, and the
+        donor keeps the rest for its own next turn)."""
+        in_place = length >= IN_PLACE_SHARE * len(donor.cached) if donor is not None else False
+        if in_place and donor.released and self._sessions.get(donor.slot) is donor:
+            try:
+                return SlotSession(self.model, features, donor.slot)
+            except ValueError:  # taken outside this pool
+                pass
+        return SlotSession(self.model, features)
 
     def _donor(self, prefix: list[int], features: bool) -> tuple[SlotSession | None, int]:
         """The session (live, or finished with its slot's positions retained) with the

@@ -45,6 +45,10 @@ class ServerConfig:
     precision: str = "auto"
     kv_cache: str = "auto"  # the native runtime's KV cache (see load_target)
     max_batch: int = 8
+    # cache slots: rows decode in max_batch of them, and the rest keep finished rows'
+    # prompts and replies for a conversation's next request (None: 4 × max_batch, at most
+    # 32, at least max_batch)
+    cache_slots: int | None = None
     served_model_name: str | None = None  # default: the target's name
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
@@ -55,6 +59,12 @@ class ServerConfig:
     reasoning_parser: str = "auto"  # "think": split <think>…</think>; auto: if the template has it
     responses_stored: int = 1000  # Responses API answers kept (previous_response_id, GET); 0: none
 
+    def slots(self) -> int:
+        """The target's cache slots: ``cache_slots``, or its default."""
+        if self.cache_slots is not None:
+            return self.cache_slots
+        return max(self.max_batch, min(4 * self.max_batch, 32))
+
     def check(self) -> None:
         if self.gamma != "auto" and (not isinstance(self.gamma, int) or self.gamma < 1):
             raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {self.gamma!r}")
@@ -62,6 +72,10 @@ class ServerConfig:
             raise ValueError(f"responses kept must be >= 0, got {self.responses_stored}")
         if self.max_batch < 1:
             raise ValueError(f"max batch must be >= 1, got {self.max_batch}")
+        if self.cache_slots is not None and self.cache_slots < self.max_batch:
+            raise ValueError(
+                f"cache slots ({self.cache_slots}) must be at least max batch ({self.max_batch})"
+            )
         if not self.drafts:
             raise ValueError("give at least one drafter (or 'none')")
         if self.reasoning_parser not in ("auto", "think", "none"):
@@ -167,7 +181,7 @@ def reserve_slots(lm: SupportsBatchRows, count: int) -> None:
         for _ in range(count):
             slots.append(lm.acquire_slot())
     except ValueError as exc:
-        raise ValueError(f"--max-batch {count} does not fit the target's cache: {exc}") from None
+        raise ValueError(f"{count} cache slots do not fit the target's cache: {exc}") from None
     finally:
         for slot in slots:
             lm.release_slot(slot)
@@ -184,7 +198,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
             f"serving needs a target that holds several sequences (native or hf runtime); "
             f"'{loaded.name}' on the {loaded.runtime} runtime cannot"
         )
-    reserve_slots(loaded.lm, config.max_batch)
+    reserve_slots(loaded.lm, config.slots())
     tokenizer = loaded.tokenizer
     syntax = config.tool_call_syntax
     state = ServerState(

@@ -142,6 +142,8 @@ class NativeLlama:
         # released (or re-acquired, not yet written) slots: (positions still holding the
         # keys and values of an acquisition, that acquisition) (SharesSlotPrefix.retained)
         self._retained: dict[int, tuple[int, int]] = {}
+        self._releases = 0  # releases so far: a released slot's number orders eviction
+        self._released_at: dict[int, int] = {}  # slot -> the release that freed it last
         self._feature_layers: tuple[int, ...] = ()  # SupportsLayerFeatures
 
     # ---- protocol -------------------------------------------------------------------
@@ -237,20 +239,40 @@ class NativeLlama:
         clone.name = f"{self.name}[:{num_layers}/{total} layers]"
         clone._length, clone._batch = 0, 0
         clone._slot_lengths, clone._retained, clone._holders = {}, {}, {}
+        clone._released_at, clone._releases = {}, 0
         return clone
 
     # ---- batch rows (SupportsBatchRows) ---------------------------------------------
     def acquire_slot(self) -> int:
-        """The lowest free cache slot (not held by ``forward``'s batch nor another owner)."""
+        """A free cache slot (not held by ``forward``'s batch nor another owner): the
+        lowest allocated one that retains nothing, else the one released longest ago
+        (what it retains is the least recently used), else a new one (the cache grows)."""
         held = range(self._batch) if self._length else range(0)
-        for slot in range(self._max_slots):
-            if slot not in self._slot_lengths and slot not in held:
-                self._grow(slot + 1)
-                self._slot_lengths[slot] = 0
-                self._acquisitions += 1
-                self._holders[slot] = self._acquisitions
-                return slot
-        raise ValueError(f"no free cache slot: all {self._max_slots} are in use")
+        free = [s for s in range(self._max_slots) if s not in self._slot_lengths and s not in held]
+        if not free:
+            raise ValueError(f"no free cache slot: all {self._max_slots} are in use")
+        allocated = [s for s in free if s < self.decoder._batch]
+        empty = [s for s in allocated if self._retained.get(s, (0, 0))[0] == 0]
+        if empty:
+            return self._take(empty[0])
+        if allocated:
+            return self._take(min(allocated, key=lambda s: self._released_at.get(s, 0)))
+        return self._take(free[0])
+
+    def reacquire_slot(self, slot: int) -> None:
+        """See :class:`~speculative.models.base.SharesSlotPrefix`."""
+        held = range(self._batch) if self._length else range(0)
+        if not 0 <= slot < self._max_slots or slot in self._slot_lengths or slot in held:
+            raise ValueError(f"cache slot {slot} is not free")
+        self._take(slot)
+
+    def _take(self, slot: int) -> int:
+        """Acquire the free ``slot`` (growing the cache to hold it)."""
+        self._grow(slot + 1)
+        self._slot_lengths[slot] = 0
+        self._acquisitions += 1
+        self._holders[slot] = self._acquisitions
+        return slot
 
     def copy_slot_prefix(self, source: int, target: int, length: int) -> None:
         """See :class:`~speculative.models.base.SharesSlotPrefix`."""
@@ -277,6 +299,8 @@ class NativeLlama:
     def release_slot(self, slot: int) -> None:
         self._check_slot(slot)
         self._retained[slot] = (self._slot_lengths.pop(slot), self._holders[slot])
+        self._releases += 1
+        self._released_at[slot] = self._releases
 
     def slot_length(self, slot: int) -> int:
         self._check_slot(slot)
