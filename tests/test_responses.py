@@ -81,6 +81,32 @@ def test_the_stream_is_typed_events_adding_up_to_the_response(served) -> None:
     assert final.output_text == whole.output_text and final.usage.output_tokens == 12
 
 
+def test_output_text_log_probabilities_are_the_chat_completions(served) -> None:
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: the output
+    text's tokens and alternatives, as the chat completion of the same messages gives
+    them, whole and streamed (each delta's own)."""
+    _server, client, model = served
+    through = {"ignore_eos": True, "logit_bias": {"0": -100, "1": -100}}  # (words only)
+    asked = {"model": model, "input": PROMPT, "max_output_tokens": 8, "temperature": 0,
+             "include": ["message.output_text.logprobs"], "top_logprobs": 2,
+             "extra_body": through}  # fmt: skip
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body=through,
+    )  # fmt: skip
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    whole = client.responses.create(**asked)
+    got = [entry.model_dump() for entry in whole.output[0].content[0].logprobs]
+    assert len(got) == 8 and got == expected
+    assert all(len(entry["top_logprobs"]) == 2 for entry in got)
+    events = list(client.responses.create(**asked, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [entry.model_dump() for e in deltas for entry in e.logprobs]
+    assert streamed == expected
+    plain = client.responses.create(**{**asked, "include": None, "top_logprobs": None})
+    assert plain.output[0].content[0].logprobs == []  # only where asked for
+
+
 def test_what_is_not_served_is_refused_by_name(served) -> None:
     server, _client, model = served
     url = server.url + "/v1/responses"

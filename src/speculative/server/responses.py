@@ -101,6 +101,13 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     previous_response_id: str | None = None
     background: bool = False
+    include: list[str] | None = None  # "message.output_text.logprobs" is served
+    top_logprobs: int | None = None  # alternatives with each output token's log-probability
+
+    def wants_logprobs(self) -> bool:
+        """Whether the output text comes with its tokens' log-probabilities (asked for in
+        ``include``, or by asking for alternatives)."""
+        return LOGPROBS in (self.include or ()) or bool(self.top_logprobs)
 
     def chat_request(self, history: Sequence[InputItem] = ()) -> dict[str, Any]:
         """The chat completion request that decodes this one after ``history`` (the
@@ -140,6 +147,9 @@ class ResponsesRequest(BaseModel):
         ):
             if value is not None:
                 chat[name] = value
+        if self.wants_logprobs():
+            chat["logprobs"] = True
+            chat["top_logprobs"] = self.top_logprobs or 0
         if self.tools:
             chat["tools"] = [_chat_tool(tool) for tool in self.tools]
         if self.tool_choice is not None:
@@ -180,9 +190,12 @@ class ResponsesRequest(BaseModel):
         return messages
 
 
-# Responses fields that change nothing here (kept, reasoning, streaming details, metadata)
-IGNORED = {"include", "metadata", "user", "reasoning", "truncation", "service_tier",
-           "prompt_cache_key", "safety_identifier", "stream_options", "top_logprobs"}  # fmt: skip
+# Responses fields that change nothing here (reasoning, streaming details, metadata)
+IGNORED = {"metadata", "user", "reasoning", "truncation", "service_tier", "prompt_cache_key",
+           "safety_identifier", "stream_options"}  # fmt: skip
+# the ``include`` value that asks for the output text's log-probabilities (others name
+# outputs of tools this server does not run, and add nothing)
+LOGPROBS = "message.output_text.logprobs"
 
 
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
@@ -272,8 +285,11 @@ def _usage(chat: dict[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
-def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def message_item(
+    item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """A ``message`` output item (``logprobs``: its text's tokens', where asked for)."""
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
     return {"type": "message", "id": item_id, "role": "assistant", "status": status,
             "content": [part] if text or status == "completed" else []}  # fmt: skip
 
@@ -307,7 +323,9 @@ def whole_response(
     if message.get("reasoning_content"):
         output.append(reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
     if message.get("content") or not message.get("tool_calls"):  # (a reply of no text too)
-        output.append(message_item(new_id("msg"), message.get("content") or "", "completed"))
+        logprobs = (choice.get("logprobs") or {}).get("content")
+        text = message.get("content") or ""
+        output.append(message_item(new_id("msg"), text, "completed", logprobs))
     for call in message.get("tool_calls") or []:
         output.append(call_item(new_id("fc"), call, "completed"))
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
@@ -328,6 +346,7 @@ class ResponseEvents:
         self.sequence = 0
         self.output: list[dict[str, Any]] = []  # the items so far (the open one last)
         self.text = ""  # the open message's text
+        self.logprobs: list[dict[str, Any]] = []  # the open message's tokens' (where asked)
         self.calls: dict[int, int] = {}  # a chat call's index -> its output item's index
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
@@ -352,10 +371,13 @@ class ResponseEvents:
         events: list[dict[str, Any]] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            logprobs = (choice.get("logprobs") or {}).get("content") or []
             if delta.get("reasoning_content"):
                 events += self._reasoning(delta["reasoning_content"])
             if delta.get("content"):
-                events += self._text(delta["content"])
+                events += self._text(delta["content"], logprobs)
+            elif logprobs and self.open == "message":  # tokens that sent no text
+                self.logprobs += logprobs
             for part in delta.get("tool_calls") or []:
                 events += self._call(part)
             if choice.get("finish_reason") is not None:
@@ -375,13 +397,14 @@ class ResponseEvents:
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=self._response(status))]
 
-    def _text(self, piece: str) -> list[dict[str, Any]]:
+    def _text(self, piece: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         events = [] if self.open == "message" else [*self._close(), *self._open_message()]
         self.text += piece
+        self.logprobs += logprobs
         item = self.output[-1]
         events.append(self._event("response.output_text.delta", item_id=item["id"],
                                   output_index=len(self.output) - 1, content_index=0,
-                                  delta=piece, logprobs=[]))  # fmt: skip
+                                  delta=piece, logprobs=logprobs))  # fmt: skip
         return events
 
     def _reasoning(self, piece: str) -> list[dict[str, Any]]:
@@ -402,7 +425,7 @@ class ResponseEvents:
     def _open_message(self) -> list[dict[str, Any]]:
         item = message_item(new_id("msg"), "", "in_progress")
         self.output.append(item)
-        self.open, self.text = "message", ""
+        self.open, self.text, self.logprobs = "message", "", []
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         added = self._added(item)
         part_added = self._event(
@@ -445,11 +468,11 @@ class ResponseEvents:
             )  # fmt: skip
             events.append(done)
         elif self.open == "message":
-            item.update(message_item(item["id"], self.text, "completed"))
+            item.update(message_item(item["id"], self.text, "completed", self.logprobs))
             part = item["content"][0]
             events.append(self._event("response.output_text.done", item_id=item["id"],
                                       output_index=at, content_index=0, text=self.text,
-                                      logprobs=[]))  # fmt: skip
+                                      logprobs=self.logprobs))  # fmt: skip
             events.append(self._event("response.content_part.done", item_id=item["id"],
                                       output_index=at, content_index=0, part=part))  # fmt: skip
         else:
