@@ -21,10 +21,16 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_chat_folder(folder: Path) -> Path:
+# the tiny chat template with a generation prompt that starts the assistant's turn as a
+# rendered assistant message does (as real templates do): a conversation's next prompt
+# then begins with the last prompt and reply
+CONTINUING_TEMPLATE = CHAT_TEMPLATE.replace("then{% endif %}", "assistant{% endif %}")
+
+
+def tiny_chat_folder(folder: Path, template: str = CHAT_TEMPLATE) -> Path:
     """A tiny Llama (native runtime) whose tokenizer has a chat template."""
     tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = template
     return save_tiny(folder, seed=3, tokenizer=tokenizer)
 
 

@@ -11,24 +11,15 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from server_helpers import CHAT_TEMPLATE, http, start_server  # noqa: E402
-from tiny import save_tiny, tiny_tokenizer  # noqa: E402
+from server_helpers import CONTINUING_TEMPLATE, http, start_server, tiny_chat_folder  # noqa: E402
 
 PROMPT = "the cat sat on the mat"
 
 
-# the tiny chat template, with a generation prompt that starts the assistant's turn as a
-# rendered assistant message does (as real templates do), so that a follow-up's prompt
-# begins with the earlier prompt and reply
-TEMPLATE = CHAT_TEMPLATE.replace("then{% endif %}", "assistant{% endif %}")
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("responses")
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = TEMPLATE
-    save_tiny(folder, seed=3, tokenizer=tokenizer)
+    # (a follow-up's prompt begins with the earlier prompt and reply)
+    folder = tiny_chat_folder(tmp_path_factory.mktemp("responses"), CONTINUING_TEMPLATE)
     with start_server(folder, max_prompt_tokens=64) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         yield server, client, client.models.list().data[0].id

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from server_helpers import http, metric, start_server, tiny_chat_folder
+from server_helpers import CONTINUING_TEMPLATE, http, metric, start_server, tiny_chat_folder
 from speculative.bench.serve_load import LoadSpec, model_id, percentile, run_load
 
 PROMPTS = [
@@ -56,3 +56,29 @@ def test_plain_and_speculative_runs_report(tmp_path: Path, level: int) -> None:
             summary = run_load(server.url, spec, PROMPTS).summary()
             assert summary["errors"] == 0 and summary["completion_tokens"] == 24
             assert summary["draft"] == draft
+
+
+def test_conversations_send_each_reply_back_and_find_it_cached(tmp_path: Path) -> None:
+    """``turns``: each thread's conversations continue with the server's replies; the later
+    turns find most of their prompt (the earlier turns and replies) in the server's cache
+    and report it; completions cannot hold a conversation."""
+    folder = tiny_chat_folder(tmp_path / "tiny", CONTINUING_TEMPLATE)
+    with start_server(folder) as server:
+        words_only = {"logit_bias": {"0": -100, "1": -100}}  # (replies re-tokenize as made)
+        spec = LoadSpec(model_id(server.url), concurrency=2, requests=7, max_tokens=8, turns=3,
+                        extra=words_only)  # fmt: skip
+        result = run_load(server.url, spec, PROMPTS)
+        summary = result.summary()
+    assert result.errors == [] and summary["requests"] == 7
+    assert sorted(t.turn for t in result.timings) == [0, 0, 0, 1, 1, 2, 2]  # 3 + 3 + 1 turns
+    first = {t.prompt_tokens for t in result.timings if t.turn == 0}
+    assert min(t.prompt_tokens for t in result.timings if t.turn) > max(first)
+    later = [t for t in result.timings if t.turn]
+    # all but the follow-up message (at most 7 tokens with its roles here) and the reply's
+    # last token were cached: the earlier prompt and the 8-token reply, sent back as made
+    assert all(t.cached_tokens >= t.prompt_tokens - 8 for t in later)
+    share = sum(t.cached_tokens for t in later) / sum(t.prompt_tokens for t in later)
+    assert summary["turns"] == 3 and summary["cached_share_later_turns"] == share
+    assert summary["ttft_p50_s_later_turns"] > 0
+    with pytest.raises(ValueError, match="chat"):
+        LoadSpec("m", turns=2, chat=False)

@@ -4,7 +4,11 @@
 ``requests`` have been sent in all. For every request: time to first token (first
 chunk with text), completion tokens (from the usage chunk), end-to-end seconds. The
 summary: errors, p50/p99 TTFT, mean and p50 tokens/s per stream, aggregate throughput
-(all completion tokens ÷ wall time). Only the standard library on the client side.
+(all completion tokens ÷ wall time). With ``turns`` above 1 each thread holds
+conversations: a prompt, then ``turns - 1`` follow-up messages, each request sending the
+conversation so far with the replies the server gave; the summary then also gives the
+later turns' TTFT and the share of their prompt tokens the server found in its cache.
+Only the standard library on the client side.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import statistics
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -35,6 +39,18 @@ class LoadSpec:
     chat: bool = True
     ignore_eos: bool = True  # fixed-length outputs: comparable runs
     api_key: str | None = None
+    turns: int = 1  # requests per conversation (chat): the later ones continue it
+    extra: dict[str, Any] = field(default_factory=dict)  # more fields of every request body
+
+    def __post_init__(self) -> None:
+        if self.turns < 1:
+            raise ValueError(f"turns must be >= 1, got {self.turns}")
+        if self.turns > 1 and not self.chat:
+            raise ValueError("conversations of several turns need chat requests")
+
+
+# the user's message of each later turn (in turn, cycling)
+FOLLOW_UPS = ("Please go on.", "Can you give an example?", "Why is that?", "Summarize it.")
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,10 @@ class RequestTiming:
     error: str | None = None
     alpha: float | None = None  # the request's acceptance rate (server's speculative stats)
     tau: float | None = None  # its tokens per target pass
+    turn: int = 0  # its place in its conversation (0: the first request)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server found in its cache
+    reply: str = ""  # the streamed text (the next turn sends it back)
 
     @property
     def tokens_per_second(self) -> float:
@@ -82,6 +102,25 @@ class LoadResult:
             "wall_seconds": self.wall_seconds,
             "alpha_mean": statistics.fmean(alphas) if alphas else None,
             "tau_mean": statistics.fmean(taus) if taus else None,
+        } | self._turns_summary(ok)
+
+    def _turns_summary(self, ok: list[RequestTiming]) -> dict[str, Any]:
+        """With conversations: first and later turns' TTFT p50, and the share of the
+        later turns' prompt tokens found in the server's cache."""
+        if self.spec.turns == 1:
+            return {}
+        later = [t for t in ok if t.turn > 0]
+        first = sorted(t.ttft for t in ok if t.turn == 0 and t.ttft is not None)
+        prompt = sum(t.prompt_tokens for t in later)
+        return {
+            "turns": self.spec.turns,
+            "ttft_p50_s_first_turns": percentile(first, 50),
+            "ttft_p50_s_later_turns": percentile(
+                sorted(t.ttft for t in later if t.ttft is not None), 50
+            ),
+            "cached_share_later_turns": sum(t.cached_tokens for t in later) / prompt
+            if prompt
+            else 0.0,
         }
 
 
@@ -93,7 +132,10 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(values[rank - 1])
 
 
-def request_body(spec: LoadSpec, prompt: dict[str, Any]) -> dict[str, Any]:
+def request_body(
+    spec: LoadSpec, prompt: dict[str, Any], history: list[dict[str, str]] | None = None
+) -> dict[str, Any]:
+    """One request's body: ``prompt``'s, or (chat) ``history``'s messages where given."""
     body: dict[str, Any] = {
         "model": spec.model,
         "stream": True,
@@ -110,11 +152,16 @@ def request_body(spec: LoadSpec, prompt: dict[str, Any]) -> dict[str, Any]:
         options["gamma"] = spec.gamma
     if options:
         body["speculative"] = options
+    body.update(spec.extra)
     if spec.chat:
-        body["messages"] = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
+        body["messages"] = history or opening_messages(prompt)
     else:
         body["prompt"] = prompt.get("prompt") or "\n".join(m["content"] for m in prompt["messages"])
     return body
+
+
+def opening_messages(prompt: dict[str, Any]) -> list[dict[str, str]]:
+    return list(prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}])
 
 
 def stream_once(connection: http.client.HTTPConnection, path: str, body: dict, key: str | None):
@@ -123,7 +170,7 @@ def stream_once(connection: http.client.HTTPConnection, path: str, body: dict, k
     if key:
         headers["Authorization"] = f"Bearer {key}"
     started = time.perf_counter()
-    ttft, tokens, stats = None, 0, {}
+    ttft, tokens, stats, usage, pieces = None, 0, {}, {}, []
     try:
         connection.request("POST", path, json.dumps(body), headers)
         response = connection.getresponse()
@@ -149,10 +196,13 @@ def stream_once(connection: http.client.HTTPConnection, path: str, body: dict, k
                 return RequestTiming(
                     ttft, time.perf_counter() - started, 0, chunk["error"]["message"]
                 )
-            if ttft is None and _chunk_text(chunk):
+            text = _chunk_text(chunk)
+            if ttft is None and text:
                 ttft = time.perf_counter() - started
+            pieces.append(text)
             if chunk.get("usage"):
-                tokens = int(chunk["usage"]["completion_tokens"])
+                usage = chunk["usage"]
+                tokens = int(usage["completion_tokens"])
             if "tau" in (chunk.get("speculative") or {}):
                 stats = chunk["speculative"]
         if not done:
@@ -160,7 +210,12 @@ def stream_once(connection: http.client.HTTPConnection, path: str, body: dict, k
     except (OSError, http.client.HTTPException, ValueError) as exc:
         return RequestTiming(ttft, time.perf_counter() - started, tokens, repr(exc))
     seconds = time.perf_counter() - started
-    return RequestTiming(ttft, seconds, tokens, None, stats.get("alpha"), stats.get("tau"))
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return RequestTiming(
+        ttft, seconds, tokens, None, stats.get("alpha"), stats.get("tau"),
+        prompt_tokens=int(usage.get("prompt_tokens", 0)), cached_tokens=int(cached),
+        reply="".join(pieces),
+    )  # fmt: skip
 
 
 def _chunk_text(chunk: dict[str, Any]) -> str:
@@ -180,21 +235,31 @@ def run_load(url: str, spec: LoadSpec, prompts: Sequence[dict[str, Any]]) -> Loa
     lock = threading.Lock()
     next_index = [0]
 
+    conversations = math.ceil(spec.requests / spec.turns)
+
     def worker() -> None:
         connection = http.client.HTTPConnection(host, port, timeout=600)
         while True:
             with lock:
                 index = next_index[0]
-                if index >= spec.requests:
+                if index >= conversations:
                     break
                 next_index[0] += 1
-            body = request_body(spec, prompts[index % len(prompts)])
-            timing = stream_once(connection, path, body, spec.api_key)
-            if timing.error is not None:  # a fresh connection after any failure
-                connection.close()
-                connection = http.client.HTTPConnection(host, port, timeout=600)
-            with lock:
-                result.timings.append(timing)
+            prompt = prompts[index % len(prompts)]
+            history = opening_messages(prompt) if spec.turns > 1 else None
+            for turn in range(min(spec.turns, spec.requests - index * spec.turns)):
+                body = request_body(spec, prompt, history)
+                timing = replace(stream_once(connection, path, body, spec.api_key), turn=turn)
+                with lock:
+                    result.timings.append(timing)
+                if timing.error is not None:  # a fresh connection after any failure
+                    connection.close()
+                    connection = http.client.HTTPConnection(host, port, timeout=600)
+                    break
+                if history is not None:
+                    follow = FOLLOW_UPS[turn % len(FOLLOW_UPS)]
+                    history += [{"role": "assistant", "content": timing.reply},
+                                {"role": "user", "content": follow}]  # fmt: skip
         connection.close()
 
     started = time.perf_counter()

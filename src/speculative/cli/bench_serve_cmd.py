@@ -55,6 +55,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     parser.add_argument(
+        "--turns",
+        type=positive_int,
+        default=1,
+        help="requests per conversation: each later one sends the conversation so far "
+        "(with the server's replies) and a follow-up message; the report adds the later "
+        "turns' TTFT and the share of their prompt the server found in its cache",
+    )
+    parser.add_argument(
         "--compare-plain",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -126,6 +134,17 @@ def row_line(summary: dict) -> str:
         f"{summary['stream_tokens_per_s_mean']:.1f} tok/s per stream · "
         f"{summary['aggregate_tokens_per_s']:.1f} tok/s aggregate · "
         f"α {summary['alpha_mean'] or 0:.2f} τ {summary['tau_mean'] or 0:.2f}"
+        + _turns_part(summary)
+    )
+
+
+def _turns_part(summary: dict) -> str:
+    if "turns" not in summary:
+        return ""
+    return (
+        f" · later turns: TTFT p50 {summary['ttft_p50_s_later_turns'] * 1000:.0f} ms "
+        f"(first {summary['ttft_p50_s_first_turns'] * 1000:.0f} ms), "
+        f"{summary['cached_share_later_turns']:.0%} of their prompt cached"
     )
 
 
@@ -159,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
                     spec = LoadSpec(
                         model, level, args.requests, args.max_tokens, args.temperature, draft,
                         args.gamma if draft != "none" else None, api_key=args.api_key,
+                        turns=args.turns,
                     )  # fmt: skip
                     summary = run_load(url, spec, prompts).summary() | {"repeat": repeat}
                     results.append(summary)
