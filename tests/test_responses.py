@@ -183,7 +183,7 @@ def test_interleaved_conversations_each_find_their_last_turn_in_the_cache(served
 
 
 def test_a_stored_response_is_retrieved_listed_and_deleted(served) -> None:
-    _server, client, model = served
+    server, client, model = served
     first = client.responses.create(model=model, input=PROMPT, max_output_tokens=4, temperature=0)
     then = client.responses.create(
         model=model, previous_response_id=first.id, input="and then", max_output_tokens=4,
@@ -202,6 +202,11 @@ def test_a_stored_response_is_retrieved_listed_and_deleted(served) -> None:
     assert newest.has_more
     rest = client.responses.input_items.list(then.id, limit=2, after=items[1].id)
     assert [item.id for item in rest.data] == [items[0].id] and not rest.has_more
+    for query, param in (("limit=x", "limit"), ("limit=0", "limit"), ("order=up", "order"),
+                         ("after=msg_none", "after")):  # fmt: skip
+        status, error = http(f"{server.url}/v1/responses/{then.id}/input_items?{query}",
+                             key=None)  # fmt: skip
+        assert status == 400 and error["error"]["param"] == param, query
     # deleting the first leaves the follow-up's conversation whole
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):

@@ -275,12 +275,14 @@ def _install_stored_responses(app: FastAPI, state: ServerState, store: ResponseS
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.get("/v1/responses/{response_id}/input_items")
-    async def input_items(
-        request: Request, response_id: str, limit: int = 20, order: str = "desc",
-        after: str | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+    async def input_items(request: Request, response_id: str) -> dict[str, Any]:
         _authorize(request, state)
-        return item_page(store.get(response_id).input_items, limit, order, after)
+        query = request.query_params
+        limit = query.get("limit", "20")
+        if not limit.isdigit():
+            raise ApiError(400, f"limit must be an integer, got {limit!r}", param="limit")
+        items = store.get(response_id).input_items
+        return item_page(items, int(limit), query.get("order", "desc"), query.get("after"))
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(request: Request, response_id: str) -> dict[str, Any]:
