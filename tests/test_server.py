@@ -139,6 +139,26 @@ def test_a_conversations_next_request_reports_its_cached_prompt(
     assert cold.choices[0].message.content == warm.choices[0].message.content
 
 
+def test_reset_prefix_cache_makes_the_next_request_cold(
+    server, client: openai.OpenAI, model: str
+) -> None:
+    """vLLM's ``POST /reset_prefix_cache``: a request repeated right after finds its
+    prompt cached, and after the reset computes it again, with the same reply."""
+    messages = [{"role": "user", "content": "big small big small red"}]
+
+    def ask():
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                              temperature=0)  # fmt: skip
+
+    first, again = ask(), ask()
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert http(server.url + "/reset_prefix_cache", "POST", {}, key=None)[0] == 401
+    assert http(server.url + "/reset_prefix_cache", "POST", {}) == (200, {"reset": True})
+    cold = ask()
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert cold.choices[0].message.content == first.choices[0].message.content
+
+
 @pytest.mark.parametrize("draft", ["ngram", "none"])
 def test_greedy_completions_equal_generate(
     folder: Path, client: openai.OpenAI, model: str, draft: str

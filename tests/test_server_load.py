@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from server_helpers import CONTINUING_TEMPLATE, http, metric, start_server, tiny_chat_folder
-from speculative.bench.serve_load import LoadSpec, model_id, percentile, run_load
+from speculative.bench.serve_load import (
+    LoadSpec,
+    model_id,
+    percentile,
+    reset_prefix_cache,
+    run_load,
+)
 
 PROMPTS = [
     {"prompt": "the cat sat on the mat"},
@@ -69,6 +75,13 @@ def test_conversations_send_each_reply_back_and_find_it_cached(tmp_path: Path) -
                         extra=words_only)  # fmt: skip
         result = run_load(server.url, spec, PROMPTS)
         summary = result.summary()
+        again = run_load(server.url, spec, PROMPTS)  # finds the last run's prompts ...
+        assert reset_prefix_cache(server.url)
+        cold = run_load(server.url, spec, PROMPTS)  # ... unless the cache was reset
+    assert not reset_prefix_cache("http://127.0.0.1:9")  # (no server there)
+    firsts = [[t for t in run.timings if t.turn == 0] for run in (result, again, cold)]
+    assert all(t.cached_tokens >= t.prompt_tokens - 1 for t in firsts[1])
+    assert all(t.cached_tokens <= 1 for t in firsts[0] + firsts[2])  # (the role token)
     assert result.errors == [] and summary["requests"] == 7
     assert sorted(t.turn for t in result.timings) == [0, 0, 0, 1, 1, 2, 2]  # 3 + 3 + 1 turns
     first = {t.prompt_tokens for t in result.timings if t.turn == 0}

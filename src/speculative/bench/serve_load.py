@@ -272,6 +272,24 @@ def run_load(url: str, spec: LoadSpec, prompts: Sequence[dict[str, Any]]) -> Loa
     return result
 
 
+def reset_prefix_cache(url: str, api_key: str | None = None) -> bool:
+    """Ask the server to forget its finished requests' cached prompts (vLLM's and this
+    server's ``POST /reset_prefix_cache``), so that a run does not find the last run's;
+    False where the server has no such endpoint."""
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        connection.request("POST", "/reset_prefix_cache", headers=headers)
+        response = connection.getresponse()
+        response.read()
+        return response.status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+
+
 def model_id(url: str, api_key: str | None = None) -> str:
     """The first model the server lists."""
     parts = urlsplit(url)

@@ -21,6 +21,8 @@ C client threads keep one request in flight until --requests have been sent. Rep
 p50/p99 time to first token, tokens/s per stream and aggregate throughput. With
 --compare-plain (default) every level runs twice, interleaved: with the server's drafter
 (or --draft) and with drafting off ("speculative": {"draft": "none"}), same requests.
+Each run starts from a cold prefix cache (POST /reset_prefix_cache, where the server has
+it), so that no run finds the prompts of the one before.
 
 Without --url, starts `speculative serve` itself on a free loopback port with --target,
 --serve-draft and --max-batch, and stops it afterwards.
@@ -150,7 +152,7 @@ def _turns_part(summary: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from speculative.bench.prompts import load_prompts
-    from speculative.bench.serve_load import LoadSpec, model_id, run_load
+    from speculative.bench.serve_load import LoadSpec, model_id, reset_prefix_cache, run_load
 
     concurrency = levels(args.concurrency)
     try:
@@ -180,7 +182,9 @@ def run(args: argparse.Namespace) -> int:
                         args.gamma if draft != "none" else None, api_key=args.api_key,
                         turns=args.turns,
                     )  # fmt: skip
-                    summary = run_load(url, spec, prompts).summary() | {"repeat": repeat}
+                    cold = reset_prefix_cache(url, args.api_key)  # no run finds the last one's
+                    summary = run_load(url, spec, prompts).summary()
+                    summary |= {"repeat": repeat, "cold_cache": cold}
                     results.append(summary)
                     rates.append(summary["aggregate_tokens_per_s"])
                     print(row_line(summary), file=sys.stderr, flush=True)

@@ -462,6 +462,11 @@ class BatchEngine:
         self._next_id += 1
         return row.row_id
 
+    def forget_finished(self) -> None:
+        """Later rows start from no finished row's cached prompt or output (a cold cache,
+        as for benchmarks); live rows go on as they were."""
+        self.pool.forget_finished()
+
     def cancel(self, row_id: int) -> GenerationResult:
         """Stop a row now and free its slot; returns what it generated so far."""
         return self._retire(self.rows[row_id], "cancelled")

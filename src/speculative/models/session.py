@@ -766,6 +766,11 @@ class RowPool(Protocol):
         """Every planned row through one target pass; [k_row, vocab] logits each."""
         ...
 
+    def forget_finished(self) -> None:
+        """Let no later row start from what finished rows left in the cache (their
+        prompts and outputs are computed again: a cold cache, as for benchmarks)."""
+        ...
+
 
 # the share of a finished row's cached positions a new row must start from to take that
 # row's slot itself (else it copies them into another slot)
@@ -797,6 +802,10 @@ class SlotPool:
             session.adopt_prefix(donor, length)
         self._sessions[session.slot] = session
         return session
+
+    def forget_finished(self) -> None:
+        """See :meth:`RowPool.forget_finished`."""
+        self._sessions = {slot: s for slot, s in self._sessions.items() if not s.released}
 
     def _new_session(self, donor: SlotSession | None, length: int, features: bool) -> SlotSession:
         """A session on the donor's own slot where the donor is a finished row whose slot
@@ -856,14 +865,23 @@ class SinglePool:
 
     def __init__(self, session: ModelSession) -> None:
         self.session = session
+        self._forget = False  # forget_finished was asked: the next open starts over
 
     def open(self, features: bool = False, prompt: Sequence[int] = ()) -> ModelSession:
         """The session, for a new generation: it keeps what chain passes cached (the last
         generation's prompt and output, for a next turn's prompt to start from)."""
         self.session._hold()  # what it cached is gone if another session took the model
+        if self._forget:
+            self.session.reset()
+            self._forget = False
         self.session.drop_foreign()
         self.session.keep_features(features)
         return self.session
+
+    def forget_finished(self) -> None:
+        """See :meth:`RowPool.forget_finished`: the next row starts from an empty cache
+        (a live row keeps its own)."""
+        self._forget = True
 
     def forward_rows(self, rows: Sequence[RowInput]) -> list[torch.Tensor]:
         if len(rows) != 1:

@@ -1,8 +1,10 @@
 """The FastAPI app: OpenAI-compatible endpoints, metrics, the playground.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as SSE in
-OpenAI's chunk format, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus), ``GET /`` (the playground page).
+OpenAI's chunk format, ending with ``data: [DONE]``), ``POST /v1/responses`` and its
+stored responses (``GET`` / ``DELETE /v1/responses/{id}``, ``/input_items``,
+``/cancel``), ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``/detokenize``,
+``/reset_prefix_cache``, ``GET /metrics`` (Prometheus), ``GET /`` (the playground page).
 
 Every response carries a ``speculative`` object with that request's statistics (drafted,
 accepted, α, τ, ...); streamed chunks carry ``speculative.pieces``: the chunk's text as
@@ -236,6 +238,17 @@ def create_app(state: ServerState) -> FastAPI:
         _authorize(request, state)
         body = await _parsed(request, TokenizeRequest, state)
         return _tokenized(body, state)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> dict[str, bool]:
+        """vLLM's: later requests find no finished request's prompt or reply in the cache
+        (a cold cache for benchmarks); requests in flight keep theirs."""
+        _authorize(request, state)
+        scheduler.start()
+        done = scheduler.reset_prefix_cache()
+        if not await asyncio.to_thread(done.wait, 60):
+            raise ApiError(503, "the scheduler did not answer in 60 s", "server_error")
+        return {"reset": True}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:

@@ -96,6 +96,7 @@ class Scheduler:
         self._queue: deque[Job] = deque()
         self._jobs: dict[int, Job] = {}  # active rows
         self._cancels: list[Job] = []
+        self._forgets: list[threading.Event] = []  # reset_prefix_cache calls to answer
         self._wake = threading.Condition()
         self._stopping = False
         self._running: Future | None = None  # the loop, on its thread
@@ -135,6 +136,15 @@ class Scheduler:
             self._cancels.append(job)
             self._wake.notify()
 
+    def reset_prefix_cache(self) -> threading.Event:
+        """Have later rows start from no finished row's cached prompt or reply (done on
+        the scheduler's thread between rounds; the event is set once it is)."""
+        done = threading.Event()
+        with self._wake:
+            self._forgets.append(done)
+            self._wake.notify()
+        return done
+
     @property
     def waiting(self) -> int:
         return len(self._queue)
@@ -151,13 +161,20 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not (self._stopping or self._queue or self._jobs or self._cancels):
+                while not (
+                    self._stopping or self._queue or self._jobs or self._cancels or self._forgets
+                ):
                     self._wake.wait()
                 if self._stopping:
                     break
                 cancels, self._cancels = self._cancels, []
+                forgets, self._forgets = self._forgets, []
             for job in cancels:
                 self._drop(job)
+            if forgets:
+                self.engine.forget_finished()
+                for done in forgets:
+                    done.set()
             self._admit()
             if self._jobs:
                 self._step()
