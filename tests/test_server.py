@@ -143,15 +143,21 @@ def test_reset_prefix_cache_makes_the_next_request_cold(
     server, client: openai.OpenAI, model: str
 ) -> None:
     """vLLM's ``POST /reset_prefix_cache``: a request repeated right after finds its
-    prompt cached, and after the reset computes it again, with the same reply."""
+    prompt cached (the metric counts it), and after the reset computes it again, with
+    the same reply."""
     messages = [{"role": "user", "content": "big small big small red"}]
 
     def ask():
         return client.chat.completions.create(model=model, messages=messages, max_tokens=4,
                                               temperature=0)  # fmt: skip
 
-    first, again = ask(), ask()
+    def cached_total() -> float:  # the metric of prompt tokens found cached, so far
+        return metric(http(server.url + "/metrics")[1], "speculative_prompt_tokens_cached_total")
+
+    first, before = ask(), cached_total()
+    again = ask()
     assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert cached_total() - before == again.usage.prompt_tokens - 1
     assert http(server.url + "/reset_prefix_cache", "POST", {}, key=None)[0] == 401
     assert http(server.url + "/reset_prefix_cache", "POST", {}) == (200, {"reset": True})
     cold = ask()

@@ -269,9 +269,13 @@ def run(args: argparse.Namespace) -> int:
         sock.listen(2048)  # connections queue from the banner on, until the server takes them
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
+        window = state.context_window
         print(
             f"speculative: serving '{state.model_id}' on http://{shown}:{port} "
-            "(playground at /, metrics at /metrics)",
+            f"(playground at /, metrics at /metrics; {config.max_batch} rows at once, "
+            f"{config.slots()} cache slots"
+            + (f" of {window} positions" if window else "")
+            + ": finished conversations stay in the free ones)",
             file=sys.stderr,
         )
         server = uvicorn.Server(

@@ -50,6 +50,11 @@ class ServerMetrics(SchedulerObserver):
             f"{p}_requests", "Finished requests", ["endpoint", "status"], registry=r
         )
         self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens", registry=r)
+        self.cached_prompt_tokens = Counter(
+            f"{p}_prompt_tokens_cached",
+            "Prompt tokens found in the cache (a live or finished row's), not computed",
+            registry=r,
+        )
         self.completion_tokens = Counter(f"{p}_completion_tokens", "Generated tokens", registry=r)
         self.drafted = Counter(f"{p}_drafted_tokens", "Drafted tokens", registry=r)
         self.accepted = Counter(f"{p}_accepted_tokens", "Accepted drafted tokens", registry=r)
@@ -115,6 +120,7 @@ class ServerMetrics(SchedulerObserver):
     def on_admit(self, job: Job) -> None:
         self._timings[id(job)] = _Timing()
         self.prompt_tokens.inc(len(job.request.prompt_ids))
+        self.cached_prompt_tokens.inc(job.stats.cached_prompt_tokens)
 
     def on_step(self, batch: int, waiting: int, running: int) -> None:
         self.batch_size.set(batch)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from speculative.drafters.base import Drafter
 from speculative.engine.batch import BatchEngine, BatchRequest
 from speculative.engine.loop import GenerationResult, Round
+from speculative.engine.stats import GenerationStats
 from speculative.server.compute import ComputeThread
 
 
@@ -56,6 +57,7 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     admitted: float | None = None
     row_id: int | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)  # the row's, as it goes
     cancelled: bool = False
     done: bool = False
 
@@ -207,7 +209,7 @@ class Scheduler:
                     self._fail(job, f"building the drafter failed: {type(exc).__name__}: {exc}")
                     continue
             try:
-                job.row_id = self.engine.add(job.request)
+                job.row_id = self.engine.add(job.request, job.stats)
             except ValueError as exc:
                 self._fail(job, str(exc))
                 continue
