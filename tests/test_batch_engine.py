@@ -1907,6 +1907,48 @@ def test_the_servers_scheduler_fails_only_the_row_whose_constraint_failed(folder
     assert isinstance(done, DoneEvent) and done.result.token_ids == alone.token_ids
 
 
+def test_the_servers_scheduler_survives_a_row_that_cannot_start(folder: Path) -> None:
+    """A row whose admission fails unexpectedly (its drafter breaks on reset) gets an
+    error event naming the failure and leaves no cache slot held; the scheduler goes on,
+    and the next row decodes (before: the scheduler's loop died and every later request
+    waited forever)."""
+    import asyncio
+
+    from speculative.server.scheduler import DoneEvent, ErrorEvent, Job, Scheduler
+
+    backend = _backend("kernels")
+    target = load_native(folder, max_length=96, backend=backend, max_slots=2)
+    greedy, stop = SamplingParams(temperature=0), StopCriteria(max_new_tokens=6)
+    row = BatchRequest(_specs()[0].prompt, greedy, stop, torch.Generator(), None, 0)
+
+    async def ends() -> list:
+        scheduler = Scheduler(BatchEngine(target, max_batch=2))
+        running = asyncio.get_running_loop()
+        jobs = [Job(replace(row, drafter=_BreaksOnReset(), gamma=3), running), Job(row, running)]
+        scheduler.start()
+        try:
+            out = []
+            for job in jobs:  # one after the other: the second comes after the failure
+                scheduler.submit(job)
+                event = await asyncio.wait_for(job.events.get(), 30)
+                while not isinstance(event, DoneEvent | ErrorEvent):
+                    event = await asyncio.wait_for(job.events.get(), 30)
+                out.append(event)
+            return out
+        finally:
+            scheduler.stop()
+
+    failed, done = asyncio.run(ends())
+    assert isinstance(failed, ErrorEvent) and "RuntimeError: broken drafter" in failed.message
+    assert isinstance(done, DoneEvent) and len(done.result.token_ids) == 6
+    assert sorted(target.acquire_slot() for _ in range(2)) == [0, 1]  # no slot left held
+
+
+class _BreaksOnReset(PromptLookupDrafter):
+    def reset(self) -> None:
+        raise RuntimeError("broken drafter")
+
+
 class _Oracle(_SecondBranch):
     """Chains of the target's own ``continuation``: every draft is accepted."""
 

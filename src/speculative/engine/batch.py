@@ -417,6 +417,25 @@ class BatchEngine:
         scores_prompt = request.prompt_logprobs is not None
         shared = () if scores_prompt else request.prompt_ids  # a prefix another row holds
         session = self.pool.open(features=reads, prompt=shared)  # raises when full
+        try:
+            row = self._new_row(request, session, state, reads, scores_prompt)
+        except BaseException:
+            session.release()  # a row that cannot start leaves no slot held
+            raise
+        self.rows[row.row_id] = row
+        self._next_id += 1
+        return row.row_id
+
+    def _new_row(
+        self,
+        request: BatchRequest,
+        session: RowSession,
+        state: DecodeState,
+        reads: bool,
+        scores_prompt: bool,
+    ) -> BatchRow:
+        """The row of ``request`` on its new ``session`` (its drafter reset, its γ policy
+        and bookkeeping set up)."""
         if scores_prompt:  # every prompt position's logits, so none may come cached
             session.reset()
         # the last prompt token is always computed: its logits start the generation
@@ -458,9 +477,7 @@ class BatchEngine:
             ),
             prompt_entries=[] if scores_prompt else None,
         )
-        self.rows[row.row_id] = row
-        self._next_id += 1
-        return row.row_id
+        return row
 
     def forget_finished(self) -> None:
         """Later rows start from no finished row's cached prompt or output (a cold cache,

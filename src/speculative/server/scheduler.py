@@ -171,17 +171,34 @@ class Scheduler:
                     break
                 cancels, self._cancels = self._cancels, []
                 forgets, self._forgets = self._forgets, []
-            for job in cancels:
-                self._drop(job)
-            if forgets:
-                self.engine.forget_finished()
-                for done in forgets:
-                    done.set()
-            self._admit()
-            if self._jobs:
-                self._step()
+            try:
+                self._turn(cancels, forgets)
+            except Exception as exc:  # the loop goes on: later requests are still served
+                self._fail_running(f"the scheduler failed: {type(exc).__name__}: {exc}")
         for job in [*self._jobs.values(), *self._queue]:
             self._fail(job, "the server is shutting down")
+
+    def _turn(self, cancels: list[Job], forgets: list[threading.Event]) -> None:
+        """One turn of the loop: cancellations, cache resets, admissions, a round."""
+        for job in cancels:
+            self._drop(job)
+        if forgets:
+            self.engine.forget_finished()
+            for done in forgets:
+                done.set()
+        self._admit()
+        if self._jobs:
+            self._step()
+
+    def _fail_running(self, message: str) -> None:
+        """Fail every row in the batch with ``message`` (their slots freed)."""
+        self.error = message
+        for row_id, job in list(self._jobs.items()):
+            del self._jobs[row_id]
+            if row_id in self.engine.rows:
+                self.engine.cancel(row_id)
+            self.engine.finished.pop(row_id, None)
+            self._fail(job, message)
 
     def _drop(self, job: Job) -> None:
         """A cancelled job leaves the queue or the batch (its slot is freed now)."""
@@ -213,6 +230,9 @@ class Scheduler:
             except ValueError as exc:
                 self._fail(job, str(exc))
                 continue
+            except Exception as exc:  # an unexpected failure fails this row, not the server
+                self._fail(job, f"starting the row failed: {type(exc).__name__}: {exc}")
+                continue
             job.admitted = time.perf_counter()
             self._jobs[job.row_id] = job
             self.observer.on_admit(job)
@@ -222,14 +242,7 @@ class Scheduler:
         try:
             rounds = self.engine.step()
         except Exception as exc:  # a failing pass fails its rows, not the server
-            message = f"decoding failed: {type(exc).__name__}: {exc}"
-            self.error = message
-            for row_id, job in list(self._jobs.items()):
-                del self._jobs[row_id]
-                if row_id in self.engine.rows:
-                    self.engine.cancel(row_id)
-                self.engine.finished.pop(row_id, None)
-                self._fail(job, message)
+            self._fail_running(f"decoding failed: {type(exc).__name__}: {exc}")
             return
         for row_id, round_ in rounds.items():
             job = self._jobs[row_id]
