@@ -251,6 +251,26 @@ def test_a_cancelled_background_response_frees_its_row(served) -> None:
     assert client.responses.retrieve(long.id).status == "cancelled"
 
 
+def test_a_background_response_whose_decoding_fails_is_failed(served, monkeypatch) -> None:
+    server, client, model = served
+    engine = server.server.config.app.state.scheduler.engine
+    step, calls = engine.step, []
+
+    def fails_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the pass broke")
+        return step()
+
+    monkeypatch.setattr(engine, "step", fails_once)
+    started = client.responses.create(model=model, input=PROMPT, max_output_tokens=4,
+                                      background=True)  # fmt: skip
+    failed = _poll(client, started.id)
+    assert failed.status == "failed" and "the pass broke" in failed.error.message
+    again = client.responses.create(model=model, input=PROMPT, max_output_tokens=4)
+    assert again.usage.output_tokens > 0  # the server decodes on
+
+
 def _poll(client, response_id: str):
     import time
 

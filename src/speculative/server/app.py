@@ -900,9 +900,11 @@ def _start_background(
             body = await _whole_body(prepared, jobs, state, scheduler, metrics, None)
             assert body is not None
             stored.body = body
-        except ApiError as exc:
+        except Exception as exc:  # (an ApiError's message as it is, others named)
+            message = exc.message if isinstance(exc, ApiError) else f"internal error: {exc!r}"
+            _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics, count=False)
             stored.body = {**queued, "status": "failed",
-                           "error": {"code": "server_error", "message": exc.message}}  # fmt: skip
+                           "error": {"code": "server_error", "message": message}}  # fmt: skip
         except asyncio.CancelledError:
             _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics)
             stored.body = {**queued, "status": "cancelled"}
