@@ -29,8 +29,10 @@ R1_LIKE = (
 )
 
 
-def _thinker(folder: Path, template: str, reply: str) -> Path:
+def _thinker(folder: Path, template: str, reply: str, special_tags: bool = False) -> Path:
     tokenizer = byte_tokenizer()
+    if special_tags:  # one special token each, which decoding leaves out
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
     tokenizer.chat_template = template
     prompt = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -40,6 +42,11 @@ def _thinker(folder: Path, template: str, reply: str) -> Path:
 @pytest.fixture(scope="module")
 def qwen_like(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _thinker(tmp_path_factory.mktemp("qwen_like"), QWEN_LIKE, THINKS)
+
+
+@pytest.fixture(scope="module")
+def special_tags(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _thinker(tmp_path_factory.mktemp("special"), QWEN_LIKE, THINKS, special_tags=True)
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +121,20 @@ def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(qwen_like: Pat
         final = events[-1].response
         assert [item.type for item in final.output] == ["reasoning", "message"]
         assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_thinking_tags_that_are_special_tokens_still_split_the_reply(special_tags: Path) -> None:
+    """Where ``<think>`` and ``</think>`` are special tokens (decoding leaves them out),
+    the reply's text keeps them, so the thinking is split as with text tags; the control
+    (the parser off) gives the answer with the tags left out, as plain decoding does."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(special_tags)
+    assert len(tokenizer("<think>", add_special_tokens=False)["input_ids"]) == 1
+    with start_server(special_tags, max_prompt_tokens=200) as server:
+        whole = _ask(server)
+        assert whole == ("\nThe user wants an alarm at 7.\n", "Sure, at 7.")
+        assert _ask(server, stream=True) == whole
+    with start_server(special_tags, max_prompt_tokens=200, reasoning_parser="none") as server:
+        plain = THINKS.replace("<think>", "").replace("</think>", "")
+        assert _ask(server) == (None, plain)

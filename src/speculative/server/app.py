@@ -531,7 +531,7 @@ async def _prepare(
         draft = "prediction"
     thinking = None
     if state.reasons and isinstance(body, ChatCompletionRequest):
-        thinking = opens_thinking(state.loaded.decode(prompts[0]))
+        thinking = opens_thinking(state.decode_reply(prompts[0]))
     prepared = Prepared(
         endpoint, body, prompts, requests, draft, gamma, acquire, release, seed,
         constraints, echoes, state.call_syntax, prediction, responses=responses,
@@ -924,7 +924,7 @@ def _whole_choice(
     """One choice of a whole response: its text (cut at a stop string), finish reason and
     (where asked) its tokens' log-probabilities."""
     decode = state.loaded.decode
-    text = _assembler(prepared, decode)
+    text = _assembler(prepared, state.decode_reply)
     text.push(result.token_ids, ["target"] * len(result.token_ids))
     echo = prepared.echo(index)
     logprobs = LogprobsFormatter(decode, envelope.chat, text_offset=len(echo))
@@ -1117,7 +1117,7 @@ async def _chunks(
     decode = state.loaded.decode
     choices = [
         _StreamedChoice(
-            _assembler(prepared, decode),
+            _assembler(prepared, state.decode_reply),
             LogprobsFormatter(decode, envelope.chat, len(prepared.echo(i))),
             _call_stream(prepared),
             None if prepared.thinking is None else ReasoningStream(prepared.thinking),

@@ -2,7 +2,9 @@
 
 Models such as Qwen3 and DeepSeek-R1 think first, between ``<think>`` and ``</think>``,
 then answer. The thinking goes out as ``reasoning_content`` (the field vLLM and DeepSeek's
-API use), the answer as ``content``. A reply thinks when it starts with ``<think>``, or
+API use), the answer as ``content`` (where a tokenizer has the tags as special tokens,
+which decoding leaves out, the reply's text keeps them). A reply thinks when it starts
+with ``<think>``, or
 when the chat template opened the block itself (DeepSeek-R1's generation prompt ends with
 ``<think>``): then everything up to ``</think>`` is thinking. A reply cut before its
 ``</think>`` is all thinking. Streamed, the pieces are routed as they come, holding back
@@ -11,7 +13,9 @@ what may be the start of ``</think>`` (or of ``<think>`` at the start).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from speculative.server.text import partial_stop_length
 
@@ -24,6 +28,32 @@ def template_thinks(tokenizer: object) -> bool:
     ``auto``)."""
     template = getattr(tokenizer, "chat_template", None)
     return isinstance(template, str) and THINK_CLOSE in template
+
+
+def special_think_tags(tokenizer: Any) -> frozenset[int]:
+    """The ids of ``<think>`` and ``</think>`` where the tokenizer has them as special
+    tokens (which decoding leaves out); empty where it has them as text."""
+    special = _special_ids(tokenizer)
+    vocab = tokenizer.get_vocab()
+    return frozenset(vocab[tag] for tag in (THINK_OPEN, THINK_CLOSE) if vocab.get(tag) in special)
+
+
+def decode_keeping(tokenizer: Any, kept: frozenset[int]) -> Callable[[Sequence[int]], str]:
+    """A decode that leaves out special tokens except ``kept`` (a reply's thinking tags,
+    where they are special: its text then shows where the thinking ends)."""
+    dropped = _special_ids(tokenizer) - kept
+
+    def decode(token_ids: Sequence[int]) -> str:
+        kept_ids = [token for token in token_ids if token not in dropped]
+        return tokenizer.decode(kept_ids, skip_special_tokens=False)
+
+    return decode
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    flagged = {token_id for token_id, token in added.items() if getattr(token, "special", False)}
+    return frozenset(flagged) | frozenset(tokenizer.all_special_ids)
 
 
 def opens_thinking(prompt_text: str) -> bool:

@@ -11,7 +11,7 @@ per request).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -21,7 +21,7 @@ from speculative.engine.costs import PassCostCurves
 from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
 from speculative.models.base import ReservesSlots, SupportsBatchRows
 from speculative.server.compute import ComputeThread
-from speculative.server.reasoning import template_thinks
+from speculative.server.reasoning import decode_keeping, special_think_tags, template_thinks
 from speculative.server.tools import (
     HERMES,
     SYNTAXES,
@@ -139,6 +139,12 @@ class ServerState:
     shows_tools: bool | None = None  # whether the chat template shows tools (None: ask)
     call_syntax: CallSyntax = HERMES  # how the model writes function calls
     reasons: bool = False  # a reply's <think> block goes out as its reasoning_content
+    # a reply's text from its tokens (the model's decode; with reasons, its thinking
+    # tags kept where they are special tokens); None: loaded.decode
+    reply_decode: Callable[[Sequence[int]], str] | None = None
+
+    def decode_reply(self, token_ids: Sequence[int]) -> str:
+        return (self.reply_decode or self.loaded.decode)(token_ids)
 
     @property
     def row_gamma(self) -> int:
@@ -209,6 +215,9 @@ def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
         reasons=config.reasoning_parser == "think"
         or (config.reasoning_parser == "auto" and template_thinks(tokenizer)),
     )
+    tags = special_think_tags(tokenizer) if state.reasons else frozenset()
+    if tags:  # decoding would leave them out
+        state.reply_decode = decode_keeping(tokenizer, tags)
     if config.gamma == "auto":  # the pass-cost curves the load-aware policy needs
         from speculative.engine.costs import pass_cost_curves, probe_context
 
