@@ -182,6 +182,55 @@ def test_interleaved_conversations_each_find_their_last_turn_in_the_cache(served
             turns[name] = then
 
 
+def test_truncation_auto_drops_the_oldest_turns_after_the_first(served) -> None:
+    """A conversation grown past the prompt limit (64 tokens here) is a 400 with
+    ``truncation`` off; with "auto" the oldest turns after the first are dropped until it
+    fits, and the reply is the chat completion of what was kept."""
+    _server, client, model = served
+    through = {"ignore_eos": True, "logit_bias": {"0": -100, "1": -100}}
+    asked = {"model": model, "max_output_tokens": 8, "temperature": 0, "extra_body": through}
+    says = ["the cat sat on the mat and the dog ran on the rug",
+            "a big red cat sat on a small blue mat",
+            "then it was a big dog and it ran on the red rug",
+            "and then the small cat ran on the mat"]  # fmt: skip
+    replies, last = [], None
+    for text in says[:3]:
+        last = client.responses.create(input=text, previous_response_id=last and last.id,
+                                       **asked)  # fmt: skip
+        replies.append(last.output_text)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(input=says[3], previous_response_id=last.id, **asked)
+    assert refused.value.body["code"] == "context_length_exceeded"
+    cut = client.responses.create(input=says[3], previous_response_id=last.id,
+                                  truncation="auto", **asked)  # fmt: skip
+    assert cut.truncation == "auto" and cut.usage.input_tokens <= 64
+    kept = [{"role": "user", "content": says[0]}, {"role": "assistant", "content": replies[0]},
+            {"role": "user", "content": says[2]}, {"role": "assistant", "content": replies[2]},
+            {"role": "user", "content": says[3]}]  # fmt: skip
+    chat = client.chat.completions.create(
+        model=model, messages=kept, max_tokens=8, temperature=0, extra_body=through
+    )
+    assert cut.usage.input_tokens == chat.usage.prompt_tokens
+    assert cut.output_text == chat.choices[0].message.content
+
+
+def test_truncations_keep_turns_whole_and_the_first_longest() -> None:
+    from speculative.server.responses import InputItem, truncations
+
+    def item(role: str, text: str = "x", kind: str = "message") -> InputItem:
+        if kind != "message":
+            return InputItem(type=kind, call_id="c", name="f", output="o")
+        return InputItem(role=role, content=text)
+
+    history = [item("user", "1"), item("assistant"), item("user", "2"),
+               item("", kind="function_call"), item("", kind="function_call_output"),
+               item("assistant"), item("user", "3"), item("assistant")]  # fmt: skip
+    tried = [[i.content for i in kept if i.role == "user"] for kept in truncations(history)]
+    assert tried == [["1", "2", "3"], ["1", "3"], ["1"], []]
+    lengths = [len(kept) for kept in truncations(history)]
+    assert lengths == [8, 4, 2, 0]  # the call and its output went with their turn
+
+
 def test_a_stored_response_is_retrieved_listed_and_deleted(served) -> None:
     server, client, model = served
     first = client.responses.create(model=model, input=PROMPT, max_output_tokens=4, temperature=0)

@@ -56,6 +56,7 @@ from speculative.server.responses import (
     chat_error_param,
     new_id,
     response_object,
+    truncations,
     whole_response,
 )
 from speculative.server.scheduler import (
@@ -487,8 +488,11 @@ async def _prepare(
             param="model",
             code="model_not_found",
         )
-    prompts = _prompt_ids(body, state)
-    max_tokens = _max_tokens(body, max(len(ids) for ids in prompts), state)
+    if responses is not None and responses.truncation == "auto":
+        body, prompts, max_tokens = _fitting(responses, history, state)
+    else:
+        prompts = _prompt_ids(body, state)
+        max_tokens = _max_tokens(body, max(len(ids) for ids in prompts), state)
     vocab = state.loaded.lm.vocab_size
     for param, tokens in (("logit_bias", body.logit_bias), ("stop_token_ids", body.stop_token_ids)):
         beyond = [t for t in tokens or () if int(t) >= vocab]
@@ -544,6 +548,23 @@ async def _prepare(
         if responses.store:
             prepared.keep = store.put
     return prepared
+
+
+def _fitting(
+    responses: ResponsesRequest, history: list[InputItem], state: ServerState
+) -> tuple[ChatCompletionRequest, list[list[int]], int]:
+    """``truncation: "auto"``: the chat request (its prompt and token budget) after the
+    fewest earlier turns dropped that fits the context window; the request's own input
+    is never dropped (a 400 where it alone does not fit)."""
+    for kept in truncations(history):
+        body = _as_chat(responses, kept)
+        try:
+            prompts = _prompt_ids(body, state)
+            return body, prompts, _max_tokens(body, len(prompts[0]), state)
+        except ApiError as exc:
+            if exc.code != "context_length_exceeded" or not kept:
+                raise
+    raise AssertionError("unreachable: the last truncation keeps no history")
 
 
 def _as_chat(responses: ResponsesRequest, history: list[InputItem]) -> ChatCompletionRequest:

@@ -102,6 +102,9 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     background: bool = False
     include: list[str] | None = None  # "message.output_text.logprobs" is served
+    # "auto": earlier turns of the conversation are dropped (oldest first, its first turn
+    # last) until the prompt fits the context window; "disabled": a 400 where it does not
+    truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = None  # alternatives with each output token's log-probability
 
     def wants_logprobs(self) -> bool:
@@ -191,11 +194,32 @@ class ResponsesRequest(BaseModel):
 
 
 # Responses fields that change nothing here (reasoning, streaming details, metadata)
-IGNORED = {"metadata", "user", "reasoning", "truncation", "service_tier", "prompt_cache_key",
+IGNORED = {"metadata", "user", "reasoning", "service_tier", "prompt_cache_key",
            "safety_identifier", "stream_options"}  # fmt: skip
 # the ``include`` value that asks for the output text's log-probabilities (others name
 # outputs of tools this server does not run, and add nothing)
 LOGPROBS = "message.output_text.logprobs"
+
+
+def turns(items: Sequence[InputItem]) -> list[list[InputItem]]:
+    """``items`` in turns: each starts at a user message (what goes with it, the replies,
+    calls and their outputs, stays with it when a turn is dropped)."""
+    grouped: list[list[InputItem]] = []
+    for item in items:
+        if not grouped or (item.type == "message" and (item.role or "user") == "user"):
+            grouped.append([])
+        grouped[-1].append(item)
+    return grouped
+
+
+def truncations(history: Sequence[InputItem]) -> list[list[InputItem]]:
+    """The histories ``truncation: "auto"`` tries, longest first: all of it, then with
+    its oldest turns dropped one by one after the first (which often sets the task),
+    then without the first too, down to none."""
+    grouped = turns(history)
+    first, rest = grouped[:1], grouped[1:]
+    tried = [[item for turn in first + rest[k:] for item in turn] for k in range(len(rest) + 1)]
+    return [*tried, []] if first else tried
 
 
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
@@ -263,6 +287,7 @@ def response_object(
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "error": None,
         "usage": _usage(usage),
+        "truncation": request.truncation or "disabled",
         "previous_response_id": request.previous_response_id,
         "store": request.store,
         "background": request.background,
