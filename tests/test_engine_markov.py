@@ -161,6 +161,45 @@ def test_stop_strings_cut_tokens():
     assert stop.final_text(decode(result.token_ids)) == full[:hit]
 
 
+def _reference_stop(tokens, decode, stop, min_tokens):
+    """vLLM's min_tokens rule token by token: after each output token from index
+    min_tokens - 1 on, a stop string ending in that token's text ends the output."""
+    for i in range(len(tokens)):
+        before, text = decode(tokens[:i]), decode(tokens[: i + 1])
+        if i + 1 >= min_tokens and text.find(stop, max(0, len(before) - len(stop) + 1)) >= 0:
+            return i + 1
+    return None
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 3, 6, 12])
+def test_min_tokens_lets_no_stop_string_end_inside_them(min_tokens: int):
+    """With ``min_tokens``, a stop string the first min_tokens - 1 tokens complete does
+    not count: the seeded run is cut where the token-by-token reference cuts it, for
+    several seeds and block sizes; the text is cut at the first stop string that counts.
+    Control: the same runs without min_tokens stop earlier on some seed."""
+    decode = lambda ids: "".join("abcde"[i] for i in ids)  # noqa: E731
+    earlier = 0
+    for seed in range(8):
+        for gamma in (1, 4):
+            uncut = make_engine("model", gamma).generate(
+                [0], SamplingParams(), StopCriteria(max_new_tokens=60),
+                torch.Generator().manual_seed(seed),
+            )  # fmt: skip
+            want = _reference_stop(uncut.token_ids, decode, "ae", min_tokens)
+            stop = StopCriteria(60, stop_strings=("ae",), decode=decode, min_tokens=min_tokens)
+            result = make_engine("model", gamma).generate(
+                [0], SamplingParams(), stop, torch.Generator().manual_seed(seed)
+            )
+            assert result.token_ids == uncut.token_ids[: want or 60], (seed, gamma)
+            text = decode(result.token_ids)
+            quiet = len(decode(result.token_ids[: max(0, min_tokens - 1)]))
+            cut = stop.final_text(text, result.token_ids)
+            assert cut == (text if want is None else text[: text.index("ae", max(0, quiet - 1))])
+            plain = _reference_stop(uncut.token_ids, decode, "ae", 0)
+            earlier += plain is not None and (want is None or plain < want)
+    assert earlier > 0 or min_tokens <= 1
+
+
 def test_stop_string_window_is_bounded_and_finds_boundary_hits():
     seen: list[int] = []
 

@@ -1077,7 +1077,7 @@ def test_stop_tokens_min_tokens_and_kept_stops(
     ``include_stop_str_in_output``, which keeps a stop string too), streamed and whole;
     ``min_tokens`` holds end-of-sequence back (a +100 bias on it ends the output at once
     without; with, the output is min_tokens + 1 long, with a drafter or none, greedy or
-    sampled); refusals name their field."""
+    sampled) and lets no stop string end inside those tokens; refusals name their field."""
     from tiny import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
@@ -1112,6 +1112,12 @@ def test_stop_tokens_min_tokens_and_kept_stops(
     assert ask(True, stop_token_ids=[ids[k]], include_stop_str_in_output=True)[:2] == kept[:2]
     at = plain["text"].index(word)
     assert ask(stop=[word])[0] == plain["text"][:at]  # the control: the stop string left out
+    # with min_tokens past token k, the stop string that token k made does not count
+    quiet = len(decode(ids[: k + 1]))  # the first min_tokens - 1 tokens' text
+    later = plain["text"].find(word, quiet - len(word) + 1)
+    expected = plain["text"] if later < 0 else plain["text"][:later]
+    for stream in (False, True):
+        assert ask(stream, stop=[word], min_tokens=k + 2)[0] == expected
     with_stop = plain["text"][: at + len(word)]
     assert ask(stop=[word], include_stop_str_in_output=True)[0] == with_stop
     assert ask(True, stop=[word], include_stop_str_in_output=True)[0] == with_stop
@@ -1121,8 +1127,7 @@ def test_stop_tokens_min_tokens_and_kept_stops(
             settings = {"draft": draft, "temperature": temperature, "logit_bias": eos}
             assert ask(**settings)[1:] == ("stop", 1)  # end-of-sequence at once
             assert ask(**settings, min_tokens=5)[1:] == ("stop", 6)
-    for bad, param in (({"min_tokens": 5, "stop": ["x"]}, "min_tokens"),
-                       ({"min_tokens": 17}, "min_tokens"),
+    for bad, param in (({"min_tokens": 17}, "min_tokens"),
                        ({"stop_token_ids": [10**6]}, "stop_token_ids")):  # fmt: skip
         with pytest.raises(openai.BadRequestError) as refused:
             ask(**bad)

@@ -256,17 +256,15 @@ class Speculator:
         grammar's sentence) in its place, at most one of the four.
         The penalties adjust the target's logits by what the sequence holds
         (:mod:`speculative.sampling.penalties`; exact under speculation); ``min_tokens``
-        holds end-of-sequence back until the output has that many tokens (not with
-        ``stop`` strings). ``prediction``: text (or token ids) the output is expected to
-        resemble (a file being edited): drafted from in place of the drafter, γ as
-        ``gamma`` says (a policy at no draft cost), n-gram lookup where the output leaves it
-        (:class:`~speculative.drafters.prediction.PredictionDrafter`; exact whatever it
-        says)."""
+        holds end-of-sequence back until the output has that many tokens, and a ``stop``
+        string inside them does not count (vLLM's). ``prediction``: text (or token ids)
+        the output is expected to resemble (a file being edited): drafted from in place
+        of the drafter, γ as ``gamma`` says (a policy at no draft cost), n-gram lookup
+        where the output leaves it (:class:`~speculative.drafters.prediction.
+        PredictionDrafter`; exact whatever it says)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         prompt_ids = self._prompt_ids(prompt, messages, chat, suffix)
-        criteria = self.target.stop_criteria(max_new_tokens, stop)
-        if min_tokens and stop:
-            raise ValueError("min_tokens does not combine with stop strings")
+        criteria = self.target.stop_criteria(max_new_tokens, stop, min_tokens=min_tokens)
         held = tuple(sorted(criteria.eos_token_ids)) if min_tokens else ()
         penalties = Penalties(
             presence_penalty, frequency_penalty, repetition_penalty, (), min_tokens, held
@@ -383,7 +381,7 @@ class GenerationStream:
     def output(self) -> GenerationOutput:
         tokens = self.token_ids
         return GenerationOutput(
-            text=self.criteria.final_text(self.speculator.decode(tokens)),
+            text=self.criteria.final_text(self.speculator.decode(tokens), tokens),
             token_ids=tokens,
             stats=self.stats,
             finish_reason=self.rounds[-1].reason if self.rounds else None,

@@ -60,15 +60,17 @@ class LoadedModel:
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
         stop_tokens: frozenset[int] = frozenset(),
+        min_tokens: int = 0,
     ) -> StopCriteria:
         """Stop after ``max_new_tokens``, at the model's end-of-sequence tokens (unless
         ``ignore_eos``) or one of ``stop_tokens``, and at the first of the ``stop``
-        strings."""
+        strings (one inside the first ``min_tokens`` tokens does not count)."""
         return StopCriteria(
             max_new_tokens=max_new_tokens,
             eos_token_ids=(frozenset() if ignore_eos else self.eos_token_ids) | stop_tokens,
             stop_strings=tuple(stop),
             decode=self.decode if stop else None,
+            min_tokens=min_tokens,
         )
 
 

@@ -175,7 +175,7 @@ def add_decoding_arguments(
         type=int,
         default=0,
         help="hold end-of-sequence back until the output has this many tokens (exact "
-        "under speculation; not with --stop)",
+        "under speculation); a --stop string inside them does not count (vLLM's)",
     )
     parser.add_argument(
         "--repetition-penalty",
@@ -457,8 +457,6 @@ def penalties_of(args: argparse.Namespace) -> Penalties:
     """The --*-penalty options (ValueError naming a bad one)."""
     from speculative.sampling.penalties import Penalties
 
-    if args.min_tokens and getattr(args, "stop", None):
-        raise ValueError("--min-tokens does not combine with --stop")
     return Penalties(
         args.presence_penalty, args.frequency_penalty, args.repetition_penalty,
         min_tokens=args.min_tokens,

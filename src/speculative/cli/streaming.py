@@ -37,7 +37,7 @@ class TextStreamer:
     def __init__(
         self,
         decode: Callable[[Sequence[int]], str],
-        finalize: Callable[[str], str],
+        finalize: Callable[[str, Sequence[int]], str],
         stop_strings: Sequence[str] = (),
         out: TextIO = sys.stdout,
         colour: bool = False,
@@ -54,11 +54,11 @@ class TextStreamer:
     def push(self, round_: Round) -> None:
         accepted = round_.tokens[: round_.num_accepted]  # then the target's own tokens
         made = round_.tokens[round_.num_accepted :]
-        boundary = len(self.finalize(self.decoder.extend(accepted)))
+        boundary = len(self.finalize(self.decoder.extend(accepted), self.decoder.tokens))
         self.decoder.extend(made)
         if round_.finished:
             self.decoder.verify()
-        text = self.finalize(self.decoder.text)
+        text = self.finalize(self.decoder.text, self.decoder.tokens)
         end = len(text) if round_.finished else len(text) - self._holdback(text)
         self._write(text, boundary, end)
 

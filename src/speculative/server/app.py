@@ -36,6 +36,7 @@ from speculative.engine.batch import BatchEngine, BatchRequest
 from speculative.engine.gamma import LoadAwareGamma
 from speculative.engine.loop import GenerationResult, Round
 from speculative.engine.stats import GenerationStats
+from speculative.engine.stopping import find_stop
 from speculative.sampling import SamplingParams
 from speculative.sampling.constraints import TokenConstraint
 from speculative.server.logprobs import LogprobsFormatter, echoed_prompt, joined
@@ -69,7 +70,7 @@ from speculative.server.scheduler import (
 )
 from speculative.server.state import NONE, ServerState
 from speculative.server.stored import ResponseStore, StoredResponse, item_page
-from speculative.server.text import TextAssembler, earliest_stop, token_kinds
+from speculative.server.text import TextAssembler, token_kinds
 from speculative.server.tools import (
     HERMES,
     CallStream,
@@ -508,7 +509,7 @@ async def _prepare(
         min_p=body.min_p,
     )  # fmt: skip
     criteria = state.loaded.stop_criteria(
-        max_tokens, body.stop_strings(), body.ignore_eos, body.stop_tokens()
+        max_tokens, body.stop_strings(), body.ignore_eos, body.stop_tokens(), body.min_tokens
     )
     seed = body.seed if body.seed is not None else secrets.randbits(63)  # < SEED_RANGE
     generator = torch.Generator().manual_seed(seed)
@@ -995,8 +996,10 @@ def _stop_reason(
     ``stop_token_ids`` token; None where the model's end of sequence or the budget did."""
     body = prepared.body
     if result.finish_reason == "stop":
-        text = state.loaded.decode(result.token_ids)
-        found = earliest_stop(text, body.stop_strings())
+        decode, tokens = state.loaded.decode, result.token_ids
+        quiet = len(decode(tokens[: body.min_tokens - 1])) if body.min_tokens > 1 else 0
+        text = decode(tokens)
+        found = find_stop(text, body.stop_strings(), quiet)
         return None if found is None else text[found[0] : found[1]]
     last = result.token_ids[-1] if result.token_ids else None
     if result.finish_reason != "eos" or last not in body.stop_tokens():
@@ -1022,6 +1025,7 @@ def _assembler(prepared: Prepared, decode: Callable[[Sequence[int]], str]) -> Te
         prepared.call_syntax.calls_start if calls else None,
         body.stop_tokens(),
         body.include_stop_str_in_output,
+        quiet=max(0, body.min_tokens - 1),  # (a stop string inside them does not count)
     )
 
 

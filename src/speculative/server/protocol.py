@@ -256,12 +256,6 @@ class _Common(BaseModel):
                 400, f"min_tokens ({self.min_tokens}) exceeds max_tokens ({budget})",
                 param="min_tokens",
             )  # fmt: skip
-        if self.min_tokens and self.stop:
-            raise ApiError(
-                400, "min_tokens does not combine with stop strings here (a stop string "
-                "inside the first min_tokens tokens would have to be skipped)",
-                param="min_tokens",
-            )  # fmt: skip
         return self
 
     @model_validator(mode="after")

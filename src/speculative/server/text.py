@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from speculative.detokenize import REPLACEMENT, IncrementalDecoder
 from speculative.engine.loop import Round
+from speculative.engine.stopping import find_stop
 
 # how a token was made
 ACCEPTED = "accepted"  # a drafted token the target accepted
@@ -42,22 +43,6 @@ def token_kinds(round_: Round) -> list[str]:
         else:
             kinds.append(BONUS)
     return kinds
-
-
-def earliest_stop(text: str, stops: Sequence[str]) -> tuple[int, int] | None:
-    """(where it starts, where it ends) of the earliest stop string in ``text`` (of those
-    starting earliest, the first given), or None."""
-    hits = [(i, k) for k, i in enumerate(text.find(s) for s in stops) if i >= 0]
-    if not hits:
-        return None
-    start, k = min(hits)
-    return start, start + len(stops[k])
-
-
-def first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index where the earliest stop string starts in ``text``, or None."""
-    found = earliest_stop(text, stops)
-    return None if found is None else found[0]
 
 
 def partial_stop_length(text: str, stops: Sequence[str]) -> int:
@@ -82,6 +67,7 @@ class TextAssembler:
     calls: Callable[[str], tuple[int | None, int]] | None = None
     stop_tokens: frozenset[int] = frozenset()  # tokens whose text ends the final text
     include_stops: bool = False  # the stop string or stop token's text stays in it
+    quiet: int = 0  # first tokens whose text no stop string may end in (min_tokens - 1)
     kinds: list[str] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)  # stable text length after token i
     text: str = ""  # decoded text of all tokens so far
@@ -160,13 +146,20 @@ class TextAssembler:
     def _first_cut(self, text: str, calls: bool = True) -> int | None:
         """Where the final text ends in ``text``: at its first stop string (after it,
         with ``include_stops``), stop token or (``calls``) function call, if any."""
-        found = earliest_stop(text, self.stops) if self.stops else None
+        found = find_stop(text, self.stops, self._quiet_chars(text)) if self.stops else None
         cuts = [None if found is None else found[1] if self.include_stops else found[0]]
         cuts.append(self.calls(text)[0] if calls and self.calls is not None else None)
         if not self.include_stops and self.token_cut is not None and self.token_cut <= len(text):
             cuts.append(self.token_cut)
         found = [cut for cut in cuts if cut is not None]
         return min(found) if found else None
+
+    def _quiet_chars(self, text: str) -> int:
+        """Characters of ``text`` no stop string may end in: the first ``quiet`` tokens'
+        (all of it until they have come)."""
+        if self.quiet <= 0:
+            return 0
+        return self.ends[self.quiet - 1] if len(self.ends) >= self.quiet else len(text)
 
     def _held(self, text: str) -> int:
         """Characters at the end of ``text`` that may yet start a stop string or a call."""
