@@ -1892,13 +1892,7 @@ def test_the_servers_scheduler_fails_only_the_row_whose_constraint_failed(folder
         try:
             for job in jobs:
                 scheduler.submit(job)
-            ends = []
-            for job in jobs:
-                event = await asyncio.wait_for(job.events.get(), 30)
-                while not isinstance(event, DoneEvent | ErrorEvent):
-                    event = await asyncio.wait_for(job.events.get(), 30)
-                ends.append(event)
-            return ends
+            return [await _last_event(job) for job in jobs]
         finally:
             scheduler.stop()
 
@@ -1930,10 +1924,7 @@ def test_the_servers_scheduler_survives_a_row_that_cannot_start(folder: Path) ->
             out = []
             for job in jobs:  # one after the other: the second comes after the failure
                 scheduler.submit(job)
-                event = await asyncio.wait_for(job.events.get(), 30)
-                while not isinstance(event, DoneEvent | ErrorEvent):
-                    event = await asyncio.wait_for(job.events.get(), 30)
-                out.append(event)
+                out.append(await _last_event(job))
             return out
         finally:
             scheduler.stop()
@@ -1942,6 +1933,18 @@ def test_the_servers_scheduler_survives_a_row_that_cannot_start(folder: Path) ->
     assert isinstance(failed, ErrorEvent) and "RuntimeError: broken drafter" in failed.message
     assert isinstance(done, DoneEvent) and len(done.result.token_ids) == 6
     assert sorted(target.acquire_slot() for _ in range(2)) == [0, 1]  # no slot left held
+
+
+async def _last_event(job):
+    """A scheduler job's last event (its DoneEvent or ErrorEvent)."""
+    import asyncio
+
+    from speculative.server.scheduler import DoneEvent, ErrorEvent
+
+    while True:
+        event = await asyncio.wait_for(job.events.get(), 30)
+        if isinstance(event, DoneEvent | ErrorEvent):
+            return event
 
 
 class _BreaksOnReset(PromptLookupDrafter):
