@@ -166,6 +166,22 @@ def test_a_follow_up_is_the_whole_conversation_and_finds_it_in_the_cache(served)
     assert told.usage.input_tokens > then.usage.input_tokens
 
 
+def test_a_streamed_response_is_kept_and_followed_up(served) -> None:
+    """A streamed response is kept as its last event gives it: retrieved whole, and a
+    follow-up continues it (the same text as after the whole response)."""
+    _server, client, model = served
+    asked = {"model": model, "max_output_tokens": 6, "temperature": 0}
+    events = list(client.responses.create(input=PROMPT, stream=True, **asked))
+    streamed = events[-1].response
+    kept = client.responses.retrieve(streamed.id)
+    assert kept.output_text == streamed.output_text and kept.status == streamed.status
+    whole = client.responses.create(input=PROMPT, **asked)
+    after_stream = client.responses.create(previous_response_id=streamed.id, input="and", **asked)
+    after_whole = client.responses.create(previous_response_id=whole.id, input="and", **asked)
+    assert whole.output_text == streamed.output_text
+    assert after_stream.output_text == after_whole.output_text
+
+
 def test_interleaved_conversations_each_find_their_last_turn_in_the_cache(served) -> None:
     """Two conversations taking turns: each next request starts from its own last turn
     (the other's rows took other free slots, not the one it finished in)."""
