@@ -375,6 +375,9 @@ def test_the_store_keeps_the_most_recently_used_and_never_evicts_a_running_one()
     with pytest.raises(ApiError) as missing:
         ResponseStore(capacity=0).get("a", "previous_response_id")
     assert missing.value.status == 404 and "--responses-store 0" in missing.value.message
+    with pytest.raises(ApiError) as elsewhere:  # (it may live in another replica)
+        ResponseStore(capacity=10, replicas=2).get("a")
+    assert "2 replicas" in elsewhere.value.message
 
 
 def test_stored_items_translate_back_to_the_chat_they_came_from() -> None:

@@ -233,6 +233,7 @@ def build_config(args: argparse.Namespace):
         tool_call_syntax=args.tool_call_syntax,
         reasoning_parser=args.reasoning_parser,
         responses_stored=args.responses_store,
+        replicas=args.replicas,
     )
 
 

@@ -201,7 +201,7 @@ def create_app(state: ServerState) -> FastAPI:
     engine = BatchEngine(state.loaded.lm, max_batch=state.config.max_batch, load=load)
     scheduler = Scheduler(engine, metrics, state.config.max_waiting, compute=state.compute)
     metrics.attach(scheduler)
-    store = ResponseStore(state.config.responses_stored)
+    store = ResponseStore(state.config.responses_stored, state.config.replicas)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -58,6 +58,7 @@ class ServerConfig:
     tool_call_syntax: str = "auto"  # how the model writes calls (auto: from its template)
     reasoning_parser: str = "auto"  # "think": split <think>…</think>; auto: if the template has it
     responses_stored: int = 1000  # Responses API answers kept (previous_response_id, GET); 0: none
+    replicas: int = 1  # copies of this server behind one endpoint (each keeps its own answers)
 
     def slots(self) -> int:
         """The target's cache slots: ``cache_slots``, or its default."""

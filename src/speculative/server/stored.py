@@ -53,6 +53,7 @@ class ResponseStore:
     response still decoding is never evicted)."""
 
     capacity: int
+    replicas: int = 1  # copies of the server behind its endpoint (each has its own store)
     kept: OrderedDict[str, StoredResponse] = field(default_factory=OrderedDict)
 
     @property
@@ -77,6 +78,11 @@ class ResponseStore:
                 if self.enabled
                 else "this server keeps no responses (serve --responses-store 0)"
             )
+            if self.replicas > 1:
+                reason += (
+                    f"; this endpoint runs {self.replicas} replicas, each keeping its own "
+                    "responses: send the whole conversation as input instead"
+                )
             raise ApiError(
                 404,
                 f"no response with id '{response_id}': {reason}",
