@@ -996,10 +996,9 @@ def _stop_reason(
     ``stop_token_ids`` token; None where the model's end of sequence or the budget did."""
     body = prepared.body
     if result.finish_reason == "stop":
-        decode, tokens = state.loaded.decode, result.token_ids
-        quiet = len(decode(tokens[: body.min_tokens - 1])) if body.min_tokens > 1 else 0
-        text = decode(tokens)
-        found = find_stop(text, body.stop_strings(), quiet)
+        criteria, tokens = prepared.batch_requests[0].stop, result.token_ids
+        text = state.loaded.decode(tokens)
+        found = find_stop(text, criteria.stop_strings, criteria.quiet_chars(tokens))
         return None if found is None else text[found[0] : found[1]]
     last = result.token_ids[-1] if result.token_ids else None
     if result.finish_reason != "eos" or last not in body.stop_tokens():
