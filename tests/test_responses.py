@@ -228,6 +228,9 @@ def test_truncation_auto_drops_the_oldest_turns_after_the_first(served) -> None:
     )
     assert cut.usage.input_tokens == chat.usage.prompt_tokens
     assert cut.output_text == chat.choices[0].message.content
+    # what is kept is what the model saw (the kept conversation stays within the window)
+    items = client.responses.input_items.list(cut.id, order="asc").data
+    assert [item.content[0].text for item in items] == [m["content"] for m in kept]
 
 
 def test_truncations_keep_turns_whole_and_the_first_longest() -> None:

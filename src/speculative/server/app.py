@@ -490,7 +490,10 @@ async def _prepare(
             code="model_not_found",
         )
     if responses is not None and responses.truncation == "auto":
-        body, prompts, max_tokens = _fitting(responses, history, state)
+        body, prompts, max_tokens, kept = _fitting(responses, history, state)
+        kept_ids = {id(item) for item in kept}  # what is kept is what the model saw
+        conversation = [raw for raw, item in zip(conversation, history, strict=True)
+                        if id(item) in kept_ids]  # fmt: skip
     else:
         prompts = _prompt_ids(body, state)
         max_tokens = _max_tokens(body, max(len(ids) for ids in prompts), state)
@@ -553,15 +556,15 @@ async def _prepare(
 
 def _fitting(
     responses: ResponsesRequest, history: list[InputItem], state: ServerState
-) -> tuple[ChatCompletionRequest, list[list[int]], int]:
+) -> tuple[ChatCompletionRequest, list[list[int]], int, list[InputItem]]:
     """``truncation: "auto"``: the chat request (its prompt and token budget) after the
-    fewest earlier turns dropped that fits the context window; the request's own input
-    is never dropped (a 400 where it alone does not fit)."""
+    fewest earlier turns dropped that fits the context window, and the history kept; the
+    request's own input is never dropped (a 400 where it alone does not fit)."""
     for kept in truncations(history):
         body = _as_chat(responses, kept)
         try:
             prompts = _prompt_ids(body, state)
-            return body, prompts, _max_tokens(body, len(prompts[0]), state)
+            return body, prompts, _max_tokens(body, len(prompts[0]), state), kept
         except ApiError as exc:
             if exc.code != "context_length_exceeded" or not kept:
                 raise
