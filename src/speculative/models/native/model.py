@@ -247,8 +247,7 @@ class NativeLlama:
         """A free cache slot (not held by ``forward``'s batch nor another owner): the
         lowest allocated one that retains nothing, else the one released longest ago
         (what it retains is the least recently used), else a new one (the cache grows)."""
-        held = range(self._batch) if self._length else range(0)
-        free = [s for s in range(self._max_slots) if s not in self._slot_lengths and s not in held]
+        free = self._free_slots()
         if not free:
             raise ValueError(f"no free cache slot: all {self._max_slots} are in use")
         allocated = [s for s in free if s < self.decoder._batch]
@@ -261,10 +260,14 @@ class NativeLlama:
 
     def reacquire_slot(self, slot: int) -> None:
         """See :class:`~speculative.models.base.SharesSlotPrefix`."""
-        held = range(self._batch) if self._length else range(0)
-        if not 0 <= slot < self._max_slots or slot in self._slot_lengths or slot in held:
+        if slot not in self._free_slots():
             raise ValueError(f"cache slot {slot} is not free")
         self._take(slot)
+
+    def _free_slots(self) -> list[int]:
+        """Slots neither acquired nor held by ``forward``'s batch, lowest first."""
+        held = range(self._batch) if self._length else range(0)
+        return [s for s in range(self._max_slots) if s not in self._slot_lengths and s not in held]
 
     def _take(self, slot: int) -> int:
         """Acquire the free ``slot`` (growing the cache to hold it)."""
