@@ -305,17 +305,30 @@ def test_a_background_response_is_polled_to_the_foreground_answer(served) -> Non
         client.responses.cancel(foreground.id)
 
 
-def test_a_cancelled_background_response_frees_its_row(served) -> None:
+def test_a_cancelled_background_response_frees_its_row(served, monkeypatch) -> None:
+    import threading
+
     server, client, model = served
     scheduler = server.server.config.app.state.scheduler
+    step, asked, after = scheduler.engine.step, threading.Event(), []
+
+    def held_step():  # the row cannot finish (at the tiny context's end) before the cancel
+        result = step()
+        after.extend([1] if asked.is_set() else [])
+        asked.wait(30)
+        return result
+
+    monkeypatch.setattr(scheduler.engine, "step", held_step)
     long = client.responses.create(
         model=model, input=PROMPT, max_output_tokens=2000, background=True,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     _wait(lambda: scheduler.running == 1)
     cancelled = client.responses.cancel(long.id)
+    asked.set()
     assert cancelled.status == "cancelled"
     _wait(lambda: scheduler.running == 0)  # the row left the batch
+    assert len(after) <= 1  # at once, not at the context's end (dozens of rounds on)
     assert client.responses.retrieve(long.id).status == "cancelled"
 
 
