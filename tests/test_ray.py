@@ -7,7 +7,6 @@ resume after a crash like the local job, and turn a worker's failure into one li
 
 from __future__ import annotations
 
-import functools
 import json
 import queue
 import sys
@@ -225,13 +224,122 @@ def test_two_replicas_answer_like_the_single_server(local_ray, tmp_path_factory)
         texts.append("".join(chunk.choices[0].text for chunk in stream if chunk.choices))
         return texts
 
+    def conversation(url: str) -> list[str]:  # each turn may reach either replica
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+        model = client.models.list().data[0].id
+        texts, previous = [], None
+        for turn in ("the cat sat", "a dog ran", "red blue", "the mat", "it was big"):
+            answer = client.responses.create(
+                model=model, input=turn, previous_response_id=previous, max_output_tokens=6,
+                temperature=0,
+            )  # fmt: skip
+            previous = answer.id
+            texts.append(client.responses.retrieve(answer.id).output_text)
+        return texts
+
     with serve_in_background(server_app(config)) as single:
-        expected = answers(single.url)
-    assert all(expected) and len(set(expected)) > 1
-    with served(functools.partial(server_app, config), 2, port=_free_port()) as url:
+        expected = answers(single.url), conversation(single.url)
+    assert all(expected[0]) and len(set(expected[0])) > 1
+    with served(config, 2, port=_free_port()) as url:
         status = serve.status().applications[APP_NAME].deployments
         assert [d.replica_states for d in status.values()] == [{"RUNNING": 2}]
-        assert answers(url) == expected
+        assert (answers(url), conversation(url)) == expected
+
+
+def test_servers_over_shared_records_answer_for_each_other(local_ray, tmp_path_factory) -> None:
+    """Two servers whose Responses answers live in one Ray actor (as `serve --replicas`'
+    do): a follow-up, retrieval, input items, a background response's progress and its
+    cancel, a deletion and a conversation's turns, each through the server that did not
+    make the response. The
+    control, each server with its own records, cannot find the other's response."""
+    openai = pytest.importorskip("openai")
+    import threading
+
+    from server_helpers import API_KEY, CONTINUING_TEMPLATE, tiny_chat_folder
+    from speculative.scaleout.ray_serve import shared_records
+    from speculative.server import ServerConfig, create_app
+    from speculative.server.background import serve_in_background
+    from speculative.server.state import build_state
+    from speculative.targets import load_target
+
+    folder = tiny_chat_folder(tmp_path_factory.mktemp("shared"), CONTINUING_TEMPLATE)
+    config = ServerConfig(
+        target=str(folder), drafts=("ngram", "none"), max_batch=4, api_key=API_KEY, gamma=4,
+        replicas=2,
+    )  # fmt: skip
+
+    def app(records):
+        return create_app(build_state(config, load_target(str(folder), "native")), records)
+
+    def client(server):
+        return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+    records = shared_records(10)
+    with serve_in_background(app(records)) as one, serve_in_background(app(records)) as two:
+        first, second = client(one), client(two)
+        model = first.models.list().data[0].id
+        asked = {"model": model, "max_output_tokens": 8, "temperature": 0}
+        opening = first.responses.create(input="the cat sat", **asked)
+        here = first.responses.create(input="a dog", previous_response_id=opening.id, **asked)
+        there = second.responses.create(input="a dog", previous_response_id=opening.id, **asked)
+        assert there.output_text == here.output_text
+        assert second.responses.retrieve(opening.id).output_text == opening.output_text
+        items = second.responses.input_items.list(there.id, order="asc").data
+        assert [item.content[0].text for item in items] == [
+            "the cat sat", opening.output_text, "a dog"
+        ]  # fmt: skip
+
+        scheduler = one.server.config.app.state.scheduler
+        step, released, after = scheduler.engine.step, threading.Event(), []
+
+        def held_step():  # the row cannot finish before the cancel
+            result = step()
+            after.extend([1] if released.is_set() else [])
+            released.wait(30)
+            return result
+
+        scheduler.engine.step = held_step
+        try:
+            long = first.responses.create(
+                model=model, input="the cat", max_output_tokens=2000, background=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            _wait(lambda: second.responses.retrieve(long.id).status == "in_progress")
+            cancelled = second.responses.cancel(long.id)  # (the first server decodes it)
+        finally:
+            released.set()
+        assert cancelled.status == "cancelled"
+        _wait(lambda: scheduler.running == 0)
+        scheduler.engine.step = step
+        assert len(after) <= 1  # the row left at once
+        assert first.responses.retrieve(long.id).status == "cancelled"
+
+        second.responses.delete(opening.id)
+        with pytest.raises(openai.NotFoundError):
+            first.responses.retrieve(opening.id)
+
+        talk = second.conversations.create(items=[{"role": "user", "content": "the cat sat"}])
+        turn = first.responses.create(conversation=talk.id, input="a dog", **asked)
+        kept = second.conversations.items.list(talk.id, order="asc").data
+        assert [item.content[0].text for item in kept] == [
+            "the cat sat", "a dog", turn.output_text
+        ]  # fmt: skip
+        first.conversations.items.delete(kept[0].id, conversation_id=talk.id)
+        assert len(second.conversations.items.list(talk.id).data) == 2
+
+    with serve_in_background(app(None)) as one, serve_in_background(app(None)) as two:
+        made = client(one).responses.create(input="the cat sat", **asked)
+        with pytest.raises(openai.NotFoundError, match="2 replicas"):
+            client(two).responses.retrieve(made.id)
+
+
+def _wait(condition) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_an_unreachable_cluster_fails_fast() -> None:

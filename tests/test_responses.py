@@ -7,6 +7,8 @@ and the refusals of what it does not serve (conversation objects, non-function t
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -102,7 +104,9 @@ def test_what_is_not_served_is_refused_by_name(served) -> None:
     server, _client, model = served
     url = server.url + "/v1/responses"
     for body, param in [
-        ({"conversation": "conv_1"}, "conversation"),
+        ({"conversation": "conv_1"}, "conversation"),  # (a 404: there is no such one)
+        ({"conversation": {"name": "x"}}, "conversation"),
+        ({"conversation": "conv_1", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"background": True, "stream": True}, "background"),
         ({"background": True, "store": False}, "background"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
@@ -112,7 +116,7 @@ def test_what_is_not_served_is_refused_by_name(served) -> None:
         ({"max_output_tokens": 10**6}, "max_output_tokens"),  # beyond the context
     ]:
         status, error = http(url, "POST", {"model": model, "input": PROMPT, **body}, key=None)
-        assert status == 400 and error["error"]["param"] == param, (body, error)
+        assert status in (400, 404) and error["error"]["param"] == param, (body, error)
     status, _ = http(url, "POST", {"model": model, "input": PROMPT, "store": False,
                                    "max_output_tokens": 2}, key=None)  # fmt: skip
     assert status == 200
@@ -164,6 +168,78 @@ def test_a_follow_up_is_the_whole_conversation_and_finds_it_in_the_cache(served)
         max_output_tokens=8, temperature=0, extra_body=through,
     )  # fmt: skip
     assert told.usage.input_tokens > then.usage.input_tokens
+
+
+def test_a_conversation_object_is_continued_and_grows_by_each_turn(served) -> None:
+    """``conversation``: a response decodes the conversation's items, then its own input,
+    exactly as the chat completion of those messages, finds the last turn in the cache,
+    and adds its input and output to the conversation (streamed and whole alike)."""
+    _server, client, model = served
+    through = {"ignore_eos": True, "logit_bias": {"0": -100, "1": -100}}
+    asked = {"model": model, "max_output_tokens": 6, "temperature": 0, "extra_body": through}
+    made = client.conversations.create(items=[{"role": "user", "content": PROMPT}],
+                                       metadata={"topic": "cats"})  # fmt: skip
+    assert made.object == "conversation" and made.metadata == {"topic": "cats"}
+    first = client.responses.create(conversation=made.id, input="and then", **asked)
+    assert first.conversation.id == made.id
+    events = list(client.responses.create(conversation={"id": made.id}, input="so", stream=True,
+                                          **asked))  # fmt: skip
+    second = events[-1].response
+    messages = [{"role": "user", "content": PROMPT}, {"role": "user", "content": "and then"},
+                {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "so"}]  # fmt: skip
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0, extra_body=through
+    )
+    assert second.output_text == chat.choices[0].message.content
+    held = first.usage.input_tokens + first.usage.output_tokens - 1
+    assert second.usage.input_tokens_details.cached_tokens >= held
+    items = client.conversations.items.list(made.id, order="asc").data
+    texts = [item.content[0].text for item in items]
+    assert texts == [PROMPT, "and then", first.output_text, "so", second.output_text]
+    assert [item.role for item in items] == ["user", "user", "assistant", "user", "assistant"]
+    # items added, read, taken out; the conversation's metadata replaced; then deleted
+    added = client.conversations.items.create(made.id, items=[{"role": "user", "content": "a"}])
+    assert client.conversations.items.retrieve(added.data[0].id, conversation_id=made.id).id == (
+        added.first_id
+    )
+    client.conversations.items.delete(items[0].id, conversation_id=made.id)
+    left = client.conversations.items.list(made.id, order="asc").data
+    assert [item.id for item in left] == [item.id for item in items[1:]] + [added.first_id]
+    assert client.conversations.update(made.id, metadata={"topic": "dogs"}).metadata == {
+        "topic": "dogs"
+    }
+    assert client.conversations.retrieve(made.id).metadata == {"topic": "dogs"}
+    assert client.conversations.delete(made.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError):  # a response id is not a conversation's
+        client.conversations.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(conversation=made.id, input="so", **asked)
+
+
+def test_a_conversation_gains_a_turn_only_from_a_response_that_ends_well(
+    served, monkeypatch
+) -> None:
+    server, client, model = served
+    engine = server.server.config.app.state.scheduler.engine
+    step = engine.step
+
+    def fails():
+        raise RuntimeError("the pass broke")
+
+    made = client.conversations.create()
+    monkeypatch.setattr(engine, "step", fails)
+    failed = client.responses.create(model=model, conversation=made.id, input=PROMPT,
+                                     max_output_tokens=4, background=True)  # fmt: skip
+    assert _poll(client, failed.id).status == "failed"
+    monkeypatch.setattr(engine, "step", step)
+    assert client.conversations.items.list(made.id).data == []
+    done = client.responses.create(model=model, conversation=made.id, input=PROMPT,
+                                   max_output_tokens=4, background=True)  # fmt: skip
+    assert _poll(client, done.id).status in ("completed", "incomplete")
+    assert len(client.conversations.items.list(made.id).data) == 2  # its input and output
 
 
 def test_a_streamed_response_is_kept_and_followed_up(served) -> None:
@@ -375,25 +451,36 @@ def _wait(condition) -> None:
 
 def test_the_store_keeps_the_most_recently_used_and_never_evicts_a_running_one() -> None:
     from speculative.server.protocol import ApiError
-    from speculative.server.stored import ResponseStore, StoredResponse
+    from speculative.server.stored import LocalRecords, ResponseStore, StoredResponse
 
     def response(name: str, status: str = "completed") -> StoredResponse:
-        return StoredResponse({"id": name, "status": status, "output": []}, [])
+        return StoredResponse(
+            {"id": name, "object": "response", "status": status, "output": []}, []
+        )
 
-    store = ResponseStore(capacity=2)
-    store.put(response("a", "queued"))  # running: kept past the capacity
-    store.put(response("b"))
-    store.put(response("c"))
-    assert list(store.kept) == ["a", "c"]  # b, the oldest finished one, went
-    store.get("a").body["status"] = "completed"  # a lookup makes it the most recent
-    store.put(response("d"))
-    assert list(store.kept) == ["a", "d"]  # c, now the least recently used, went
-    with pytest.raises(ApiError) as missing:
-        ResponseStore(capacity=0).get("a", "previous_response_id")
-    assert missing.value.status == 404 and "--responses-store 0" in missing.value.message
-    with pytest.raises(ApiError) as elsewhere:  # (it may live in another replica)
-        ResponseStore(capacity=10, replicas=2).get("a")
-    assert "2 replicas" in elsewhere.value.message
+    async def run() -> None:
+        store = ResponseStore(capacity=2)
+        queued = response("a", "queued")
+        await store.put(queued)  # running: kept past the capacity
+        await store.put(response("b"))
+        await store.put(response("c"))
+        assert list(store.records.kept) == ["a", "c"]  # b, the oldest finished one, went
+        await store.finish(queued, {**queued.body, "status": "completed"})
+        await store.records.update({**queued.body, "status": "in_progress"})  # (never back)
+        assert (await store.get("a")).body["status"] == "completed"  # now the most recent
+        await store.put(response("d"))
+        assert list(store.records.kept) == ["a", "d"]  # c, now the least recently used, went
+        with pytest.raises(ApiError) as missing:
+            await ResponseStore(capacity=0).get("a", "previous_response_id")
+        assert missing.value.status == 404 and "--responses-store 0" in missing.value.message
+        with pytest.raises(ApiError) as elsewhere:  # (it may live in another replica)
+            await ResponseStore(capacity=10, replicas=2).get("a")
+        assert "2 replicas" in elsewhere.value.message
+        with pytest.raises(ApiError) as shared:  # shared records: it is nowhere
+            await ResponseStore(10, 2, LocalRecords(10, shared=True)).get("a")
+        assert "replicas" not in shared.value.message
+
+    asyncio.run(run())
 
 
 def test_stored_items_translate_back_to_the_chat_they_came_from() -> None:

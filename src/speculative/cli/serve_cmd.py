@@ -144,7 +144,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=1000,
         metavar="N",
         help="Responses API answers kept in memory for previous_response_id, GET "
-        "/v1/responses/{id} and background requests (the N most recently used; 0: none)",
+        "/v1/responses/{id} and background requests (the N most recently used; 0: none; "
+        "with --replicas, shared by the replicas)",
     )
     parser.add_argument(
         "--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body"

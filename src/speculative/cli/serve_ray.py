@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 
 from speculative.cli.common import CliError, positive_int
@@ -11,7 +10,8 @@ from speculative.cli.common import CliError, positive_int
 REPLICAS_HELP = """\
 Scale-out on Ray (pip install 'speculative[ray]'): --replicas N runs N replicas of this
 server with Ray Serve behind one endpoint (--host/--port); each replica loads its own
-target and batches its own requests, and /metrics answers for the replica that took the
+target and batches its own requests (the Responses API's kept answers are shared, so a
+follow-up may reach any replica), and /metrics answers for the replica that took the
 request. --ray ADDRESS deploys on a cluster (ray://HOST:10001, or 'auto' on a node of
 it; RAY_ADDRESS works too); without it a local Ray instance is started.
 """
@@ -48,7 +48,7 @@ def uses_ray(args: argparse.Namespace) -> bool:
 def serve_replicas(args: argparse.Namespace, config: object) -> int:
     """Serve ``config``'s app as ``--replicas`` Ray Serve replicas until interrupted."""
     from speculative.scaleout.ray_batch import RayJobError
-    from speculative.scaleout.ray_serve import serve_forever, server_app
+    from speculative.scaleout.ray_serve import serve_forever
 
     if args.port == 0:
         raise CliError("--replicas needs a fixed --port (Ray Serve's proxy binds it)")
@@ -58,7 +58,7 @@ def serve_replicas(args: argparse.Namespace, config: object) -> int:
     )
     try:
         serve_forever(
-            functools.partial(server_app, config),
+            config,
             args.replicas,
             args.ray or None,
             host=args.host,

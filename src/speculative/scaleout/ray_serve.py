@@ -5,11 +5,14 @@ metrics registry) with the builder it is given; Ray Serve's HTTP proxy listens o
 ``host:port`` and spreads the requests over the replicas. The app is served as it is (Ray
 Serve's ASGI ingress, the app's lifespan run in each replica), so endpoints, streaming,
 errors and limits are the single server's. ``/metrics`` answers for the one replica that
-took the request.
+took the request. The Responses API's kept answers live in one Ray actor
+(:class:`RayRecords`) that every replica reads and writes, so a follow-up by
+``previous_response_id``, a poll, a cancel or a deletion may reach any replica.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -17,16 +20,67 @@ from contextlib import contextmanager
 from typing import Any
 
 from speculative.scaleout.ray_batch import RayJobError, ray_session
+from speculative.server.stored import LocalRecords, Record
 
 APP_NAME = "speculative"
 
 
-def server_app(config: Any) -> Any:
+def server_app(config: Any, records: Any = None) -> Any:
     """A replica's app: its own target, drafters and batched engine, from ``config``
-    (a :class:`~speculative.server.ServerConfig`)."""
+    (a :class:`~speculative.server.ServerConfig`); its kept responses in ``records``
+    (shared by the replicas) or, with None, its own memory."""
     from speculative.server import create_app, load_state
 
-    return create_app(load_state(config))
+    return create_app(load_state(config), records)
+
+
+class RayRecords:
+    """The Responses API's kept answers in one Ray actor (a
+    :class:`~speculative.server.stored.LocalRecords`) that every replica reads and
+    writes: :class:`~speculative.server.stored.ResponseRecords` a remote call away."""
+
+    shared = True
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    async def put(self, body: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
+        await self.actor.put.remote(body, input_items)
+
+    async def update(self, body: dict[str, Any]) -> None:
+        await self.actor.update.remote(body)
+
+    async def get(self, response_id: str) -> Record | None:
+        return await self.actor.get.remote(response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        return await self.actor.delete.remote(response_id)
+
+    async def extend(self, record_id: str, items: list[dict[str, Any]]) -> bool:
+        return await self.actor.extend.remote(record_id, items)
+
+    async def remove_item(self, record_id: str, item_id: str) -> bool:
+        return await self.actor.remove_item.remote(record_id, item_id)
+
+    async def ask_cancel(self, response_id: str) -> None:
+        await self.actor.ask_cancel.remote(response_id)
+
+    async def cancels_asked(self, response_ids: list[str]) -> list[str]:
+        return await self.actor.cancels_asked.remote(response_ids)
+
+
+def shared_records(capacity: int) -> RayRecords:
+    """The replicas' kept responses: a new actor on the connected Ray instance (it goes
+    with the driver that made it)."""
+    import ray
+
+    return RayRecords(ray.remote(num_cpus=0)(LocalRecords).remote(capacity))
+
+
+def replicated_app(config: Any) -> Callable[[], Any]:
+    """What each replica builds: ``config``'s app over records they all share (Ray must
+    be connected)."""
+    return functools.partial(server_app, config, shared_records(config.responses_stored))
 
 
 def replica_deployment(serve: Any, build_app: Callable[[], Any], replicas: int, cpus: float):
@@ -83,24 +137,23 @@ def start_replicas(
 
 @contextmanager
 def served(
-    build_app: Callable[[], Any],
+    config: Any,
     replicas: int,
     address: str | None = None,
     **options: Any,
 ) -> Iterator[str]:
-    """Replicas up for the duration of the block (Ray started and stopped if needed)."""
+    """``replicas`` of ``config``'s app up for the duration of the block (Ray started and
+    stopped if needed)."""
     with ray_session(address):
         try:  # an interrupt while the replicas start still takes them down
-            yield start_replicas(build_app, replicas, **options)
+            yield start_replicas(replicated_app(config), replicas, **options)
         finally:
             import_serve().shutdown()
 
 
-def serve_forever(
-    build_app: Callable[[], Any], replicas: int, address: str | None = None, **options: Any
-) -> None:
+def serve_forever(config: Any, replicas: int, address: str | None = None, **options: Any) -> None:
     """Serve until interrupted (Ctrl-C), then take the replicas down."""
-    with served(build_app, replicas, address, **options) as url:
+    with served(config, replicas, address, **options) as url:
         print(
             f"speculative: serving {replicas} Ray Serve replica(s) on {url} "
             "(playground at /, metrics at /metrics; Ctrl-C stops)",

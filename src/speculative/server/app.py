@@ -39,6 +39,12 @@ from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import find_stop
 from speculative.sampling import SamplingParams
 from speculative.sampling.constraints import TokenConstraint
+from speculative.server.conversations import (
+    ConversationCreate,
+    Conversations,
+    ConversationUpdate,
+    ItemsCreate,
+)
 from speculative.server.logprobs import LogprobsFormatter, echoed_prompt, joined
 from speculative.server.metrics import CONTENT_TYPE, ServerMetrics
 from speculative.server.protocol import (
@@ -69,7 +75,12 @@ from speculative.server.scheduler import (
     Scheduler,
 )
 from speculative.server.state import NONE, ServerState
-from speculative.server.stored import ResponseStore, StoredResponse, item_page
+from speculative.server.stored import (
+    ResponseRecords,
+    ResponseStore,
+    StoredResponse,
+    item_page,
+)
 from speculative.server.text import TextAssembler, token_kinds
 from speculative.server.tools import (
     HERMES,
@@ -114,7 +125,8 @@ class Prepared:
     response_id: str | None = None  # a Responses request's answer's id
     # a Responses request's input items (earlier turns' first), kept with its answer
     input_items: list[dict[str, Any]] = field(default_factory=list)
-    keep: Callable[[StoredResponse], None] | None = None  # stores the answer, where asked
+    keep: Callable[[StoredResponse], Awaitable[None]] | None = None  # keeps the answer, if asked
+    join: Callable[[dict[str, Any]], Awaitable[None]] | None = None  # adds it to its conversation
     # where the reply's thinking is split from its answer: whether the prompt opened the
     # thinking block (None: no split)
     thinking: bool | None = None
@@ -192,16 +204,17 @@ class Prepared:
         return chosen
 
 
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState, records: ResponseRecords | None = None) -> FastAPI:
     """The app over an already loaded :class:`ServerState` (one batched engine, one
-    scheduler thread, one metrics registry per app)."""
+    scheduler thread, one metrics registry per app); ``records``: where its Responses
+    answers are kept (None: in its own memory; replicas share one Ray actor's)."""
     metrics = ServerMetrics()
     costs = state.pass_costs
     load = None if costs is None else LoadAwareGamma(costs.tokens, rows_cost=costs.rows)
     engine = BatchEngine(state.loaded.lm, max_batch=state.config.max_batch, load=load)
     scheduler = Scheduler(engine, metrics, state.config.max_waiting, compute=state.compute)
     metrics.attach(scheduler)
-    store = ResponseStore(state.config.responses_stored, state.config.replicas)
+    store = ResponseStore(state.config.responses_stored, state.config.replicas, records)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -272,6 +285,7 @@ def create_app(state: ServerState) -> FastAPI:
         return await _serve(request, "responses", state, scheduler, metrics, store)
 
     _install_stored_responses(app, state, store)
+    _install_conversations(app, state, store.conversations)
     return app
 
 
@@ -281,34 +295,78 @@ def _install_stored_responses(app: FastAPI, state: ServerState, store: ResponseS
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str) -> dict[str, Any]:
         _authorize(request, state)
-        return store.get(response_id).current()
+        return (await store.get(response_id)).current()
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
         _authorize(request, state)
-        store.delete(response_id)
+        await store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(request: Request, response_id: str) -> dict[str, Any]:
         _authorize(request, state)
-        query = request.query_params
-        limit = query.get("limit", "20")
-        if not limit.isdigit():
-            raise ApiError(400, f"limit must be an integer, got {limit!r}", param="limit")
-        items = store.get(response_id).input_items
-        return item_page(items, int(limit), query.get("order", "desc"), query.get("after"))
+        return _page(request, (await store.get(response_id)).input_items)
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(request: Request, response_id: str) -> dict[str, Any]:
         _authorize(request, state)
-        stored = store.get(response_id)
-        if stored.task is None:
-            raise ApiError(400, "only a background response can be cancelled")
-        if stored.running:
-            stored.task.cancel()
-            await asyncio.gather(stored.task, return_exceptions=True)
-        return stored.current()
+        return await store.cancel(response_id)
+
+
+def _install_conversations(app: FastAPI, state: ServerState, kept: Conversations) -> None:
+    """OpenAI's Conversations API (:mod:`speculative.server.conversations`)."""
+
+    @app.post("/v1/conversations")
+    async def create_conversation(request: Request) -> dict[str, Any]:
+        _authorize(request, state)
+        return await kept.create(await _parsed(request, ConversationCreate, state))
+
+    @app.get("/v1/conversations/{conversation_id}")
+    async def get_conversation(request: Request, conversation_id: str) -> dict[str, Any]:
+        _authorize(request, state)
+        return await kept.get(conversation_id)
+
+    @app.post("/v1/conversations/{conversation_id}")
+    async def update_conversation(request: Request, conversation_id: str) -> dict[str, Any]:
+        _authorize(request, state)
+        update = await _parsed(request, ConversationUpdate, state)
+        return await kept.update(conversation_id, update)
+
+    @app.delete("/v1/conversations/{conversation_id}")
+    async def delete_conversation(request: Request, conversation_id: str) -> dict[str, Any]:
+        _authorize(request, state)
+        return await kept.delete(conversation_id)
+
+    @app.get("/v1/conversations/{conversation_id}/items")
+    async def list_items(request: Request, conversation_id: str) -> dict[str, Any]:
+        _authorize(request, state)
+        return _page(request, await kept.items(conversation_id))
+
+    @app.post("/v1/conversations/{conversation_id}/items")
+    async def add_items(request: Request, conversation_id: str) -> dict[str, Any]:
+        _authorize(request, state)
+        added = await kept.add(conversation_id, await _parsed(request, ItemsCreate, state))
+        return item_page(added, len(added), "asc", None)
+
+    @app.get("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def get_item(request: Request, conversation_id: str, item_id: str) -> dict[str, Any]:
+        _authorize(request, state)
+        return await kept.item(conversation_id, item_id)
+
+    @app.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def delete_item(request: Request, conversation_id: str, item_id: str) -> dict[str, Any]:
+        _authorize(request, state)
+        return await kept.remove(conversation_id, item_id)
+
+
+def _page(request: Request, items: list[dict[str, Any]]) -> dict[str, Any]:
+    """A list page of kept items as the request's ``limit``, ``order`` and ``after`` ask."""
+    query = request.query_params
+    limit = query.get("limit", "20")
+    if not limit.isdigit():
+        raise ApiError(400, f"limit must be an integer, got {limit!r}", param="limit")
+    return item_page(items, int(limit), query.get("order", "desc"), query.get("after"))
 
 
 # ---- errors and security ----------------------------------------------------------
@@ -390,7 +448,7 @@ async def _serve(
         metrics.count_request(endpoint, "503")
         raise ApiError(503, str(exc), "server_error", code="overloaded") from None
     if prepared.responses is not None and prepared.responses.background:
-        return _start_background(prepared, jobs, state, scheduler, metrics, store)
+        return await _start_background(prepared, jobs, state, scheduler, metrics, store)
     if prepared.body.stream:
         return _CancellingStream(
             _stream(prepared, jobs, state, metrics),
@@ -469,8 +527,16 @@ async def _prepare(
                     "keeps no responses (serve --responses-store 0)", param="background",
                 )  # fmt: skip
             responses.store = False
+        conversation_id = responses.conversation_id()
+        if conversation_id is not None and responses.previous_response_id is not None:
+            raise ApiError(
+                400, "previous_response_id cannot be used with conversation (the "
+                "conversation holds the earlier turns)", param="previous_response_id",
+            )  # fmt: skip
+        if conversation_id is not None:
+            conversation = await store.conversations.items(conversation_id, "conversation")
         if responses.previous_response_id is not None:
-            earlier = store.get(responses.previous_response_id, "previous_response_id")
+            earlier = await store.get(responses.previous_response_id, "previous_response_id")
             if earlier.running:
                 raise ApiError(
                     400, f"response '{responses.previous_response_id}' is still decoding",
@@ -551,7 +617,23 @@ async def _prepare(
         prepared.input_items = [*conversation, *own]
         if responses.store:
             prepared.keep = store.put
+        if responses.conversation_id() is not None:
+            prepared.join = _joiner(responses.conversation_id(), own, store)
     return prepared
+
+
+def _joiner(
+    conversation_id: str, own: list[dict[str, Any]], store: ResponseStore
+) -> Callable[[dict[str, Any]], Awaitable[None]]:
+    """What adds a response's turn (its own input items, then its output items) to the
+    conversation it continued, once it has an answer (nothing if it failed or was
+    cancelled, or the conversation was deleted meanwhile)."""
+
+    async def join(body: dict[str, Any]) -> None:
+        if body["status"] in ("completed", "incomplete"):
+            await store.conversations.append(conversation_id, [*own, *body["output"]])
+
+    return join
 
 
 def _fitting(
@@ -846,7 +928,9 @@ async def _complete(
     if body is None:
         return Response(status_code=499)
     if prepared.keep is not None:
-        prepared.keep(StoredResponse(body, prepared.input_items))
+        await prepared.keep(StoredResponse(body, prepared.input_items))
+    if prepared.join is not None:
+        await prepared.join(body)
     return JSONResponse(body)
 
 
@@ -903,7 +987,7 @@ async def _whole_body(
     return body
 
 
-def _start_background(
+async def _start_background(
     prepared: Prepared,
     jobs: list[Job],
     state: ServerState,
@@ -924,18 +1008,20 @@ def _start_background(
         try:
             body = await _whole_body(prepared, jobs, state, scheduler, metrics, None)
             assert body is not None
-            stored.body = body
+        except asyncio.CancelledError:
+            _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics)
+            body = {**queued, "status": "cancelled"}
         except Exception as exc:  # (an ApiError's message as it is, others named)
             message = exc.message if isinstance(exc, ApiError) else f"internal error: {exc!r}"
             _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics, count=False)
-            stored.body = {**queued, "status": "failed",
-                           "error": {"code": "server_error", "message": message}}  # fmt: skip
-        except asyncio.CancelledError:
-            _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics)
-            stored.body = {**queued, "status": "cancelled"}
+            body = {**queued, "status": "failed",
+                    "error": {"code": "server_error", "message": message}}  # fmt: skip
+        await store.finish(stored, body)
+        if prepared.join is not None:
+            await prepared.join(body)
 
+    await store.put(stored)
     stored.task = asyncio.get_running_loop().create_task(decode())
-    store.put(stored)
     return JSONResponse(queued)
 
 
@@ -1131,7 +1217,9 @@ async def _stream(
         for event in made:
             yield _sse(event, event["type"])
         if chunk == "[DONE]" and prepared.keep is not None:
-            prepared.keep(StoredResponse(made[-1]["response"], prepared.input_items))
+            await prepared.keep(StoredResponse(made[-1]["response"], prepared.input_items))
+        if chunk == "[DONE]" and prepared.join is not None:
+            await prepared.join(made[-1]["response"])
 
 
 async def _chunks(

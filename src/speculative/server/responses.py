@@ -10,7 +10,8 @@ call), a chat stream into the Responses API's typed events (``response.created``
 ``response.output_text.delta``, ``response.function_call_arguments.delta``, …,
 ``response.completed``). Responses are kept (``store``, by default) for
 ``previous_response_id`` follow-ups, retrieval and background decoding (see
-:mod:`speculative.server.stored`); ``conversation`` objects are refused by name.
+:mod:`speculative.server.stored`); a ``conversation`` (:mod:`speculative.server.conversations`)
+is continued and grows by each response's turn.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from speculative.server.protocol import ApiError
 
-# Responses fields that ask for state this server does not keep, with their "off" value
-STATEFUL = {"conversation": None}
 # chat fields whose errors name the Responses field the value came from
 PARAMS = {
     "max_tokens": "max_output_tokens",
@@ -82,8 +81,7 @@ class InputItem(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    """``POST /v1/responses``: the fields this server serves (others are ignored, or
-    refused where they ask for stored state)."""
+    """``POST /v1/responses``: the fields this server serves (others are ignored)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -100,12 +98,23 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None  # its id, or {"id": …}
     background: bool = False
     include: list[str] | None = None  # "message.output_text.logprobs" is served
     # "auto": earlier turns of the conversation are dropped (oldest first, its first turn
     # last) until the prompt fits the context window; "disabled": a 400 where it does not
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = None  # alternatives with each output token's log-probability
+
+    def conversation_id(self) -> str | None:
+        """The id of the conversation the response continues and adds its turn to."""
+        if isinstance(self.conversation, dict):
+            given = self.conversation.get("id")
+            if not isinstance(given, str):
+                raise ApiError(400, "conversation must be an id or {\"id\": …}",
+                               param="conversation")  # fmt: skip
+            return given
+        return self.conversation
 
     def wants_logprobs(self) -> bool:
         """Whether the output text comes with its tokens' log-probabilities (asked for in
@@ -117,14 +126,6 @@ class ResponsesRequest(BaseModel):
         earlier response's conversation, where ``previous_response_id`` names one), with
         extensions such as ``seed`` and ``speculative`` passed on."""
         extra = dict(self.model_extra or {})
-        for name, off in STATEFUL.items():
-            if extra.get(name, off) not in (off, None):
-                raise ApiError(
-                    400,
-                    f"{name} objects are not kept by this server: continue a conversation "
-                    "with previous_response_id, or send it whole as input",
-                    param=name,
-                )
         if self.background and self.stream:
             raise ApiError(
                 400, "a background response is polled (GET /v1/responses/{id}), not "
@@ -132,7 +133,7 @@ class ResponsesRequest(BaseModel):
             )  # fmt: skip
         if self.background and not self.store:
             raise ApiError(400, "a background response needs store: true", param="background")
-        passed = {k: v for k, v in extra.items() if k not in STATEFUL and k not in IGNORED}
+        passed = {k: v for k, v in extra.items() if k not in IGNORED}
         chat: dict[str, Any] = {
             **passed,
             "model": self.model,
@@ -269,6 +270,7 @@ def response_object(
     speculative: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A ``response`` object."""
+    conversation = request.conversation_id()
     body: dict[str, Any] = {
         "id": response_id,
         "object": "response",
@@ -289,6 +291,7 @@ def response_object(
         "usage": _usage(usage),
         "truncation": request.truncation or "disabled",
         "previous_response_id": request.previous_response_id,
+        "conversation": None if conversation is None else {"id": conversation},
         "store": request.store,
         "background": request.background,
     }
