@@ -249,8 +249,8 @@ def test_two_replicas_answer_like_the_single_server(local_ray, tmp_path_factory)
 def test_servers_over_shared_records_answer_for_each_other(local_ray, tmp_path_factory) -> None:
     """Two servers whose Responses answers live in one Ray actor (as `serve --replicas`'
     do): a follow-up, retrieval, input items, a background response's progress and its
-    cancel, a deletion and a conversation's turns, each through the server that did not
-    make the response. The
+    cancel, a background stream resumed, a deletion and a conversation's turns, each
+    through the server that did not make the response. The
     control, each server with its own records, cannot find the other's response."""
     openai = pytest.importorskip("openai")
     import threading
@@ -317,6 +317,34 @@ def test_servers_over_shared_records_answer_for_each_other(local_ray, tmp_path_f
         second.responses.delete(opening.id)
         with pytest.raises(openai.NotFoundError):
             first.responses.retrieve(opening.id)
+
+        # a background stream read through the first server, resumed through the second
+        step, released, rounds = scheduler.engine.step, threading.Event(), []
+
+        def after_one_round():
+            released.wait(30 if rounds else 0)
+            rounds.append(1)
+            return step()
+
+        scheduler.engine.step = after_one_round
+        try:
+            seen = []
+            with first.responses.create(model=model, input="the cat", max_output_tokens=8,
+                                        background=True, stream=True) as stream:  # fmt: skip
+                for event in stream:
+                    seen.append(event)
+                    if len(seen) == 3:
+                        break
+            events_id = seen[0].response.id + "/events"
+            _wait(lambda: len(ray.get(records.actor.items_after.remote(events_id, 0))) >= 3)
+        finally:
+            released.set()
+        rest = second.responses.retrieve(seen[0].response.id, stream=True,
+                                         starting_after=seen[-1].sequence_number)  # fmt: skip
+        resumed = [*seen, *rest]
+        assert [event.sequence_number for event in resumed] == list(range(len(resumed)))
+        assert resumed[-1].type in ("response.completed", "response.incomplete")
+        scheduler.engine.step = step
 
         talk = second.conversations.create(items=[{"role": "user", "content": "the cat sat"}])
         turn = first.responses.create(conversation=talk.id, input="a dog", **asked)

@@ -107,7 +107,6 @@ def test_what_is_not_served_is_refused_by_name(served) -> None:
         ({"conversation": "conv_1"}, "conversation"),  # (a 404: there is no such one)
         ({"conversation": {"name": "x"}}, "conversation"),
         ({"conversation": "conv_1", "previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"background": True, "stream": True}, "background"),
         ({"background": True, "store": False}, "background"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
@@ -406,6 +405,53 @@ def test_a_cancelled_background_response_frees_its_row(served, monkeypatch) -> N
     _wait(lambda: scheduler.running == 0)  # the row left the batch
     assert len(after) <= 1  # at once, not at the context's end (dozens of rounds on)
     assert client.responses.retrieve(long.id).status == "cancelled"
+
+
+def test_a_background_stream_is_resumed_after_the_last_event_seen(served, monkeypatch) -> None:
+    """``background`` with ``stream``: the events come as a foreground stream's would,
+    the client may go away without stopping the response, and ``GET …?stream=true
+    &starting_after=N`` gives the events after N, as they come, until it ends."""
+    import threading
+
+    server, client, model = served
+    asked = {"model": model, "input": PROMPT, "max_output_tokens": 12, "temperature": 0}
+    foreground = client.responses.create(**asked)
+    events = list(client.responses.create(**asked, background=True, stream=True))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    ended = events[-1].response
+    assert ended.output_text == foreground.output_text and ended.background
+    again = client.responses.retrieve(ended.id, stream=True, starting_after=3)
+    assert [event.model_dump() for event in again] == [event.model_dump() for event in events[4:]]
+
+    engine = server.server.config.app.state.scheduler.engine
+    step, released, rounds = engine.step, threading.Event(), []
+
+    def held_step():  # after its first round the response waits while the client goes away
+        released.wait(30 if rounds else 0)
+        rounds.append(1)
+        return step()
+
+    monkeypatch.setattr(engine, "step", held_step)
+    seen = []
+    with client.responses.create(**asked, background=True, stream=True) as stream:
+        for event in stream:
+            seen.append(event)
+            if len(seen) == 3:
+                break  # the client goes away after the first round's first event
+    response_id = seen[0].response.id
+    assert client.responses.retrieve(response_id).status == "in_progress"  # it decodes on
+    released.set()
+    rest = list(client.responses.retrieve(response_id, stream=True,
+                                          starting_after=seen[-1].sequence_number))  # fmt: skip
+    resumed = [*seen, *rest]
+    assert [event.sequence_number for event in resumed] == list(range(len(resumed)))
+    assert resumed[-1].response.output_text == foreground.output_text
+    assert [event.type for event in resumed] == [event.type for event in events]
+    whole = client.responses.create(**asked, background=True)  # not streamed: not resumable
+    for unstreamed in (foreground.id, whole.id):
+        status, error = http(f"{server.url}/v1/responses/{unstreamed}?stream=true", key=None)
+        assert status == 400 and error["error"]["param"] == "stream"
+    _poll(client, whole.id)
 
 
 def test_a_background_response_whose_decoding_fails_is_failed(served, monkeypatch) -> None:

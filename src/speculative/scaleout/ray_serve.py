@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from speculative.scaleout.ray_batch import RayJobError, ray_session
-from speculative.server.stored import LocalRecords, Record
+from speculative.server.stored import LocalRecords, ResponseRecords
 
 APP_NAME = "speculative"
 
@@ -37,36 +37,30 @@ def server_app(config: Any, records: Any = None) -> Any:
 class RayRecords:
     """The Responses API's kept answers in one Ray actor (a
     :class:`~speculative.server.stored.LocalRecords`) that every replica reads and
-    writes: :class:`~speculative.server.stored.ResponseRecords` a remote call away."""
+    writes: each method of :class:`~speculative.server.stored.ResponseRecords` is the
+    actor's, a remote call away."""
 
     shared = True
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
-    async def put(self, body: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
-        await self.actor.put.remote(body, input_items)
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name not in RECORD_METHODS:
+            raise AttributeError(name)
+        method = getattr(self.actor, name)
 
-    async def update(self, body: dict[str, Any]) -> None:
-        await self.actor.update.remote(body)
+        async def remote(*args: Any) -> Any:
+            return await method.remote(*args)
 
-    async def get(self, response_id: str) -> Record | None:
-        return await self.actor.get.remote(response_id)
+        return remote
 
-    async def delete(self, response_id: str) -> bool:
-        return await self.actor.delete.remote(response_id)
 
-    async def extend(self, record_id: str, items: list[dict[str, Any]]) -> bool:
-        return await self.actor.extend.remote(record_id, items)
-
-    async def remove_item(self, record_id: str, item_id: str) -> bool:
-        return await self.actor.remove_item.remote(record_id, item_id)
-
-    async def ask_cancel(self, response_id: str) -> None:
-        await self.actor.ask_cancel.remote(response_id)
-
-    async def cancels_asked(self, response_ids: list[str]) -> list[str]:
-        return await self.actor.cancels_asked.remote(response_ids)
+# what the replicas call on the shared records (the protocol's methods)
+RECORD_METHODS = frozenset(
+    name for name, value in vars(ResponseRecords).items()
+    if callable(value) and not name.startswith("_")
+)  # fmt: skip
 
 
 def shared_records(capacity: int) -> RayRecords:

@@ -76,6 +76,7 @@ from speculative.server.scheduler import (
 )
 from speculative.server.state import NONE, ServerState
 from speculative.server.stored import (
+    EventLog,
     ResponseRecords,
     ResponseStore,
     StoredResponse,
@@ -292,9 +293,18 @@ def create_app(state: ServerState, records: ResponseRecords | None = None) -> Fa
 def _install_stored_responses(app: FastAPI, state: ServerState, store: ResponseStore) -> None:
     """``GET`` / ``DELETE /v1/responses/{id}``, its ``input_items`` and ``cancel``."""
 
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(request: Request, response_id: str) -> dict[str, Any]:
+    @app.get("/v1/responses/{response_id}", response_model=None)
+    async def get_response(request: Request, response_id: str) -> dict[str, Any] | Response:
+        """The response; with ``stream=true`` a background stream's events after
+        ``starting_after`` (its sequence numbers), as they come."""
         _authorize(request, state)
+        query = request.query_params
+        if query.get("stream", "false").lower() in ("true", "1"):
+            after = query.get("starting_after", "-1")
+            if not after.lstrip("-").isdigit():
+                raise ApiError(400, f"starting_after must be an integer, got {after!r}",
+                               param="starting_after")  # fmt: skip
+            return _sse_events(await store.events(response_id, int(after)))
         return (await store.get(response_id)).current()
 
     @app.delete("/v1/responses/{response_id}")
@@ -454,12 +464,13 @@ async def _serve(
             _stream(prepared, jobs, state, metrics),
             on_close=lambda: _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers=SSE_HEADERS,
         )
     return await _complete(request, prepared, jobs, state, scheduler, metrics)
 
 
 Body = TypeVar("Body", bound=BaseModel)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def _parsed(request: Request, model: type[Body], state: ServerState) -> Body:
@@ -995,19 +1006,24 @@ async def _start_background(
     metrics: ServerMetrics,
     store: ResponseStore,
 ) -> Response:
-    """A background Responses request: kept as "queued" at once and answered so; its
-    rows decode on, and the kept response becomes the whole one (or "failed", or
-    "cancelled" by ``POST /v1/responses/{id}/cancel``)."""
+    """A background Responses request: kept as "queued" at once and answered so (with
+    ``stream``, its events streamed as they come, resumable by ``GET …?stream=true``); its
+    rows decode on whoever listens, and the kept response becomes the whole one (or
+    "failed", or "cancelled" by ``POST /v1/responses/{id}/cancel``)."""
     request = prepared.responses
     assert request is not None and prepared.response_id is not None
     queued = response_object(request, prepared.response_id, int(time.time()), [], "queued", None)
-    stored = StoredResponse(queued, prepared.input_items)
+    log = EventLog() if request.stream else None
+    stored = StoredResponse(queued, prepared.input_items, log=log)
     stored.started = lambda: any(job.admitted is not None for job in jobs)
 
     async def decode() -> None:
         try:
-            body = await _whole_body(prepared, jobs, state, scheduler, metrics, None)
-            assert body is not None
+            if stored.log is None:
+                body = await _whole_body(prepared, jobs, state, scheduler, metrics, None)
+                assert body is not None
+            else:
+                body = await _logged(stored.log, prepared, jobs, state, metrics)
         except asyncio.CancelledError:
             _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics)
             body = {**queued, "status": "cancelled"}
@@ -1022,7 +1038,19 @@ async def _start_background(
 
     await store.put(stored)
     stored.task = asyncio.get_running_loop().create_task(decode())
+    if stored.log is not None:
+        return _sse_events(stored.log.after(0))
     return JSONResponse(queued)
+
+
+async def _logged(
+    log: EventLog, prepared: Prepared, jobs: list[Job], state: ServerState, metrics: ServerMetrics
+) -> dict[str, Any]:
+    """Decode a background stream into ``log``; the whole response its last event has."""
+    last: dict[str, Any] = {}
+    async for last in _response_events(prepared, _chunks(prepared, jobs, state, metrics)):
+        await log.add(last)
+    return last["response"]
 
 
 def _whole_choice(
@@ -1209,17 +1237,37 @@ async def _stream(
         async for chunk in chunks:
             yield _sse(chunk)
         return
+    last = None
+    async for last in _response_events(prepared, chunks):
+        yield _sse(last, last["type"])
+    if last is not None and prepared.keep is not None:
+        await prepared.keep(StoredResponse(last["response"], prepared.input_items))
+    if last is not None and prepared.join is not None:
+        await prepared.join(last["response"])
+
+
+async def _response_events(
+    prepared: Prepared, chunks: AsyncIterator[dict[str, Any] | str]
+) -> AsyncIterator[dict[str, Any]]:
+    """A Responses request's stream events, made from its chat chunks (the last one
+    carries the whole response)."""
+    assert prepared.responses is not None
     events = ResponseEvents(prepared.responses, prepared.response_id)
     for event in events.start():
-        yield _sse(event, event["type"])
+        yield event
     async for chunk in chunks:
-        made = events.end() if chunk == "[DONE]" else events.feed(chunk)
-        for event in made:
+        for event in events.end() if chunk == "[DONE]" else events.feed(chunk):
+            yield event
+
+
+def _sse_events(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """A stream of Responses API events, as they come."""
+
+    async def encoded() -> AsyncIterator[bytes]:
+        async for event in events:
             yield _sse(event, event["type"])
-        if chunk == "[DONE]" and prepared.keep is not None:
-            await prepared.keep(StoredResponse(made[-1]["response"], prepared.input_items))
-        if chunk == "[DONE]" and prepared.join is not None:
-            await prepared.join(made[-1]["response"])
+
+    return StreamingResponse(encoded(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def _chunks(

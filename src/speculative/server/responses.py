@@ -126,11 +126,6 @@ class ResponsesRequest(BaseModel):
         earlier response's conversation, where ``previous_response_id`` names one), with
         extensions such as ``seed`` and ``speculative`` passed on."""
         extra = dict(self.model_extra or {})
-        if self.background and self.stream:
-            raise ApiError(
-                400, "a background response is polled (GET /v1/responses/{id}), not "
-                "streamed, here", param="background",
-            )  # fmt: skip
         if self.background and not self.store:
             raise ApiError(400, "a background response needs store: true", param="background")
         passed = {k: v for k, v in extra.items() if k not in IGNORED}

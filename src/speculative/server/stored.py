@@ -18,9 +18,10 @@ replica.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,7 +31,43 @@ from speculative.server.protocol import ApiError
 # the states a background response moves through before it ends
 RUNNING = ("queued", "in_progress")
 WATCH_S = 0.05  # how often shared records are read for status and cancels
+EVENTS = "response.events"  # the kind of record that holds a background stream's events
 CANCEL_WAIT_S = 30.0  # how long a cancel through another replica waits for the response to end
+
+
+@dataclass
+class EventLog:
+    """A background stream's events as they are made, in the replica decoding it; readers
+    wait for more until it ends. ``flushed`` of them are written to the records."""
+
+    events: list[dict[str, Any]] = field(default_factory=list)
+    flushed: int = 0
+    ended: bool = False
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    async def add(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def end(self) -> None:
+        self.ended = True
+        async with self.changed:
+            self.changed.notify_all()
+
+    def _beyond(self, count: int) -> bool:
+        return len(self.events) > count or self.ended
+
+    async def after(self, start: int) -> AsyncIterator[dict[str, Any]]:
+        """Its events from index ``start`` on, as they come, until it ends."""
+        while True:
+            while start < len(self.events):
+                yield self.events[start]
+                start += 1
+            if self.ended:
+                return
+            async with self.changed:
+                await self.changed.wait_for(functools.partial(self._beyond, start))
 
 
 @dataclass
@@ -43,6 +80,7 @@ class StoredResponse:
     task: asyncio.Task | None = None  # a background response's decoding (in this replica)
     started: Callable[[], bool] | None = None  # whether its rows were admitted
     written: str = ""  # the status its record holds
+    log: EventLog | None = None  # a background stream's events (where it decodes)
 
     @property
     def id(self) -> str:
@@ -87,6 +125,9 @@ class ResponseRecords(Protocol):
     async def remove_item(self, record_id: str, item_id: str) -> bool:
         """Take one item (by its id) out of a record's items; False where there is none."""
 
+    async def items_after(self, record_id: str, start: int) -> list[dict[str, Any]] | None:
+        """A record's items from index ``start`` on; None where it is not kept."""
+
     async def ask_cancel(self, response_id: str) -> None:
         """Mark a running response to be cancelled by the replica decoding it."""
 
@@ -102,7 +143,8 @@ def _running(body: dict[str, Any]) -> bool:
 @dataclass
 class LocalRecords:
     """The last ``capacity`` responses and conversations in this process's memory, least
-    recently used first out; a background response still decoding is never evicted.
+    recently used first out (a background stream's events with their response); a
+    background response still decoding is never evicted.
     (Behind ``--replicas`` one Ray actor holds them.)"""
 
     capacity: int
@@ -113,9 +155,11 @@ class LocalRecords:
     async def put(self, body: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
         self.kept[body["id"]] = (body, input_items)
         self.kept.move_to_end(body["id"])
-        finished = [key for key, (kept, _) in self.kept.items() if not _running(kept)]
-        for key in finished[: max(0, len(self.kept) - self.capacity)]:
+        counted = [key for key, (kept, _) in self.kept.items() if kept.get("object") != EVENTS]
+        finished = [key for key in counted if not _running(self.kept[key][0])]
+        for key in finished[: max(0, len(counted) - self.capacity)]:
             del self.kept[key]
+            self.kept.pop(_events_id(key), None)  # (a stream's events go with it)
 
     async def update(self, body: dict[str, Any]) -> None:
         kept = self.kept.get(body["id"])
@@ -143,6 +187,10 @@ class LocalRecords:
             return False
         self.kept[record_id] = (kept[0], left)
         return True
+
+    async def items_after(self, record_id: str, start: int) -> list[dict[str, Any]] | None:
+        kept = self.kept.get(record_id)
+        return None if kept is None else kept[1][start:]
 
     async def ask_cancel(self, response_id: str) -> None:
         self.cancels.add(response_id)
@@ -179,6 +227,8 @@ class ResponseStore:
         (its ``task`` is set right after, before anything else can run here)."""
         body = stored.current()
         stored.written = body["status"]
+        if stored.log is not None:  # (its events' record first: a reader finds both)
+            await self.records.put({"id": _events_id(stored.id), "object": EVENTS}, [])
         await self.records.put(body, stored.input_items)
         if stored.running:
             self.decoding[stored.id] = stored
@@ -187,8 +237,44 @@ class ResponseStore:
     async def finish(self, stored: StoredResponse, body: dict[str, Any]) -> None:
         """A background response's end (whole, "failed" or "cancelled")."""
         stored.body = body
+        if stored.log is not None:  # every event written before the status that ends it
+            await self._flush(stored.log, stored.id)
+            await stored.log.end()
         self.decoding.pop(stored.id, None)
         await self.records.update(body)
+
+    async def events(self, response_id: str, after: int) -> AsyncIterator[dict[str, Any]]:
+        """A background stream's events after sequence number ``after``, as they come
+        until it ends (from this server's log where it decodes here, else from the
+        records); 400 for a response that was not streamed."""
+        stored = await self.get(response_id)
+        recorded = await self.records.items_after(_events_id(response_id), 0)
+        if stored.log is None and recorded is None:
+            raise ApiError(
+                400, f"response '{response_id}' was not made with background and stream: "
+                "GET it without stream", param="stream",
+            )  # fmt: skip
+        if stored.log is not None:
+            return stored.log.after(after + 1)
+        return self._recorded_events(response_id, after + 1)
+
+    async def _recorded_events(self, response_id: str, start: int) -> AsyncIterator[dict[str, Any]]:
+        """Events from the records, read every ``WATCH_S`` until the response has ended."""
+        while True:
+            record = await self.records.get(response_id)
+            ended = record is None or not _running(record[0])
+            for event in await self.records.items_after(_events_id(response_id), start) or []:
+                start += 1
+                yield event
+            if ended:  # (its events were all written before its end)
+                return
+            await asyncio.sleep(WATCH_S)
+
+    async def _flush(self, log: EventLog, response_id: str) -> None:
+        """Write the events the records lack (each once, in order)."""
+        start, log.flushed = log.flushed, len(log.events)
+        if log.flushed > start:
+            await self.records.extend(_events_id(response_id), log.events[start : log.flushed])
 
     async def get(self, response_id: str, param: str | None = None) -> StoredResponse:
         """The kept response, or 404 (naming ``param`` where a request field gave the id)."""
@@ -201,6 +287,7 @@ class ResponseStore:
         """Forget a response (a running one is cancelled, wherever it decodes)."""
         stored = await self.get(response_id)
         await self.records.delete(response_id)
+        await self.records.delete(_events_id(response_id))
         if stored.running:
             await self._cancel(stored)
 
@@ -235,7 +322,8 @@ class ResponseStore:
 
     def _watch(self) -> None:
         """With shared records: while this server decodes background responses, write
-        their moves to "in_progress" and end those another replica was asked to cancel."""
+        their moves to "in_progress" and their streams' new events, and end those another
+        replica was asked to cancel."""
         if self.records.shared and (self._watcher is None or self._watcher.done()):
             self._watcher = asyncio.get_running_loop().create_task(self._watching())
 
@@ -246,6 +334,8 @@ class ResponseStore:
                 if body["status"] != stored.written:
                     stored.written = body["status"]
                     await self.records.update(body)
+                if stored.log is not None:
+                    await self._flush(stored.log, stored.id)
             for response_id in await self.records.cancels_asked(list(self.decoding)):
                 stored = self.decoding.get(response_id)
                 if stored is not None and stored.task is not None:
@@ -268,6 +358,11 @@ class ResponseStore:
             404, f"no response with id '{response_id}': {reason}", param=param,
             code="response_not_found",
         )  # fmt: skip
+
+
+def _events_id(response_id: str) -> str:
+    """The record that holds a background stream's events."""
+    return f"{response_id}/events"
 
 
 def item_page(
