@@ -26,13 +26,17 @@ from speculative.sampling import SamplingParams
 from speculative.server.protocol import ChatCompletionRequest
 from speculative.server.tools import (
     HERMES,
+    LLAMA3_JSON,
     SYNTAXES,
     CallStream,
+    Mistral,
+    MistralArgs,
     NamedToolChoice,
     Tool,
     call_format,
     chat_prompt,
     described,
+    mistral_syntax,
     split_calls,
     template_shows_tools,
     template_syntax,
@@ -92,6 +96,18 @@ LLAMA_REPLY = (
     '{"name": "get_weather", "parameters": {"city": "Paris", "days": 9}}'
 )
 LLAMA_TEMPLATE = "{# tool results come as ipython messages #}" + TOOLS_TEMPLATE
+# Mistral's calls: the [TOOL_CALLS] token, then a JSON list (the second out of range)
+MISTRAL_REPLY = (
+    '[TOOL_CALLS] [{"name": "set_alarm", "arguments": {"hour": 7}}, '
+    '{"name": "get_weather", "arguments": {"city": "Paris", "days": 9}}]'
+)
+MISTRAL_TEMPLATE = "{# an assistant's calls follow [TOOL_CALLS] #}" + TOOLS_TEMPLATE
+# Mistral's later calls: text, then [TOOL_CALLS]name[ARGS]{…} each (the second out of range)
+ARGS_REPLY = (
+    'Sure.[TOOL_CALLS]set_alarm[ARGS]{"hour": 7}'
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 9}'
+)
+ARGS_TEMPLATE = "{# [TOOL_CALLS] name [ARGS] arguments #}" + TOOLS_TEMPLATE
 EOS = 1
 
 
@@ -133,6 +149,38 @@ def _trained(folder: Path, template: str, reply_text: str) -> Path:
 def caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama trained to answer MESSAGES with TRAINED_REPLY (Hermes' calls)."""
     return _trained(tmp_path_factory.mktemp("tools_caller"), TOOLS_TEMPLATE, TRAINED_REPLY)
+
+
+def _mistral_tokenizer(template: str = MISTRAL_TEMPLATE, markers=(Mistral.open,)):
+    """The byte-level tokenizer with ``markers`` as special tokens, one each."""
+    tokenizer = _tokenizer(template)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(markers)})
+    return tokenizer
+
+
+def _args_tokenizer():
+    return _mistral_tokenizer(ARGS_TEMPLATE, (MistralArgs.open, MistralArgs.args))
+
+
+def _trained_on(folder: Path, tokenizer, reply: str) -> Path:
+    prompt = chat_prompt(tokenizer, MESSAGES, TOOLS)
+    return save_trained(folder, tokenizer, [(prompt, reply)], goal=0.001)
+
+
+@pytest.fixture(scope="module")
+def mistral_caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama whose template teaches Mistral's calls (``[TOOL_CALLS]`` a special
+    token), trained to answer MESSAGES with MISTRAL_REPLY."""
+    folder = tmp_path_factory.mktemp("tools_mistral_caller")
+    return _trained_on(folder, _mistral_tokenizer(), MISTRAL_REPLY)
+
+
+@pytest.fixture(scope="module")
+def args_caller(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama whose template teaches Mistral's later calls (``[TOOL_CALLS]`` and
+    ``[ARGS]`` special tokens), trained to answer MESSAGES with ARGS_REPLY."""
+    folder = tmp_path_factory.mktemp("tools_args_caller")
+    return _trained_on(folder, _args_tokenizer(), ARGS_REPLY)
 
 
 @pytest.fixture(scope="module")
@@ -428,7 +476,7 @@ def test_legacy_functions_answer_in_their_own_form(caller: Path) -> None:
 def test_llama3_json_calls_are_read_and_streamed() -> None:
     """Llama 3's syntax: a reply that starts with ``{`` is calls joined by "; ", any
     other is text; cut calls as for Hermes."""
-    llama = SYNTAXES["llama3_json"]
+    llama = LLAMA3_JSON
 
     def split(text: str):
         return split_calls(text, TOOLS, llama)
@@ -476,7 +524,7 @@ def test_llama3_json_served(llama_caller: Path, folder: Path) -> None:
     control: unconstrained it writes 9), streamed piece by piece; on a random model,
     "auto"'s text is what the library decodes under the same grammar and never starts
     with ``{``, and "required" gives valid calls."""
-    llama = SYNTAXES["llama3_json"]
+    llama = LLAMA3_JSON
     prompt = chat_prompt(_tokenizer(LLAMA_TEMPLATE), MESSAGES, TOOLS)
     assert _greedy(llama_caller, prompt, budget=200) == LLAMA_REPLY
     with start_server(llama_caller, max_prompt_tokens=200) as server:
@@ -509,6 +557,133 @@ def test_llama3_json_served(llama_caller: Path, folder: Path) -> None:
         for answer in required.choices:
             assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
             assert valid_call(answer.message.tool_calls[0].model_dump())
+
+
+def test_mistral_calls_are_read_and_streamed() -> None:
+    """Mistral's syntax: a reply that starts with ``[TOOL_CALLS]`` and a list is calls
+    joined by ", ", any other is text; cut calls as for Hermes; the opener is the
+    tokenizer's special token where it has one (kept in the reply's text)."""
+    tokenizer = _mistral_tokenizer()
+    mistral = template_syntax(tokenizer)
+    opener = tokenizer.convert_tokens_to_ids(Mistral.open)
+    assert isinstance(mistral, Mistral) and mistral.special_ids == {opener}
+    assert f"<[{opener}]>" in call_format(TOOLS, "required", syntax=mistral).lark
+    plain = Mistral.of(_tokenizer())  # no such token: its text
+    assert plain.special_ids == frozenset() and '"[TOOL_CALLS]"' in call_format(
+        TOOLS, "auto", syntax=plain
+    ).lark  # fmt: skip
+
+    def split(text: str):
+        return split_calls(text, TOOLS, mistral)
+
+    reply = split(MISTRAL_REPLY)
+    assert reply.content is None and not reply.cut
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in reply.calls] == [
+        ("set_alarm", '{"hour": 7}'), ("get_weather", '{"city": "Paris", "days": 9}')
+    ]  # fmt: skip
+    first = MISTRAL_REPLY.index("}, ") + 1
+    for cut, calls, whole in [
+        (MISTRAL_REPLY[: first + 1], 1, True),  # the separator cut short
+        (MISTRAL_REPLY[: first + 12], 1, True),  # the second call cut before its name
+        (MISTRAL_REPLY[: MISTRAL_REPLY.index("Paris") + 2], 2, False),  # in its arguments
+        (MISTRAL_REPLY[:-2], 2, False),  # before its closing brace
+        (MISTRAL_REPLY[:-1], 2, True),  # before the list's end
+    ]:
+        reply = split(cut)
+        assert (len(reply.calls), reply.cut) == (calls, not whole), cut
+    for text in ("Sure, at 7.", '[TOOL_CALLS] [{"name": "nope", "arguments": {}}]',
+                 "[TOOL_CALLS] [", MISTRAL_REPLY + " and more",
+                 MISTRAL_REPLY[len(Mistral.open):]):  # fmt: skip
+        assert split(text).calls == [] and split(text).content == text
+    stream, entries = CallStream(TOOLS, mistral), []
+    for end in range(len(MISTRAL_REPLY) + 1):
+        entries += stream.deltas(MISTRAL_REPLY[:end])
+    assert [e["function"]["name"] for e in entries if "id" in e] == ["set_alarm", "get_weather"]
+    assert "".join(e["function"]["arguments"] for e in entries if e["index"] == 1) == (
+        '{"city": "Paris", "days": 9}'
+    )  # fmt: skip
+    assert mistral.calls_start("[TOOL") == (None, 5)  # (its text may yet open the calls)
+    described = byte_tokenizer().decode(chat_prompt(_tokenizer(CHAT_TEMPLATE), MESSAGES,
+                                                    TOOLS, syntax=mistral))  # fmt: skip
+    assert Mistral.open in described and CALL_OPEN not in described
+
+
+def test_mistral_calls_served(mistral_caller: Path, monkeypatch) -> None:
+    """A model whose template teaches Mistral's calls with ``[TOOL_CALLS]`` a special
+    token: served with the syntax read from the template, the calls come back valid (the
+    second's out-of-range "days" kept in range), whole and streamed. The control: with
+    the token left out of the reply's text (as decoding leaves special tokens out), the
+    calls are lost in the content."""
+    with start_server(mistral_caller, max_prompt_tokens=200) as server:
+        ask = _chat_asker(*_client(server))
+        choice = ask().choices[0]
+        calls = [c.model_dump() for c in choice.message.tool_calls]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [c["function"]["name"] for c in calls] == ["set_alarm", "get_weather"]
+        assert all(valid_call(c) for c in calls)
+        text, streamed, reason = _streamed(ask(stream=True))
+        assert (text, reason) == ("", "tool_calls")
+        assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+        named = ask(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        only = [c.model_dump() for c in named.choices[0].message.tool_calls]
+        assert [c["function"]["name"] for c in only] == ["get_weather"] and valid_call(only[0])
+    unkept = Mistral.of(_mistral_tokenizer())
+    unkept.special_ids = frozenset()
+    monkeypatch.setattr(Mistral, "of", classmethod(lambda cls, tokenizer: unkept))
+    with start_server(mistral_caller, max_prompt_tokens=200) as server:
+        lost = _chat_asker(*_client(server))().choices[0]
+        assert lost.message.tool_calls is None and lost.message.content.startswith(' [{"name"')
+
+
+def test_mistral_later_calls_are_read_and_streamed() -> None:
+    """Mistral's later syntax (a tokenizer with ``[ARGS]``): text, then each call as
+    ``[TOOL_CALLS]name[ARGS]{…}``; cut calls as for Hermes."""
+    tokenizer = _args_tokenizer()
+    syntax = template_syntax(tokenizer)
+    ids = {tokenizer.convert_tokens_to_ids(m) for m in (MistralArgs.open, MistralArgs.args)}
+    assert isinstance(syntax, MistralArgs) and syntax.special_ids == ids
+    assert mistral_syntax(_mistral_tokenizer()).special_ids < ids  # (the JSON list's)
+
+    def split(text: str):
+        return split_calls(text, TOOLS, syntax)
+
+    reply = split(ARGS_REPLY)
+    assert reply.content == "Sure." and not reply.cut
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in reply.calls] == [
+        ("set_alarm", '{"hour": 7}'), ("get_weather", '{"city": "Paris", "days": 9}')
+    ]  # fmt: skip
+    second = ARGS_REPLY.index("[TOOL_CALLS]get")
+    for cut, calls, whole in [
+        (ARGS_REPLY[: second + 5], 1, True),  # the second call cut in its opener
+        (ARGS_REPLY[: second + 16], 1, True),  # cut in its name
+        (ARGS_REPLY[: ARGS_REPLY.index("Paris") + 2], 2, False),  # in its arguments
+    ]:
+        reply = split(cut)
+        assert (len(reply.calls), reply.cut) == (calls, not whole), cut
+    for text in ("Sure, at 7.", "Sure.[TOOL_CALLS]nope[ARGS]{}", "Sure.[TOOL_CALLS]set",
+                 ARGS_REPLY + " and more"):  # fmt: skip
+        assert split(text).calls == [] and split(text).content == text
+    stream, entries = CallStream(TOOLS, syntax), []
+    for end in range(len(ARGS_REPLY) + 1):
+        entries += stream.deltas(ARGS_REPLY[:end])
+    assert [e["function"]["name"] for e in entries if "id" in e] == ["set_alarm", "get_weather"]
+    assert syntax.calls_start("Sure.[TOOL") == (None, 5)
+    assert syntax.join("Sure.", [syntax.write("set_alarm", {"hour": 7})]) == ARGS_REPLY[:second]
+
+
+def test_mistral_later_calls_served(args_caller: Path) -> None:
+    """The later syntax served: the text before the calls as content, the calls valid
+    (the second's "days" kept in range), whole and streamed alike."""
+    with start_server(args_caller, max_prompt_tokens=200) as server:
+        ask = _chat_asker(*_client(server))
+        choice = ask().choices[0]
+        calls = [c.model_dump() for c in choice.message.tool_calls]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+        assert [c["function"]["name"] for c in calls] == ["set_alarm", "get_weather"]
+        assert all(valid_call(c) for c in calls)
+        text, streamed, reason = _streamed(ask(stream=True))
+        assert (text, reason) == ("Sure.", "tool_calls")
+        assert [c["function"] for c in streamed] == [c["function"] for c in calls]
 
 
 def test_the_responses_api_calls_as_chat_does(caller: Path) -> None:

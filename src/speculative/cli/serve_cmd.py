@@ -52,7 +52,7 @@ rest and exits: a rolling restart loses no reply that fits the grace period.
 """
 
 # speculative.server.tools.SYNTAXES and "auto" (named here: importing the server is slow)
-TOOL_CALL_SYNTAXES = ("auto", "hermes", "llama3_json")
+TOOL_CALL_SYNTAXES = ("auto", "hermes", "llama3_json", "mistral")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -127,8 +127,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         help="how the model writes function calls: hermes (<tool_call>{...}</tool_call> "
         "after its text: Qwen, Hermes), llama3_json (a reply of JSON calls joined by '; ': "
-        "Llama 3.1-3.3); auto: what the chat template teaches (hermes for templates "
-        "without tools, which get them described)",
+        "Llama 3.1-3.3), mistral ([TOOL_CALLS] and a JSON list of calls: Mistral 7B v0.3, "
+        "Nemo, Small); auto: what the chat template teaches (hermes for templates without "
+        "tools, which get them described)",
     )
     parser.add_argument(
         "--reasoning-parser",

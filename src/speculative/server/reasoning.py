@@ -13,11 +13,10 @@ what may be the start of ``</think>`` (or of ``<think>`` at the start).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from speculative.server.text import partial_stop_length
+from speculative.server.text import partial_stop_length, special_ids
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -33,27 +32,9 @@ def template_thinks(tokenizer: object) -> bool:
 def special_think_tags(tokenizer: Any) -> frozenset[int]:
     """The ids of ``<think>`` and ``</think>`` where the tokenizer has them as special
     tokens (which decoding leaves out); empty where it has them as text."""
-    special = _special_ids(tokenizer)
+    special = special_ids(tokenizer)
     vocab = tokenizer.get_vocab()
     return frozenset(vocab[tag] for tag in (THINK_OPEN, THINK_CLOSE) if vocab.get(tag) in special)
-
-
-def decode_keeping(tokenizer: Any, kept: frozenset[int]) -> Callable[[Sequence[int]], str]:
-    """A decode that leaves out special tokens except ``kept`` (a reply's thinking tags,
-    where they are special: its text then shows where the thinking ends)."""
-    dropped = _special_ids(tokenizer) - kept
-
-    def decode(token_ids: Sequence[int]) -> str:
-        kept_ids = [token for token in token_ids if token not in dropped]
-        return tokenizer.decode(kept_ids, skip_special_tokens=False)
-
-    return decode
-
-
-def _special_ids(tokenizer: Any) -> frozenset[int]:
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    flagged = {token_id for token_id, token in added.items() if getattr(token, "special", False)}
-    return frozenset(flagged) | frozenset(tokenizer.all_special_ids)
 
 
 def opens_thinking(prompt_text: str) -> bool:

@@ -21,13 +21,14 @@ from speculative.engine.costs import PassCostCurves
 from speculative.engine.gamma import LOAD_AWARE_MAX_GAMMA
 from speculative.models.base import ReservesSlots, SupportsBatchRows
 from speculative.server.compute import ComputeThread
-from speculative.server.reasoning import decode_keeping, special_think_tags, template_thinks
+from speculative.server.reasoning import special_think_tags, template_thinks
+from speculative.server.text import decode_keeping
 from speculative.server.tools import (
     HERMES,
     SYNTAXES,
     CallSyntax,
+    call_syntax,
     template_shows_tools,
-    template_syntax,
 )
 from speculative.targets import LoadedModel
 
@@ -207,16 +208,16 @@ def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
         )
     reserve_slots(loaded.lm, config.slots())
     tokenizer = loaded.tokenizer
-    syntax = config.tool_call_syntax
     state = ServerState(
         config,
         loaded,
         shows_tools=template_shows_tools(tokenizer),
-        call_syntax=SYNTAXES[syntax] if syntax != "auto" else template_syntax(tokenizer),
+        call_syntax=call_syntax(config.tool_call_syntax, tokenizer),
         reasons=config.reasoning_parser == "think"
         or (config.reasoning_parser == "auto" and template_thinks(tokenizer)),
     )
     tags = special_think_tags(tokenizer) if state.reasons else frozenset()
+    tags |= state.call_syntax.special_ids
     if tags:  # decoding would leave them out
         state.reply_decode = decode_keeping(tokenizer, tags)
     if config.gamma == "auto":  # the pass-cost curves the load-aware policy needs

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from speculative.detokenize import REPLACEMENT, IncrementalDecoder
 from speculative.engine.loop import Round
@@ -184,3 +185,23 @@ class TextAssembler:
                 break
         self.sent = max(self.sent, limit)
         return pieces
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens (which decoding leaves out)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    flagged = {token_id for token_id, token in added.items() if getattr(token, "special", False)}
+    return frozenset(flagged) | frozenset(tokenizer.all_special_ids)
+
+
+def decode_keeping(tokenizer: Any, kept: frozenset[int]) -> Callable[[Sequence[int]], str]:
+    """A decode that leaves out special tokens except ``kept`` (a reply's thinking tags
+    or call opener, where they are special: its text then shows where the thinking ends
+    or the calls start)."""
+    dropped = special_ids(tokenizer) - kept
+
+    def decode(token_ids: Sequence[int]) -> str:
+        kept_ids = [token for token in token_ids if token not in dropped]
+        return tokenizer.decode(kept_ids, skip_special_tokens=False)
+
+    return decode

@@ -1,8 +1,10 @@
 """Function calling (OpenAI's ``tools``) under a grammar.
 
-Calls are written in the Hermes format (``<tool_call>``, a newline, one JSON object
-``{"name": …, "arguments": {…}}``, a newline, ``</tool_call>``), which Qwen's, Hermes' and
-many open models' chat templates teach. :func:`call_format` compiles the tools into a
+Calls are written in the syntax the model's chat template teaches (a :class:`CallSyntax`):
+the Hermes format (``<tool_call>``, a newline, one JSON object ``{"name": …, "arguments":
+{…}}``, a newline, ``</tool_call>``), which Qwen's, Hermes' and many open models' chat
+templates teach, Llama 3's JSON calls, or Mistral's ``[TOOL_CALLS]`` (a JSON list, or
+``name[ARGS]{…}`` per call). :func:`call_format` compiles the tools into a
 grammar (:mod:`speculative.structured`): with ``tool_choice`` ``"auto"`` free text whose
 first ``<tool_call>`` opens a call (llguidance's lazy lexeme), with ``"required"`` a call
 from the first token, with a named function one call of it; every call names one of the
@@ -19,12 +21,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from speculative.server.text import partial_stop_length
+from speculative.server.text import partial_stop_length, special_ids
 from speculative.structured.grammar import ANY_OBJECT, JSON_FORMAT, OutputFormat
 
 if TYPE_CHECKING:
@@ -84,6 +87,9 @@ class CallSyntax(Protocol):
     call, where its calls start, and how to read them back."""
 
     name: str
+    # the special tokens the calls are written with (the reply's text keeps them, where
+    # decoding would leave them out)
+    special_ids: frozenset[int]
 
     def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool) -> OutputFormat:
         """The grammar of a reply under ``tool_choice`` (see :func:`call_format`)."""
@@ -149,6 +155,7 @@ class Hermes:
     reply's text (Qwen's, Hermes' and many open models' templates)."""
 
     name = "hermes"
+    special_ids: frozenset[int] = frozenset()
     open = "<tool_call>"
     close = "</tool_call>"
     head = _head("arguments")
@@ -229,6 +236,7 @@ class Llama3Json:
     vLLM's ``llama3_json``)."""
 
     name = "llama3_json"
+    special_ids: frozenset[int] = frozenset()
     separator = "; "
     head = _head("parameters")
 
@@ -300,17 +308,219 @@ class Llama3Json:
         )
 
 
+class Mistral:
+    """A reply that is either text or Mistral's calls: the ``[TOOL_CALLS]`` token, then a
+    JSON list of calls ``[{"name": …, "arguments": {…}}, …]`` (the templates of Mistral
+    7B v0.3, Mixtral 8x22B, Nemo and Small 2409–2501; vLLM's ``mistral``). Where the
+    tokenizer has ``[TOOL_CALLS]`` as one token the grammar writes that token (a special
+    token, which the reply's text keeps), else its text."""
+
+    name = "mistral"
+    open = "[TOOL_CALLS]"
+    head = _head("arguments")
+    separator = ", "
+
+    def __init__(self, token_id: int | None = None, special: bool = False) -> None:
+        self.token_id = token_id  # the opener's id, where it is one token
+        kept = {token_id} if special and token_id is not None else set()
+        self.special_ids = frozenset(kept)
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> Mistral:
+        """The syntax over ``tokenizer``: its ``[TOOL_CALLS]`` token, if it has one."""
+        token_id = tokenizer.get_vocab().get(cls.open)
+        special = token_id is not None and token_id in special_ids(tokenizer)
+        return cls(token_id, special)
+
+    def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool) -> OutputFormat:
+        """``"auto"``: any text, or the calls from the first token."""
+        opener = f"<[{self.token_id}]>" if self.token_id is not None else json.dumps(self.open)
+        more = f" ({json.dumps(self.separator)} call)*"
+        more = more if parallel and not isinstance(choice, NamedToolChoice) else ""
+        first = "TEXT | calls" if choice == "auto" else "calls"
+        rules = [
+            "%llguidance {}",
+            f"start: {first}",
+            f'calls: {opener} " [" call{more} "]"',
+            f"call: %json {_calls_json(tools, choice, 'arguments')}",
+        ]
+        if choice == "auto":
+            rules.append("TEXT: /(.|\\n)*/")
+        return OutputFormat(lark="\n".join(rules) + "\n")
+
+    def calls_start(self, text: str) -> tuple[int | None, int]:
+        begun = 0 < len(text) < len(self.open) and self.open.startswith(text)
+        return (0 if text.startswith(self.open) else None), (len(text) if begun else 0)
+
+    def written(self, text: str, names: set[str]) -> Written | None:
+        opened = re.compile(re.escape(self.open) + r"\s*\[").match(text)
+        if opened is None:
+            return None
+        calls: list[WrittenCall] = []
+        at = opened.end()
+        while True:
+            head = self.head.match(text, at)
+            if head is None or head[1] not in names:
+                if calls and head is None and self._cut_head(text[at:], names):
+                    break  # a later call cut before its name
+                return None
+            end = _arguments(text, head.end())
+            close = re.compile(r"\s*\}").match(text, end) if end is not None else None
+            if close is None:  # cut inside the arguments or before the closing brace
+                if end is not None and text[end:].strip():
+                    return None
+                calls.append(WrittenCall(head[1], text[head.end() : end], False))
+                break
+            calls.append(WrittenCall(head[1], text[head.end() : end], True))
+            more = re.compile(r"\s*,\s*").match(text, close.end())
+            if more is not None:
+                at = more.end()
+                continue
+            rest = text[close.end() :].strip()
+            if rest not in ("", "]", ","):  # (the list's end, or not yet)
+                return None
+            break
+        return "", calls
+
+    def _cut_head(self, text: str, names: set[str]) -> bool:
+        """Whether ``text`` is a call's head cut short (before its arguments)."""
+        return any(f'{{"name": "{name}", "arguments": '.startswith(text) for name in names)
+
+    def write(self, name: str, arguments: Any) -> str:
+        return json.dumps({"name": name, "arguments": arguments})
+
+    def join(self, text: str, calls: list[str]) -> str:
+        return f"{self.open} [{self.separator.join(calls)}]" if calls else text
+
+    def guide(self) -> str:
+        return (
+            f"To call functions, reply with only {self.open} and a JSON list of the calls: "
+            f'{self.open} [{{"name": "<function name>", "arguments": {{"<argument>": '
+            '"<value>"}}]'
+        )
+
+
+class MistralArgs:
+    """Mistral's later calls: text, then each call as the ``[TOOL_CALLS]`` token, the
+    function's name, the ``[ARGS]`` token and its arguments as JSON (the templates of
+    Mistral Small 3.2, Magistral and Devstral, tokenizers v11 on; vLLM's ``mistral``
+    there). The markers are written as the tokenizer's tokens where each is one, else as
+    their text."""
+
+    name = "mistral"
+    open = Mistral.open
+    args = "[ARGS]"
+
+    def __init__(self, refs: tuple[str, str], special_ids: frozenset[int]) -> None:
+        self.refs = refs  # the grammar's references to the opener and to [ARGS]
+        self.special_ids = special_ids
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> MistralArgs:
+        vocab, special = tokenizer.get_vocab(), special_ids(tokenizer)
+        ids = [vocab.get(marker) for marker in (cls.open, cls.args)]
+        refs = tuple(f"<[{i}]>" if i is not None else json.dumps(m)
+                     for i, m in zip(ids, (cls.open, cls.args), strict=True))  # fmt: skip
+        return cls(refs, frozenset(i for i in ids if i in special))
+
+    def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool) -> OutputFormat:
+        """``"auto"``: any text, then (or instead) the calls; each call names one of the
+        tools and its arguments satisfy that function's schema."""
+        named = isinstance(choice, NamedToolChoice)
+        chosen = [_named(tools, choice.function.name)] if named else tools
+        more = "+" if parallel and not named else ""
+        first = "TEXT | TEXT calls" if choice == "auto" else "calls"
+        opener, args = self.refs
+        alternatives = " | ".join(f"call_{k}" for k in range(len(chosen)))
+        rules = ["%llguidance {}", f"start: {first}", f"calls: ({alternatives}){more}"]
+        for k, tool in enumerate(chosen):
+            schema = {**tool.function.schema(), "x-guidance": JSON_FORMAT}
+            rules.append(f"call_{k}: {opener} {json.dumps(tool.function.name)} {args} "
+                         f"%json {json.dumps(schema)}")  # fmt: skip
+        if choice == "auto":
+            rules.append("TEXT: /(.|\\n)*/")
+        return OutputFormat(lark="\n".join(rules) + "\n")
+
+    def calls_start(self, text: str) -> tuple[int | None, int]:
+        start = text.find(self.open)
+        return (start if start >= 0 else None), partial_stop_length(text, (self.open,))
+
+    def written(self, text: str, names: set[str]) -> Written | None:
+        cut = partial_stop_length(text, (self.open,))  # a next call's opener, cut short
+        head, opener, rest = text[: len(text) - cut].partition(self.open)
+        if not opener:
+            return None
+        calls: list[WrittenCall] = []
+        for block in rest.split(self.open):
+            name, marker, arguments = block.partition(self.args)
+            if not marker:  # cut before its arguments
+                if calls and any(n.startswith(name) for n in names):
+                    break
+                return None
+            if name not in names:
+                return None
+            start = len(arguments) - len(arguments.lstrip())
+            end = _arguments(arguments, start)
+            if end is None:  # cut inside them
+                calls.append(WrittenCall(name, arguments[start:], False))
+                break
+            if arguments[end:].strip():
+                return None
+            calls.append(WrittenCall(name, arguments[start:end], True))
+        return (head, calls) if calls else None
+
+    def write(self, name: str, arguments: Any) -> str:
+        return f"{self.open}{name}{self.args}{json.dumps(arguments)}"
+
+    def join(self, text: str, calls: list[str]) -> str:
+        return text + "".join(calls)
+
+    def guide(self) -> str:
+        return (
+            f"To call a function, write {self.open}, its name, {self.args} and its arguments "
+            f'as one JSON object: {self.open}<function name>{self.args}{{"<argument>": '
+            '"<value>"}'
+        )
+
+
+def mistral_syntax(tokenizer: Any) -> Mistral | MistralArgs:
+    """Mistral's syntax for ``tokenizer``: the later one where it has an ``[ARGS]`` token
+    (v11 on) or its template speaks of it, else the JSON list."""
+    template = getattr(tokenizer, "chat_template", None)
+    later = MistralArgs.args in tokenizer.get_vocab() or (
+        isinstance(template, str) and MistralArgs.args in template
+    )
+    return MistralArgs.of(tokenizer) if later else Mistral.of(tokenizer)
+
+
 HERMES = Hermes()
-SYNTAXES: dict[str, CallSyntax] = {syntax.name: syntax for syntax in (HERMES, Llama3Json())}
+LLAMA3_JSON = Llama3Json()
+# serve --tool-call-syntax: each syntax over the served model's tokenizer
+SYNTAXES: dict[str, Callable[[Any], CallSyntax]] = {
+    "hermes": lambda tokenizer: HERMES,
+    "llama3_json": lambda tokenizer: LLAMA3_JSON,
+    "mistral": mistral_syntax,
+}
+
+
+def call_syntax(name: str, tokenizer: Any) -> CallSyntax:
+    """The syntax ``name`` (one of :data:`SYNTAXES`, or "auto": the template's) over
+    ``tokenizer``."""
+    return template_syntax(tokenizer) if name == "auto" else SYNTAXES[name](tokenizer)
 
 
 def template_syntax(tokenizer: Any) -> CallSyntax:
-    """The call syntax the tokenizer's chat template teaches: Llama 3's JSON calls where
-    it speaks of ``<|python_tag|>`` or ``ipython`` results, else Hermes' blocks (also
-    what a template without tools gets described)."""
+    """The call syntax the tokenizer's chat template teaches: Mistral's where it speaks of
+    ``[TOOL_CALLS]``, Llama 3's JSON calls where it speaks of ``<|python_tag|>`` or
+    ``ipython`` results, else Hermes' blocks (also what a template without tools gets
+    described)."""
     template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str) and ("<|python_tag|>" in template or "ipython" in template):
-        return SYNTAXES["llama3_json"]
+    if not isinstance(template, str):
+        return HERMES
+    if Mistral.open in template:
+        return mistral_syntax(tokenizer)
+    if "<|python_tag|>" in template or "ipython" in template:
+        return LLAMA3_JSON
     return HERMES
 
 
