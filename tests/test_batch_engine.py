@@ -1964,3 +1964,65 @@ class _Oracle(_SecondBranch):
     ) -> Draft:
         done = len(context) - self.prompt_length
         return Draft(tokens=self.continuation[done : done + gamma])
+
+
+def test_cli_openai_batch_requests_answer_as_the_server_does(tmp_path: Path, capsys) -> None:
+    """A file of OpenAI batch requests (chat and completions, greedy and seeded): each
+    output line's body has the text, finish reason and usage the server gives the same
+    request; a rerun after a crash resumes by custom_id; what a row cannot serve is one
+    line naming it."""
+    import json
+
+    from server_helpers import http, start_server, tiny_chat_folder
+    from test_cli import run_cli
+
+    folder = tiny_chat_folder(tmp_path / "tiny")
+    chat = {"messages": [{"role": "user", "content": "the cat sat"}]}
+    plain = {"prompt": "the cat sat on", "max_tokens": 9, "temperature": 0, "stop": "mat"}
+    seeded = {**chat, "max_completion_tokens": 7, "temperature": 0.9, "seed": 3}
+    bodies = {
+        "greedy": ("/v1/chat/completions", {**chat, "max_tokens": 8, "temperature": 0}),
+        "plain": ("/v1/completions", plain),
+        "seeded": ("/v1/chat/completions", seeded),
+    }
+    requests = [
+        {"custom_id": name, "method": "POST", "url": url, "body": {"model": "m", **body}}
+        for name, (url, body) in bodies.items()
+    ]
+    prompts, out = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    argv = ["generate", "--target", str(folder), "--runtime", "native", "--json"]
+    argv += ["--prompts", str(prompts), "--out", str(out), "--draft", "ngram", "--gamma", "4"]
+    code, stdout, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["custom_id"] for line in lines] == list(bodies)
+    with start_server(folder) as server:
+        model = http(server.url + "/v1/models", key=None)[1]["data"][0]["id"]
+        for line, (url, body) in zip(lines, bodies.values(), strict=True):
+            status, served = http(server.url + url, "POST", {"model": model, **body}, key=None)
+            assert status == 200 and line["response"]["status_code"] == 200
+            made = line["response"]["body"]
+            counts = {key: served["usage"][key] for key in made["usage"]}  # (and the cache's)
+            assert made["object"] == served["object"] and made["usage"] == counts
+            ours, theirs = made["choices"][0], served["choices"][0]
+            assert ours["finish_reason"] == theirs["finish_reason"]
+            if "message" in ours:
+                assert ours["message"]["content"] == theirs["message"]["content"]
+            else:
+                assert ours["text"] == theirs["text"]
+    kept = out.read_text().splitlines()
+    out.write_text(kept[0] + "\n" + kept[1][:30])  # a crash mid-line
+    code, stdout, err = run_cli(capsys, *argv)
+    assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["rows"] == 2, err
+    again = [
+        json.loads(line)["response"]["body"]["choices"] for line in out.read_text().splitlines()
+    ]
+    assert again == [line["response"]["body"]["choices"] for line in lines]
+    for bad, named in [({"n": 2}, "n is not served"), ({"tools": [{}]}, "tools is not served")]:
+        prompts.write_text(json.dumps({**requests[0], "body": {**requests[0]["body"], **bad}}))
+        code, _, err = run_cli(capsys, *argv)
+        assert code != 0 and f"batch.jsonl:1: {named}" in err, err
+    prompts.write_text(json.dumps(requests[0]) + "\n" + json.dumps({"prompt": "a"}) + "\n")
+    code, _, err = run_cli(capsys, *argv)
+    assert code != 0 and "batch.jsonl:2: OpenAI batch requests and prompts records are mixed" in err

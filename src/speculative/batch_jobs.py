@@ -1,7 +1,7 @@
 """Offline batched jobs: prompt records in, one result line per record out.
 
 A record is a dict with ``prompt`` or ``messages`` and optional ``temperature``, ``top_p``,
-``seed``, ``max_new_tokens`` and ``stop``; what it leaves out comes from the job's
+``seed``, ``max_new_tokens``, ``stop`` and ``chat``; what it leaves out comes from the job's
 :class:`BatchJob` settings. :class:`RowDecoder` loads the target once and decodes records
 with the batched engine, yielding each result line as its row finishes. The local
 ``speculative generate --prompts`` job and every Ray worker (:mod:`speculative.scaleout`)
@@ -105,9 +105,8 @@ class RowDecoder:
         from speculative.targets import encode_prompt
 
         job, loaded = self.job, self.loaded
-        ids = encode_prompt(
-            loaded.tokenizer, record.get("prompt"), record.get("messages"), job.chat
-        )
+        chat = record.get("chat", job.chat)
+        ids = encode_prompt(loaded.tokenizer, record.get("prompt"), record.get("messages"), chat)
         stop = tuple(record.get("stop", job.stop))
         params = SamplingParams(
             temperature=float(record.get("temperature", job.temperature)),
@@ -137,7 +136,9 @@ class RowDecoder:
             penalties=penalties, prompt_logprobs=job.prompt_logprobs, constraint=constraint,
         )  # fmt: skip
 
-    def result_line(self, index: int, record: Record, result: GenerationResult) -> ResultLine:
+    def result_line(
+        self, index: int, record: Record, result: GenerationResult, prompt_tokens: int
+    ) -> ResultLine:
         """The output line of a finished row (text cut at its stop string)."""
         stop = tuple(record.get("stop", self.job.stop))
         text = self.loaded.stop_criteria(1, stop).final_text(self.loaded.decode(result.token_ids))
@@ -146,6 +147,7 @@ class RowDecoder:
             "text": text,
             "token_ids": result.token_ids,
             "finish_reason": result.finish_reason,
+            "prompt_tokens": prompt_tokens,
             "stats": result.stats.to_dict(),
         }
         if result.logprobs is not None:
@@ -159,13 +161,15 @@ class RowDecoder:
         others finish); yields each row's line as soon as it finishes."""
         engine, queue = self.engine, list(items)
         queue.reverse()  # pop() from the end takes the rows in their given order
-        record_of: dict[int, tuple[int, Record]] = {}
+        record_of: dict[int, tuple[int, Record, int]] = {}
         while queue or engine.rows:
             while queue and len(engine.rows) < engine.max_batch:
                 index, record = queue.pop()
-                record_of[engine.add(self.request(record))] = (index, record)
+                request = self.request(record)
+                record_of[engine.add(request)] = (index, record, len(request.prompt_ids))
             engine.draining = not queue  # the job's last rows: its end is theirs
             engine.step()
             for row_id in [r for r in engine.finished if r in record_of]:
-                index, record = record_of.pop(row_id)
-                yield self.result_line(index, record, engine.finished.pop(row_id))
+                index, record, prompt_tokens = record_of.pop(row_id)
+                result = engine.finished.pop(row_id)
+                yield self.result_line(index, record, result, prompt_tokens)

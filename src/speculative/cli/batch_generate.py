@@ -2,9 +2,11 @@
 
 Decodes a file of prompts with the batched engine: one JSON object a line with
 ``prompt`` or ``messages`` and optional ``temperature``, ``top_p``, ``seed``,
-``max_new_tokens`` and ``stop`` (the command-line values are the defaults). Writes one
-line per prompt to ``--out`` in input order (``index``, ``text``, ``token_ids``,
-``finish_reason``, ``stats``); lines already there are skipped, so a crashed run resumes.
+``max_new_tokens`` and ``stop`` (the command-line values are the defaults), or a file of
+OpenAI batch requests (:mod:`speculative.cli.openai_batch`). Writes one line per prompt
+to ``--out`` in input order (``index``, ``text``, ``token_ids``, ``finish_reason``,
+``prompt_tokens``, ``stats``; or OpenAI's batch output lines); lines already there are
+skipped, so a crashed run resumes.
 ``--gamma auto`` (the default here) chooses every row's γ for the load
 (:class:`LoadAwareGamma`, from the pass-cost curves, one row's tokens and rows of one
 token, measured at start).
@@ -16,10 +18,11 @@ token, measured at start).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -27,29 +30,67 @@ from tqdm import tqdm
 
 from speculative.batch_jobs import BatchJob, Record, ResultLine
 from speculative.cli.common import CliError, emit_json
+from speculative.cli.openai_batch import batch_output, is_batch_request, prompts_record
 
 
-def read_records(path: Path) -> list[Record]:
-    """The prompt records of a JSONL file (blank lines skipped)."""
+@dataclass
+class PromptsFile:
+    """A prompts file's records; for a file of OpenAI batch requests, the requests too
+    (each row is then written as OpenAI's batch output line)."""
+
+    records: list[Record]
+    requests: list[dict[str, Any]] | None = None
+
+    def shape(self, model: str) -> Callable[[ResultLine], dict[str, Any]]:
+        """What a result line is written as."""
+        if self.requests is None:
+            return lambda line: line
+        requests = self.requests
+        return lambda line: batch_output(line, requests[line["index"]], model)
+
+    def index_of(self, written: dict[str, Any]) -> int:
+        """The row a line already in ``--out`` is (KeyError: none)."""
+        if self.requests is None:
+            return int(written["index"])
+        return self._by_custom_id[written["custom_id"]]
+
+    @functools.cached_property
+    def _by_custom_id(self) -> dict[str, int]:
+        return {request["custom_id"]: i for i, request in enumerate(self.requests or [])}
+
+
+def read_records(path: Path) -> PromptsFile:
+    """The prompt records of a JSONL file (blank lines skipped): prompts records, or
+    OpenAI batch requests (every line then)."""
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise CliError(f"cannot read --prompts {path}: {exc.strerror}") from None
-    records = []
+    records, requests = [], []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
+        where = f"{path}:{number}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise CliError(f"{path}:{number}: not JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or not ("prompt" in record or "messages" in record):
-            raise CliError(f"{path}:{number}: expected an object with 'prompt' or 'messages'")
+            raise CliError(f"{where}: not JSON ({exc.msg})") from None
+        batch = is_batch_request(record)
+        if records and batch != bool(requests):
+            raise CliError(f"{where}: OpenAI batch requests and prompts records are mixed")
+        if batch:
+            requests.append(record)
+            record = prompts_record(record, where)
+        elif not isinstance(record, dict) or not ("prompt" in record or "messages" in record):
+            raise CliError(f"{where}: expected an object with 'prompt' or 'messages'")
         records.append(record)
-    return records
+    ids = [request["custom_id"] for request in requests]
+    if len(set(ids)) < len(ids):
+        raise CliError(f"{path}: custom_id repeats (each request's must be its own)")
+    return PromptsFile(records, requests or None)
 
 
-def done_indices(out: Path) -> set[int]:
+def done_indices(out: Path, prompts: PromptsFile) -> set[int]:
     """Indices of the rows a previous run already wrote to ``out``; a line a crash cut
     short is dropped from the file (that row runs again)."""
     if not out.is_file():
@@ -57,7 +98,7 @@ def done_indices(out: Path) -> set[int]:
     kept, done = [], set()
     for line in out.read_text().splitlines():
         try:
-            index = int(json.loads(line)["index"])
+            index = prompts.index_of(json.loads(line))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             continue
         kept.append(line)
@@ -103,6 +144,7 @@ class OrderedWriter:
     out: TextIO
     done: set[int]
     bar: Any  # tqdm progress bar, one tick a row
+    shape: Callable[[ResultLine], dict[str, Any]] = field(default=lambda line: line)
     written: int = 0  # every index below this one is in the file
     new_tokens: int = 0
 
@@ -120,21 +162,26 @@ class OrderedWriter:
         while self.written in self.pending:  # the rows that are next in input order
             line = self.pending.pop(self.written)
             if line is not None:
-                self.out.write(json.dumps(line) + "\n")
+                self.out.write(json.dumps(self.shape(line)) + "\n")
                 self.out.flush()
             self.written += 1
 
 
 def write_in_order(
-    out: Path, total: int, done: set[int], lines: Iterable[ResultLine]
+    out: Path,
+    total: int,
+    done: set[int],
+    lines: Iterable[ResultLine],
+    shape: Callable[[ResultLine], dict[str, Any]] = lambda line: line,
 ) -> tuple[int, float]:
-    """Append ``lines`` to ``out`` in input order with a progress bar; returns the new
-    tokens and the seconds from the first line asked for to the last one written."""
+    """Append ``lines`` to ``out`` in input order (each as ``shape`` makes it) with a
+    progress bar; returns the new tokens and the seconds from the first line asked for to
+    the last one written."""
     with (
         out.open("a") as file,
         tqdm(total=total, initial=len(done), desc="rows", unit="row", disable=None) as bar,
     ):
-        writer = OrderedWriter(file, done, bar)
+        writer = OrderedWriter(file, done, bar, shape)
         started = time.perf_counter()
         for line in lines:
             writer.add(line)
@@ -147,9 +194,10 @@ def run_batch(args: argparse.Namespace) -> int:
         raise CliError("--prompts needs --out FILE.jsonl")
     if args.ray is None and (args.workers != 1 or args.worker_cpus != 1):
         raise CliError("--workers and --worker-cpus need --ray")
-    records = read_records(args.prompts)
+    prompts = read_records(args.prompts)
+    records, shape = prompts.records, prompts.shape(args.target)
     job = job_from_args(args)
-    done = done_indices(args.out)
+    done = done_indices(args.out, prompts)
     todo = [i for i in range(len(records)) if i not in done]
     items = [(i, records[i]) for i in todo]
     summary: dict[str, Any] = {"rows": len(todo)}
@@ -159,13 +207,13 @@ def run_batch(args: argparse.Namespace) -> int:
         from speculative.batch_jobs import RowDecoder
 
         lines = RowDecoder(job).run(items)  # loads the target before the clock starts
-        new_tokens, seconds = write_in_order(args.out, len(records), done, lines)
+        new_tokens, seconds = write_in_order(args.out, len(records), done, lines, shape)
     else:
         from speculative.scaleout.ray_batch import RayJobError, ray_rows
 
         try:
             with ray_rows(job, items, args.workers, args.ray or None, args.worker_cpus) as lines:
-                new_tokens, seconds = write_in_order(args.out, len(records), done, lines)
+                new_tokens, seconds = write_in_order(args.out, len(records), done, lines, shape)
         except RayJobError as exc:
             raise CliError(str(exc)) from None
     if args.ray is not None:

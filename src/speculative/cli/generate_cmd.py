@@ -45,9 +45,11 @@ accepted path (siblings are tested by recursive rejection sampling, still lossle
 
 Batched jobs (--prompts FILE.jsonl --out results.jsonl): every line of FILE is a prompt,
 decoded by the batched engine (native runtime); results go to --out in input order, and rows
-already there are skipped, so a crashed job resumes. --ray [ADDRESS] --workers N splits the
-rows over N Ray actors (each loads the target once and batches its share), on a local Ray
-instance or a cluster (ray://HOST:10001, or RAY_ADDRESS).
+already there are skipped, so a crashed job resumes. FILE may instead hold OpenAI batch
+requests (custom_id, url /v1/chat/completions or /v1/completions, body), as uploaded to
+OpenAI's Batch API: --out then gets OpenAI's batch output lines. --ray [ADDRESS]
+--workers N splits the rows over N Ray actors (each loads the target once and batches its
+share), on a local Ray instance or a cluster (ray://HOST:10001, or RAY_ADDRESS).
 
 Example:  speculative generate "Why is the sky blue?" --draft auto --max-new-tokens 64
 Fill in the middle (code models):  speculative generate --target FOLDER --no-chat \
@@ -321,7 +323,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="JSONL file of prompts (prompt or messages; optional temperature, top_k, top_p, "
         "min_p, "
         "seed, max_new_tokens, stop, presence_penalty, frequency_penalty, repetition_penalty, "
-        "json_schema, regex, choice, grammar), "
+        "json_schema, regex, choice, grammar; or OpenAI batch requests), "
         "decoded in batches (native runtime); needs --out",
     )
     parser.add_argument(
