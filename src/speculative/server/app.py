@@ -2,9 +2,10 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as SSE in
 OpenAI's chunk format, ending with ``data: [DONE]``), ``POST /v1/responses`` and its
-stored responses (``GET`` / ``DELETE /v1/responses/{id}``, ``/input_items``,
-``/cancel``), ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``/detokenize``,
+stored responses and conversations (their routes in :mod:`speculative.server.kept_routes`),
+``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``/detokenize``,
 ``/reset_prefix_cache``, ``GET /metrics`` (Prometheus), ``GET /`` (the playground page).
+HTTP plumbing (errors, the API key, bodies, SSE) is :mod:`speculative.server.http`.
 
 Every response carries a ``speculative`` object with that request's statistics (drafted,
 accepted, α, τ, ...); streamed chunks carry ``speculative.pieces``: the chunk's text as
@@ -14,8 +15,6 @@ accepted, α, τ, ...); streamed chunks carry ``speculative.pieces``: the chunk'
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import secrets
 import time
 import uuid
@@ -23,13 +22,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from importlib import resources
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from pydantic import ValidationError
 
 from speculative.drafters.prediction import PredictionDrafter
 from speculative.engine.batch import BatchEngine, BatchRequest
@@ -39,12 +37,16 @@ from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import find_stop
 from speculative.sampling import SamplingParams
 from speculative.sampling.constraints import TokenConstraint
-from speculative.server.conversations import (
-    ConversationCreate,
-    Conversations,
-    ConversationUpdate,
-    ItemsCreate,
+from speculative.server.http import (
+    SSE_HEADERS,
+    CancellingStream,
+    authorize,
+    install_error_handlers,
+    parsed,
+    sse,
+    sse_events,
 )
+from speculative.server.kept_routes import install_conversations, install_stored_responses
 from speculative.server.logprobs import LogprobsFormatter, echoed_prompt, joined
 from speculative.server.metrics import CONTENT_TYPE, ServerMetrics
 from speculative.server.protocol import (
@@ -80,7 +82,6 @@ from speculative.server.stored import (
     ResponseRecords,
     ResponseStore,
     StoredResponse,
-    item_page,
 )
 from speculative.server.text import TextAssembler, token_kinds
 from speculative.server.tools import (
@@ -228,7 +229,7 @@ def create_app(state: ServerState, records: ResponseRecords | None = None) -> Fa
     app.state.scheduler = scheduler
     app.state.metrics = metrics
     app.state.responses = store
-    _install_error_handlers(app)
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -241,25 +242,25 @@ def create_app(state: ServerState, records: ResponseRecords | None = None) -> Fa
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
-        _authorize(request, state)
+        authorize(request, state)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        _authorize(request, state)
+        authorize(request, state)
         return {"object": "list", "data": [_model_card(state)]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        _authorize(request, state)
-        body = await _parsed(request, TokenizeRequest, state)
+        authorize(request, state)
+        body = await parsed(request, TokenizeRequest, state)
         return _tokenized(body, state)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> dict[str, bool]:
         """vLLM's: later requests find no finished request's prompt or reply in the cache
         (a cold cache for benchmarks); requests in flight keep theirs."""
-        _authorize(request, state)
+        authorize(request, state)
         scheduler.start()
         done = scheduler.reset_prefix_cache()
         if not await asyncio.to_thread(done.wait, 60):
@@ -268,8 +269,8 @@ def create_app(state: ServerState, records: ResponseRecords | None = None) -> Fa
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        _authorize(request, state)
-        body = await _parsed(request, DetokenizeRequest, state)
+        authorize(request, state)
+        body = await parsed(request, DetokenizeRequest, state)
         _check_vocabulary(body.tokens, state, "tokens")
         return {"prompt": state.loaded.decode(body.tokens)}
 
@@ -285,145 +286,9 @@ def create_app(state: ServerState, records: ResponseRecords | None = None) -> Fa
     async def responses(request: Request) -> Response:
         return await _serve(request, "responses", state, scheduler, metrics, store)
 
-    _install_stored_responses(app, state, store)
-    _install_conversations(app, state, store.conversations)
+    install_stored_responses(app, state, store)
+    install_conversations(app, state, store.conversations)
     return app
-
-
-def _install_stored_responses(app: FastAPI, state: ServerState, store: ResponseStore) -> None:
-    """``GET`` / ``DELETE /v1/responses/{id}``, its ``input_items`` and ``cancel``."""
-
-    @app.get("/v1/responses/{response_id}", response_model=None)
-    async def get_response(request: Request, response_id: str) -> dict[str, Any] | Response:
-        """The response; with ``stream=true`` a background stream's events after
-        ``starting_after`` (its sequence numbers), as they come."""
-        _authorize(request, state)
-        query = request.query_params
-        if query.get("stream", "false").lower() in ("true", "1"):
-            after = query.get("starting_after", "-1")
-            if not after.lstrip("-").isdigit():
-                raise ApiError(400, f"starting_after must be an integer, got {after!r}",
-                               param="starting_after")  # fmt: skip
-            return _sse_events(await store.events(response_id, int(after)))
-        return (await store.get(response_id)).current()
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
-        _authorize(request, state)
-        await store.delete(response_id)
-        return {"id": response_id, "object": "response", "deleted": True}
-
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def input_items(request: Request, response_id: str) -> dict[str, Any]:
-        _authorize(request, state)
-        return _page(request, (await store.get(response_id)).input_items)
-
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(request: Request, response_id: str) -> dict[str, Any]:
-        _authorize(request, state)
-        return await store.cancel(response_id)
-
-
-def _install_conversations(app: FastAPI, state: ServerState, kept: Conversations) -> None:
-    """OpenAI's Conversations API (:mod:`speculative.server.conversations`)."""
-
-    @app.post("/v1/conversations")
-    async def create_conversation(request: Request) -> dict[str, Any]:
-        _authorize(request, state)
-        return await kept.create(await _parsed(request, ConversationCreate, state))
-
-    @app.get("/v1/conversations/{conversation_id}")
-    async def get_conversation(request: Request, conversation_id: str) -> dict[str, Any]:
-        _authorize(request, state)
-        return await kept.get(conversation_id)
-
-    @app.post("/v1/conversations/{conversation_id}")
-    async def update_conversation(request: Request, conversation_id: str) -> dict[str, Any]:
-        _authorize(request, state)
-        update = await _parsed(request, ConversationUpdate, state)
-        return await kept.update(conversation_id, update)
-
-    @app.delete("/v1/conversations/{conversation_id}")
-    async def delete_conversation(request: Request, conversation_id: str) -> dict[str, Any]:
-        _authorize(request, state)
-        return await kept.delete(conversation_id)
-
-    @app.get("/v1/conversations/{conversation_id}/items")
-    async def list_items(request: Request, conversation_id: str) -> dict[str, Any]:
-        _authorize(request, state)
-        return _page(request, await kept.items(conversation_id))
-
-    @app.post("/v1/conversations/{conversation_id}/items")
-    async def add_items(request: Request, conversation_id: str) -> dict[str, Any]:
-        _authorize(request, state)
-        added = await kept.add(conversation_id, await _parsed(request, ItemsCreate, state))
-        return item_page(added, len(added), "asc", None)
-
-    @app.get("/v1/conversations/{conversation_id}/items/{item_id}")
-    async def get_item(request: Request, conversation_id: str, item_id: str) -> dict[str, Any]:
-        _authorize(request, state)
-        return await kept.item(conversation_id, item_id)
-
-    @app.delete("/v1/conversations/{conversation_id}/items/{item_id}")
-    async def delete_item(request: Request, conversation_id: str, item_id: str) -> dict[str, Any]:
-        _authorize(request, state)
-        return await kept.remove(conversation_id, item_id)
-
-
-def _page(request: Request, items: list[dict[str, Any]]) -> dict[str, Any]:
-    """A list page of kept items as the request's ``limit``, ``order`` and ``after`` ask."""
-    query = request.query_params
-    limit = query.get("limit", "20")
-    if not limit.isdigit():
-        raise ApiError(400, f"limit must be an integer, got {limit!r}", param="limit")
-    return item_page(items, int(limit), query.get("order", "desc"), query.get("after"))
-
-
-# ---- errors and security ----------------------------------------------------------
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        error = ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code))
-        return JSONResponse(error.body(), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        error = ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
-        return JSONResponse(error.body(), status_code=500)
-
-
-def _authorize(request: Request, state: ServerState) -> None:
-    """401 unless the request carries the API key (compared in constant time)."""
-    key = state.config.api_key
-    if not key:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-        raise ApiError(401, "missing or wrong API key", param=None, code="invalid_api_key")
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; 413 past ``limit`` bytes (checked while reading), 400 if not JSON."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(
-                413, f"the request body is larger than {limit} bytes", code="body_too_large"
-            )
-        chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
 
 
 # ---- requests -----------------------------------------------------------------------
@@ -436,7 +301,7 @@ async def _serve(
     store: ResponseStore,
 ) -> Response:
     try:
-        _authorize(request, state)
+        authorize(request, state)
         prepared = await _prepare(request, endpoint, state, store)
     except ApiError as exc:
         metrics.count_request(endpoint, str(exc.status))
@@ -460,28 +325,13 @@ async def _serve(
     if prepared.responses is not None and prepared.responses.background:
         return await _start_background(prepared, jobs, state, scheduler, metrics, store)
     if prepared.body.stream:
-        return _CancellingStream(
+        return CancellingStream(
             _stream(prepared, jobs, state, metrics),
             on_close=lambda: _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
     return await _complete(request, prepared, jobs, state, scheduler, metrics)
-
-
-Body = TypeVar("Body", bound=BaseModel)
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-async def _parsed(request: Request, model: type[Body], state: ServerState) -> Body:
-    """The request's JSON body as ``model``; 400 (naming the field) or 413."""
-    payload = await _read_json(request, state.config.max_body_bytes)
-    if not isinstance(payload, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(payload)
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from None
 
 
 def _tokenized(body: TokenizeRequest, state: ServerState) -> dict[str, Any]:
@@ -530,7 +380,7 @@ async def _prepare(
 ) -> Prepared:
     responses, conversation = None, []
     if endpoint == "responses":
-        responses = await _parsed(request, ResponsesRequest, state)
+        responses = await parsed(request, ResponsesRequest, state)
         if not store.enabled:  # what is reported: nothing is kept
             if responses.background:
                 raise ApiError(
@@ -558,7 +408,7 @@ async def _prepare(
         body: CompletionRequest | ChatCompletionRequest = _as_chat(responses, history)
     else:
         model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
-        body = await _parsed(request, model, state)
+        body = await parsed(request, model, state)
     if body.model != state.model_id:
         raise ApiError(
             404,
@@ -1039,7 +889,7 @@ async def _start_background(
     await store.put(stored)
     stored.task = asyncio.get_running_loop().create_task(decode())
     if stored.log is not None:
-        return _sse_events(stored.log.after(0))
+        return sse_events(stored.log.after(0))
     return JSONResponse(queued)
 
 
@@ -1192,12 +1042,6 @@ class _RunningStats:
         return {"alpha": alpha, "tau": self.tokens / self.passes if self.passes else 0.0}
 
 
-def _sse(payload: dict[str, Any] | str, event: str | None = None) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    named = f"event: {event}\n" if event is not None else ""
-    return f"{named}data: {data}\n\n".encode()
-
-
 @dataclass
 class _StreamedChoice:
     """One choice of a streamed response: its text, log-probabilities and running α, τ."""
@@ -1235,11 +1079,11 @@ async def _stream(
     chunks = _chunks(prepared, jobs, state, metrics)
     if prepared.responses is None:
         async for chunk in chunks:
-            yield _sse(chunk)
+            yield sse(chunk)
         return
     last = None
     async for last in _response_events(prepared, chunks):
-        yield _sse(last, last["type"])
+        yield sse(last, last["type"])
     if last is not None and prepared.keep is not None:
         await prepared.keep(StoredResponse(last["response"], prepared.input_items))
     if last is not None and prepared.join is not None:
@@ -1258,16 +1102,6 @@ async def _response_events(
     async for chunk in chunks:
         for event in events.end() if chunk == "[DONE]" else events.feed(chunk):
             yield event
-
-
-def _sse_events(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    """A stream of Responses API events, as they come."""
-
-    async def encoded() -> AsyncIterator[bytes]:
-        async for event in events:
-            yield _sse(event, event["type"])
-
-    return StreamingResponse(encoded(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def _chunks(
@@ -1370,18 +1204,3 @@ def _cancel_unfinished(
         metrics.count_request(endpoint, "cancelled")
     for job in jobs:
         scheduler.cancel(job)
-
-
-class _CancellingStream(StreamingResponse):
-    """A streamed response that cancels its job however the response ends (finished,
-    client gone, error): the row leaves the batch before the next round."""
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kw: Any):
-        super().__init__(content, **kw)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
