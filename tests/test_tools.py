@@ -728,6 +728,68 @@ def test_the_responses_api_calls_as_chat_does(caller: Path) -> None:
         assert follow.output[0].type == "message"
 
 
+def test_anthropics_messages_api_uses_tools_as_chat_does(caller: Path) -> None:
+    """Anthropic's Messages API: tools with an ``input_schema``; the reply's text as a
+    ``text`` block, each call a ``tool_use`` block whose ``input`` is the chat call's
+    arguments (valid: "days" kept in range), ``stop_reason`` "tool_use"; streamed as
+    ``input_json_delta`` pieces; a follow-up with ``tool_result`` blocks is the chat
+    completion with the calls and their results."""
+    anthropic = pytest.importorskip("anthropic")
+    tools = [{"name": t["function"]["name"], "description": t["function"].get("description"),
+              "input_schema": t["function"]["parameters"]} for t in (WEATHER, ALARM)]  # fmt: skip
+    with start_server(caller, max_prompt_tokens=200) as server:
+        chat_client, model = _client(server)
+        client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+
+        def ask(**kw):
+            return client.messages.create(
+                model=model, tools=tools, max_tokens=kw.pop("max_tokens", 178),
+                messages=kw.pop("messages", MESSAGES), extra_body={"temperature": 0}, **kw,
+            )  # fmt: skip
+
+        message = ask()
+        expected = _chat_asker(chat_client, model)().choices[0].message
+        assert [block.type for block in message.content] == ["text", "tool_use", "tool_use"]
+        assert message.content[0].text == expected.content and message.stop_reason == "tool_use"
+        uses = message.content[1:]
+        assert [(u.name, u.input) for u in uses] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in expected.tool_calls
+        ]  # fmt: skip
+        assert all(valid_call({"function": {"name": u.name, "arguments": json.dumps(u.input)}})
+                   for u in uses)  # fmt: skip
+        events = list(ask(stream=True))
+        pieces = [e.delta.partial_json for e in events
+                  if e.type == "content_block_delta" and e.index == 2]  # fmt: skip
+        assert len(pieces) > 1 and json.loads("".join(pieces)) == uses[1].input
+        starts = [e.content_block for e in events if e.type == "content_block_start"]
+        assert [b.type for b in starts] == ["text", "tool_use", "tool_use"]
+        assert events[-2].delta.stop_reason == "tool_use"
+        results = [{"type": "tool_result", "tool_use_id": u.id, "content": "done"} for u in uses]
+        follow_up = [*MESSAGES, {"role": "assistant", "content": message.content},
+                     {"role": "user", "content": results}]  # fmt: skip
+        answered = ask(messages=follow_up, max_tokens=4, tool_choice={"type": "none"})
+        calls = [
+            {
+                "id": u.id,
+                "type": "function",
+                "function": {"name": u.name, "arguments": json.dumps(u.input)},
+            }
+            for u in uses
+        ]
+        chat_follow = [
+            *MESSAGES,
+            {"role": "assistant", "content": message.content[0].text, "tool_calls": calls},
+            *({"role": "tool", "tool_call_id": u.id, "content": "done"} for u in uses),
+        ]
+        chat_answer = chat_client.chat.completions.create(
+            model=model, messages=chat_follow, tools=[WEATHER, ALARM], tool_choice="none",
+            temperature=0, max_tokens=4,
+        )  # fmt: skip
+        used = answered.usage.input_tokens + answered.usage.cache_read_input_tokens
+        assert used == chat_answer.usage.prompt_tokens
+        assert answered.content[0].text == chat_answer.choices[0].message.content
+
+
 def test_the_responses_api_takes_a_json_schema_format(folder: Path) -> None:
     """``text.format`` ``json_schema`` (the Responses form of ``response_format``): the
     random model's output, free noise otherwise, is JSON that satisfies the schema."""

@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI-compatible endpoints, metrics, the playground.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as SSE in
-OpenAI's chunk format, ending with ``data: [DONE]``), ``POST /v1/responses`` and its
+OpenAI's chunk format, ending with ``data: [DONE]``), ``POST /v1/messages`` (Anthropic's
+Messages API, :mod:`speculative.server.anthropic`), ``POST /v1/responses`` and its
 stored responses and conversations (their routes in :mod:`speculative.server.kept_routes`),
 ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``/detokenize``,
 ``/reset_prefix_cache``, ``GET /metrics`` (Prometheus), ``GET /`` (the playground page).
@@ -22,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from fastapi import FastAPI, Request
@@ -37,6 +38,7 @@ from speculative.engine.stats import GenerationStats
 from speculative.engine.stopping import find_stop
 from speculative.sampling import SamplingParams
 from speculative.sampling.constraints import TokenConstraint
+from speculative.server.anthropic import MessagesAnswer, MessagesRequest
 from speculative.server.http import (
     SSE_HEADERS,
     CancellingStream,
@@ -60,13 +62,12 @@ from speculative.server.protocol import (
 from speculative.server.reasoning import ReasoningStream, opens_thinking, split_reasoning
 from speculative.server.responses import (
     InputItem,
-    ResponseEvents,
+    ResponsesAnswer,
     ResponsesRequest,
     chat_error_param,
     new_id,
     response_object,
     truncations,
-    whole_response,
 )
 from speculative.server.scheduler import (
     DoneEvent,
@@ -102,12 +103,29 @@ SEED_RANGE = 2**63  # seeds drawn for requests without one lie below it
 DISCONNECT_POLL_SECONDS = 0.25
 
 
+class Answer(Protocol):
+    """How a request that came in another API than chat's is answered from chat's answer
+    (:class:`~speculative.server.responses.ResponsesAnswer`,
+    :class:`~speculative.server.anthropic.MessagesAnswer`)."""
+
+    def whole(self, chat: dict[str, Any]) -> dict[str, Any]:
+        """A whole chat completion as that API's answer."""
+        ...
+
+    def events(self) -> Any:
+        """A translator of chat stream chunks into that API's events (``start()``,
+        ``feed(chunk)``, ``end()``, each a list of events)."""
+        ...
+
+
 @dataclass
 class Prepared:
     """A validated request, ready for the scheduler: its prompts (completions may give
     several) and, per prompt, the engine request of its first choice."""
 
-    endpoint: str  # "completions", "chat" or "responses" (a chat request, answered as one)
+    # "completions", "chat", or "responses" / "messages" (a chat request, answered in
+    # the Responses API / Anthropic's Messages API)
+    endpoint: str
     body: CompletionRequest | ChatCompletionRequest
     prompts: list[list[int]]  # token ids of each prompt
     batch_requests: list[BatchRequest]  # per prompt; its choice j samples with seed + j
@@ -124,6 +142,9 @@ class Prepared:
     # (accepted, rejected) prediction tokens of each row, as its drafter is given back
     predicted: list[tuple[int, int]] = field(default_factory=list)
     responses: ResponsesRequest | None = None  # the Responses API request it came as
+    # how the answer is given where the request came in another API than chat's (the
+    # Responses API, Anthropic's Messages): whole, or as that API's stream events
+    answer: Answer | None = None
     response_id: str | None = None  # a Responses request's answer's id
     # a Responses request's input items (earlier turns' first), kept with its answer
     input_items: list[dict[str, Any]] = field(default_factory=list)
@@ -286,6 +307,18 @@ def create_app(state: ServerState, records: ResponseRecords | None = None) -> Fa
     async def responses(request: Request) -> Response:
         return await _serve(request, "responses", state, scheduler, metrics, store)
 
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API (:mod:`speculative.server.anthropic`)."""
+        return await _serve(request, "messages", state, scheduler, metrics, store)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict[str, Any]:
+        """Anthropic's: the prompt's tokens as a Messages request would count them."""
+        authorize(request, state)
+        asked = await parsed(request, MessagesRequest, state)
+        return {"input_tokens": len(_prompt_ids(_chat_of(asked.chat_request()), state)[0])}
+
     install_stored_responses(app, state, store)
     install_conversations(app, state, store.conversations)
     return app
@@ -378,8 +411,14 @@ def _check_vocabulary(ids: Sequence[int], state: ServerState, param: str) -> Non
 async def _prepare(
     request: Request, endpoint: str, state: ServerState, store: ResponseStore
 ) -> Prepared:
-    responses, conversation = None, []
-    if endpoint == "responses":
+    responses, answer, conversation = None, None, []
+    if endpoint == "messages":  # Anthropic's
+        asked = await parsed(request, MessagesRequest, state)
+        if asked.max_tokens is None:
+            raise ApiError(400, "max_tokens is required", param="max_tokens")
+        answer = MessagesAnswer(asked)
+        body: CompletionRequest | ChatCompletionRequest = _chat_of(asked.chat_request())
+    elif endpoint == "responses":
         responses = await parsed(request, ResponsesRequest, state)
         if not store.enabled:  # what is reported: nothing is kept
             if responses.background:
@@ -405,7 +444,7 @@ async def _prepare(
                 )  # fmt: skip
             conversation = earlier.conversation()
         history = [InputItem.model_validate(item) for item in conversation]
-        body: CompletionRequest | ChatCompletionRequest = _as_chat(responses, history)
+        body = _chat_of(responses.chat_request(history))
     else:
         model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
         body = await parsed(request, model, state)
@@ -472,8 +511,10 @@ async def _prepare(
         constraints, echoes, state.call_syntax, prediction, responses=responses,
         thinking=thinking,
     )  # fmt: skip
+    prepared.answer = answer
     if responses is not None:
         prepared.response_id = new_id("resp")
+        prepared.answer = ResponsesAnswer(responses, prepared.response_id)
         own = [item.stored() for item in responses.input_items()]
         prepared.input_items = [*conversation, *own]
         if responses.store:
@@ -504,7 +545,7 @@ def _fitting(
     fewest earlier turns dropped that fits the context window, and the history kept; the
     request's own input is never dropped (a 400 where it alone does not fit)."""
     for kept in truncations(history):
-        body = _as_chat(responses, kept)
+        body = _chat_of(responses.chat_request(kept))
         try:
             prompts = _prompt_ids(body, state)
             return body, prompts, _max_tokens(body, len(prompts[0]), state), kept
@@ -514,11 +555,11 @@ def _fitting(
     raise AssertionError("unreachable: the last truncation keeps no history")
 
 
-def _as_chat(responses: ResponsesRequest, history: list[InputItem]) -> ChatCompletionRequest:
-    """The chat request that decodes a Responses request after ``history`` (400 for
-    what it cannot be)."""
+def _chat_of(chat: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request a request in another API translates to (400 for what it cannot
+    be)."""
     try:
-        return ChatCompletionRequest.model_validate(responses.chat_request(history))
+        return ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
 
@@ -725,7 +766,7 @@ class _Envelope:
     """id / object / created / model of one response (shared by all its chunks)."""
 
     def __init__(self, prepared: Prepared, state: ServerState) -> None:
-        chat = prepared.endpoint in ("chat", "responses")
+        chat = prepared.endpoint != "completions"
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -843,8 +884,8 @@ async def _whole_body(
         usage=_usage(prepared, results),
         speculative=_speculative_stats(prepared, results, ttft),
     )
-    if prepared.responses is not None:
-        body = whole_response(prepared.responses, body, prepared.response_id)
+    if prepared.answer is not None:
+        body = prepared.answer.whole(body)
     return body
 
 
@@ -1074,10 +1115,10 @@ async def _merged_events(jobs: list[Job]) -> AsyncIterator[tuple[int, Event]]:
 async def _stream(
     prepared: Prepared, jobs: list[Job], state: ServerState, metrics: ServerMetrics
 ) -> AsyncIterator[bytes]:
-    """The response's SSE bytes: the chunks of :func:`_chunks`, or for a Responses API
-    request the events they make."""
+    """The response's SSE bytes: the chunks of :func:`_chunks`, or for a request in
+    another API (Responses, Messages) the events they make."""
     chunks = _chunks(prepared, jobs, state, metrics)
-    if prepared.responses is None:
+    if prepared.answer is None:
         async for chunk in chunks:
             yield sse(chunk)
         return
@@ -1093,10 +1134,10 @@ async def _stream(
 async def _response_events(
     prepared: Prepared, chunks: AsyncIterator[dict[str, Any] | str]
 ) -> AsyncIterator[dict[str, Any]]:
-    """A Responses request's stream events, made from its chat chunks (the last one
-    carries the whole response)."""
-    assert prepared.responses is not None
-    events = ResponseEvents(prepared.responses, prepared.response_id)
+    """A request's stream events in its API, made from its chat chunks (a Responses
+    request's last one carries the whole response)."""
+    assert prepared.answer is not None
+    events = prepared.answer.events()
     for event in events.start():
         yield event
     async for chunk in chunks:

@@ -1,4 +1,4 @@
-"""The server's HTTP plumbing: error bodies in OpenAI's shape, the API key, request
+"""The server's HTTP plumbing: error bodies in OpenAI's (or Anthropic's) shape, the API key, request
 bodies read within their limit and parsed, SSE framing, list pages."""
 
 from __future__ import annotations
@@ -13,28 +13,39 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from speculative.server.anthropic import error_body
 from speculative.server.protocol import ApiError, validation_error
 from speculative.server.state import ServerState
 from speculative.server.stored import item_page
 
+ANTHROPIC_PATHS = ("/v1/messages",)  # where errors take Anthropic's shape
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 Body = TypeVar("Body", bound=BaseModel)
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Errors as JSON in OpenAI's shape (in Anthropic's under ``/v1/messages``)."""
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _error(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        error = ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code))
-        return JSONResponse(error.body(), status_code=exc.status_code)
+        return _error(
+            request, ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code))
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         error = ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
-        return JSONResponse(error.body(), status_code=500)
+        return _error(request, error)
+
+
+def _error(request: Request, error: ApiError) -> JSONResponse:
+    if request.url.path.startswith(ANTHROPIC_PATHS):
+        return JSONResponse(error_body(error.status, error.message), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status)
 
 
 def authorize(request: Request, state: ServerState) -> None:
@@ -44,7 +55,9 @@ def authorize(request: Request, state: ServerState) -> None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+    if scheme.lower() != "bearer":  # Anthropic's clients send it as x-api-key
+        given = request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(given.strip().encode(), key.encode()):
         raise ApiError(401, "missing or wrong API key", param=None, code="invalid_api_key")
 
 

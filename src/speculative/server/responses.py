@@ -358,6 +358,20 @@ def whole_response(
     )  # fmt: skip
 
 
+class ResponsesAnswer:
+    """How a Responses request is answered from chat's answer: whole, or as events."""
+
+    def __init__(self, request: ResponsesRequest, response_id: str) -> None:
+        self.request = request
+        self.id = response_id
+
+    def whole(self, chat: dict[str, Any]) -> dict[str, Any]:
+        return whole_response(self.request, chat, self.id)
+
+    def events(self) -> ResponseEvents:
+        return ResponseEvents(self.request, self.id)
+
+
 class ResponseEvents:
     """A chat completion's stream (its chunks' payloads, in order) as the Responses API's
     events: each :meth:`feed` returns the events a chunk makes."""
