@@ -123,6 +123,24 @@ def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(qwen_like: Pat
         assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+def test_anthropics_messages_api_gives_the_thinking_as_a_thinking_block(qwen_like: Path) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    with start_server(qwen_like, max_prompt_tokens=200) as server:
+        client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+        model = openai.OpenAI(base_url=server.url + "/v1", api_key="none").models.list()
+        ask = {"model": model.data[0].id, "messages": MESSAGES, "max_tokens": 120,
+               "extra_body": {"temperature": 0}}  # fmt: skip
+        message = client.messages.create(**ask)
+        assert [block.type for block in message.content] == ["thinking", "text"]
+        assert message.content[0].thinking == "\nThe user wants an alarm at 7.\n"
+        assert message.content[1].text == "Sure, at 7." and message.stop_reason == "end_turn"
+        with client.messages.stream(**ask) as stream:
+            final = stream.get_final_message()
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+                for b in final.content] == [("thinking", message.content[0].thinking),
+                                            ("text", "Sure, at 7.")]  # fmt: skip
+
+
 def test_thinking_tags_that_are_special_tokens_still_split_the_reply(special_tags: Path) -> None:
     """Where ``<think>`` and ``</think>`` are special tokens (decoding leaves them out),
     the reply's text keeps them, so the thinking is split as with text tags; the control
