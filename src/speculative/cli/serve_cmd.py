@@ -25,8 +25,12 @@ lossless speculative decoding in one continuous batch.
 Endpoints:
   POST /v1/completions, /v1/chat/completions   (stream or not; SSE ending with [DONE])
   POST /v1/responses                            OpenAI's Responses API (typed events)
+       GET/DELETE /v1/responses/{id}, .../input_items, POST .../cancel   kept responses
+       /v1/conversations[/{id}[/items[/{item_id}]]]   OpenAI's Conversations API
+  POST /v1/messages, /v1/messages/count_tokens  Anthropic's Messages API
   GET  /v1/models, /health
   POST /tokenize, /detokenize                   a prompt's tokens as a request counts them
+  POST /reset_prefix_cache                      later requests find nothing cached
   GET  /metrics                                 Prometheus metrics
   GET  /                                        the playground (open it in a browser)
 
