@@ -803,3 +803,10 @@ def test_the_responses_api_takes_a_json_schema_format(folder: Path) -> None:
         )  # fmt: skip
         value = json.loads(response.output_text)
         assert set(value) == {"hour"} and 0 <= value["hour"] <= 23
+        anthropic = pytest.importorskip("anthropic")
+        messages = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+        message = messages.messages.create(
+            model=model, messages=MESSAGES, max_tokens=60, extra_body={"temperature": 0},
+            output_config={"format": {"type": "json_schema", "schema": schema}},
+        )  # fmt: skip
+        assert message.content[0].text == response.output_text  # the same grammar, greedy

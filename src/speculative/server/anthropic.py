@@ -5,7 +5,8 @@ A request is translated into a chat completion request (``system`` as the system
 message, ``text`` blocks as content, an assistant's ``tool_use`` blocks as its tool calls
 and a user's ``tool_result`` blocks as tool messages, ``tools``' ``input_schema`` as chat
 tools' parameters, ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` as chat's,
-``stop_sequences`` as ``stop``), decoded exactly as chat is, and its answer translated
+``stop_sequences`` as ``stop``, ``output_config.format``'s JSON schema as
+``response_format``), decoded exactly as chat is, and its answer translated
 back: a whole chat completion into a ``message`` (``thinking``, ``text`` and
 ``tool_use`` content blocks, ``stop_reason`` ``end_turn`` / ``max_tokens`` /
 ``stop_sequence`` / ``tool_use``, ``usage``), a chat stream into Anthropic's events
@@ -37,8 +38,8 @@ ERROR_TYPES = {
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 # Anthropic's fields that change nothing here
 IGNORED = {"metadata", "thinking", "service_tier", "container", "cache_control", "mcp_servers",
-           "context_management", "output_config", "inference_geo", "speed", "diagnostics",
-           "user_profile_id", "workspace_id", "anthropic_version"}  # fmt: skip
+           "context_management", "inference_geo", "speed", "diagnostics", "user_profile_id",
+           "workspace_id", "anthropic_version"}  # fmt: skip
 
 
 class Block(BaseModel):
@@ -98,6 +99,8 @@ class MessagesRequest(BaseModel):
     stream: bool = False
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # its "format": a JSON schema the text follows
+    output_format: dict[str, Any] | None = None  # (the same, as its beta named it)
 
     def chat_request(self) -> dict[str, Any]:
         """The chat completion request that decodes this one."""
@@ -119,6 +122,13 @@ class MessagesRequest(BaseModel):
             chat["tools"] = [_chat_tool(tool) for tool in self.tools]
         if self.tool_choice is not None:
             chat |= _chat_tool_choice(self.tool_choice)
+        form = (self.output_config or {}).get("format") or self.output_format
+        if form is not None:
+            if form.get("type") != "json_schema":
+                raise ApiError(400, "output_config.format must be of type json_schema",
+                               param="output_config")  # fmt: skip
+            schema = {"name": "output", "schema": form.get("schema") or {"type": "object"}}
+            chat["response_format"] = {"type": "json_schema", "json_schema": schema}
         return chat
 
     def _messages(self) -> list[dict[str, Any]]:
