@@ -81,6 +81,9 @@ def test_the_stream_is_anthropics_events_adding_up_to_the_message(served) -> Non
         final = stream.get_final_message()
     assert final.content[0].text == whole.content[0].text
     assert final.stop_reason == whole.stop_reason
+    word = whole.content[0].text.split()[2]  # a stop sequence, named in message_delta
+    cut = list(client.messages.create(stream=True, stop_sequences=[word], **asked))
+    assert cut[-2].delta.stop_reason == "stop_sequence" and cut[-2].delta.stop_sequence == word
 
 
 def test_keys_and_errors_as_anthropics_clients_expect(served) -> None:
