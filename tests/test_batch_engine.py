@@ -1935,6 +1935,48 @@ def test_the_servers_scheduler_survives_a_row_that_cannot_start(folder: Path) ->
     assert sorted(target.acquire_slot() for _ in range(2)) == [0, 1]  # no slot left held
 
 
+@pytest.mark.parametrize("by_priority", [True, False])
+def test_the_servers_scheduler_admits_by_priority_under_that_policy(
+    folder: Path, by_priority: bool, tmp_path: Path
+) -> None:
+    """One batch row, five waiting requests of priorities 5, 1, 3, 1, 0: under the
+    priority policy they are admitted lowest value first, ties in arrival order; the
+    control (first come, first served) admits them as they came. Through the server, a
+    priority under first come, first served is a 400 naming it."""
+    import asyncio
+
+    from server_helpers import http, start_server, tiny_chat_folder
+    from speculative.server.scheduler import Job, Scheduler
+
+    target = load_native(folder, max_length=96, backend=_backend("kernels"), max_slots=1)
+    greedy, stop = SamplingParams(temperature=0), StopCriteria(max_new_tokens=3)
+    row = BatchRequest(_specs()[0].prompt, greedy, stop, torch.Generator(), None, 0)
+    priorities = [5, 1, 3, 1, 0]
+
+    async def admitted() -> list[int]:
+        scheduler = Scheduler(BatchEngine(target, max_batch=1), by_priority=by_priority)
+        running = asyncio.get_running_loop()
+        jobs = [Job(row, running, priority=p) for p in priorities]
+        for job in jobs:  # all waiting before the first admission
+            scheduler.submit(job)
+        scheduler.start()
+        try:
+            for job in jobs:
+                await _last_event(job)
+        finally:
+            scheduler.stop()
+        return sorted(range(len(jobs)), key=lambda i: jobs[i].admitted)
+
+    order = asyncio.run(admitted())
+    assert order == ([4, 1, 3, 2, 0] if by_priority else [0, 1, 2, 3, 4])
+    if not by_priority:
+        with start_server(tiny_chat_folder(tmp_path / "chat")) as server:
+            model = http(server.url + "/v1/models", key=None)[1]["data"][0]["id"]
+            body = {"model": model, "prompt": "the cat", "max_tokens": 2, "priority": 1}
+            status, error = http(server.url + "/v1/completions", "POST", body, key=None)
+            assert status == 400 and error["error"]["param"] == "priority"
+
+
 async def _last_event(job):
     """A scheduler job's last event (its DoneEvent or ErrorEvent)."""
     import asyncio

@@ -126,6 +126,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-waiting", type=positive_int, default=256, help="queued requests before 503s"
     )
     parser.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="which waiting request a free batch row takes: fcfs, the first to arrive; "
+        "priority, the lowest value of the requests' priority field (vLLM's), ties by "
+        "arrival (rows already decoding are not preempted)",
+    )
+    parser.add_argument(
         "--tool-call-syntax",
         choices=TOOL_CALL_SYNTAXES,
         default="auto",
@@ -236,6 +244,7 @@ def build_config(args: argparse.Namespace):
         max_prompt_tokens=args.max_prompt_tokens,
         default_max_tokens=args.default_max_tokens,
         max_waiting=args.max_waiting,
+        scheduling_policy=args.scheduling_policy,
         tool_call_syntax=args.tool_call_syntax,
         reasoning_parser=args.reasoning_parser,
         responses_stored=args.responses_store,

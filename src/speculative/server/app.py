@@ -235,7 +235,10 @@ def create_app(state: ServerState, records: ResponseRecords | None = None) -> Fa
     costs = state.pass_costs
     load = None if costs is None else LoadAwareGamma(costs.tokens, rows_cost=costs.rows)
     engine = BatchEngine(state.loaded.lm, max_batch=state.config.max_batch, load=load)
-    scheduler = Scheduler(engine, metrics, state.config.max_waiting, compute=state.compute)
+    scheduler = Scheduler(
+        engine, metrics, state.config.max_waiting, compute=state.compute,
+        by_priority=state.config.scheduling_policy == "priority",
+    )  # fmt: skip
     metrics.attach(scheduler)
     store = ResponseStore(state.config.responses_stored, state.config.replicas, records)
 
@@ -345,7 +348,8 @@ async def _serve(
     jobs = []
     for choice in prepared.choice_requests():
         acquire, release = prepared.drafter_hooks(choice)
-        jobs.append(Job(choice, loop, on_release=release, acquire=acquire))
+        jobs.append(Job(choice, loop, on_release=release, acquire=acquire,
+                        priority=prepared.body.priority))  # fmt: skip
     try:
         scheduler.start()
         for job in jobs:
@@ -448,6 +452,11 @@ async def _prepare(
     else:
         model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
         body = await parsed(request, model, state)
+    if body.priority and state.config.scheduling_policy != "priority":
+        raise ApiError(
+            400, "priority orders requests only under serve --scheduling-policy priority",
+            param="priority",
+        )  # fmt: skip
     if body.model != state.model_id:
         raise ApiError(
             404,

@@ -199,6 +199,9 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    # vLLM's: under serve --scheduling-policy priority, waiting requests are admitted
+    # lowest value first (ties in arrival order)
+    priority: int = 0
     ignore_eos: bool = False  # as vLLM: decode through end-of-sequence (benchmarks)
     # vLLM's: tokens that end the output like end-of-sequence (their text left out) ...
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None

@@ -60,6 +60,7 @@ class Job:
     stats: GenerationStats = field(default_factory=GenerationStats)  # the row's, as it goes
     cancelled: bool = False
     done: bool = False
+    priority: int = 0  # under the priority policy: admitted lowest first
 
     def send(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -87,6 +88,7 @@ class Scheduler:
         observer: SchedulerObserver | None = None,
         max_waiting: int = 256,
         compute: ComputeThread | None = None,
+        by_priority: bool = False,
     ) -> None:
         """compute: run the rounds there (the thread that loaded the model, see
         :mod:`speculative.server.compute`); None: on a thread of the scheduler's own,
@@ -95,6 +97,7 @@ class Scheduler:
         self.compute = compute
         self.observer = observer or SchedulerObserver()
         self.max_waiting = max_waiting
+        self.by_priority = by_priority  # the queue ordered by job priority, else arrival
         self._queue: deque[Job] = deque()
         self._jobs: dict[int, Job] = {}  # active rows
         self._cancels: list[Job] = []
@@ -122,12 +125,22 @@ class Scheduler:
             running.result(timeout=30)
 
     def submit(self, job: Job) -> None:
-        """Queue a job; ValueError when too many are already waiting."""
+        """Queue a job (after every waiting job of its priority or a lower value, under
+        the priority policy; else last); ValueError when too many are already waiting."""
         with self._wake:
             if len(self._queue) >= self.max_waiting:
                 raise ValueError(f"the server is busy: {len(self._queue)} requests are waiting")
-            self._queue.append(job)
+            self._queue.insert(self._place(job), job)
             self._wake.notify()
+
+    def _place(self, job: Job) -> int:
+        """Where a job joins the queue: last, or (by priority) before the first waiting job
+        of a higher value."""
+        if self.by_priority:
+            for i, queued in enumerate(self._queue):
+                if queued.priority > job.priority:
+                    return i
+        return len(self._queue)
 
     def cancel(self, job: Job) -> None:
         """Stop a job (before or during decoding); its slot is freed before the next round."""

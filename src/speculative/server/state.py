@@ -56,10 +56,11 @@ class ServerConfig:
     max_prompt_tokens: int | None = None  # default: the context window - 1
     default_max_tokens: int = 256
     max_waiting: int = 256  # requests queued beyond the batch before 503s
+    scheduling_policy: str = "fcfs"  # "priority": waiting requests by their priority field
     tool_call_syntax: str = "auto"  # how the model writes calls (auto: from its template)
     reasoning_parser: str = "auto"  # "think": split <think>…</think>; auto: if the template has it
     responses_stored: int = 1000  # Responses API answers kept (previous_response_id, GET); 0: none
-    replicas: int = 1  # copies of this server behind one endpoint (each keeps its own answers)
+    replicas: int = 1  # copies of this server behind one endpoint
 
     def slots(self) -> int:
         """The target's cache slots: ``cache_slots``, or its default."""
@@ -80,6 +81,10 @@ class ServerConfig:
             )
         if not self.drafts:
             raise ValueError("give at least one drafter (or 'none')")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"unknown scheduling policy {self.scheduling_policy!r} (fcfs, priority)"
+            )
         if self.reasoning_parser not in ("auto", "think", "none"):
             raise ValueError(
                 f"unknown reasoning parser {self.reasoning_parser!r} (auto, think, none)"
