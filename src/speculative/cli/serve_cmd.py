@@ -28,6 +28,7 @@ Endpoints:
        GET/DELETE /v1/responses/{id}, .../input_items, POST .../cancel   kept responses
        /v1/conversations[/{id}[/items[/{item_id}]]]   OpenAI's Conversations API
   POST /v1/messages, /v1/messages/count_tokens  Anthropic's Messages API
+  POST /v1/files, /v1/batches (GET, cancel, …)  OpenAI's Files and Batch APIs
   GET  /v1/models, /health
   POST /tokenize, /detokenize                   a prompt's tokens as a request counts them
   POST /reset_prefix_cache                      later requests find nothing cached
@@ -161,6 +162,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "with --replicas, shared by the replicas)",
     )
     parser.add_argument(
+        "--files-store-bytes",
+        type=positive_int,
+        default=256 << 20,
+        metavar="N",
+        help="bytes of files kept in memory for the Batch API (uploads and batches' output)",
+    )
+    parser.add_argument(
         "--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body"
     )
     parser.add_argument(
@@ -248,6 +256,7 @@ def build_config(args: argparse.Namespace):
         tool_call_syntax=args.tool_call_syntax,
         reasoning_parser=args.reasoning_parser,
         responses_stored=args.responses_store,
+        files_store_bytes=args.files_store_bytes,
         replicas=args.replicas,
     )
 

@@ -39,16 +39,23 @@ from speculative.engine.stopping import find_stop
 from speculative.sampling import SamplingParams
 from speculative.sampling.constraints import TokenConstraint
 from speculative.server.anthropic import MessagesAnswer, MessagesRequest
+from speculative.server.batches import Batches, FileStore
 from speculative.server.http import (
     SSE_HEADERS,
     CancellingStream,
     authorize,
     install_error_handlers,
     parsed,
+    read_json,
     sse,
     sse_events,
+    validated,
 )
-from speculative.server.kept_routes import install_conversations, install_stored_responses
+from speculative.server.kept_routes import (
+    install_conversations,
+    install_files_and_batches,
+    install_stored_responses,
+)
 from speculative.server.logprobs import LogprobsFormatter, echoed_prompt, joined
 from speculative.server.metrics import CONTENT_TYPE, ServerMetrics
 from speculative.server.protocol import (
@@ -324,6 +331,13 @@ def create_app(state: ServerState, records: ResponseRecords | None = None) -> Fa
 
     install_stored_responses(app, state, store)
     install_conversations(app, state, store.conversations)
+    files = FileStore(state.config.files_store_bytes)
+
+    async def answer(endpoint: str, payload: dict[str, Any]) -> dict[str, Any]:
+        return await _whole_answer(endpoint, payload, state, scheduler, metrics, store)
+
+    batches = Batches(files, answer, concurrency=max(1, state.config.max_batch // 2))
+    install_files_and_batches(app, state, files, batches)
     return app
 
 
@@ -344,6 +358,21 @@ async def _serve(
         if endpoint == "responses":  # the field as the Responses request named it
             exc.param = chat_error_param(exc.param)
         raise
+    jobs = _submit(prepared, scheduler, metrics)
+    if prepared.responses is not None and prepared.responses.background:
+        return await _start_background(prepared, jobs, state, scheduler, metrics, store)
+    if prepared.body.stream:
+        return CancellingStream(
+            _stream(prepared, jobs, state, metrics),
+            on_close=lambda: _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    return await _complete(request, prepared, jobs, state, scheduler, metrics)
+
+
+def _submit(prepared: Prepared, scheduler: Scheduler, metrics: ServerMetrics) -> list[Job]:
+    """Queue a prepared request's rows (one per choice); 503 when the queue is full."""
     loop = asyncio.get_running_loop()
     jobs = []
     for choice in prepared.choice_requests():
@@ -357,18 +386,37 @@ async def _serve(
     except ValueError as exc:  # no drafter was taken yet: the scheduler takes it on admission
         for job in jobs:
             scheduler.cancel(job)
-        metrics.count_request(endpoint, "503")
+        metrics.count_request(prepared.endpoint, "503")
         raise ApiError(503, str(exc), "server_error", code="overloaded") from None
-    if prepared.responses is not None and prepared.responses.background:
-        return await _start_background(prepared, jobs, state, scheduler, metrics, store)
-    if prepared.body.stream:
-        return CancellingStream(
-            _stream(prepared, jobs, state, metrics),
-            on_close=lambda: _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
-    return await _complete(request, prepared, jobs, state, scheduler, metrics)
+    return jobs
+
+
+async def _whole_answer(
+    endpoint: str,
+    payload: dict[str, Any],
+    state: ServerState,
+    scheduler: Scheduler,
+    metrics: ServerMetrics,
+    store: ResponseStore,
+) -> dict[str, Any]:
+    """A request's whole answer, decoded as the same request sent alone would be (a batch
+    line's; streams and background responses are refused)."""
+    if payload.get("stream") or payload.get("background"):
+        raise ApiError(400, "a batch request is answered whole (no stream or background)",
+                       param="stream")  # fmt: skip
+    prepared = await prepare_payload(payload, endpoint, state, store)
+    jobs = _submit(prepared, scheduler, metrics)
+    try:
+        body = await _whole_body(prepared, jobs, state, scheduler, metrics, None)
+    except asyncio.CancelledError:  # the batch was cancelled: its rows leave the batch
+        _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics)
+        raise
+    assert body is not None
+    if prepared.keep is not None:
+        await prepared.keep(StoredResponse(body, prepared.input_items))
+    if prepared.join is not None:
+        await prepared.join(body)
+    return body
 
 
 def _tokenized(body: TokenizeRequest, state: ServerState) -> dict[str, Any]:
@@ -415,15 +463,24 @@ def _check_vocabulary(ids: Sequence[int], state: ServerState, param: str) -> Non
 async def _prepare(
     request: Request, endpoint: str, state: ServerState, store: ResponseStore
 ) -> Prepared:
+    payload = await read_json(request, state.config.max_body_bytes)
+    return await prepare_payload(payload, endpoint, state, store)
+
+
+async def prepare_payload(
+    payload: Any, endpoint: str, state: ServerState, store: ResponseStore
+) -> Prepared:
+    """A request's JSON body, validated and ready for the scheduler (400s for what it
+    cannot be)."""
     responses, answer, conversation = None, None, []
     if endpoint == "messages":  # Anthropic's
-        asked = await parsed(request, MessagesRequest, state)
+        asked = validated(payload, MessagesRequest)
         if asked.max_tokens is None:
             raise ApiError(400, "max_tokens is required", param="max_tokens")
         answer = MessagesAnswer(asked)
         body: CompletionRequest | ChatCompletionRequest = _chat_of(asked.chat_request())
     elif endpoint == "responses":
-        responses = await parsed(request, ResponsesRequest, state)
+        responses = validated(payload, ResponsesRequest)
         if not store.enabled:  # what is reported: nothing is kept
             if responses.background:
                 raise ApiError(
@@ -451,7 +508,7 @@ async def _prepare(
         body = _chat_of(responses.chat_request(history))
     else:
         model = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
-        body = await parsed(request, model, state)
+        body = validated(payload, model)
     if body.priority and state.config.scheduling_policy != "priority":
         raise ApiError(
             400, "priority orders requests only under serve --scheduling-policy priority",

@@ -82,7 +82,11 @@ async def read_json(request: Request, limit: int) -> Any:
 
 async def parsed(request: Request, model: type[Body], state: ServerState) -> Body:
     """The request's JSON body as ``model``; 400 (naming the field) or 413."""
-    payload = await read_json(request, state.config.max_body_bytes)
+    return validated(await read_json(request, state.config.max_body_bytes), model)
+
+
+def validated(payload: Any, model: type[Body]) -> Body:
+    """A JSON body as ``model``; 400 (naming the field)."""
     if not isinstance(payload, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:

@@ -1,6 +1,7 @@
 """The routes of what the server keeps: stored Responses API answers (``GET`` /
 ``DELETE /v1/responses/{id}``, its ``input_items`` and ``cancel``, a background stream
-resumed) and OpenAI's Conversations API (:mod:`speculative.server.conversations`)."""
+resumed), OpenAI's Conversations API (:mod:`speculative.server.conversations`), and its
+Files and Batch APIs (:mod:`speculative.server.batches`)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from speculative.server.batches import Batches, FileStore, listed
 from speculative.server.conversations import (
     ConversationCreate,
     Conversations,
     ConversationUpdate,
     ItemsCreate,
 )
-from speculative.server.http import authorize, page, parsed, sse_events
+from speculative.server.http import authorize, page, parsed, read_json, sse_events
 from speculative.server.protocol import ApiError
 from speculative.server.state import ServerState
 from speculative.server.stored import ResponseStore, item_page
@@ -99,3 +101,83 @@ def install_conversations(app: FastAPI, state: ServerState, kept: Conversations)
     async def delete_item(request: Request, conversation_id: str, item_id: str) -> dict[str, Any]:
         authorize(request, state)
         return await kept.remove(conversation_id, item_id)
+
+
+def install_files_and_batches(
+    app: FastAPI, state: ServerState, files: FileStore, batches: Batches
+) -> None:
+    """OpenAI's Files and Batch APIs (:mod:`speculative.server.batches`)."""
+
+    @app.post("/v1/files")
+    async def upload(request: Request) -> dict[str, Any]:
+        authorize(request, state)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > files.max_bytes:
+            raise ApiError(
+                413, f"the file is larger than the {files.max_bytes} bytes the server keeps "
+                "(serve --files-store-bytes)", code="body_too_large",
+            )  # fmt: skip
+        try:
+            form = await request.form()
+        except Exception as exc:  # (not multipart, or malformed)
+            raise ApiError(400, f"upload the file as multipart/form-data: {exc}") from None
+        upload, purpose = form.get("file"), form.get("purpose")
+        if upload is None or isinstance(upload, str):
+            raise ApiError(400, "the form has no file", param="file")
+        if not isinstance(purpose, str) or not purpose:
+            raise ApiError(400, "the form has no purpose", param="purpose")
+        data = await upload.read()
+        return files.add(upload.filename or "upload", purpose, data).object()
+
+    @app.get("/v1/files")
+    async def list_files(request: Request) -> dict[str, Any]:
+        authorize(request, state)
+        purpose = request.query_params.get("purpose")
+        kept = [f.object() for f in files.files.values() if purpose in (None, f.purpose)]
+        return listed(kept, _limit(request, 10_000), request.query_params.get("after"))
+
+    @app.get("/v1/files/{file_id}")
+    async def get_file(request: Request, file_id: str) -> dict[str, Any]:
+        authorize(request, state)
+        return files.get(file_id).object()
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(request: Request, file_id: str) -> Response:
+        authorize(request, state)
+        return Response(files.get(file_id).data, media_type="application/octet-stream")
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(request: Request, file_id: str) -> dict[str, Any]:
+        authorize(request, state)
+        return files.delete(file_id)
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request) -> dict[str, Any]:
+        authorize(request, state)
+        body = await read_json(request, state.config.max_body_bytes)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return batches.create(body).object()
+
+    @app.get("/v1/batches")
+    async def list_batches(request: Request) -> dict[str, Any]:
+        authorize(request, state)
+        kept = [batch.object() for batch in batches.kept.values()]
+        return listed(kept, _limit(request, 100), request.query_params.get("after"))
+
+    @app.get("/v1/batches/{batch_id}")
+    async def get_batch(request: Request, batch_id: str) -> dict[str, Any]:
+        authorize(request, state)
+        return batches.get(batch_id).object()
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:
+        authorize(request, state)
+        return (await batches.cancel(batch_id)).object()
+
+
+def _limit(request: Request, largest: int) -> int:
+    limit = request.query_params.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= largest:
+        raise ApiError(400, f"limit must be an integer from 1 to {largest}", param="limit")
+    return int(limit)

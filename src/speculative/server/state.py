@@ -61,6 +61,7 @@ class ServerConfig:
     reasoning_parser: str = "auto"  # "think": split <think>…</think>; auto: if the template has it
     responses_stored: int = 1000  # Responses API answers kept (previous_response_id, GET); 0: none
     replicas: int = 1  # copies of this server behind one endpoint
+    files_store_bytes: int = 256 << 20  # uploaded and batch output files kept, in all
 
     def slots(self) -> int:
         """The target's cache slots: ``cache_slots``, or its default."""
