@@ -113,3 +113,6 @@ def test_keys_and_errors_as_anthropics_clients_expect(served) -> None:
     status, error = http(server.url + "/v1/chat/completions", "POST", {}, key=None,
                          headers=headers)  # fmt: skip
     assert status == 400 and "param" in error["error"]  # (OpenAI's shape elsewhere)
+    for path in ("/v1/conversations", "/v1/batches", "/v1/responses/resp_1/cancel"):
+        assert http(server.url + path, "POST", {}, key=None)[0] == 401, path  # kept routes too
+    assert http(server.url + "/v1/conversations", "POST", {})[0] == 200  # (with the key)

@@ -473,40 +473,49 @@ def test_legacy_functions_answer_in_their_own_form(caller: Path) -> None:
             assert status == 400 and refused["error"]["param"] == param
 
 
+def _reads(syntax, reply: str, content: str | None, cuts, texts) -> None:
+    """A call syntax's reader on ``reply`` (text ``content`` before two calls, the second
+    with "days" 9): whole, each cut ``(text, calls read, last whole)``, each of ``texts``
+    read as text, and streamed piece by piece to the same two calls."""
+
+    def split(text: str):
+        return split_calls(text, TOOLS, syntax)
+
+    whole = split(reply)
+    assert whole.content == content and not whole.cut
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole.calls] == [
+        ("set_alarm", '{"hour": 7}'), ("get_weather", '{"city": "Paris", "days": 9}')
+    ]  # fmt: skip
+    for cut, calls, complete in cuts:
+        read = split(cut)
+        assert (len(read.calls), read.cut) == (calls, not complete), cut
+    for text in texts:
+        assert split(text).calls == [] and split(text).content == text
+    stream, entries = CallStream(TOOLS, syntax), []
+    for end in range(len(reply) + 1):
+        entries += stream.deltas(reply[:end])
+    assert [e["function"]["name"] for e in entries if "id" in e] == ["set_alarm", "get_weather"]
+    assert "".join(e["function"]["arguments"] for e in entries if e["index"] == 1) == (
+        '{"city": "Paris", "days": 9}'
+    )  # fmt: skip
+
+
 def test_llama3_json_calls_are_read_and_streamed() -> None:
     """Llama 3's syntax: a reply that starts with ``{`` is calls joined by "; ", any
     other is text; cut calls as for Hermes."""
     llama = LLAMA3_JSON
-
-    def split(text: str):
-        return split_calls(text, TOOLS, llama)
-
-    reply = split(LLAMA_REPLY)
-    assert reply.content is None and not reply.cut
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in reply.calls] == [
-        ("set_alarm", '{"hour": 7}'), ("get_weather", '{"city": "Paris", "days": 9}')
-    ]  # fmt: skip
     first = LLAMA_REPLY.index("; ")
-    for cut, calls, whole in [
+    cuts = [
         (LLAMA_REPLY[: first + 1], 1, True),  # the separator cut short
         (LLAMA_REPLY[: first + 12], 1, True),  # the second call cut before its name
         (LLAMA_REPLY[: LLAMA_REPLY.index("Paris") + 2], 2, False),  # in its arguments
         (LLAMA_REPLY[:-1], 2, False),  # before its closing brace
-    ]:
-        reply = split(cut)
-        assert (len(reply.calls), reply.cut) == (calls, not whole), cut
-    assert split(LLAMA_REPLY[:-1]).calls[1]["function"]["arguments"] == (
-        '{"city": "Paris", "days": 9}'
-    )  # fmt: skip
+    ]
     spaced = ' {"name": "set_alarm", "parameters": {}}'  # text: it does not start with {
-    for text in ("Sure, at 7.", '{"name": "nope", "parameters": {}}', '{"na',
-                 LLAMA_REPLY + " and more", spaced):  # fmt: skip
-        assert split(text).calls == [] and split(text).content == text
-    stream, entries = CallStream(TOOLS, llama), []
-    for end in range(len(LLAMA_REPLY) + 1):
-        entries += stream.deltas(LLAMA_REPLY[:end])
-    assert [e["function"]["name"] for e in entries if "id" in e] == ["set_alarm", "get_weather"]
-    assert "".join(e["function"]["arguments"] for e in entries if e["index"] == 1) == (
+    texts = ["Sure, at 7.", '{"name": "nope", "parameters": {}}', '{"na',
+             LLAMA_REPLY + " and more", spaced]  # fmt: skip
+    _reads(llama, LLAMA_REPLY, None, cuts, texts)
+    assert split_calls(LLAMA_REPLY[:-1], TOOLS, llama).calls[1]["function"]["arguments"] == (
         '{"city": "Paris", "days": 9}'
     )  # fmt: skip
     # the template decides the syntax; a template without tools gets Hermes' described
@@ -516,6 +525,22 @@ def test_llama3_json_calls_are_read_and_streamed() -> None:
     text = byte_tokenizer().decode(chat_prompt(_tokenizer(CHAT_TEMPLATE), MESSAGES, TOOLS,
                                                syntax=llama))  # fmt: skip
     assert '"parameters"' in text and CALL_OPEN not in text
+
+
+def _served_calls(ask, content: str | None) -> list[dict]:
+    """A trained model's two calls through the server (``content`` before them): valid
+    (the second's out-of-range "days" kept in range), streamed in several pieces to the
+    same calls; returns them."""
+    choice = ask().choices[0]
+    calls = [c.model_dump() for c in choice.message.tool_calls]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == content
+    assert [c["function"]["name"] for c in calls] == ["set_alarm", "get_weather"]
+    assert all(valid_call(c) for c in calls)
+    pieces: list[list[str]] = []
+    text, streamed, reason = _streamed(ask(stream=True), pieces)
+    assert (text, reason) == (content or "", "tool_calls") and len(pieces[1]) > 1
+    assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+    return calls
 
 
 def test_llama3_json_served(llama_caller: Path, folder: Path) -> None:
@@ -528,18 +553,8 @@ def test_llama3_json_served(llama_caller: Path, folder: Path) -> None:
     prompt = chat_prompt(_tokenizer(LLAMA_TEMPLATE), MESSAGES, TOOLS)
     assert _greedy(llama_caller, prompt, budget=200) == LLAMA_REPLY
     with start_server(llama_caller, max_prompt_tokens=200) as server:
-        ask = _chat_asker(*_client(server))
-
-        choice = ask().choices[0]
-        calls = [c.model_dump() for c in choice.message.tool_calls]
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
-        assert [c["function"]["name"] for c in calls] == ["set_alarm", "get_weather"]
-        assert all(valid_call(c) for c in calls)
+        calls = _served_calls(_chat_asker(*_client(server)), None)
         assert json.loads(calls[1]["function"]["arguments"])["city"] == "Paris"
-        pieces: list[list[str]] = []
-        text, streamed, reason = _streamed(ask(stream=True), pieces)
-        assert (text, reason) == ("", "tool_calls") and len(pieces[1]) > 1
-        assert [c["function"] for c in streamed] == [c["function"] for c in calls]
     grammar = call_format(TOOLS, "auto", syntax=llama)
     tokenizer = _tokenizer()
     auto_text = _greedy(folder, chat_prompt(tokenizer, MESSAGES, TOOLS), grammar, budget=60)
@@ -573,35 +588,18 @@ def test_mistral_calls_are_read_and_streamed() -> None:
         TOOLS, "auto", syntax=plain
     ).lark  # fmt: skip
 
-    def split(text: str):
-        return split_calls(text, TOOLS, mistral)
-
-    reply = split(MISTRAL_REPLY)
-    assert reply.content is None and not reply.cut
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in reply.calls] == [
-        ("set_alarm", '{"hour": 7}'), ("get_weather", '{"city": "Paris", "days": 9}')
-    ]  # fmt: skip
     first = MISTRAL_REPLY.index("}, ") + 1
-    for cut, calls, whole in [
+    cuts = [
         (MISTRAL_REPLY[: first + 1], 1, True),  # the separator cut short
         (MISTRAL_REPLY[: first + 12], 1, True),  # the second call cut before its name
         (MISTRAL_REPLY[: MISTRAL_REPLY.index("Paris") + 2], 2, False),  # in its arguments
         (MISTRAL_REPLY[:-2], 2, False),  # before its closing brace
         (MISTRAL_REPLY[:-1], 2, True),  # before the list's end
-    ]:
-        reply = split(cut)
-        assert (len(reply.calls), reply.cut) == (calls, not whole), cut
-    for text in ("Sure, at 7.", '[TOOL_CALLS] [{"name": "nope", "arguments": {}}]',
-                 "[TOOL_CALLS] [", MISTRAL_REPLY + " and more",
-                 MISTRAL_REPLY[len(Mistral.open):]):  # fmt: skip
-        assert split(text).calls == [] and split(text).content == text
-    stream, entries = CallStream(TOOLS, mistral), []
-    for end in range(len(MISTRAL_REPLY) + 1):
-        entries += stream.deltas(MISTRAL_REPLY[:end])
-    assert [e["function"]["name"] for e in entries if "id" in e] == ["set_alarm", "get_weather"]
-    assert "".join(e["function"]["arguments"] for e in entries if e["index"] == 1) == (
-        '{"city": "Paris", "days": 9}'
-    )  # fmt: skip
+    ]
+    unopened = MISTRAL_REPLY[len(Mistral.open) :]
+    texts = ["Sure, at 7.", '[TOOL_CALLS] [{"name": "nope", "arguments": {}}]',
+             "[TOOL_CALLS] [", MISTRAL_REPLY + " and more", unopened]  # fmt: skip
+    _reads(mistral, MISTRAL_REPLY, None, cuts, texts)
     assert mistral.calls_start("[TOOL") == (None, 5)  # (its text may yet open the calls)
     described = byte_tokenizer().decode(chat_prompt(_tokenizer(CHAT_TEMPLATE), MESSAGES,
                                                     TOOLS, syntax=mistral))  # fmt: skip
@@ -616,14 +614,7 @@ def test_mistral_calls_served(mistral_caller: Path, monkeypatch) -> None:
     calls are lost in the content."""
     with start_server(mistral_caller, max_prompt_tokens=200) as server:
         ask = _chat_asker(*_client(server))
-        choice = ask().choices[0]
-        calls = [c.model_dump() for c in choice.message.tool_calls]
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
-        assert [c["function"]["name"] for c in calls] == ["set_alarm", "get_weather"]
-        assert all(valid_call(c) for c in calls)
-        text, streamed, reason = _streamed(ask(stream=True))
-        assert (text, reason) == ("", "tool_calls")
-        assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+        _served_calls(ask, None)
         named = ask(tool_choice={"type": "function", "function": {"name": "get_weather"}})
         only = [c.model_dump() for c in named.choices[0].message.tool_calls]
         assert [c["function"]["name"] for c in only] == ["get_weather"] and valid_call(only[0])
@@ -644,29 +635,15 @@ def test_mistral_later_calls_are_read_and_streamed() -> None:
     assert isinstance(syntax, MistralArgs) and syntax.special_ids == ids
     assert mistral_syntax(_mistral_tokenizer()).special_ids < ids  # (the JSON list's)
 
-    def split(text: str):
-        return split_calls(text, TOOLS, syntax)
-
-    reply = split(ARGS_REPLY)
-    assert reply.content == "Sure." and not reply.cut
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in reply.calls] == [
-        ("set_alarm", '{"hour": 7}'), ("get_weather", '{"city": "Paris", "days": 9}')
-    ]  # fmt: skip
     second = ARGS_REPLY.index("[TOOL_CALLS]get")
-    for cut, calls, whole in [
+    cuts = [
         (ARGS_REPLY[: second + 5], 1, True),  # the second call cut in its opener
         (ARGS_REPLY[: second + 16], 1, True),  # cut in its name
         (ARGS_REPLY[: ARGS_REPLY.index("Paris") + 2], 2, False),  # in its arguments
-    ]:
-        reply = split(cut)
-        assert (len(reply.calls), reply.cut) == (calls, not whole), cut
-    for text in ("Sure, at 7.", "Sure.[TOOL_CALLS]nope[ARGS]{}", "Sure.[TOOL_CALLS]set",
-                 ARGS_REPLY + " and more"):  # fmt: skip
-        assert split(text).calls == [] and split(text).content == text
-    stream, entries = CallStream(TOOLS, syntax), []
-    for end in range(len(ARGS_REPLY) + 1):
-        entries += stream.deltas(ARGS_REPLY[:end])
-    assert [e["function"]["name"] for e in entries if "id" in e] == ["set_alarm", "get_weather"]
+    ]
+    texts = ["Sure, at 7.", "Sure.[TOOL_CALLS]nope[ARGS]{}", "Sure.[TOOL_CALLS]set",
+             ARGS_REPLY + " and more"]  # fmt: skip
+    _reads(syntax, ARGS_REPLY, "Sure.", cuts, texts)
     assert syntax.calls_start("Sure.[TOOL") == (None, 5)
     assert syntax.join("Sure.", [syntax.write("set_alarm", {"hour": 7})]) == ARGS_REPLY[:second]
 
@@ -675,15 +652,7 @@ def test_mistral_later_calls_served(args_caller: Path) -> None:
     """The later syntax served: the text before the calls as content, the calls valid
     (the second's "days" kept in range), whole and streamed alike."""
     with start_server(args_caller, max_prompt_tokens=200) as server:
-        ask = _chat_asker(*_client(server))
-        choice = ask().choices[0]
-        calls = [c.model_dump() for c in choice.message.tool_calls]
-        assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
-        assert [c["function"]["name"] for c in calls] == ["set_alarm", "get_weather"]
-        assert all(valid_call(c) for c in calls)
-        text, streamed, reason = _streamed(ask(stream=True))
-        assert (text, reason) == ("Sure.", "tool_calls")
-        assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+        _served_calls(_chat_asker(*_client(server)), "Sure.")
 
 
 def test_the_responses_api_calls_as_chat_does(caller: Path) -> None:

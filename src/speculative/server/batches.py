@@ -21,20 +21,28 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from speculative.server.protocol import ApiError
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
              "/v1/responses": "responses"}  # fmt: skip
+T = TypeVar("T")
 # run one request alone: (the endpoint's name, its body) -> its whole answer, or ApiError
 Answerer = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
+
+
+def _found(kept: Mapping[str, T], key: str, kind: str) -> T:
+    """``kept[key]``, or a 404 naming the ``kind`` of object."""
+    if key not in kept:
+        raise ApiError(404, f"no {kind} with id '{key}'", code=f"{kind}_not_found")
+    return kept[key]
 
 
 @dataclass
@@ -72,10 +80,7 @@ class FileStore:
         return stored
 
     def get(self, file_id: str) -> StoredFile:
-        stored = self.files.get(file_id)
-        if stored is None:
-            raise ApiError(404, f"no file with id '{file_id}'", code="file_not_found")
-        return stored
+        return _found(self.files, file_id, "file")
 
     def delete(self, file_id: str) -> dict[str, Any]:
         self.get(file_id)
@@ -195,10 +200,7 @@ class Batches:
         return batch
 
     def get(self, batch_id: str) -> Batch:
-        batch = self.kept.get(batch_id)
-        if batch is None:
-            raise ApiError(404, f"no batch with id '{batch_id}'", code="batch_not_found")
-        return batch
+        return _found(self.kept, batch_id, "batch")
 
     async def cancel(self, batch_id: str) -> Batch:
         """Stop a batch: its requests decoding leave the batch; the answers it has are

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from speculative.server.batches import Batches, FileStore, listed
@@ -25,12 +25,12 @@ from speculative.server.stored import ResponseStore, item_page
 
 def install_stored_responses(app: FastAPI, state: ServerState, store: ResponseStore) -> None:
     """``GET`` / ``DELETE /v1/responses/{id}``, its ``input_items`` and ``cancel``."""
+    router = _guarded(state)
 
-    @app.get("/v1/responses/{response_id}", response_model=None)
+    @router.get("/v1/responses/{response_id}", response_model=None)
     async def get_response(request: Request, response_id: str) -> dict[str, Any] | Response:
         """The response; with ``stream=true`` a background stream's events after
         ``starting_after`` (its sequence numbers), as they come."""
-        authorize(request, state)
         query = request.query_params
         if query.get("stream", "false").lower() in ("true", "1"):
             after = query.get("starting_after", "-1")
@@ -40,77 +40,71 @@ def install_stored_responses(app: FastAPI, state: ServerState, store: ResponseSt
             return sse_events(await store.events(response_id, int(after)))
         return (await store.get(response_id)).current()
 
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
-        authorize(request, state)
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
         await store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
-    @app.get("/v1/responses/{response_id}/input_items")
+    @router.get("/v1/responses/{response_id}/input_items")
     async def input_items(request: Request, response_id: str) -> dict[str, Any]:
-        authorize(request, state)
         return page(request, (await store.get(response_id)).input_items)
 
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(request: Request, response_id: str) -> dict[str, Any]:
-        authorize(request, state)
+    @router.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict[str, Any]:
         return await store.cancel(response_id)
+
+    app.include_router(router)
 
 
 def install_conversations(app: FastAPI, state: ServerState, kept: Conversations) -> None:
     """OpenAI's Conversations API (:mod:`speculative.server.conversations`)."""
+    router = _guarded(state)
 
-    @app.post("/v1/conversations")
+    @router.post("/v1/conversations")
     async def create_conversation(request: Request) -> dict[str, Any]:
-        authorize(request, state)
         return await kept.create(await parsed(request, ConversationCreate, state))
 
-    @app.get("/v1/conversations/{conversation_id}")
-    async def get_conversation(request: Request, conversation_id: str) -> dict[str, Any]:
-        authorize(request, state)
+    @router.get("/v1/conversations/{conversation_id}")
+    async def get_conversation(conversation_id: str) -> dict[str, Any]:
         return await kept.get(conversation_id)
 
-    @app.post("/v1/conversations/{conversation_id}")
+    @router.post("/v1/conversations/{conversation_id}")
     async def update_conversation(request: Request, conversation_id: str) -> dict[str, Any]:
-        authorize(request, state)
         update = await parsed(request, ConversationUpdate, state)
         return await kept.update(conversation_id, update)
 
-    @app.delete("/v1/conversations/{conversation_id}")
-    async def delete_conversation(request: Request, conversation_id: str) -> dict[str, Any]:
-        authorize(request, state)
+    @router.delete("/v1/conversations/{conversation_id}")
+    async def delete_conversation(conversation_id: str) -> dict[str, Any]:
         return await kept.delete(conversation_id)
 
-    @app.get("/v1/conversations/{conversation_id}/items")
+    @router.get("/v1/conversations/{conversation_id}/items")
     async def list_items(request: Request, conversation_id: str) -> dict[str, Any]:
-        authorize(request, state)
         return page(request, await kept.items(conversation_id))
 
-    @app.post("/v1/conversations/{conversation_id}/items")
+    @router.post("/v1/conversations/{conversation_id}/items")
     async def add_items(request: Request, conversation_id: str) -> dict[str, Any]:
-        authorize(request, state)
         added = await kept.add(conversation_id, await parsed(request, ItemsCreate, state))
         return item_page(added, len(added), "asc", None)
 
-    @app.get("/v1/conversations/{conversation_id}/items/{item_id}")
-    async def get_item(request: Request, conversation_id: str, item_id: str) -> dict[str, Any]:
-        authorize(request, state)
+    @router.get("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def get_item(conversation_id: str, item_id: str) -> dict[str, Any]:
         return await kept.item(conversation_id, item_id)
 
-    @app.delete("/v1/conversations/{conversation_id}/items/{item_id}")
-    async def delete_item(request: Request, conversation_id: str, item_id: str) -> dict[str, Any]:
-        authorize(request, state)
+    @router.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def delete_item(conversation_id: str, item_id: str) -> dict[str, Any]:
         return await kept.remove(conversation_id, item_id)
+
+    app.include_router(router)
 
 
 def install_files_and_batches(
     app: FastAPI, state: ServerState, files: FileStore, batches: Batches
 ) -> None:
     """OpenAI's Files and Batch APIs (:mod:`speculative.server.batches`)."""
+    router = _guarded(state)
 
-    @app.post("/v1/files")
+    @router.post("/v1/files")
     async def upload(request: Request) -> dict[str, Any]:
-        authorize(request, state)
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > files.max_bytes:
             raise ApiError(
@@ -129,51 +123,45 @@ def install_files_and_batches(
         data = await upload.read()
         return files.add(upload.filename or "upload", purpose, data).object()
 
-    @app.get("/v1/files")
+    @router.get("/v1/files")
     async def list_files(request: Request) -> dict[str, Any]:
-        authorize(request, state)
         purpose = request.query_params.get("purpose")
         kept = [f.object() for f in files.files.values() if purpose in (None, f.purpose)]
         return listed(kept, _limit(request, 10_000), request.query_params.get("after"))
 
-    @app.get("/v1/files/{file_id}")
-    async def get_file(request: Request, file_id: str) -> dict[str, Any]:
-        authorize(request, state)
+    @router.get("/v1/files/{file_id}")
+    async def get_file(file_id: str) -> dict[str, Any]:
         return files.get(file_id).object()
 
-    @app.get("/v1/files/{file_id}/content")
-    async def file_content(request: Request, file_id: str) -> Response:
-        authorize(request, state)
+    @router.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str) -> Response:
         return Response(files.get(file_id).data, media_type="application/octet-stream")
 
-    @app.delete("/v1/files/{file_id}")
-    async def delete_file(request: Request, file_id: str) -> dict[str, Any]:
-        authorize(request, state)
+    @router.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str) -> dict[str, Any]:
         return files.delete(file_id)
 
-    @app.post("/v1/batches")
+    @router.post("/v1/batches")
     async def create_batch(request: Request) -> dict[str, Any]:
-        authorize(request, state)
         body = await read_json(request, state.config.max_body_bytes)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         return batches.create(body).object()
 
-    @app.get("/v1/batches")
+    @router.get("/v1/batches")
     async def list_batches(request: Request) -> dict[str, Any]:
-        authorize(request, state)
         kept = [batch.object() for batch in batches.kept.values()]
         return listed(kept, _limit(request, 100), request.query_params.get("after"))
 
-    @app.get("/v1/batches/{batch_id}")
-    async def get_batch(request: Request, batch_id: str) -> dict[str, Any]:
-        authorize(request, state)
+    @router.get("/v1/batches/{batch_id}")
+    async def get_batch(batch_id: str) -> dict[str, Any]:
         return batches.get(batch_id).object()
 
-    @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:
-        authorize(request, state)
+    @router.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str) -> dict[str, Any]:
         return (await batches.cancel(batch_id)).object()
+
+    app.include_router(router)
 
 
 def _limit(request: Request, largest: int) -> int:
@@ -181,3 +169,12 @@ def _limit(request: Request, largest: int) -> int:
     if not limit.isdigit() or not 1 <= int(limit) <= largest:
         raise ApiError(400, f"limit must be an integer from 1 to {largest}", param="limit")
     return int(limit)
+
+
+def _guarded(state: ServerState) -> APIRouter:
+    """Routes that answer only requests with the API key (401 otherwise)."""
+
+    async def check(request: Request) -> None:
+        authorize(request, state)
+
+    return APIRouter(dependencies=[Depends(check)])

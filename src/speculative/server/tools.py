@@ -150,6 +150,78 @@ def _arguments(text: str, start: int) -> int | None:
         return None
 
 
+CLOSE = re.compile(r"\s*\}")  # a call object's closing brace
+
+
+def _opener_start(text: str, opener: str) -> tuple[int | None, int]:
+    """Where calls that each begin with ``opener`` start in a reply's text (None: not
+    there), and how many characters at its end may yet begin one."""
+    start = text.find(opener)
+    return (start if start >= 0 else None), partial_stop_length(text, (opener,))
+
+
+def _opened(text: str, opener: str) -> tuple[str, str, str]:
+    """A reply's text before its first ``opener``, the opener ("" where none), and the
+    rest; an opener cut short at the end is left out."""
+    cut = partial_stop_length(text, (opener,))
+    head, found, rest = text[: len(text) - cut].partition(opener)
+    return head, found, rest
+
+
+def _list_grammar(
+    tools: list[Tool], choice: ToolChoice, parallel: bool, key: str, calls: str,
+    separator: str, text: str,
+) -> OutputFormat:  # fmt: skip
+    """The grammar of a reply that is text (``text``, the lexeme, under ``"auto"``) or a
+    list of JSON calls (``calls``: the rule around ``call{more}``, where ``more`` repeats
+    ``separator`` and a call, if parallel), each ``{"name": …, key: {…}}``."""
+    more = f" ({json.dumps(separator)} call)*"
+    more = more if parallel and not isinstance(choice, NamedToolChoice) else ""
+    rules = [
+        "%llguidance {}",
+        f"start: {'TEXT | calls' if choice == 'auto' else 'calls'}",
+        calls.format(more=more),
+        f"call: %json {_calls_json(tools, choice, key)}",
+    ]
+    if choice == "auto":
+        rules.append(f"TEXT: {text}")
+    return OutputFormat(lark="\n".join(rules) + "\n")
+
+
+def _cut_head(text: str, names: set[str], key: str) -> bool:
+    """Whether ``text`` is a call's head cut short (before its arguments)."""
+    return any(f'{{"name": "{name}", "{key}": '.startswith(text) for name in names)
+
+
+def _call_list(
+    text: str, at: int, names: set[str], key: str, separator: re.Pattern[str],
+    tail: re.Pattern[str],
+) -> list[WrittenCall] | None:  # fmt: skip
+    """The JSON calls ``{"name": …, key: {…}}`` written one after another from ``at``,
+    ``separator`` between them and ``tail`` after the last (the list's end, or a separator
+    cut short), as far as they go: a last call cut in its arguments with them as written,
+    a later call cut before its name left out. None where the text is not such calls."""
+    head, calls = _head(key), []
+    while True:
+        found = head.match(text, at)
+        if found is None or found[1] not in names:
+            if calls and found is None and _cut_head(text[at:], names, key):
+                return calls  # a later call cut before its name
+            return None
+        end = _arguments(text, found.end())
+        close = CLOSE.match(text, end) if end is not None else None
+        if close is None:  # cut inside the arguments or before the closing brace
+            if end is not None and text[end:].strip():
+                return None
+            calls.append(WrittenCall(found[1], text[found.end() : end], False))
+            return calls
+        calls.append(WrittenCall(found[1], text[found.end() : end], True))
+        more = separator.match(text, close.end())
+        if more is None:
+            return calls if tail.fullmatch(text, close.end()) else None
+        at = more.end()
+
+
 class Hermes:
     """``<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`` blocks after the
     reply's text (Qwen's, Hermes' and many open models' templates)."""
@@ -178,12 +250,10 @@ class Hermes:
         return OutputFormat(lark="\n".join(rules) + "\n")
 
     def calls_start(self, text: str) -> tuple[int | None, int]:
-        start = text.find(self.open)
-        return (start if start >= 0 else None), partial_stop_length(text, (self.open,))
+        return _opener_start(text, self.open)
 
     def written(self, text: str, names: set[str]) -> Written | None:
-        cut = partial_stop_length(text, (self.open,))  # a next call's opener, cut short
-        head, opener, rest = text[: len(text) - cut].partition(self.open)
+        head, opener, rest = _opened(text, self.open)
         calls: list[WrittenCall] = []
         for block in (opener + rest).split(self.open)[1:]:
             body, closer, after = block.partition(self.close)
@@ -238,23 +308,15 @@ class Llama3Json:
     name = "llama3_json"
     special_ids: frozenset[int] = frozenset()
     separator = "; "
-    head = _head("parameters")
+    # between two calls, and what may follow the last: its end, or the separator cut short
+    between = re.compile(re.escape(separator))
+    tail = re.compile(r"\s*|;")
 
     def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool) -> OutputFormat:
         """``"auto"``: text that does not start with ``{``, or calls from the first
         character."""
-        more = f" ({json.dumps(self.separator)} call)*"
-        more = more if parallel and not isinstance(choice, NamedToolChoice) else ""
-        first = "TEXT | calls" if choice == "auto" else "calls"
-        rules = [
-            "%llguidance {}",
-            f"start: {first}",
-            f"calls: call{more}",
-            f"call: %json {_calls_json(tools, choice, 'parameters')}",
-        ]
-        if choice == "auto":
-            rules.append("TEXT: /([^{](.|\\n)*)?/")
-        return OutputFormat(lark="\n".join(rules) + "\n")
+        return _list_grammar(tools, choice, parallel, "parameters", "calls: call{more}",
+                             self.separator, "/([^{](.|\\n)*)?/")  # fmt: skip
 
     def calls_start(self, text: str) -> tuple[int | None, int]:
         return (0 if text.startswith("{") else None), 0
@@ -262,37 +324,8 @@ class Llama3Json:
     def written(self, text: str, names: set[str]) -> Written | None:
         if not text.startswith("{"):
             return None
-        calls: list[WrittenCall] = []
-        at = 0
-        while True:
-            head = self.head.match(text, at)
-            if head is None or head[1] not in names:
-                if calls and head is None and self._cut_head(text[at:], names):
-                    break  # a later call cut before its name
-                return None
-            end = _arguments(text, head.end())
-            close = re.compile(r"\s*\}").match(text, end) if end is not None else None
-            if close is None:  # cut inside the arguments or before the closing brace
-                if end is not None and text[end:].strip():
-                    return None
-                calls.append(WrittenCall(head[1], text[head.end() : end], False))
-                break
-            calls.append(WrittenCall(head[1], text[head.end() : end], True))
-            at = close.end()
-            rest = text[at:]
-            if rest.startswith(self.separator) or self.separator.startswith(rest):
-                if not rest.startswith(self.separator):
-                    break  # the end, or the separator cut short
-                at += len(self.separator)
-                continue
-            if rest.strip():
-                return None
-            break
-        return "", calls
-
-    def _cut_head(self, text: str, names: set[str]) -> bool:
-        """Whether ``text`` is a call's head cut short (before its arguments)."""
-        return any(f'{{"name": "{name}", "parameters": '.startswith(text) for name in names)
+        calls = _call_list(text, 0, names, "parameters", self.between, self.tail)
+        return ("", calls) if calls else None
 
     def write(self, name: str, arguments: Any) -> str:
         return json.dumps({"name": name, "parameters": arguments})
@@ -317,8 +350,9 @@ class Mistral:
 
     name = "mistral"
     open = "[TOOL_CALLS]"
-    head = _head("arguments")
     separator = ", "
+    between = re.compile(r"\s*,\s*")
+    tail = re.compile(r"\s*\]?\s*")  # the list's end, or not yet
 
     def __init__(self, token_id: int | None = None, special: bool = False) -> None:
         self.token_id = token_id  # the opener's id, where it is one token
@@ -335,18 +369,9 @@ class Mistral:
     def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool) -> OutputFormat:
         """``"auto"``: any text, or the calls from the first token."""
         opener = f"<[{self.token_id}]>" if self.token_id is not None else json.dumps(self.open)
-        more = f" ({json.dumps(self.separator)} call)*"
-        more = more if parallel and not isinstance(choice, NamedToolChoice) else ""
-        first = "TEXT | calls" if choice == "auto" else "calls"
-        rules = [
-            "%llguidance {}",
-            f"start: {first}",
-            f'calls: {opener} " [" call{more} "]"',
-            f"call: %json {_calls_json(tools, choice, 'arguments')}",
-        ]
-        if choice == "auto":
-            rules.append("TEXT: /(.|\\n)*/")
-        return OutputFormat(lark="\n".join(rules) + "\n")
+        calls = f'calls: {opener} " [" call{{more}} "]"'
+        return _list_grammar(tools, choice, parallel, "arguments", calls, self.separator,
+                             "/(.|\\n)*/")  # fmt: skip
 
     def calls_start(self, text: str) -> tuple[int | None, int]:
         begun = 0 < len(text) < len(self.open) and self.open.startswith(text)
@@ -356,35 +381,8 @@ class Mistral:
         opened = re.compile(re.escape(self.open) + r"\s*\[").match(text)
         if opened is None:
             return None
-        calls: list[WrittenCall] = []
-        at = opened.end()
-        while True:
-            head = self.head.match(text, at)
-            if head is None or head[1] not in names:
-                if calls and head is None and self._cut_head(text[at:], names):
-                    break  # a later call cut before its name
-                return None
-            end = _arguments(text, head.end())
-            close = re.compile(r"\s*\}").match(text, end) if end is not None else None
-            if close is None:  # cut inside the arguments or before the closing brace
-                if end is not None and text[end:].strip():
-                    return None
-                calls.append(WrittenCall(head[1], text[head.end() : end], False))
-                break
-            calls.append(WrittenCall(head[1], text[head.end() : end], True))
-            more = re.compile(r"\s*,\s*").match(text, close.end())
-            if more is not None:
-                at = more.end()
-                continue
-            rest = text[close.end() :].strip()
-            if rest not in ("", "]", ","):  # (the list's end, or not yet)
-                return None
-            break
-        return "", calls
-
-    def _cut_head(self, text: str, names: set[str]) -> bool:
-        """Whether ``text`` is a call's head cut short (before its arguments)."""
-        return any(f'{{"name": "{name}", "arguments": '.startswith(text) for name in names)
+        calls = _call_list(text, opened.end(), names, "arguments", self.between, self.tail)
+        return ("", calls) if calls else None
 
     def write(self, name: str, arguments: Any) -> str:
         return json.dumps({"name": name, "arguments": arguments})
@@ -442,12 +440,10 @@ class MistralArgs:
         return OutputFormat(lark="\n".join(rules) + "\n")
 
     def calls_start(self, text: str) -> tuple[int | None, int]:
-        start = text.find(self.open)
-        return (start if start >= 0 else None), partial_stop_length(text, (self.open,))
+        return _opener_start(text, self.open)
 
     def written(self, text: str, names: set[str]) -> Written | None:
-        cut = partial_stop_length(text, (self.open,))  # a next call's opener, cut short
-        head, opener, rest = text[: len(text) - cut].partition(self.open)
+        head, opener, rest = _opened(text, self.open)
         if not opener:
             return None
         calls: list[WrittenCall] = []
