@@ -331,7 +331,7 @@ def create_app(state: ServerState, records: ResponseRecords | None = None) -> Fa
 
     install_stored_responses(app, state, store)
     install_conversations(app, state, store.conversations)
-    files = FileStore(state.config.files_store_bytes)
+    files = FileStore(state.config.files_store_bytes, state.config.replicas)
 
     async def answer(endpoint: str, payload: dict[str, Any]) -> dict[str, Any]:
         return await _whole_answer(endpoint, payload, state, scheduler, metrics, store)

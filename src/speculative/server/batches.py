@@ -38,10 +38,13 @@ def _id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
-def _found(kept: Mapping[str, T], key: str, kind: str) -> T:
-    """``kept[key]``, or a 404 naming the ``kind`` of object."""
+def _found(kept: Mapping[str, T], key: str, kind: str, replicas: int) -> T:
+    """``kept[key]``, or a 404 naming the ``kind`` of object (and, behind replicas, that
+    each keeps its own)."""
     if key not in kept:
-        raise ApiError(404, f"no {kind} with id '{key}'", code=f"{kind}_not_found")
+        where = (f"; this endpoint runs {replicas} replicas, each keeping its own files and "
+                 "batches" if replicas > 1 else "")  # fmt: skip
+        raise ApiError(404, f"no {kind} with id '{key}'{where}", code=f"{kind}_not_found")
     return kept[key]
 
 
@@ -65,6 +68,7 @@ class FileStore:
     """Uploaded files and batches' output files, up to ``max_bytes`` in all."""
 
     max_bytes: int
+    replicas: int = 1  # copies of the server behind its endpoint (each keeps its own files)
     files: OrderedDict[str, StoredFile] = field(default_factory=OrderedDict)
 
     def add(self, filename: str, purpose: str, data: bytes) -> StoredFile:
@@ -80,7 +84,7 @@ class FileStore:
         return stored
 
     def get(self, file_id: str) -> StoredFile:
-        return _found(self.files, file_id, "file")
+        return _found(self.files, file_id, "file", self.replicas)
 
     def delete(self, file_id: str) -> dict[str, Any]:
         self.get(file_id)
@@ -200,7 +204,7 @@ class Batches:
         return batch
 
     def get(self, batch_id: str) -> Batch:
-        return _found(self.kept, batch_id, "batch")
+        return _found(self.kept, batch_id, "batch", self.files.replicas)
 
     async def cancel(self, batch_id: str) -> Batch:
         """Stop a batch: its requests decoding leave the batch; the answers it has are
