@@ -116,3 +116,27 @@ def test_keys_and_errors_as_anthropics_clients_expect(served) -> None:
     for path in ("/v1/conversations", "/v1/batches", "/v1/responses/resp_1/cancel"):
         assert http(server.url + path, "POST", {}, key=None)[0] == 401, path  # kept routes too
     assert http(server.url + "/v1/conversations", "POST", {})[0] == 200  # (with the key)
+
+
+def test_thinking_on_or_off_reaches_the_template_as_enable_thinking(tmp_path) -> None:
+    """Anthropic's ``thinking`` ``enabled`` / ``disabled`` is the chat template's
+    ``enable_thinking`` (Qwen3's switch): a template that closes an empty thinking block
+    when it is off renders a longer prompt then; without ``thinking`` it renders as on."""
+    from server_helpers import CHAT_TEMPLATE
+
+    template = CHAT_TEMPLATE + (
+        "{% if enable_thinking is defined and not enable_thinking %} red blue{% endif %}"
+    )
+    with start_server(tiny_chat_folder(tmp_path, template)) as server:
+        client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+        model = http(server.url + "/v1/models", key=None)[1]["data"][0]["id"]
+        asked = {"model": model, "messages": [{"role": "user", "content": PROMPT}]}
+        counted = {
+            kind: client.messages.count_tokens(**asked, thinking=thinking).input_tokens
+            for kind, thinking in (
+                ("on", {"type": "enabled", "budget_tokens": 1024}),
+                ("off", {"type": "disabled"}),
+                ("unsaid", anthropic.omit),
+            )
+        }
+        assert counted["off"] == counted["on"] + 2 and counted["unsaid"] == counted["on"]

@@ -37,7 +37,7 @@ ERROR_TYPES = {
 }
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 # Anthropic's fields that change nothing here
-IGNORED = {"metadata", "thinking", "service_tier", "container", "cache_control", "mcp_servers",
+IGNORED = {"metadata", "service_tier", "container", "cache_control", "mcp_servers",
            "context_management", "inference_geo", "speed", "diagnostics", "user_profile_id",
            "workspace_id", "anthropic_version"}  # fmt: skip
 
@@ -83,7 +83,7 @@ class AnthropicTool(BaseModel):
 
 class MessagesRequest(BaseModel):
     """``POST /v1/messages``: the fields this server serves (Anthropic's others, such as
-    ``metadata`` and ``thinking``, are ignored; other fields, such as ``seed``,
+    ``metadata``, are ignored; other fields, such as ``seed``,
     ``ignore_eos`` or ``speculative``, are passed on to the chat request)."""
 
     model_config = ConfigDict(extra="allow")
@@ -101,6 +101,9 @@ class MessagesRequest(BaseModel):
     tool_choice: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # its "format": a JSON schema the text follows
     output_format: dict[str, Any] | None = None  # (the same, as its beta named it)
+    # {"type": "enabled" | "disabled" | "adaptive", …}: as the chat template's
+    # enable_thinking (Qwen3's switch) where it is on or off
+    thinking: dict[str, Any] | None = None
 
     def chat_request(self) -> dict[str, Any]:
         """The chat completion request that decodes this one."""
@@ -122,6 +125,10 @@ class MessagesRequest(BaseModel):
             chat["tools"] = [_chat_tool(tool) for tool in self.tools]
         if self.tool_choice is not None:
             chat |= _chat_tool_choice(self.tool_choice)
+        kind = (self.thinking or {}).get("type")
+        if kind in ("enabled", "disabled"):
+            variables = chat.setdefault("chat_template_kwargs", {})
+            variables.setdefault("enable_thinking", kind == "enabled")
         form = (self.output_config or {}).get("format") or self.output_format
         if form is not None:
             if form.get("type") != "json_schema":
