@@ -529,6 +529,25 @@ def test_the_store_keeps_the_most_recently_used_and_never_evicts_a_running_one()
     asyncio.run(run())
 
 
+def test_only_the_last_streams_keep_their_events() -> None:
+    """A background stream's events are kept for the last STREAMS_KEPT streams (their
+    responses stay kept without them), and always while the stream decodes."""
+    from speculative.server.stored import STREAMS_KEPT, LocalRecords
+
+    async def run() -> LocalRecords:
+        records = LocalRecords(capacity=1000)
+        for i in range(STREAMS_KEPT + 3):
+            status = "in_progress" if i == 1 else "completed"
+            await records.put({"id": f"r{i}/events", "object": "response.events"}, [])
+            await records.put({"id": f"r{i}", "object": "response", "status": status}, [])
+        return records
+
+    kept = asyncio.run(run()).kept
+    assert [f"r{i}" in kept for i in range(3)] == [True] * 3  # the responses stay
+    assert [f"r{i}/events" in kept for i in range(4)] == [False, True, False, True]
+    assert sum(key.endswith("/events") for key in kept) == STREAMS_KEPT + 1  # (+ the running)
+
+
 def test_stored_items_translate_back_to_the_chat_they_came_from() -> None:
     from speculative.server.responses import InputItem, ResponsesRequest
 

@@ -32,6 +32,8 @@ from speculative.server.protocol import ApiError
 RUNNING = ("queued", "in_progress")
 WATCH_S = 0.05  # how often shared records are read for status and cancels
 EVENTS = "response.events"  # the kind of record that holds a background stream's events
+EVENTS_SUFFIX = "/events"  # its id: the response's and this
+STREAMS_KEPT = 64  # background streams whose events are kept to be streamed again
 CANCEL_WAIT_S = 30.0  # how long a cancel through another replica waits for the response to end
 
 
@@ -160,6 +162,16 @@ class LocalRecords:
         for key in finished[: max(0, len(counted) - self.capacity)]:
             del self.kept[key]
             self.kept.pop(_events_id(key), None)  # (a stream's events go with it)
+        self._drop_old_streams()
+
+    def _drop_old_streams(self) -> None:
+        """Keep the events of the last ``STREAMS_KEPT`` background streams (a response
+        that has ended stays kept, without them; one still decoding keeps them)."""
+        streams = [key for key, (kept, _) in self.kept.items() if kept.get("object") == EVENTS]
+        for key in streams[: max(0, len(streams) - STREAMS_KEPT)]:
+            response = self.kept.get(key.removesuffix(EVENTS_SUFFIX))
+            if response is None or not _running(response[0]):
+                del self.kept[key]
 
     async def update(self, body: dict[str, Any]) -> None:
         kept = self.kept.get(body["id"])
@@ -251,8 +263,9 @@ class ResponseStore:
         recorded = await self.records.items_after(_events_id(response_id), 0)
         if stored.log is None and recorded is None:
             raise ApiError(
-                400, f"response '{response_id}' was not made with background and stream: "
-                "GET it without stream", param="stream",
+                400, f"response '{response_id}' was not made with background and stream, or "
+                f"its events are no longer kept (the last {STREAMS_KEPT} streams'): GET it "
+                "without stream", param="stream",
             )  # fmt: skip
         if stored.log is not None:
             return stored.log.after(after + 1)
@@ -362,7 +375,7 @@ class ResponseStore:
 
 def _events_id(response_id: str) -> str:
     """The record that holds a background stream's events."""
-    return f"{response_id}/events"
+    return response_id + EVENTS_SUFFIX
 
 
 def item_page(
