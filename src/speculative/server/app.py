@@ -161,6 +161,14 @@ class Prepared:
     # thinking block (None: no split)
     thinking: bool | None = None
 
+    async def settle(self, body: dict[str, Any]) -> None:
+        """What a Responses request's whole answer leaves: the response kept (where
+        asked) and its turn added to its conversation (where it continued one)."""
+        if self.keep is not None:
+            await self.keep(StoredResponse(body, self.input_items))
+        if self.join is not None:
+            await self.join(body)
+
     def drafter_hooks(
         self, request: BatchRequest
     ) -> tuple[Callable[[], Any] | None, Callable[[Any], None] | None]:
@@ -412,10 +420,7 @@ async def _whole_answer(
         _cancel_unfinished(jobs, prepared.endpoint, scheduler, metrics)
         raise
     assert body is not None
-    if prepared.keep is not None:
-        await prepared.keep(StoredResponse(body, prepared.input_items))
-    if prepared.join is not None:
-        await prepared.join(body)
+    await prepared.settle(body)
     return body
 
 
@@ -895,10 +900,7 @@ async def _complete(
     body = await _whole_body(prepared, jobs, state, scheduler, metrics, request.is_disconnected)
     if body is None:
         return Response(status_code=499)
-    if prepared.keep is not None:
-        await prepared.keep(StoredResponse(body, prepared.input_items))
-    if prepared.join is not None:
-        await prepared.join(body)
+    await prepared.settle(body)
     return JSONResponse(body)
 
 
@@ -1191,10 +1193,8 @@ async def _stream(
     last = None
     async for last in _response_events(prepared, chunks):
         yield sse(last, last["type"])
-    if last is not None and prepared.keep is not None:
-        await prepared.keep(StoredResponse(last["response"], prepared.input_items))
-    if last is not None and prepared.join is not None:
-        await prepared.join(last["response"])
+    if last is not None and prepared.responses is not None:  # (its last event's response)
+        await prepared.settle(last["response"])
 
 
 async def _response_events(
