@@ -10,6 +10,7 @@ run this same code, so a row's output does not depend on where it ran.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,16 @@ class BatchJob:
     presence_penalty: float = 0.0  # the target's logits penalized (sampling.penalties)
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+
+
+def openai_batch_line(
+    custom_id: str, status_code: int, body: dict[str, Any], error: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One line of an OpenAI Batch API output (or error) file: a request's answer ``body``
+    (or error body) with its HTTP status, and ``error`` where it failed."""
+    response = {"status_code": status_code, "request_id": uuid.uuid4().hex, "body": body}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": response, "error": error}  # fmt: skip
 
 
 FORMAT_KEYS = ("json_schema", "regex", "choice", "grammar")  # a record's output format

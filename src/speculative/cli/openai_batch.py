@@ -16,8 +16,9 @@ import time
 import uuid
 from typing import Any
 
-from speculative.batch_jobs import Record, ResultLine
+from speculative.batch_jobs import Record, ResultLine, openai_batch_line
 from speculative.cli.common import CliError
+from speculative.engine.stopping import openai_finish_reason
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # request fields taken: the body's name -> the prompts record's
@@ -45,7 +46,6 @@ REFUSED = {
     "best_of": None,
     "suffix": None,
 }
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
 
 def is_batch_request(record: Any) -> bool:
@@ -104,7 +104,7 @@ def _schema(response_format: Any, where: str) -> dict[str, Any] | None:
 def batch_output(line: ResultLine, request: dict[str, Any], model: str) -> dict[str, Any]:
     """OpenAI's batch output line for a finished row."""
     chat = URLS[request["url"]] == "chat"
-    finish = FINISH_REASONS.get(line["finish_reason"] or "", "stop")
+    finish = openai_finish_reason(line["finish_reason"])
     completion = len(line["token_ids"])
     usage = {
         "prompt_tokens": line["prompt_tokens"],
@@ -124,9 +124,4 @@ def batch_output(line: ResultLine, request: dict[str, Any], model: str) -> dict[
         "choices": [choice],
         "usage": usage,
     }
-    return {
-        "id": f"batch_req_{uuid.uuid4().hex}",
-        "custom_id": request["custom_id"],
-        "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body},
-        "error": None,
-    }
+    return openai_batch_line(request["custom_id"], 200, body)

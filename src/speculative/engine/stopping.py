@@ -15,6 +15,16 @@ class StopCut:
     reason: str | None = None
 
 
+# an engine finish reason as OpenAI's finish_reason ("context": the window ended it)
+OPENAI_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+
+def openai_finish_reason(reason: str | None) -> str:
+    """OpenAI's ``finish_reason`` for an engine finish reason (the server's answers and
+    the batch job's OpenAI output lines alike)."""
+    return OPENAI_FINISH_REASONS.get(reason or "", "stop")
+
+
 def find_stop(text: str, stops: Sequence[str], after: int = 0) -> tuple[int, int] | None:
     """(where it starts, where it ends) of the earliest stop string in ``text`` (of those
     starting earliest, the first given) among those ending after character ``after``

@@ -18,12 +18,12 @@ take Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``).
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from speculative.server.protocol import ApiError
+from speculative.server.responses import new_id
 
 # an HTTP status's Anthropic error type
 ERROR_TYPES = {
@@ -211,10 +211,6 @@ def _chat_tool_choice(choice: dict[str, Any]) -> dict[str, Any]:
     return chosen
 
 
-def new_message_id() -> str:
-    return f"msg_{uuid.uuid4().hex}"
-
-
 def error_body(status: int, message: str) -> dict[str, Any]:
     """An error in Anthropic's shape."""
     kind = ERROR_TYPES.get(status, "api_error")
@@ -255,7 +251,7 @@ class MessagesAnswer:
 
     def __init__(self, request: MessagesRequest) -> None:
         self.request = request
-        self.id = new_message_id()
+        self.id = new_id("msg")
 
     def whole(self, chat: dict[str, Any]) -> dict[str, Any]:
         """A whole chat completion as a ``message``."""

@@ -35,7 +35,7 @@ from speculative.engine.batch import BatchEngine, BatchRequest
 from speculative.engine.gamma import LoadAwareGamma
 from speculative.engine.loop import GenerationResult, Round
 from speculative.engine.stats import GenerationStats
-from speculative.engine.stopping import find_stop
+from speculative.engine.stopping import find_stop, openai_finish_reason
 from speculative.sampling import SamplingParams
 from speculative.sampling.constraints import TokenConstraint
 from speculative.server.anthropic import MessagesAnswer, MessagesRequest
@@ -105,7 +105,6 @@ from speculative.server.tools import (
 if TYPE_CHECKING:
     from speculative.targets import TemplateOptions
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 SEED_RANGE = 2**63  # seeds drawn for requests without one lie below it
 DISCONNECT_POLL_SECONDS = 0.25
 
@@ -797,7 +796,7 @@ def _usage(prepared: Prepared, results: list[GenerationResult]) -> dict[str, Any
 
 
 def _finish_reason(result: GenerationResult) -> str:
-    return FINISH_REASONS.get(result.finish_reason or "", "stop")
+    return openai_finish_reason(result.finish_reason)
 
 
 def _calls_reason(result: GenerationResult, prepared: Prepared, reply: Reply) -> str:

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from speculative.batch_jobs import openai_batch_line
 from speculative.server.protocol import ApiError
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
@@ -245,18 +246,13 @@ class Batches:
 
     async def _answered(self, name: str, line: BatchLine) -> dict[str, Any]:
         """A request's output line: its answer, or its error."""
-        request_id = uuid.uuid4().hex
         try:
-            body = await self.answer(name, line.body)
-            response = {"status_code": 200, "request_id": request_id, "body": body}
-            return {"id": _id("batch_req_"), "custom_id": line.custom_id,
-                    "response": response, "error": None}  # fmt: skip
+            return openai_batch_line(line.custom_id, 200, await self.answer(name, line.body))
         except Exception as exc:  # (an ApiError as it is; anything else as a 500)
             if not isinstance(exc, ApiError):
                 exc = ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
-            response = {"status_code": exc.status, "request_id": request_id, "body": exc.body()}
-            return {"id": _id("batch_req_"), "custom_id": line.custom_id, "response": response,
-                    "error": {"code": exc.code or exc.type, "message": exc.message}}  # fmt: skip
+            error = {"code": exc.code or exc.type, "message": exc.message}
+            return openai_batch_line(line.custom_id, exc.status, exc.body(), error)
 
     def _write(self, batch: Batch, outputs: list[dict[str, Any] | None]) -> None:
         """The output file (answers, input order) and the error file (failed requests)."""
