@@ -8,7 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from speculative.engine.costs import forward_ms
 from speculative.models.base import CausalLM, RowInput
@@ -224,6 +231,230 @@ def test_qwen2_biases_match(tmp_path: Path, backend: str) -> None:
     assert model.config.attention_bias
     logits = torch.cat([model.forward(ids[:, :7]), model.forward(ids[:, 7:])], dim=1)
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+
+
+def _tiny_qwen3(folder: Path) -> Qwen3ForCausalLM:
+    """A Qwen3 whose heads are wider than hidden / heads (q_size 128 > hidden 64, as in
+    the real ones), with norm weights far from 1 so a missing or misordered q/k norm shows."""
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+        rope_theta=1000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.2, 3.0)
+    model.save_pretrained(folder)
+    return model
+
+
+def _as_gguf(model: torch.nn.Module, path: Path) -> None:
+    """A tiny Llama or Qwen3 as llama.cpp's converter writes it: float32 tensors; a Llama's
+    q/k rows permuted to interleaved RoPE pairs and its Llama 3 frequency scaling as a
+    ``rope_freqs`` tensor of per-pair divisors; a Qwen3's rows in rotate-half order and its
+    head_dim as ``attention.key_length``."""
+    from gguf import GGUFWriter
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from speculative.models.native.loading import gguf_to_hf_name
+
+    cfg = model.config
+    arch = cfg.model_type
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    hf = {name: t.detach().float() for name, t in model.state_dict().items()}
+    parts = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+             "attn_norm", "ffn_norm"]  # fmt: skip
+    if arch == "qwen3":
+        parts += ["attn_q_norm", "attn_k_norm"]
+    names = ["token_embd.weight", "output_norm.weight"]
+    names += [f"blk.{i}.{part}.weight" for i in range(cfg.num_hidden_layers) for part in parts]
+    if not cfg.tie_word_embeddings:
+        names.append("output.weight")
+    for name in names:
+        tensor = hf[gguf_to_hf_name(name)]
+        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+        part = name.split(".")[2] if name.startswith("blk.") else ""
+        if arch == "llama" and part in heads:  # llama.cpp's permute
+            n = heads[part]
+            tensor = tensor.reshape(n, 2, tensor.shape[0] // n // 2, -1).transpose(1, 2)
+        writer.add_tensor(name, tensor.reshape(-1, tensor.shape[-1]).squeeze(0).numpy())
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")  # [head_dim // 2]
+        d = cfg.head_dim
+        plain = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
+        writer.add_tensor("rope_freqs.weight", (plain / scaled).float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path: Path, backend: str) -> None:
+    """A Llama 3 GGUF (q/k rows permuted, its frequency scaling as a ``rope_freqs`` tensor)
+    gives transformers' logits for the Hugging Face model; the control, the same GGUF read
+    without its factors, does not."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=500.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
+    reference_model = LlamaForCausalLM(config).eval()
+    path = tmp_path / "tiny-llama3.gguf"
+    _as_gguf(reference_model, path)
+    ids = _ids(24, seed=5)
+    reference = _reference(reference_model, ids)
+    model = load_native(path, max_length=32, backend=backend)
+    assert model.config.rope_factors is not None
+    logits = torch.cat([model.forward(ids[:, :16]), model.forward(ids[:, 16:])], dim=1)
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+    from dataclasses import replace
+
+    from speculative.models.native.loading import load_checkpoint
+    from speculative.models.native.model import NativeLlama
+
+    checkpoint = load_checkpoint(path)
+    checkpoint.config = replace(checkpoint.config, rope_factors=None)
+    wrong = NativeLlama(checkpoint, max_length=32, backend=backend).forward(ids)
+    assert (wrong - reference).abs().max() > 0.05
+
+
+def test_qwen3_query_key_norms_match(tmp_path: Path, backend: str) -> None:
+    """Qwen3's per-head q/k RMSNorms (with head_dim != hidden / heads) give transformers'
+    logits through prefill, decode steps and a rolled-back block, read from its Hugging
+    Face folder and from a GGUF of it, and a block of k tokens still equals k steps
+    bitwise; without the norms the logits are far off."""
+    reference_model = _tiny_qwen3(tmp_path)
+    ids = _ids(20, seed=7)
+    reference = _reference(reference_model, ids)
+    _as_gguf(reference_model, tmp_path / "tiny-qwen3.gguf")
+    for path in (tmp_path, tmp_path / "tiny-qwen3.gguf"):
+        model = load_native(path, max_length=32, backend=backend)
+        assert model.config.head_dim * model.config.num_heads == 2 * model.config.hidden_size
+        prefill = model.forward(ids[:, :12])
+        steps = [model.forward(ids[:, j : j + 1]) for j in range(12, 15)]
+        model.rollback(2)
+        block = model.forward(ids[:, 13:20])
+        logits = torch.cat([prefill, *steps[:1], block], dim=1)
+        torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.cat(steps, dim=1), reference[:, 12:15], atol=1e-4,
+                                   rtol=1e-4)  # fmt: skip
+    for precision in ("fp32", "int4"):  # the norms keep a token's logits k-invariant
+        model = load_native(tmp_path, precision, max_length=64, backend=backend)
+        _assert_k_invariant(model, _ids(40, seed=8), contexts=[3, 21], ks=[2, 5, 9])
+    # control: the same checkpoint with its q/k norms dropped is not the model
+    state = {  # (the output head is tied to the embedding: not saved twice)
+        k: v
+        for k, v in reference_model.state_dict().items()
+        if "_norm." not in k and k != "lm_head.weight"
+    }
+    without = tmp_path / "without-norms"
+    without.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(without / "model.safetensors"))
+    (without / "config.json").write_text((tmp_path / "config.json").read_text())
+    wrong = load_native(without, max_length=32, backend=backend).forward(ids)
+    assert (wrong - reference).abs().max() > 0.5
+
+
+def test_a_qwen3_folder_decodes_natively_and_speculates_exactly(tmp_path: Path) -> None:
+    """A Qwen3 checkpoint folder loads on the native runtime by default; greedy speculation
+    with its own int4 copy drafting equals plain greedy decoding, which equals the
+    transformers runtime's greedy tokens."""
+    from speculative.pipeline import Speculator
+    from tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    _tiny_qwen3(tmp_path)
+    config = Qwen3Config.from_pretrained(tmp_path)
+    config.vocab_size = len(tokenizer.get_vocab())
+    torch.manual_seed(1)
+    Qwen3ForCausalLM(config).eval().save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    kwargs = {"max_new_tokens": 16, "chat": False, "temperature": 0.0}
+    prompt = "the cat sat on the mat and"
+    speculative = Speculator.load(str(tmp_path), draft="self-int4", gamma=3)
+    assert speculative.target.runtime == "native"
+    out = speculative.generate(prompt, **kwargs)
+    plain = Speculator.load(str(tmp_path), draft=None).generate(prompt, **kwargs)
+    hf = Speculator.load(str(tmp_path), draft=None, runtime="hf").generate(prompt, **kwargs)
+    assert len(out.token_ids) >= 6 and out.stats.accepted_tokens > 0
+    assert out.token_ids == plain.token_ids == hf.token_ids
+
+
+def test_gguf_files_the_runtime_cannot_run_are_refused_by_name(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    from speculative.models.gguf_file import read_gguf
+    from speculative.models.native.loading import gguf_config
+
+    def header(arch: str, scaling: str | None) -> Path:
+        path = tmp_path / f"{arch}-{scaling}.gguf"
+        writer = GGUFWriter(str(path), arch)
+        writer.add_head_count(4)
+        if scaling is not None:
+            writer.add_string(f"{arch}.rope.scaling.type", scaling)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        return path
+
+    with pytest.raises(ValueError, match=r"architecture 'gemma3'.*qwen3"):
+        gguf_config(read_gguf(header("gemma3", None)))
+    with pytest.raises(ValueError, match=r"RoPE scaling 'yarn'"):
+        gguf_config(read_gguf(header("qwen3", "yarn")))
+    with pytest.raises(ValueError, match=r"lacks metadata 'qwen3\.embedding_length'"):
+        gguf_config(read_gguf(header("qwen3", "none")))  # past the scaling check
+
+
+def test_sliding_window_models_are_refused(tmp_path: Path) -> None:
+    from speculative.models.native.config import config_from_hf
+
+    raw = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2
+    ).to_dict()
+    assert config_from_hf(raw).head_dim == 128  # Qwen3Config's own default
+    with pytest.raises(ValueError, match="sliding-window"):
+        config_from_hf({**raw, "use_sliding_window": True})
+    with pytest.raises(ValueError, match="sliding-window"):
+        config_from_hf({**raw, "layer_types": ["full_attention", "sliding_attention"]})
 
 
 def test_errors_are_clear(tiny: tuple[LlamaForCausalLM, Path], tmp_path: Path) -> None:

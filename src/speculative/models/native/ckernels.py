@@ -85,7 +85,7 @@ ISA_NEEDS = {
 }
 ISA_ENV = "SPECULATIVE_KERNEL_ISA"
 ISA_CHOICES = ("auto", "avx2", "avx512")
-ABI_VERSION = 18
+ABI_VERSION = 19
 PANEL = 16  # outputs per packed panel, fp32 / bf16 / int8
 Q4_PANEL = 8  # outputs per packed panel, int4
 LINEAR_CACHED = 1  # kernels.c's Linear.flags bit (KernelLinear.cached)
@@ -239,6 +239,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
+        ("qk_norm", ctypes.c_void_p),  # [2, head_dim] query then key norm weights, or NULL
         ("qkv", _Linear),
         ("o", _Linear),
         ("gate_up", _Linear),
@@ -570,6 +571,7 @@ def _layer_struct(layer: PackedLayer[KernelLinear]) -> _Layer:
     return _Layer(
         _address(layer.input_norm),
         _address(layer.post_attention_norm),
+        _address(layer.qk_norm),
         layer.qkv.struct(),
         layer.o.struct(),
         layer.gate_up.struct(),

@@ -21,7 +21,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class NativeConfig:
-    """The shape of a Llama/Mistral/Qwen2-style decoder."""
+    """The shape of a Llama/Mistral/Qwen2/Qwen3-style decoder."""
 
     vocab_size: int
     hidden_size: int
@@ -36,6 +36,9 @@ class NativeConfig:
     attention_bias: bool = False
     rope_scaling: RopeScaling | None = None
     max_position_embeddings: int | None = None
+    # a GGUF's rope_freqs: each pair's frequency is divided by its factor (llama.cpp's form
+    # of Llama 3's scaling, computed by its converter); [head_dim // 2] or None
+    rope_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -55,7 +58,7 @@ class NativeConfig:
         return self.num_kv_heads * self.head_dim
 
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
 def config_from_hf(raw: dict[str, Any]) -> NativeConfig:
@@ -65,6 +68,11 @@ def config_from_hf(raw: dict[str, Any]) -> NativeConfig:
         raise ValueError(
             f"unsupported model_type {model_type!r}; the native runtime handles "
             f"{sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
+        raise ValueError(
+            "sliding-window attention is not supported by the native runtime; "
+            "use --runtime transformers"
         )
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"only SwiGLU (hidden_act='silu') is supported, got {raw['hidden_act']!r}")
@@ -112,6 +120,13 @@ def rope_inverse_frequencies(config: NativeConfig) -> torch.Tensor:
     """Per-pair rotation frequencies, with llama3 scaling applied. Returns [head_dim // 2]."""
     exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
     inv_freq = 1.0 / (config.rope_theta**exponents)  # [head_dim // 2]
+    if config.rope_factors is not None:
+        if len(config.rope_factors) != config.head_dim // 2:
+            raise ValueError(
+                f"rope_freqs holds {len(config.rope_factors)} factors, not head_dim / 2 = "
+                f"{config.head_dim // 2}"
+            )
+        inv_freq = inv_freq / torch.tensor(config.rope_factors, dtype=torch.float32)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq

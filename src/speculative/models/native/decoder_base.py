@@ -26,9 +26,9 @@ LinearT = TypeVar("LinearT", bound=_Packed)
 
 @dataclass
 class PackedLayer(Generic[LinearT]):
-    """One decoder block's weights as a decoder packed them: two norms and four fused
-    linears of the decoder's own kind (PyTorch ops: ``PackedLinear``; the C kernels:
-    ``KernelLinear``)."""
+    """One decoder block's weights as a decoder packed them: two norms (and Qwen3's query
+    and key norms) and four fused linears of the decoder's own kind (PyTorch ops:
+    ``PackedLinear``; the C kernels: ``KernelLinear``)."""
 
     input_norm: torch.Tensor  # [hidden] float32
     post_attention_norm: torch.Tensor  # [hidden] float32
@@ -36,6 +36,7 @@ class PackedLayer(Generic[LinearT]):
     o: LinearT  # q_size -> hidden
     gate_up: LinearT  # hidden -> 2 * intermediate
     down: LinearT  # intermediate -> hidden
+    qk_norm: torch.Tensor | None = None  # [2, head_dim] float32 (LayerWeights.qk_norm)
 
     @classmethod
     def pack(
@@ -49,12 +50,13 @@ class PackedLayer(Generic[LinearT]):
             o=make_linear(weights.o, None),
             gate_up=make_linear(weights.gate_up, None),
             down=make_linear(weights.down, None),
+            qk_norm=None if weights.qk_norm is None else weights.qk_norm.float().contiguous(),
         )
 
     def weight_bytes(self) -> int:
-        """Bytes one decode step reads from the block: four linears and two norms."""
+        """Bytes one decode step reads from the block: four linears and its norms."""
         linears = (self.qkv, self.o, self.gate_up, self.down)
-        norms = tensor_bytes(self.input_norm, self.post_attention_norm)
+        norms = tensor_bytes(self.input_norm, self.post_attention_norm, self.qk_norm)
         return sum(x.weight_bytes() for x in linears) + norms
 
 

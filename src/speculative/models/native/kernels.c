@@ -57,6 +57,9 @@ typedef struct {
 typedef struct {
     const float *input_norm;  /* [hidden] */
     const float *post_norm;   /* [hidden] */
+    const float *qk_norm;     /* [2, head_dim]: every query head's RMSNorm weights (with the
+                               * 1/sqrt(head_dim) softmax scale folded in), then every key
+                               * head's, in RoPE-interleaved order (Qwen3); or NULL */
     Linear qkv, o, gate_up, down;
 } Layer;
 
@@ -91,7 +94,7 @@ static inline void op_clock(const Model *m, int op, double *last) {
     *last = now;
 }
 
-int spec_abi_version(void) { return 18; }
+int spec_abi_version(void) { return 19; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 const char *spec_isa(void) { return "avx512"; }
@@ -1003,16 +1006,34 @@ static inline void kv_store(void *cache, size_t i, const float *x, int n, int f1
                          _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
 }
 
+/* x[0..n) = x * rsqrt(mean(x^2) + eps) * weight in place: one row of rms_norm_strided's
+ * arithmetic (the same lanes, sums and rounding). */
+static inline void rms_norm_in_place(float *x, const float *weight, int n, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    const __m256 s = _mm256_set1_ps(1.0f / sqrtf(hsum8(acc) / (float)n + eps));
+    for (int i = 0; i < n; i += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), s);
+        _mm256_storeu_ps(x + i, _mm256_mul_ps(v, _mm256_loadu_ps(weight + i)));
+    }
+}
+
 /* Rotate interleaved pairs of q and k heads at each row's position; store k, v in cache. */
-/* RoPE on one row's queries and keys (at `position`), then its keys and values into cache
- * slot `slot` of k_cache / v_cache ([kv_heads, max_length, head_dim]). */
-static void rope_and_store_row(const Model *m, float *row, int64_t position, size_t slot,
-                               void *k_cache, void *v_cache) {
+/* The per-head query and key norms where the layer has them (qk_norm: see Layer), RoPE on
+ * one row's queries and keys (at `position`), then its keys and values into cache slot
+ * `slot` of k_cache / v_cache ([kv_heads, max_length, head_dim]). */
+static void rope_and_store_row(const Model *m, const float *qk_norm, float *row,
+                               int64_t position, size_t slot, void *k_cache, void *v_cache) {
     const int d = m->head_dim, half = d / 2, heads = m->heads, kv = m->kv_heads;
     const float *c = m->cos + (size_t)position * half;
     const float *s = m->sin + (size_t)position * half;
     for (int h = 0; h < heads + kv; h++) {
         float *x = row + h * d;
+        if (qk_norm)
+            rms_norm_in_place(x, qk_norm + (h < heads ? 0 : d), d, m->eps);
         for (int i = 0; i < half; i++) {
             float a = x[2 * i], b = x[2 * i + 1];
             x[2 * i] = a * c[i] - b * s[i];
@@ -1597,12 +1618,13 @@ static void row_argmax(const float *logits, int rows, int vocab, int32_t *argmax
     }
 }
 
-/* RoPE and the cache store for every row of the batch in one work-sharing loop (row r
+/* The query and key norms (qk_norm: the layer's, or NULL), RoPE and the cache store for
+ * every row of the batch in one work-sharing loop (row r
  * belongs to the sequence whose rows cover it; k_cache / v_cache: this layer's part of cache
  * slot 0, slot s at + seq_slot[s] * slot_floats). Ends in a barrier. */
-static void rope_and_store_batch(const Model *m, float *qkv, int nseq, const int32_t *seq_rows,
-                                 const int32_t *seq_start, const int32_t *seq_slot,
-                                 const int64_t *positions, void *k_cache, void *v_cache,
+static void rope_and_store_batch(const Model *m, const float *qk_norm, float *qkv, int nseq,
+                                 const int32_t *seq_rows, const int32_t *seq_start,
+                                 const int32_t *seq_slot, const int64_t *positions, void *k_cache, void *v_cache,
                                  int64_t slot_floats, int rows) {
     const int width = (m->heads + 2 * m->kv_heads) * m->head_dim;
 #pragma omp for schedule(static)
@@ -1610,8 +1632,9 @@ static void rope_and_store_batch(const Model *m, float *qkv, int nseq, const int
         int s = 0, r0 = 0;
         while (r >= r0 + seq_rows[s]) r0 += seq_rows[s++];
         const size_t cache = (size_t)seq_slot[s] * slot_floats;
-        rope_and_store_row(m, qkv + (size_t)r * width, positions[r], (size_t)(seq_start[s] + r - r0),
-                           kv_at(k_cache, cache, m->kv_f16), kv_at(v_cache, cache, m->kv_f16));
+        rope_and_store_row(m, qk_norm, qkv + (size_t)r * width, positions[r],
+                           (size_t)(seq_start[s] + r - r0), kv_at(k_cache, cache, m->kv_f16),
+                           kv_at(v_cache, cache, m->kv_f16));
     }
 }
 
@@ -1793,8 +1816,8 @@ static void forward_batch(const Model *m, float *hidden, int nseq, const int32_t
             op_clock(m, OP_QKV, &clock);
             void *keys = kv_at(k_cache, l * layer_cache, m->kv_f16);
             void *values = kv_at(v_cache, l * layer_cache, m->kv_f16);
-            rope_and_store_batch(m, qkv, nseq, seq_rows, seq_start, seq_slot, positions, keys,
-                                 values, slot_floats, rows);
+            rope_and_store_batch(m, L->qk_norm, qkv, nseq, seq_rows, seq_start, seq_slot,
+                                 positions, keys, values, slot_floats, rows);
             op_clock(m, OP_ROPE, &clock);
             attention_batch(m, qkv, nseq, seq_rows, seq_start, seq_slot, masks, mask_offset,
                             seq_mask_base, keys, values, slot_floats, attn, scratch, chunk_buffers,

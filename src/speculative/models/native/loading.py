@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,11 +70,21 @@ def load_hf_folder(folder: Path) -> Checkpoint:
     return Checkpoint(config, tensors, name=folder.name)
 
 
+GGUF_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
+# llama.cpp's converter permutes the q/k rows of llama-style models to interleaved RoPE
+# pairs; Qwen's keep Hugging Face's rotate-half order (llama.cpp's NEOX rope).
+_GGUF_ROTATE_HALF = {"qwen2", "qwen3"}
+
+
+# Llama 3's frequency scaling as llama.cpp's converter stores it (not a weight)
+_GGUF_ROPE_FACTORS = "rope_freqs.weight"
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -108,10 +118,19 @@ def _gguf_field(reader: GGUFFile, key: str, default: object = None) -> object:
 
 
 def gguf_config(reader: GGUFFile) -> NativeConfig:
-    """Architecture from GGUF metadata (llama / mistral / qwen2)."""
+    """Architecture from GGUF metadata (llama / mistral / qwen2 / qwen3)."""
     arch = str(_gguf_field(reader, "general.architecture"))
-    if arch not in {"llama", "mistral", "qwen2"}:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; the native runtime reads "
+            f"{sorted(GGUF_ARCHITECTURES)}"
+        )
+    scaling = reader.fields.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(
+            f"unsupported RoPE scaling {scaling!r} in the GGUF file; the native runtime "
+            "runs plain RoPE and Llama 3's (rope_freqs)"
+        )
     num_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_gguf_field(reader, f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}
@@ -125,7 +144,13 @@ def gguf_config(reader: GGUFFile) -> NativeConfig:
         num_layers=int(_gguf_field(reader, f"{arch}.block_count")),
         num_heads=num_heads,
         num_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(_gguf_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)),
+        head_dim=int(
+            _gguf_field(
+                reader,
+                f"{arch}.attention.key_length",
+                _gguf_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads),
+            )
+        ),
         rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in names,
@@ -163,15 +188,19 @@ def rope_interleave_index(rows: int, num_heads: int) -> torch.Tensor:
 
 
 def load_gguf(path: Path) -> Checkpoint:
-    """Read a llama.cpp GGUF file (llama/mistral/qwen2 architectures)."""
+    """Read a llama.cpp GGUF file (llama/mistral/qwen2/qwen3 architectures)."""
     from speculative.models.gguf_file import read_gguf
 
     reader = read_gguf(path)
     config = gguf_config(reader)
     tensors: dict[str, Weight] = {}
     for tensor in reader.tensors:
+        if tensor.name == _GGUF_ROPE_FACTORS:
+            factors = _decode_gguf_tensor(tensor)
+            assert isinstance(factors, torch.Tensor)
+            config = replace(config, rope_factors=tuple(factors.flatten().tolist()))
+            continue
         tensors[gguf_to_hf_name(tensor.name)] = _decode_gguf_tensor(tensor)
-    # llama.cpp permutes q/k rows of llama-style models only (not qwen2).
-    is_permuted = str(_gguf_field(reader, "general.architecture")) != "qwen2"
-    layout = "interleaved" if is_permuted else "half"
+    rotate_half = str(_gguf_field(reader, "general.architecture")) in _GGUF_ROTATE_HALF
+    layout = "half" if rotate_half else "interleaved"
     return Checkpoint(config, tensors, name=path.stem, qk_layout=layout)

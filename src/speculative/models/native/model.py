@@ -1,7 +1,9 @@
 """A compact Llama-architecture decoder with a static, position-indexed KV cache.
 
-Covers Llama / SmolLM2 / Mistral (no sliding window) and Qwen2 (q/k/v biases): RMSNorm,
-RoPE (with llama3 scaling), grouped-query attention, SwiGLU, tied or untied embeddings.
+Covers Llama / SmolLM2 / Mistral (no sliding window), Qwen2 (q/k/v biases) and Qwen3
+(per-head q/k RMSNorm, head_dim apart from hidden / heads): RMSNorm, RoPE (with Llama 3's
+scaling, from a config or a GGUF's rope_freqs), grouped-query attention, SwiGLU, tied or
+untied embeddings.
 
 Two decoders run the layers behind one interface: ``"kernels"`` (:mod:`.ckernels`, one
 C function per forward: AVX2 + OpenMP, weights streamed once for all k tokens) and

@@ -233,11 +233,28 @@ class TorchDecoder(DecoderBase):
     ) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         normed = F.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, eps)
-        attn = self._attention(index, layer.qkv(normed), b, tile, rotation)
+        qkv = layer.qkv(normed)  # [T, q_size + 2 * kv_size]
+        if layer.qk_norm is not None:
+            qkv = self._head_normed(qkv, layer.qk_norm)
+        attn = self._attention(index, qkv, b, tile, rotation)
         layer.o.add_into(hidden, attn)
         normed = F.rms_norm(hidden, hidden.shape[-1:], layer.post_attention_norm, eps)
         gate, up = layer.gate_up(normed).chunk(2, dim=-1)  # [T, intermediate] each
         return layer.down.add_into(hidden, F.silu(gate).mul_(up))
+
+    def _head_normed(
+        self,
+        qkv: torch.Tensor,  # [T, q_size + 2 * kv_size]
+        qk_norm: torch.Tensor,  # [2, head_dim]: query heads' weights, key heads'
+    ) -> torch.Tensor:  # [T, q_size + 2 * kv_size]
+        """Every query head and every key head RMS-normed with its own weights (Qwen3)."""
+        cfg = self.config
+        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        split = qkv.view(qkv.shape[0], heads + 2 * kv_heads, d)
+        eps = cfg.rms_norm_eps
+        queries = F.rms_norm(split[:, :heads], (d,), qk_norm[0], eps)
+        keys = F.rms_norm(split[:, heads : heads + kv_heads], (d,), qk_norm[1], eps)
+        return torch.cat([queries, keys, split[:, heads + kv_heads :]], dim=1).view_as(qkv)
 
     def _attention(
         self,
