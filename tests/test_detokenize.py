@@ -106,3 +106,26 @@ def test_a_decoder_that_reaches_past_the_window_is_caught_by_the_checks() -> Non
     checked = IncrementalDecoder(decode)
     assert [checked.add(i) for i in range(len(pieces))][-1] == decode(range(len(pieces)))
     assert checked.whole  # the first check (at 64 tokens) found it without being asked
+
+
+@pytest.mark.parametrize("make", ["bytes", "junk", "sentencepiece"])
+def test_a_decoder_started_with_a_prompt_goes_on_as_one_fed_token_by_token(make: str) -> None:
+    """``starting_with`` decodes a long start once; the text after every later token is
+    the whole decoding, and the tokens after the start cost windows, not the prefix."""
+    rng = random.Random(1)
+    tokens, decode = {
+        "bytes": lambda: byte_chunks(rng, junk=False),
+        "junk": lambda: byte_chunks(rng, junk=True),
+        "sentencepiece": lambda: sentencepiece_like(rng),
+    }[make]()
+    start = len(tokens) // 2
+    counting = Counting(decode)
+    decoder = IncrementalDecoder.starting_with(counting, tokens[:start])
+    assert decoder.text == decode(tokens[:start])
+    at_start = counting.tokens
+    assert at_start <= start + 8  # one whole decoding (and the window's context)
+    for n in range(start + 1, len(tokens) + 1):
+        assert decoder.add(tokens[n - 1]) == decode(tokens[:n])
+    assert decoder.verify()
+    later = counting.tokens - at_start - 2 * len(tokens)  # the whole-decoding checks
+    assert later < 24 * (len(tokens) - start)

@@ -42,6 +42,23 @@ class IncrementalDecoder:
     _next_check: int = FIRST_CHECK
     _verified: int = 0  # the length at the last whole decoding that agreed
 
+    @classmethod
+    def starting_with(
+        cls, decode: Callable[[Sequence[int]], str], tokens: Sequence[int]
+    ) -> IncrementalDecoder:
+        """A decoder already holding ``tokens`` (one whole decoding, anchored at its end
+        where the text is whole), for a long start such as a prompt: cheaper than adding
+        its tokens one by one."""
+        decoder = cls(decode, list(tokens), decode(tokens))
+        n = len(decoder.tokens)
+        decoder._verified = n
+        decoder._next_check = max(FIRST_CHECK, 2 * n)
+        if not decoder.text.endswith(REPLACEMENT):  # else the window starts at 0 until whole
+            decoder._context, decoder._anchor = max(0, n - WINDOW), n
+            decoder._text_at_anchor = decoder.text
+            decoder._context_text = decode(decoder.tokens[decoder._context : n])
+        return decoder
+
     def add(self, token: int) -> str:
         """Add one token; returns the text of all of them."""
         self.tokens.append(token)

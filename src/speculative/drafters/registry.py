@@ -10,6 +10,7 @@
                 (auto:DIR: with the head in DIR)
   default       the best drafter at hand: auto where an EAGLE head ships for the target
                 (and it gives features), else ngram
+  text:<model>  a separate causal LM with a vocabulary of its own, bridged through text
   <path or id>  a separate, smaller causal LM sharing the target's vocabulary
 
 Factories ask capability protocols (SupportsHiddenStates, SupportsEarlyExit), never
@@ -206,16 +207,37 @@ def _default(argument: str, target: LoadedModel) -> Drafter | None:
     return build_drafter(default_drafter_name(target), target)
 
 
+def _text_bridge(argument: str, target: LoadedModel) -> Drafter:
+    from speculative.drafters.text_bridge import TextBridgeDrafter
+    from speculative.targets import load_target
+
+    if not argument:
+        raise ValueError("text:<model> names the draft model, e.g. text:path/to/small-model")
+    if target.tokenizer is None:
+        raise ValueError(f"'{target.name}' has no tokenizer: a text bridge needs one")
+    # one load for all of the target's text-bridged drafters (each holds a cache slot of
+    # it where the runtime has slots)
+    draft = target.shared(("text", argument), lambda: load_target(argument, "auto"))
+    return TextBridgeDrafter(
+        draft.lm, draft.tokenizer, target.tokenizer, draft.eos_token_ids, f"text:{draft.name}"
+    )
+
+
 def _draft_model(name: str, target: LoadedModel) -> Drafter:
     from speculative.drafters.model import DraftModelDrafter
-    from speculative.models.loading import check_vocab_compatible
+    from speculative.models.loading import VocabularyMismatchError, check_vocab_compatible
     from speculative.targets import load_target
 
     vocab = target.lm.vocab_size
     draft = load_target(name, target.runtime)
-    check_vocab_compatible(
-        target.tokenizer, vocab, draft.tokenizer, draft.lm.vocab_size, target.name, draft.name
-    )
+    try:
+        check_vocab_compatible(
+            target.tokenizer, vocab, draft.tokenizer, draft.lm.vocab_size, target.name, draft.name
+        )
+    except VocabularyMismatchError as error:
+        raise VocabularyMismatchError(
+            f"{error}; --draft text:{name} drafts with it through text (lossless too)"
+        ) from None
     return DraftModelDrafter(draft.lm, vocab, f"draft:{draft.name}")
 
 
@@ -233,6 +255,7 @@ REGISTRY: tuple[Entry, ...] = (
     Entry("medusa", _medusa, "Medusa heads (shipped, or medusa:DIR)"),
     Entry("auto", _auto, "n-gram or EAGLE head per round (auto:DIR)"),
     Entry("default", _default, "auto where a head ships for the target, else ngram"),
+    Entry("text", _text_bridge, "a causal LM of another vocabulary, through text: text:MODEL"),
 )
 
 
