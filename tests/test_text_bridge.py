@@ -72,6 +72,33 @@ def test_a_draft_of_another_vocabulary_is_kept_where_it_agrees(
         assert bridged.stats.target_calls < plain.stats.target_calls / 2
 
 
+def test_batched_rows_drafting_through_the_bridge_each_decode_as_alone(
+    trained: dict[str, Path],
+) -> None:
+    """Rows of a batch, each with its own bridged drafter over one draft model (a cache
+    slot each), decode what each decodes alone with plain greedy decoding, and draft."""
+    import torch
+
+    from speculative.engine.batch import BatchEngine, BatchRequest
+    from speculative.engine.stopping import StopCriteria
+    from speculative.sampling import SamplingParams
+
+    target = load_target(str(trained["target"]), "native")
+    prompts = [target.tokenizer(p)["input_ids"] for p in ("the cat", "a dog", "the cat sat")]
+    greedy, stop = SamplingParams(temperature=0.0), StopCriteria(max_new_tokens=10)
+
+    def requests(draft: str | None) -> list[BatchRequest]:
+        return [
+            BatchRequest(ids, greedy, stop, torch.Generator(), build_drafter(draft, target), 3)
+            for ids in prompts
+        ]
+
+    alone = [BatchEngine(target.lm, max_batch=1).run([r])[0] for r in requests(None)]
+    together = BatchEngine(target.lm, max_batch=3).run(requests(f"text:{trained['draft']}"))
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert sum(r.stats.accepted_tokens for r in together) > 10
+
+
 def test_sampling_through_the_bridge_is_the_targets_law(tmp_path: Path) -> None:
     """`speculative check` on the tiny fixture with a random draft model of another
     vocabulary: the drafts are point masses the verifier treats as such, so the sampled
