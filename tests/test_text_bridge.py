@@ -155,6 +155,36 @@ def test_the_draft_encoding_grows_as_a_whole_encoding_would() -> None:
     assert wrong > 10
 
 
+def test_a_bridged_drafter_is_costed_by_its_proposals_and_stops_at_its_context(
+    tmp_path: Path,
+) -> None:
+    """c of a bridged drafter whose vocabulary is smaller than the target's is measured
+    (its proposals timed: the draft model never sees target ids); past the draft model's
+    context it drafts nothing, and decoding goes on exactly."""
+    from speculative.drafters.base import draft_model_of
+
+    target = load_target(str(tiny_target_folder(tmp_path)), "native", "fp32")
+    small = tiny_tokenizer(["the", "cat", "dog", "sat"])  # 6 ids: target ids reach 19
+    draft = save_tiny(tmp_path / "small", seed=2, tokenizer=small, max_positions=16)
+    drafter = build_drafter(f"text:{draft}", target)
+    assert draft_model_of(drafter) is None
+    speculator = Speculator(target, drafter, 3)
+    speculator.calibrate(max_k=3, repeats=1)
+    assert speculator.draft_cost is not None and speculator.draft_cost > 0
+    from speculative.models.native import load_native
+
+    short = TextBridgeDrafter(  # a draft model whose cache holds 16 positions
+        load_native(draft, max_length=16), small, target.tokenizer, frozenset({1})
+    )
+    kwargs = {"max_new_tokens": 8, "chat": False, "temperature": 0.0}
+    plain = Speculator(target, None, 1)
+    for words, drafts in ((4, True), (24, False)):  # 24 draft tokens > 16
+        prompt = " ".join((["the", "cat", "sat", "on", "the", "mat"] * 4)[:words])
+        bridged = Speculator(target, short, 3).generate(prompt, **kwargs)
+        assert bridged.token_ids == plain.generate(prompt, **kwargs).token_ids
+        assert (bridged.stats.drafted_tokens > 0) == drafts
+
+
 def test_a_mismatched_draft_names_the_bridge_and_a_bare_text_is_an_error(
     trained: dict[str, Path],
 ) -> None:

@@ -68,7 +68,11 @@ class TextBridgeDrafter:
             self.session = ModelSession(model)
 
     @property
-    def draft_model(self) -> CausalLM:
+    def bridged_model(self) -> CausalLM:
+        """The draft model. Not :class:`RunsDraftModel`'s ``draft_model``: what reads that
+        feeds the draft model target token ids (timing it, or handing it to transformers
+        as an assistant); this drafter's cost is its whole ``propose``, text work
+        included."""
         return self.session.model
 
     @property
@@ -107,8 +111,9 @@ class TextBridgeDrafter:
         if gamma < 1 or not context:
             return Draft([])
         draft_context = self._draft_text.ids_for(self._context_text(context))
-        if not draft_context:
-            return Draft([])
+        room = getattr(self.session.model, "max_length", None)
+        if not draft_context or (room is not None and len(draft_context) + gamma > room):
+            return Draft([])  # nothing to continue, or past the draft model's context
         continuation = self._continue(draft_context, gamma)
         new_text = _new_text(self.draft_tokenizer, draft_context, continuation)
         if not new_text:
