@@ -206,15 +206,21 @@ def test_lower_precisions_deterministic_and_close(
     assert cosine > minimum_cosine, f"{precision}: cosine similarity {cosine:.4f} to fp32"
 
 
+# the shape of the small architecture tests' models (2 layers, 4 heads over 2 kv heads)
+SMALL = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
 def test_qwen2_biases_match(tmp_path: Path, backend: str) -> None:
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **SMALL,
         max_position_embeddings=128,
         tie_word_embeddings=False,
         initializer_range=0.2,
@@ -238,12 +244,7 @@ def _tiny_qwen3(folder: Path) -> Qwen3ForCausalLM:
     the real ones), with norm weights far from 1 so a missing or misordered q/k norm shows."""
     torch.manual_seed(0)
     config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **SMALL,
         head_dim=32,
         max_position_embeddings=128,
         rope_theta=1000.0,
@@ -317,12 +318,7 @@ def test_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path: Path, backen
     without its factors, does not."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **SMALL,
         max_position_embeddings=256,
         rope_theta=500.0,
         rope_scaling={

@@ -54,6 +54,22 @@ def _draw(q: torch.Tensor, generator: torch.Generator) -> int:
     return sample_row(q, uniform)
 
 
+def draft_session(owner: object, model: CausalLM) -> ModelSession | SlotSession:
+    """A draft model's session for ``owner`` (a drafter): a cache slot of its own where the
+    model has slots (freed with the owner), so one model serves many rows' drafters; else
+    the model's single cache."""
+    if provides(model, SupportsBatchRows):
+        session = SlotSession(model)
+        weakref.finalize(owner, session.release)
+        return session
+    return ModelSession(model)
+
+
+def model_weight_bytes(model: CausalLM) -> int:
+    """A draft model's weight bytes (:class:`ReportsDraftCost`), 0 when unknown."""
+    return model.weight_bytes() if provides(model, SupportsWeightBytes) else 0
+
+
 class DraftModelDrafter:
     """Autoregressive drafting with a draft model whose cache follows the sequence.
 
@@ -80,12 +96,7 @@ class DraftModelDrafter:
         it missed."""
         self.name = name
         self.vocab_size = vocab_size
-        self.session: ModelSession | SlotSession
-        if provides(model, SupportsBatchRows):
-            self.session = SlotSession(model)
-            weakref.finalize(self, self.session.release)
-        else:
-            self.session = ModelSession(model)
+        self.session = draft_session(self, model)
         self.follow_target = follow_target
         self._target: RowSession | None = None  # followed (follow_target), from prime()
         self.tree_shape = TreeShape()
@@ -119,8 +130,7 @@ class DraftModelDrafter:
 
     def draft_weight_bytes(self) -> int:
         """:class:`ReportsDraftCost`: the draft model's weight bytes (0 when unknown)."""
-        model = self.session.model
-        return model.weight_bytes() if provides(model, SupportsWeightBytes) else 0
+        return model_weight_bytes(self.session.model)
 
     def draft_backlog(self, context: Sequence[int]) -> int:
         """:class:`ReportsDraftCost`: the positions before ``context[-1]`` that the draft

@@ -18,18 +18,16 @@ ends; a tokenizer without them is encoded whole every round).
 
 from __future__ import annotations
 
-import weakref
 from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from speculative.capabilities import provides
 from speculative.detokenize import IncrementalDecoder
 from speculative.drafters.base import Draft
-from speculative.models.base import CausalLM, SupportsBatchRows, SupportsWeightBytes
-from speculative.models.session import ModelSession, SlotSession
+from speculative.drafters.model import draft_session, model_weight_bytes
+from speculative.models.base import CausalLM
 from speculative.sampling import SamplingParams
 
 # target tokens re-encoded with the draft's new text, so the first drafted target token
@@ -60,12 +58,7 @@ class TextBridgeDrafter:
         self.draft_eos = draft_eos
         self._text: IncrementalDecoder | None = None  # the target context's text
         self._draft_text = _DraftEncoding(draft_tokenizer)
-        self.session: ModelSession | SlotSession
-        if provides(model, SupportsBatchRows):
-            self.session = SlotSession(model)
-            weakref.finalize(self, self.session.release)
-        else:
-            self.session = ModelSession(model)
+        self.session = draft_session(self, model)
 
     @property
     def bridged_model(self) -> CausalLM:
@@ -90,8 +83,7 @@ class TextBridgeDrafter:
 
     def draft_weight_bytes(self) -> int:
         """:class:`ReportsDraftCost`: the draft model's weight bytes (0 when unknown)."""
-        model = self.session.model
-        return model.weight_bytes() if provides(model, SupportsWeightBytes) else 0
+        return model_weight_bytes(self.session.model)
 
     def draft_backlog(self, context: Sequence[int]) -> int:
         """:class:`ReportsDraftCost`: unknown before the context is re-encoded: 0."""
