@@ -1624,8 +1624,8 @@ static void row_argmax(const float *logits, int rows, int vocab, int32_t *argmax
  * slot 0, slot s at + seq_slot[s] * slot_floats). Ends in a barrier. */
 static void rope_and_store_batch(const Model *m, const float *qk_norm, float *qkv, int nseq,
                                  const int32_t *seq_rows, const int32_t *seq_start,
-                                 const int32_t *seq_slot, const int64_t *positions, void *k_cache, void *v_cache,
-                                 int64_t slot_floats, int rows) {
+                                 const int32_t *seq_slot, const int64_t *positions,
+                                 void *k_cache, void *v_cache, int64_t slot_floats, int rows) {
     const int width = (m->heads + 2 * m->kv_heads) * m->head_dim;
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
