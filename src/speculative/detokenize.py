@@ -27,6 +27,21 @@ WINDOW = 8  # tokens past the anchor before it moves (each add decodes at most 2
 FIRST_CHECK = 64  # tokens at the first whole-decoding check (then 128, 256, ...)
 
 
+def added_text(
+    decode: Callable[[Sequence[int]], str],
+    context: Sequence[int],
+    new: Sequence[int],
+    before: str | None = None,
+) -> str | None:
+    """The text ``new`` adds after ``context`` (a few tokens before it): decoded together,
+    minus the context's own decoding (``before``, when the caller has it), so pieces that
+    join across the boundary (a SentencePiece word's space, a character's bytes) join;
+    None where the joint text does not start with the context's."""
+    before = decode(context) if before is None else before
+    after = decode([*context, *new])
+    return after[len(before) :] if after.startswith(before) else None
+
+
 @dataclass
 class IncrementalDecoder:
     """The text of ``tokens`` (``decode(tokens)``), kept as tokens are added."""

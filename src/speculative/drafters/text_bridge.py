@@ -19,15 +19,16 @@ ends; a tokenizer without them is encoded whole every round).
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from speculative.detokenize import IncrementalDecoder
+from speculative.detokenize import IncrementalDecoder, added_text
 from speculative.drafters.base import Draft
 from speculative.drafters.model import draft_session, model_weight_bytes
 from speculative.models.base import CausalLM
+from speculative.models.session import common_prefix_length
 from speculative.sampling import SamplingParams
 
 # target tokens re-encoded with the draft's new text, so the first drafted target token
@@ -116,12 +117,8 @@ class TextBridgeDrafter:
         """The target context's text, decoding only what was committed since the last
         round (whole for a new sequence)."""
         kept = self._text
-        if kept is None or not _extends(context, kept.tokens):
-
-            def decode(ids: Sequence[int]) -> str:
-                return self.target_tokenizer.decode(list(ids), skip_special_tokens=False)
-
-            self._text = IncrementalDecoder.starting_with(decode, context)
+        if kept is None or common_prefix_length(kept.tokens, context) < len(kept.tokens):
+            self._text = IncrementalDecoder.starting_with(_decoder(self.target_tokenizer), context)
             return self._text.text
         return kept.extend(context[len(kept.tokens) :])
 
@@ -152,21 +149,19 @@ class TextBridgeDrafter:
         return tokenizer.encode(new_text, add_special_tokens=False)
 
 
-def _extends(context: Sequence[int], tokens: list[int]) -> bool:
-    """Whether ``context`` starts with ``tokens`` (the same sequence, further on)."""
-    return len(context) >= len(tokens) and list(context[: len(tokens)]) == tokens
-
-
 def _new_text(tokenizer: Any, context: list[int], continuation: list[int]) -> str:
     """The text ``continuation`` adds after ``context`` (decoded with the context's last
-    tokens, so that pieces joining across the boundary join); empty where that text does
-    not extend theirs."""
+    tokens); empty where that text does not extend theirs."""
     if not continuation:
         return ""
-    tail = context[-_DECODE_CONTEXT:]
-    before = tokenizer.decode(tail, skip_special_tokens=False)
-    after = tokenizer.decode(tail + continuation, skip_special_tokens=False)
-    return after[len(before) :] if after.startswith(before) else ""
+    added = added_text(_decoder(tokenizer), context[-_DECODE_CONTEXT:], continuation)
+    return added or ""
+
+
+def _decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
+    """``tokenizer``'s decoding with its special tokens kept (chat markers are text the
+    other side's tokenizer may know)."""
+    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 class _DraftEncoding:
@@ -182,7 +177,7 @@ class _DraftEncoding:
         self.offsets = True  # the tokenizer gives offsets (fast tokenizers)
 
     def ids_for(self, text: str) -> list[int]:
-        same = _common_prefix(self.text, text)
+        same = common_prefix_length(self.text, text)
         keep = _tokens_before(self.ends, same) - _REENCODED
         keep = max(0, keep) if self.offsets else 0
         start = self.ends[keep - 1] if keep else 0
@@ -205,22 +200,6 @@ class _DraftEncoding:
                 self.offsets = False
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return ids, [len(text)] * len(ids)
-
-
-def _common_prefix(a: str, b: str) -> int:
-    """The length of the longest common prefix of two strings (a's start mostly equals b's:
-    checked in halves of what differs)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
-    while high - low > 1:
-        middle = (low + high) // 2
-        if a[:middle] == b[:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
 
 
 def _tokens_before(ends: list[int], limit: int) -> int:

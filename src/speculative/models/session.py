@@ -16,7 +16,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 import torch
@@ -36,19 +36,24 @@ from speculative.models.base import (
 )
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
+def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common prefix of two sequences (token ids, or two strings)."""
     n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):
+    if _same(a[:n], b[:n]):
         return n
     lo, hi = 0, n  # invariant: a[:lo] == b[:lo], a[:hi] != b[:hi]
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if list(a[lo:mid]) == list(b[lo:mid]):
+        if _same(a[lo:mid], b[lo:mid]):
             lo = mid
         else:
             hi = mid
     return lo
+
+
+def _same(x: Sequence[Any], y: Sequence[Any]) -> bool:
+    """Equal elements in order (a list and a tuple alike; strings compared as strings)."""
+    return x == y if type(x) is type(y) else list(x) == list(y)
 
 
 def tree_attention(parents: Sequence[int], catch_up: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from speculative.detokenize import added_text
 from speculative.engine.round import TokenLogprobs
 from speculative.server.text import TextAssembler
 
@@ -83,9 +84,8 @@ class LogprobsFormatter:
             if token == entry.token:
                 out.append((self._chosen_text(i, text), logprob))
                 continue
-            after = self.decode([*window, token])
-            added = after[len(before) :] if after.startswith(before) else self.decode([token])
-            out.append((added, logprob))
+            added = added_text(self.decode, window, [token], before)
+            out.append((self.decode([token]) if added is None else added, logprob))
         return out
 
     def _chat_entry(self, i: int, text: TextAssembler) -> dict[str, Any]:
