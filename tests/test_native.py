@@ -440,17 +440,14 @@ def test_gguf_files_the_runtime_cannot_run_are_refused_by_name(tmp_path: Path) -
         gguf_config(read_gguf(header("qwen3", "none")))  # past the scaling check
 
 
-def test_sliding_window_models_are_refused(tmp_path: Path) -> None:
+def test_qwen3_head_dim_is_read_apart_from_the_hidden_size() -> None:
+    """(Sliding windows: tests/test_context_window.py.)"""
     from speculative.models.native.config import config_from_hf
 
     raw = Qwen3Config(
         vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2
     ).to_dict()
-    assert config_from_hf(raw).head_dim == 128  # Qwen3Config's own default
-    with pytest.raises(ValueError, match="sliding-window"):
-        config_from_hf({**raw, "use_sliding_window": True})
-    with pytest.raises(ValueError, match="sliding-window"):
-        config_from_hf({**raw, "layer_types": ["full_attention", "sliding_attention"]})
+    assert config_from_hf(raw).head_dim == 128  # Qwen3Config's own default, not 64 / 4
 
 
 def test_errors_are_clear(tiny: tuple[LlamaForCausalLM, Path], tmp_path: Path) -> None:

@@ -38,8 +38,10 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_llama(
-    seed: int, vocab: int, layers: int = 2, max_positions: int = 256, scale: float = 0.2
+    seed: int, vocab: int, layers: int = 2, max_positions: int = 2048, scale: float = 0.2
 ) -> LlamaForCausalLM:
+    """max_positions: the context window both runtimes give the model (the servers' tests
+    decode rows of up to 2,000 tokens)."""
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=64,

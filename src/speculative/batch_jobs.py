@@ -32,6 +32,7 @@ class BatchJob:
     runtime: str = "auto"
     precision: str = "auto"
     kv_cache: str = "auto"  # the native runtime's KV cache (see load_target)
+    max_context: int | None = None  # the context window (None: the model's own)
     draft: str | None = "ngram"
     gamma: int | str = "auto"  # every row's γ chosen for the load each round, or fixed
     chat: bool | None = None
@@ -86,7 +87,11 @@ class RowDecoder:
         self.job = job
         self.gamma = parse_gamma(job.gamma)
         self.loaded = loaded or load_target(
-            job.target, job.runtime, job.precision, kv_cache=job.kv_cache
+            job.target,
+            job.runtime,
+            job.precision,
+            kv_cache=job.kv_cache,
+            max_context=job.max_context,
         )
         if not isinstance(self.loaded.lm, SupportsBatchRows):
             raise ValueError(

@@ -141,10 +141,11 @@ class Speculator:
         tree: str = "off",
         tree_budget: int | str = DEFAULT_TREE_BUDGET,
         kv_cache: str = "auto",
+        max_context: int | None = None,
     ) -> Speculator:
         if tree not in TREE_MODES:  # before loading anything
             raise ValueError(f"tree must be one of {', '.join(TREE_MODES)}, got {tree!r}")
-        loaded = load_target(target, runtime, precision, kv_cache=kv_cache)
+        loaded = load_target(target, runtime, precision, kv_cache=kv_cache, max_context=max_context)
         drafter = build_drafter(draft, loaded)
         return cls(loaded, drafter, gamma, tree=tree, tree_budget=tree_budget)
 

@@ -98,6 +98,7 @@ def load_target(
     precision: str = "auto",
     native_backend: str = "auto",
     kv_cache: str = "auto",
+    max_context: int | None = None,
 ) -> LoadedModel:
     """Load a target model by name, folder, .gguf file or hub id (offline-aware).
 
@@ -112,6 +113,10 @@ def load_target(
     kv_cache: the native runtime's KV cache: "fp32", "fp16" (keys and values rounded to
     half once when stored), or "auto" (fp32 for an fp32 model, fp16 for bf16, int8 and
     int4, as llama.cpp keeps it); transformers keeps its own cache (only "auto").
+    max_context: the context window in tokens, prompt and output together; None: the
+    model's own context length (the native runtime's stops at a sliding window, see
+    :func:`~speculative.models.native.config.context_window`). The native KV cache grows
+    with the sequences, so a long window costs memory only when used.
     """
     from speculative.models.loading import resolve_model, stored_precision
 
@@ -125,12 +130,12 @@ def load_target(
         if runtime == "hf" and precision not in HF_PRECISIONS:
             precision = "fp32"  # transformers runs the file's values in float32
     if runtime == "native":
-        return _load_native_target(resolved, precision, native_backend, kv_cache)
+        return _load_native_target(resolved, precision, native_backend, kv_cache, max_context)
     if kv_cache != "auto":
         raise ValueError(
             f"--kv-cache {kv_cache} is for the native runtime; transformers keeps its own cache"
         )
-    return _load_hf_target(resolved, precision)
+    return _load_hf_target(resolved, precision, max_context)
 
 
 def native_supports(folder: Any) -> bool:
@@ -140,7 +145,7 @@ def native_supports(folder: Any) -> bool:
     return _read_config(folder).get("model_type") in SUPPORTED_MODEL_TYPES
 
 
-def _load_hf_target(resolved: Any, precision: str) -> LoadedModel:
+def _load_hf_target(resolved: Any, precision: str, max_context: int | None) -> LoadedModel:
     from speculative.models.hf import load_hf_model
 
     dtype = HF_PRECISIONS.get(precision)
@@ -149,7 +154,7 @@ def _load_hf_target(resolved: Any, precision: str) -> LoadedModel:
             f"precision {precision!r} needs the native runtime; the hf runtime has "
             f"{', '.join(HF_PRECISIONS)}"
         )
-    hf = load_hf_model(resolved, dtype=dtype)
+    hf = load_hf_model(resolved, dtype=dtype, max_context=max_context)
     if hf.tokenizer is None:
         raise ValueError(f"model '{resolved.name}' ships no tokenizer; text generation needs one")
     return hf_loaded(hf, precision)
@@ -174,7 +179,9 @@ def hf_loaded(hf: Any, precision: str = "fp32", eos: frozenset[int] | None = Non
     )
 
 
-def _load_native_target(resolved: Any, precision: str, backend: str, kv_cache: str) -> LoadedModel:
+def _load_native_target(
+    resolved: Any, precision: str, backend: str, kv_cache: str, max_context: int | None
+) -> LoadedModel:
     from speculative.models.loading import load_tokenizer
     from speculative.models.native import PRECISIONS, load_native
     from speculative.models.native.model import resolved_kv_cache
@@ -190,7 +197,9 @@ def _load_native_target(resolved: Any, precision: str, backend: str, kv_cache: s
         # int4 runs a GGUF's Q4 weights exactly as stored; other precisions load the
         # converted float folder (much faster to read than the GGUF).
         source = resolved.source_gguf if other == "int4" and resolved.source_gguf else resolved.path
-        return load_native(source, precision=other, backend=backend, kv_cache=kv_cache)
+        return load_native(
+            source, precision=other, max_length=max_context, backend=backend, kv_cache=kv_cache
+        )
 
     lm = variant(precision)
     config = _read_config(resolved.path)

@@ -116,6 +116,7 @@ def job_from_args(args: argparse.Namespace) -> BatchJob:
         runtime=args.runtime,
         precision=args.precision,
         kv_cache=args.kv_cache,
+        max_context=args.max_context,
         draft=args.draft,
         gamma=parse_gamma(gamma_text(args)),
         chat=args.chat,

@@ -63,7 +63,13 @@ def run(args: argparse.Namespace) -> int:
 
     gamma = parse_gamma(args.gamma)
     print(f"loading target '{args.target}' ...", file=sys.stderr)
-    target = load_target(args.target, args.runtime, args.precision, kv_cache=args.kv_cache)
+    target = load_target(
+        args.target,
+        args.runtime,
+        args.precision,
+        kv_cache=args.kv_cache,
+        max_context=args.max_context,
+    )
     args.draft = args.draft or default_drafter_name(target)
     print(f"drafter '{args.draft}' ...", file=sys.stderr)
     drafter = build_drafter(args.draft, target)

@@ -86,6 +86,20 @@ def add_model_arguments(
         "Speculation is exact with respect to the target at this precision",
     )
     add_kv_cache_argument(parser)
+    add_max_context_argument(parser)
+
+
+def add_max_context_argument(parser: argparse.ArgumentParser) -> None:
+    """``--max-context``: the context window a command loads the target with."""
+    parser.add_argument(
+        "--max-context",
+        type=positive_int,
+        default=None,
+        metavar="TOKENS",
+        help="context window in tokens, prompt and output together (default: the model's "
+        "own, 8192 for SmolLM2; the native runtime stops at a model's sliding window). The "
+        "native KV cache grows with the text, so a long window costs memory only when used",
+    )
 
 
 def add_kv_cache_argument(parser: argparse.ArgumentParser, several: bool = False) -> None:
@@ -429,6 +443,7 @@ def load_speculator(args: argparse.Namespace):
         args.tree,
         args.tree_budget,
         kv_cache=args.kv_cache,
+        max_context=args.max_context,
     )
 
 

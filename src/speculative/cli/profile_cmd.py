@@ -7,7 +7,7 @@ import itertools
 import sys
 
 from speculative.cli.common import Formatter, add_json_flag, emit_json, positive_int
-from speculative.cli.generate_cmd import add_kv_cache_argument
+from speculative.cli.generate_cmd import add_kv_cache_argument, add_max_context_argument
 
 DESCRIPTION = """\
 Measure the costs that decide whether speculative decoding pays on this machine:
@@ -65,6 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="target weight precision (auto: the model's own, e.g. int4 for a Q4 GGUF)",
     )
     add_kv_cache_argument(parser, several=True)
+    add_max_context_argument(parser)
     parser.add_argument(
         "--drafters", nargs="*", default=["ngram"], help="drafters whose cost c to measure"
     )
@@ -135,7 +136,11 @@ def run(args: argparse.Namespace) -> int:
         for backend, kv_cache in itertools.product(backends, caches):
             label = runtime if not native else f"{runtime}, {backend}, KV cache {kv_cache}"
             print(f"loading {args.target} ({label}, {args.precision}) ...", file=sys.stderr)
-            targets.append(load_target(args.target, runtime, args.precision, backend, kv_cache))
+            targets.append(
+                load_target(
+                    args.target, runtime, args.precision, backend, kv_cache, args.max_context
+                )
+            )
     context = probe_context(targets[0].lm.vocab_size, args.context)
     ks = list(range(1, args.max_k + 1))
     print(f"timing k = 1..{args.max_k} ({args.repeats} interleaved rounds) ...", file=sys.stderr)

@@ -15,7 +15,7 @@ from speculative.cli.common import (
     port_number,
     positive_int,
 )
-from speculative.cli.generate_cmd import add_kv_cache_argument
+from speculative.cli.generate_cmd import add_kv_cache_argument, add_max_context_argument
 from speculative.cli.serve_ray import add_replica_arguments, serve_replicas, uses_ray
 
 DESCRIPTION = """\
@@ -92,6 +92,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--precision", default="auto", help="target precision (auto, fp32, bf16, int8, int4)"
     )
     add_kv_cache_argument(parser)
+    add_max_context_argument(parser)
     parser.add_argument(
         "--runtime",
         choices=["native", "hf"],
@@ -243,6 +244,7 @@ def build_config(args: argparse.Namespace):
         gamma=args.gamma,
         precision=args.precision,
         kv_cache=args.kv_cache,
+        max_context=args.max_context,
         runtime=args.runtime,
         max_batch=args.max_batch,
         cache_slots=args.cache_slots,

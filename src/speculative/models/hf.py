@@ -78,8 +78,11 @@ class HFCausalLM:
         tokenizer: Any = None,
         name: str | None = None,
         max_slots: int = 64,
+        max_context: int | None = None,
     ) -> None:
-        """max_slots: most sequences the slot caches may hold at once (batched decoding)."""
+        """max_slots: most sequences the slot caches may hold at once (batched decoding);
+        max_context: the context window in tokens (None: the model's own
+        ``max_position_embeddings``; more than that is an error)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name if name is not None else str(getattr(model.config, "name_or_path", "hf"))
@@ -93,7 +96,7 @@ class HFCausalLM:
         # a walk over its parameters, and the engines ask in every round of every row
         text = model.config.get_text_config()
         window = getattr(text, "max_position_embeddings", None)
-        self._max_length = int(window) if window else None
+        self._max_length = _context(int(window) if window else None, max_context)
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self._kv_heads = int(heads), int(head_dim)  # per layer's cache
@@ -456,7 +459,9 @@ class HFCausalLM:
             raise ValueError(f"early_exit needs 1 <= num_layers <= {total}, got {num_layers}")
         truncated = _truncate_layers(self.model, num_layers)
         name = f"{self.name}[:{num_layers}/{total} layers]"
-        return HFCausalLM(truncated, tokenizer=self.tokenizer, name=name)
+        return HFCausalLM(
+            truncated, tokenizer=self.tokenizer, name=name, max_context=self._max_length
+        )
 
     def to_dtype(self, dtype: torch.dtype) -> HFCausalLM:
         """A copy of the weights cast to ``dtype`` (rotary frequencies stay float32)."""
@@ -465,7 +470,9 @@ class HFCausalLM:
         converted = copy.deepcopy(self.model).to(dtype)
         _restore_float32_buffers(converted, self.model)
         name = f"{self.name}[{_dtype_name(dtype)}]"
-        return HFCausalLM(converted, tokenizer=self.tokenizer, name=name)
+        return HFCausalLM(
+            converted, tokenizer=self.tokenizer, name=name, max_context=self._max_length
+        )
 
     # ----------------------------------------------------------------- helpers
 
@@ -507,10 +514,12 @@ def load_hf_model(
     *,
     attn_implementation: str = "sdpa",
     load_tokenizer_too: bool = True,
+    max_context: int | None = None,
 ) -> HFCausalLM:
     """Load a causal LM (see :func:`speculative.models.loading.resolve_model` for specs).
 
     num_layers: keep only the first N decoder layers (an early-exit self-drafter).
+    max_context: the context window in tokens (None: the model's own).
     """
     resolved = (
         name_or_path if isinstance(name_or_path, ResolvedModel) else resolve_model(name_or_path)
@@ -524,10 +533,21 @@ def load_hf_model(
     if resolved.gguf_file is not None:
         clear_quantizer(model)  # the weights are dequantized floats already
     tokenizer = load_tokenizer(resolved) if load_tokenizer_too else None
-    adapter = HFCausalLM(model, tokenizer=tokenizer, name=resolved.name)
+    adapter = HFCausalLM(model, tokenizer=tokenizer, name=resolved.name, max_context=max_context)
     if num_layers is not None:
         return adapter.early_exit(num_layers)
     return adapter
+
+
+def _context(own: int | None, requested: int | None) -> int | None:
+    """The context window: ``requested`` (at most the model's ``own``), else ``own``."""
+    if requested is None:
+        return own
+    if requested < 1:
+        raise ValueError(f"the context window must be positive, got {requested}")
+    if own is not None and requested > own:
+        raise ValueError(f"a context of {requested} tokens is longer than the model's own ({own})")
+    return requested
 
 
 # --------------------------------------------------------------------------- module surgery

@@ -45,6 +45,7 @@ class ServerConfig:
     runtime: str = "native"
     precision: str = "auto"
     kv_cache: str = "auto"  # the native runtime's KV cache (see load_target)
+    max_context: int | None = None  # the context window (None: the model's own)
     max_batch: int = 8
     # cache slots: rows decode in max_batch of them, and the rest keep finished rows'
     # prompts and replies for a conversation's next request (None: 4 × max_batch, at most
@@ -253,7 +254,11 @@ def load_state(config: ServerConfig, compute: ComputeThread | None = None) -> Se
 
     def load() -> ServerState:
         loaded = load_target(
-            config.target, config.runtime, config.precision, kv_cache=config.kv_cache
+            config.target,
+            config.runtime,
+            config.precision,
+            kv_cache=config.kv_cache,
+            max_context=config.max_context,
         )
         return build_state(config, loaded)
 

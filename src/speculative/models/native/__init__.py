@@ -13,7 +13,7 @@ from speculative.models.native.model import NativeLlama
 def load_native(
     path: str | os.PathLike[str],
     precision: str = "fp32",
-    max_length: int = 2048,
+    max_length: int | None = None,
     backend: str = "auto",
     max_slots: int = 64,
     kv_cache: str = "auto",
@@ -24,6 +24,10 @@ def load_native(
     groups of 32; GGUF Q4_1 weights run exactly as stored).
     backend: "kernels" (the C decoder), "torch" (PyTorch ops) or "auto" (the kernels when
     they build here, else torch with a warning).
+    max_length: the context window in tokens; None: the model's own (its
+    ``max_position_embeddings`` or a GGUF's ``context_length``), stopping at a sliding
+    window (:func:`~speculative.models.native.config.context_window`). The KV cache grows
+    with the sequences up to it.
     max_slots: most sequences the cache holds at once (batched decoding).
     kv_cache: the cache's element type, "fp32", "fp16" or "auto" (fp32 for an fp32 model,
     fp16 otherwise; see :func:`~speculative.models.native.model.resolved_kv_cache`).

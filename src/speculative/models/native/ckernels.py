@@ -733,6 +733,7 @@ class KernelDecoder(DecoderBase):
         self._weight_arena = place_on_huge_pages([*linears, self.lm_head])
         self._cos = rotations.real.contiguous()  # [max_length, head_dim / 2]
         self._sin = rotations.imag.contiguous()
+        self.max_positions = rotations.shape[0]
         self._library = library
         self.isa = library_isa(library)  # "avx2" or "avx512"
         self.library = library
@@ -759,6 +760,7 @@ class KernelDecoder(DecoderBase):
             kv_f16=self.kv_dtype == torch.float16,
         )
         self._layer_array, self._model = model.layer_array, model.struct
+        self._cache_resized()
         self._argmax: FusedArgmax | None = None  # the last forward's
         self._nucleus_search = KernelNucleus(self._library)
         self._call = _PassArguments()
@@ -802,10 +804,16 @@ class KernelDecoder(DecoderBase):
             return "huge-page arena (THP state unknown)"
         return f"huge-page arena, {on_huge / 2**20:.0f} MiB on 2 MiB pages"
 
-    def cache_shape(self, batch: int) -> tuple[int, ...]:
-        """[batch, layers, kv_heads, max_length, head_dim]."""
+    def _cache_resized(self) -> None:
+        """The kernels read a slot's positions per (layer, head) as the struct's
+        ``max_length``: the cache's, which grows with use (the RoPE tables stay the
+        context window's)."""
+        self._model.max_length = self._positions
+
+    def cache_shape(self, batch: int, positions: int) -> tuple[int, ...]:
+        """[batch, layers, kv_heads, positions, head_dim]."""
         cfg = self.config
-        return (batch, cfg.num_layers, cfg.num_kv_heads, self._model.max_length, cfg.head_dim)
+        return (batch, cfg.num_layers, cfg.num_kv_heads, positions, cfg.head_dim)
 
     def copy_cache_from(
         self,
@@ -816,6 +824,7 @@ class KernelDecoder(DecoderBase):
         start: int = 0,
     ) -> None:
         """See :meth:`DecoderBase.copy_cache_from`."""
+        self.hold_positions(length)
         s, t, layers, kept = source_slot, target_slot, self.config.num_layers, slice(start, length)
         self.k_cache[t, :, :, kept] = source.k_cache[s, :layers, :, kept]
         self.v_cache[t, :, :, kept] = source.v_cache[s, :layers, :, kept]
@@ -840,6 +849,7 @@ class KernelDecoder(DecoderBase):
         if hidden.dtype != torch.float32 or not hidden.is_contiguous():
             raise ValueError("hidden must be contiguous float32 (it is updated in place)")
         rows = hidden.shape[0]
+        self.hold_positions(max((s.start + s.rows for s in segments), default=0))
         threads = torch.get_num_threads()
         model = ctypes.byref(self._model)
         call = self._call
@@ -862,7 +872,7 @@ class KernelDecoder(DecoderBase):
             call.logits_from_at if wanted < rows else None,  # None: every row's logits
             self.k_cache.data_ptr(),
             self.v_cache.data_ptr(),
-            self.k_cache.stride(0),  # floats per slot: [layers, kv_heads, max_length, head_dim]
+            self.k_cache.stride(0),  # floats per slot: [layers, kv_heads, positions, head_dim]
             logits.data_ptr(),
             call.best_at if fused else None,
             work,

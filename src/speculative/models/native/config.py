@@ -39,6 +39,11 @@ class NativeConfig:
     # a GGUF's rope_freqs: each pair's frequency is divided by its factor (llama.cpp's form
     # of Llama 3's scaling, computed by its converter); [head_dim // 2] or None
     rope_factors: tuple[float, ...] | None = None
+    # the attention window of a model whose layers (some or all) see only the last
+    # ``sliding_window`` positions (Mistral 7B v0.1, Qwen2 with use_sliding_window); the
+    # native runtime attends over the whole context, which equals the window's attention
+    # while the context fits it, so its context window stops there (:func:`context_window`)
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -69,11 +74,6 @@ def config_from_hf(raw: dict[str, Any]) -> NativeConfig:
             f"unsupported model_type {model_type!r}; the native runtime handles "
             f"{sorted(SUPPORTED_MODEL_TYPES)}"
         )
-    if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
-        raise ValueError(
-            "sliding-window attention is not supported by the native runtime; "
-            "use --runtime transformers"
-        )
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"only SwiGLU (hidden_act='silu') is supported, got {raw['hidden_act']!r}")
     num_heads = int(raw["num_attention_heads"])
@@ -96,7 +96,53 @@ def config_from_hf(raw: dict[str, Any]) -> NativeConfig:
         attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
         rope_scaling=rope_scaling_from_dict(scaling_raw),
         max_position_embeddings=raw.get("max_position_embeddings"),
+        sliding_window=_sliding_window(raw, model_type, int(raw["num_hidden_layers"])),
     )
+
+
+def _sliding_window(raw: dict[str, Any], model_type: str, num_layers: int) -> int | None:
+    """The window of a config's sliding-window layers, as transformers reads it, or None
+    when every layer attends to the whole context. Mistral slides on every layer over
+    ``sliding_window`` (4096 where the config does not name it; null turns it off); Qwen2
+    and Qwen3 only with ``use_sliding_window``, on the layers an explicit ``layer_types``
+    names or else those from ``max_window_layers`` (28) on; Llama never."""
+    if model_type == "llama":
+        return None
+    window = raw.get("sliding_window", 4096)
+    if model_type == "mistral":
+        slides = True
+    elif not raw.get("use_sliding_window"):
+        return None
+    elif raw.get("layer_types") is not None:
+        slides = "sliding_attention" in raw["layer_types"]
+    else:
+        slides = raw.get("max_window_layers", 28) < num_layers
+    return int(window) if slides and window else None
+
+
+DEFAULT_CONTEXT = 2048  # positions where a checkpoint names no context length
+
+
+def context_window(config: NativeConfig, requested: int | None = None) -> int:
+    """The positions a native model runs: ``requested``, or by default the model's own
+    context length (``max_position_embeddings``; a GGUF's ``context_length``). Never past
+    a sliding window, which the runtime does not implement: inside it, attention over the
+    whole context is the window's attention, so the outputs stay the model's."""
+    own = config.max_position_embeddings or DEFAULT_CONTEXT
+    window = config.sliding_window
+    if requested is None:
+        return own if window is None else min(own, window)
+    if requested < 1:
+        raise ValueError(f"the context window must be positive, got {requested}")
+    if requested > own:
+        raise ValueError(f"a context of {requested} tokens is longer than the model's own ({own})")
+    if window is not None and requested > window:
+        raise ValueError(
+            f"this model attends over a sliding window of {window} tokens, which the native "
+            f"runtime does not implement: its context stops at {window} tokens, where whole "
+            f"attention equals the window's; --runtime transformers runs longer contexts"
+        )
+    return requested
 
 
 def rope_scaling_from_dict(raw: dict[str, Any] | None) -> RopeScaling | None:

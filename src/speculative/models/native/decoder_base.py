@@ -16,6 +16,9 @@ from speculative.models.native.linear import tensor_bytes
 from speculative.models.native.loading import Weight
 from speculative.sampling.probs import RowProbs
 
+# positions per slot of a new cache; it doubles as sequences grow (DecoderBase.hold_positions)
+FIRST_POSITIONS = 512
+
 
 class _Packed(Protocol):
     def weight_bytes(self) -> int: ...
@@ -105,6 +108,7 @@ class DecoderBase:
     def __init__(self) -> None:
         self.kernels = {}
         self._batch = 0
+        self._positions = 0  # positions each cache slot holds now (grown on use)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -117,6 +121,7 @@ class DecoderBase:
 
     slot_dim: int  # the cache slot (sequence) dimension of k_cache / v_cache
     config: Any  # the NativeConfig of the layers this decoder runs
+    max_positions: int  # the most positions a cache slot may grow to (the context window)
 
     def truncated(self, num_layers: int) -> DecoderBase:
         """A decoder over the SAME packed weights that runs only the first ``num_layers``
@@ -129,7 +134,7 @@ class DecoderBase:
         clone.config = replace(self.config, num_layers=num_layers)
         clone.layers = self.layers[:num_layers]
         clone.kernels = dict(self.kernels)
-        clone._batch = 0
+        clone._batch = clone._positions = 0
         clone.k_cache, clone.v_cache = torch.empty(0), torch.empty(0)
         clone._rebuild()
         return clone
@@ -137,24 +142,40 @@ class DecoderBase:
     def _rebuild(self) -> None:
         """Refresh what a decoder derives from its layer list (after :meth:`truncated`)."""
 
-    def allocate(self, batch: int) -> None:
-        """(Re)allocate the cache for ``batch`` sequences; growing keeps what the existing
-        slots hold, shrinking drops the last slots.
+    def allocate(self, batch: int, positions: int | None = None) -> None:
+        """(Re)allocate the cache for ``batch`` sequences of ``positions`` positions each
+        (None: as many as now, or :data:`FIRST_POSITIONS` for a new cache); what the
+        existing slots hold is kept where it fits, growing or shrinking.
 
         Zero-initialised, so slots never written are finite."""
-        if batch == self._batch:
+        if positions is None:
+            positions = self._positions or min(FIRST_POSITIONS, self.max_positions)
+        if (batch, positions) == (self._batch, self._positions):
             return
-        shape = self.cache_shape(batch)
+        shape = self.cache_shape(batch, positions)
         k_cache = zeros_on_huge_pages(shape, self.kv_dtype)
         v_cache = zeros_on_huge_pages(shape, self.kv_dtype)
-        kept = min(batch, self._batch)
-        for new, old in ((k_cache, self.k_cache), (v_cache, self.v_cache)):
-            if kept:
-                new.narrow(self.slot_dim, 0, kept).copy_(old.narrow(self.slot_dim, 0, kept))
+        if self._batch and self._positions:
+            old = self.k_cache.shape
+            kept = tuple(slice(0, min(a, b)) for a, b in zip(shape, old, strict=True))
+            k_cache[kept] = self.k_cache[kept]
+            v_cache[kept] = self.v_cache[kept]
         self.k_cache, self.v_cache = k_cache, v_cache
-        self._batch = batch
+        self._batch, self._positions = batch, positions
+        self._cache_resized()
 
-    def cache_shape(self, batch: int) -> tuple[int, ...]:
+    def hold_positions(self, end: int) -> None:
+        """Have every cache slot hold positions [0, ``end``): a slot's memory follows the
+        longest sequence so far, not the context window. The cache grows to twice its
+        positions (at most ``max_positions``), since each growth copies it whole."""
+        if end > self._positions:
+            grown = min(self.max_positions, max(end, 2 * self._positions))
+            self.allocate(self._batch, grown)
+
+    def _cache_resized(self) -> None:
+        """Refresh what a decoder derives from its cache's shape (after :meth:`allocate`)."""
+
+    def cache_shape(self, batch: int, positions: int) -> tuple[int, ...]:
         raise NotImplementedError
 
     def copy_cache_from(

@@ -1,6 +1,7 @@
-"""A compact Llama-architecture decoder with a static, position-indexed KV cache.
+"""A compact Llama-architecture decoder with a position-indexed KV cache.
 
-Covers Llama / SmolLM2 / Mistral (no sliding window), Qwen2 (q/k/v biases) and Qwen3
+Covers Llama / SmolLM2 / Mistral (whose sliding window bounds the context: attention
+over a context that fits the window is the window's), Qwen2 (q/k/v biases) and Qwen3
 (per-head q/k RMSNorm, head_dim apart from hidden / heads): RMSNorm, RoPE (with Llama 3's
 scaling, from a config or a GGUF's rope_freqs), grouped-query attention, SwiGLU, tied or
 untied embeddings.
@@ -12,6 +13,8 @@ available, and the reference the kernels are tested against). ``backend="auto"``
 the kernels when they build.
 
 Cache slots are filled in call order (slot = cache_length + j for the j-th new token);
+the cache holds as many positions per sequence as the longest one so far needs, doubling
+up to the context window (``max_length``), so a long window costs memory only when used.
 RoPE positions are a separate input, so a token tree can be verified in one call by
 passing its depth-based ``position_ids`` and an ancestor ``attention_mask``.
 
@@ -35,7 +38,7 @@ from speculative.models.base import (
     check_keep_slots,
     check_logits_from,
 )
-from speculative.models.native.config import NativeConfig, rope_inverse_frequencies
+from speculative.models.native.config import NativeConfig, context_window, rope_inverse_frequencies
 from speculative.models.native.decoder_base import DecoderBase, Segment
 from speculative.models.native.layers import layer_weights
 from speculative.models.native.linear import PRECISIONS
@@ -107,21 +110,23 @@ class NativeLlama:
         self,
         checkpoint: Checkpoint,
         precision: str = "fp32",
-        max_length: int = 2048,
+        max_length: int | None = None,
         backend: str = "auto",
         max_slots: int = 64,
         kv_cache: str = "auto",
     ):
-        """max_slots: most sequences the cache may hold at once (batched decoding);
-        kv_cache: the cache's element type (see :func:`resolved_kv_cache`)."""
+        """max_length: the context window in tokens (None: the model's own, see
+        :func:`~speculative.models.native.config.context_window`); the cache holds what
+        the sequences use, growing up to it. max_slots: most sequences the cache may hold
+        at once (batched decoding); kv_cache: the cache's element type (see
+        :func:`resolved_kv_cache`)."""
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-        if max_length < 1:
-            raise ValueError(f"max_length must be positive, got {max_length}")
         self.kv_cache = resolved_kv_cache(precision, kv_cache)  # "fp32" or "fp16"
         cfg = checkpoint.config
+        max_length = context_window(cfg, max_length)
         self.config: NativeConfig = cfg
         self.precision = precision
         self._max_length = max_length

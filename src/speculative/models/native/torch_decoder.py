@@ -110,8 +110,7 @@ class TorchDecoder(DecoderBase):
             ]
         self.row_tile = uniform_row_tile(probes)  # T: rows per tile
         self.rotations = rotations
-        # padding rows of the last tile write (never read) slots up to T - 1 past the end
-        self._chunks = -(-(rotations.shape[0] + MAX_ROW_TILE - 1) // KEY_CHUNK)
+        self.max_positions = rotations.shape[0]
         # (layers, [len(layers), rows, hidden]): where forwards copy those layers' states
         self._layer_out: tuple[tuple[int, ...], torch.Tensor] | None = None
 
@@ -119,11 +118,13 @@ class TorchDecoder(DecoderBase):
         """See :meth:`DecoderBase.copy_layers_into`."""
         self._layer_out = None if out is None else (tuple(layers), out)
 
-    def cache_shape(self, batch: int) -> tuple[int, ...]:
+    def cache_shape(self, batch: int, positions: int) -> tuple[int, ...]:
         """[layers, batch, chunks, kv_heads, KEY_CHUNK, head_dim]: slot s lives in chunk
-        s // KEY_CHUNK at offset s % KEY_CHUNK."""
+        s // KEY_CHUNK at offset s % KEY_CHUNK; padding rows of the last tile write (never
+        read) slots up to T - 1 past the end."""
         cfg = self.config
-        return (cfg.num_layers, batch, self._chunks, cfg.num_kv_heads, KEY_CHUNK, cfg.head_dim)
+        chunks = -(-(positions + MAX_ROW_TILE - 1) // KEY_CHUNK)
+        return (cfg.num_layers, batch, chunks, cfg.num_kv_heads, KEY_CHUNK, cfg.head_dim)
 
     def copy_cache_from(
         self,
@@ -134,6 +135,7 @@ class TorchDecoder(DecoderBase):
         start: int = 0,
     ) -> None:
         """See :meth:`DecoderBase.copy_cache_from`."""
+        self.hold_positions(length)
         s, t, layers = source_slot, target_slot, self.config.num_layers
         for chunk in range(start // KEY_CHUNK, -(-length // KEY_CHUNK)):
             first = chunk * KEY_CHUNK
@@ -160,6 +162,7 @@ class TorchDecoder(DecoderBase):
         segments: Sequence[Segment],
     ) -> torch.Tensor:  # [sum of logit_rows, vocab]
         """One sequence at a time (the reference the C batch is tested against)."""
+        self.hold_positions(max((s.start + s.rows for s in segments), default=0))
         logits = []
         first = 0
         for segment in segments:
