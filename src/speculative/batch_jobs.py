@@ -82,17 +82,11 @@ class RowDecoder:
         from speculative.engine.batch import BatchEngine
         from speculative.engine.gamma import parse_gamma
         from speculative.models.base import SupportsBatchRows
-        from speculative.targets import load_target
+        from speculative.targets import load_target_of
 
         self.job = job
         self.gamma = parse_gamma(job.gamma)
-        self.loaded = loaded or load_target(
-            job.target,
-            job.runtime,
-            job.precision,
-            kv_cache=job.kv_cache,
-            max_context=job.max_context,
-        )
+        self.loaded = loaded or load_target_of(job)
         if not isinstance(self.loaded.lm, SupportsBatchRows):
             raise ValueError(
                 "batched generation (--prompts) needs a runtime with cache slots (native or hf)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -136,6 +136,28 @@ def load_target(
             f"--kv-cache {kv_cache} is for the native runtime; transformers keeps its own cache"
         )
     return _load_hf_target(resolved, precision, max_context)
+
+
+class TargetSpec(Protocol):
+    """What names a target and how to load it: a command's arguments, a server's config,
+    a batch job (their fields of these names)."""
+
+    target: str
+    runtime: str
+    precision: str
+    kv_cache: str
+    max_context: int | None
+
+
+def load_target_of(spec: TargetSpec) -> LoadedModel:
+    """:func:`load_target` with the fields of ``spec``."""
+    return load_target(
+        spec.target,
+        spec.runtime,
+        spec.precision,
+        kv_cache=spec.kv_cache,
+        max_context=spec.max_context,
+    )
 
 
 def native_supports(folder: Any) -> bool:

@@ -59,17 +59,11 @@ def run(args: argparse.Namespace) -> int:
     from speculative.drafters.registry import build_drafter, default_drafter_name
     from speculative.engine.gamma import parse_gamma
     from speculative.pipeline import Speculator
-    from speculative.targets import load_target
+    from speculative.targets import load_target_of
 
     gamma = parse_gamma(args.gamma)
     print(f"loading target '{args.target}' ...", file=sys.stderr)
-    target = load_target(
-        args.target,
-        args.runtime,
-        args.precision,
-        kv_cache=args.kv_cache,
-        max_context=args.max_context,
-    )
+    target = load_target_of(args)
     args.draft = args.draft or default_drafter_name(target)
     print(f"drafter '{args.draft}' ...", file=sys.stderr)
     drafter = build_drafter(args.draft, target)

@@ -247,19 +247,13 @@ def build_state(config: ServerConfig, loaded: LoadedModel) -> ServerState:
 def load_state(config: ServerConfig, compute: ComputeThread | None = None) -> ServerState:
     """Load the target named in ``config`` and build the state, on ``compute`` (a new
     :class:`ComputeThread` when None), the thread that will also run its rounds."""
-    from speculative.targets import load_target
+    from speculative.targets import load_target_of
 
     config.check()  # before loading anything
     compute = compute or ComputeThread()
 
     def load() -> ServerState:
-        loaded = load_target(
-            config.target,
-            config.runtime,
-            config.precision,
-            kv_cache=config.kv_cache,
-            max_context=config.max_context,
-        )
+        loaded = load_target_of(config)
         return build_state(config, loaded)
 
     state = compute.call(load)
