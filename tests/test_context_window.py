@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from speculative.models.base import RowInput
 from speculative.models.hf import HFCausalLM
 from speculative.models.native import load_native
-from speculative.models.native.config import DEFAULT_CONTEXT, config_from_hf
+from speculative.models.native.config import DEFAULT_CONTEXT, config_from_hf, context_window
 from speculative.models.native.decoder_base import FIRST_POSITIONS, DecoderBase
 
 OWN = 2 * FIRST_POSITIONS + 64  # the tiny model's max_position_embeddings: two growths
@@ -127,20 +127,19 @@ def test_a_cache_is_copied_between_models_of_other_sizes(folder: Path) -> None:
     assert torch.equal(importer.forward(ids[:, -4:]), source.forward(ids[:, -4:]))
 
 
-def test_the_context_window_can_be_set_up_to_the_models_own(folder: Path, tmp_path: Path) -> None:
+def test_the_context_window_can_be_set_up_to_the_models_own(folder: Path) -> None:
     assert load_native(folder, max_length=100).max_length == 100
     with pytest.raises(ValueError, match=rf"longer than the model's own \({OWN}\)"):
         load_native(folder, max_length=OWN + 1)
     # a checkpoint that names no context length gets the runtime's default
     raw = LlamaConfig(**SMALL).to_dict()
     raw.pop("max_position_embeddings")
-    assert config_from_hf(raw).max_position_embeddings is None
+    assert context_window(config_from_hf(raw)) == DEFAULT_CONTEXT
     hf = HFCausalLM(LlamaForCausalLM.from_pretrained(folder), max_context=64)
     assert hf.max_length == 64
     assert HFCausalLM(LlamaForCausalLM.from_pretrained(folder)).max_length == OWN
     with pytest.raises(ValueError, match="longer than the model's own"):
         HFCausalLM(LlamaForCausalLM.from_pretrained(folder), max_context=OWN + 1)
-    assert DEFAULT_CONTEXT == 2048
 
 
 def test_sliding_windows_are_read_as_transformers_reads_them() -> None:

@@ -202,6 +202,18 @@ class PadsBatchRows(Protocol):
         ...
 
 
+def check_context(requested: int | None, own: int | None) -> int | None:
+    """The context window a model runs: ``requested`` (positive, at most the model's
+    ``own`` context length where it names one), or by default ``own``."""
+    if requested is None:
+        return own
+    if requested < 1:
+        raise ValueError(f"the context window must be positive, got {requested}")
+    if own is not None and requested > own:
+        raise ValueError(f"a context of {requested} tokens is longer than the model's own ({own})")
+    return requested
+
+
 def check_logits_from(logits_from: int, k: int) -> None:
     """Validate a row's ``logits_from`` (:class:`RowInput`) for ``k`` new tokens."""
     if not 0 <= logits_from < k:

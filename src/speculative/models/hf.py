@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from speculative.models.base import (
     RowInput,
+    check_context,
     check_feature_layers,
     check_keep_slots,
     check_logits_from,
@@ -96,7 +97,7 @@ class HFCausalLM:
         # a walk over its parameters, and the engines ask in every round of every row
         text = model.config.get_text_config()
         window = getattr(text, "max_position_embeddings", None)
-        self._max_length = _context(int(window) if window else None, max_context)
+        self._max_length = check_context(max_context, int(window) if window else None)
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self._kv_heads = int(heads), int(head_dim)  # per layer's cache
@@ -537,17 +538,6 @@ def load_hf_model(
     if num_layers is not None:
         return adapter.early_exit(num_layers)
     return adapter
-
-
-def _context(own: int | None, requested: int | None) -> int | None:
-    """The context window: ``requested`` (at most the model's ``own``), else ``own``."""
-    if requested is None:
-        return own
-    if requested < 1:
-        raise ValueError(f"the context window must be positive, got {requested}")
-    if own is not None and requested > own:
-        raise ValueError(f"a context of {requested} tokens is longer than the model's own ({own})")
-    return requested
 
 
 # --------------------------------------------------------------------------- module surgery

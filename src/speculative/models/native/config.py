@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from speculative.models.base import check_context
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -132,10 +134,7 @@ def context_window(config: NativeConfig, requested: int | None = None) -> int:
     window = config.sliding_window
     if requested is None:
         return own if window is None else min(own, window)
-    if requested < 1:
-        raise ValueError(f"the context window must be positive, got {requested}")
-    if requested > own:
-        raise ValueError(f"a context of {requested} tokens is longer than the model's own ({own})")
+    check_context(requested, own)
     if window is not None and requested > window:
         raise ValueError(
             f"this model attends over a sliding window of {window} tokens, which the native "
